@@ -1,0 +1,1 @@
+"""API servers, tokenization and detokenization, the client library, the CLI, offline LLM."""

@@ -1,0 +1,113 @@
+"""The `noria` command: serve, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Any
+
+from protocol.config import EngineConfig
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("engine")
+    g.add_argument("--model", default="demo", help="local HF checkpoint folder, or 'demo' (default)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="override the computed number of KV blocks")
+    g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the device KV cache")
+    g.add_argument("--swap-space", type=float, default=None, help="GiB of CPU memory for swapped KV blocks")
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--tensor-parallel-size", type=int, default=None)
+    g.add_argument("--dtype", default=None)
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
+    g.add_argument("--api-key", default=None)
+
+
+def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+    names = set(EngineConfig.__struct_fields__) - {"model"}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from frontend.server import FrontendServer
+    from frontend.startup import make_config, start_core
+
+    config = make_config(args.model, **engine_flags(args))
+    core = start_core(config)
+    address = f"tcp://{args.host}:{args.zmq_port}"
+    server = FrontendServer(core, address, args.model)
+    server.install_signal_handlers()
+    print(f"noria: serving {args.model!r} on {address}", flush=True)
+    try:
+        rc = server.serve_forever()
+    finally:
+        server.close()
+        core.engine.close()
+    return rc
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from frontend.llm import LLM
+    from protocol.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
+    with LLM(args.model, **engine_flags(args)) as llm:
+        out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        mod = importlib.import_module(f"bench.{args.name}")
+    except ModuleNotFoundError:
+        print(f"noria bench: no benchmark named {args.name!r}", file=sys.stderr)
+        return 2
+    return int(mod.main(args.rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="noria", description="LLM inference server with continuous batching")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="start frontend, scheduler, workers (and the bridge)")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="HTTP/websocket port")
+    s.add_argument("--zmq-port", type=int, default=5555, help="ZMQ client API port")
+    s.set_defaults(fn=cmd_serve)
+
+    g = sub.add_parser("generate", help="offline: print the completion of one prompt")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(g)
+    g.set_defaults(fn=cmd_generate)
+
+    b = sub.add_parser("bench", help="run a benchmark from bench/")
+    b.add_argument("name")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=cmd_bench)
+
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.fn(args))
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"noria: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Request bookkeeping shared by the ZMQ server and the offline LLM.
+
+Maps client requests (a key plus n samples) to engine request ids, feeds
+engine updates through each sample's detokenizer and stop strings, and makes
+sure every request ends with exactly one final message (done or error).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Hashable
+
+import msgspec
+
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.engine_client import EngineClient
+from frontend.processor import InputProcessor
+from protocol.client import Delta, Done, Error, Generate, Usage
+from protocol.engine import EngineOutputs, EngineRequest, SchedulerStats
+from protocol.errors import ErrorCode, NoriaError
+
+Sink = Callable[[Delta | Done | Error], None]
+
+
+class _Sample:
+    __slots__ = ("rid", "index", "detok", "num_tokens", "finish_reason")
+
+    def __init__(self, rid: int, index: int, detok: IncrementalDetokenizer) -> None:
+        self.rid = rid
+        self.index = index
+        self.detok = detok
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+
+
+class _Request:
+    __slots__ = ("key", "request_id", "sink", "prompt_ids", "samples", "open", "num_cached_tokens")
+
+    def __init__(self, key: Hashable, request_id: str, sink: Sink, prompt_ids: list[int]) -> None:
+        self.key = key
+        self.request_id = request_id
+        self.sink = sink
+        self.prompt_ids = prompt_ids
+        self.samples: list[_Sample] = []
+        self.open = 0
+        self.num_cached_tokens = 0
+
+
+class FrontendCore:
+    def __init__(self, engine: EngineClient, processor: InputProcessor) -> None:
+        self.engine = engine
+        self.processor = processor
+        self._ids = itertools.count()
+        self.by_rid: dict[int, tuple[_Request, _Sample]] = {}
+        self.by_key: dict[Hashable, _Request] = {}
+        self.stats: SchedulerStats | None = None
+        self.dead_reason: str | None = None
+
+    @property
+    def num_open(self) -> int:
+        return len(self.by_key)
+
+    def submit(self, key: Hashable, msg: Generate, sink: Sink) -> None:
+        if self.dead_reason:
+            sink(Error(request_id=msg.request_id, code=ErrorCode.ENGINE_DEAD, message=self.dead_reason))
+            return
+        if key in self.by_key:
+            sink(Error(request_id=msg.request_id, code=ErrorCode.DUPLICATE_REQUEST,
+                       message=f"request_id {msg.request_id!r} is already in flight"))
+            return
+        try:
+            prompt_ids, params = self.processor.process(msg)
+        except NoriaError as e:
+            sink(Error(request_id=msg.request_id, code=e.code, message=e.message))
+            return
+        req = _Request(key, msg.request_id, sink, prompt_ids)
+        tok = self.processor.tokenizer
+        now = time.time()
+        for i in range(params.n):
+            # Samples of one request run as separate engine requests; a seeded
+            # request gives sample i the seed + i, as vLLM does.
+            child = params if params.n == 1 else msgspec.structs.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i
+            )
+            rid = next(self._ids)
+            sample = _Sample(rid, i, IncrementalDetokenizer(tok, prompt_ids, params.stop, params.skip_special_tokens))
+            req.samples.append(sample)
+            self.by_rid[rid] = (req, sample)
+            self.engine.add(EngineRequest(rid, prompt_ids, child, self.processor.eos_ids, now, msg.priority))
+        req.open = params.n
+        self.by_key[key] = req
+
+    def abort(self, key: Hashable) -> None:
+        """Client-side abort: the request ends now with finish_reason "abort"."""
+        req = self.by_key.get(key)
+        if req is None:
+            return
+        open_rids = [s.rid for s in req.samples if s.finish_reason is None]
+        for s in req.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        self._close(req)
+        self.engine.abort(open_rids)
+        req.sink(self._done(req))
+
+    def abort_where(self, pred: Callable[[Hashable], bool]) -> int:
+        keys = [k for k in self.by_key if pred(k)]
+        for k in keys:
+            self.abort(k)
+        return len(keys)
+
+    def on_outputs(self, out: EngineOutputs) -> None:
+        if out.stats is not None:
+            self.stats = out.stats
+        for u in out.updates:
+            entry = self.by_rid.get(u.req_id)
+            if entry is None:
+                continue  # already finished here (stop string, client abort)
+            req, s = entry
+            if u.finish_reason == "error":
+                self._fail(req, u.error_code or ErrorCode.INTERNAL, u.error_message or "engine error")
+                continue
+            req.num_cached_tokens = max(req.num_cached_tokens, u.num_cached_tokens)
+            s.num_tokens += len(u.new_token_ids)
+            s.detok.add(u.new_token_ids)
+            finish = u.finish_reason
+            if s.detok.stopped:
+                if finish is None:
+                    self.engine.abort([s.rid])
+                finish = "stop"
+            text = s.detok.take(final=finish is not None)
+            if text or u.new_token_ids:
+                req.sink(Delta(request_id=req.request_id, text=text, token_ids=list(u.new_token_ids),
+                               index=s.index, logprobs=u.logprobs))
+            if finish is not None:
+                s.finish_reason = finish
+                del self.by_rid[s.rid]
+                req.open -= 1
+                if req.open == 0:
+                    del self.by_key[req.key]
+                    req.sink(self._done(req))
+
+    def fail_all(self, reason: str) -> None:
+        self.dead_reason = reason
+        for req in list(self.by_key.values()):
+            self._fail(req, ErrorCode.ENGINE_DEAD, reason)
+
+    def _fail(self, req: _Request, code: str, message: str) -> None:
+        open_rids = [s.rid for s in req.samples if s.finish_reason is None]
+        for s in req.samples:
+            s.finish_reason = s.finish_reason or "error"
+        self._close(req)
+        if not self.dead_reason:
+            self.engine.abort(open_rids)
+        req.sink(Error(request_id=req.request_id, code=code, message=message))
+
+    def _close(self, req: _Request) -> None:
+        for s in req.samples:
+            self.by_rid.pop(s.rid, None)
+        self.by_key.pop(req.key, None)
+
+    @staticmethod
+    def _done(req: _Request) -> Done:
+        reasons = [s.finish_reason or "abort" for s in req.samples]
+        return Done(
+            request_id=req.request_id,
+            finish_reason=reasons[0],
+            usage=Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=sum(s.num_tokens for s in req.samples)),
+            finish_reasons=reasons if len(reasons) > 1 else None,
+            prompt_token_ids=req.prompt_ids,
+        )
+
+

@@ -1,0 +1,95 @@
+"""The frontend's link to the scheduler: send requests and aborts, receive outputs."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from protocol.codec import Codec
+from protocol.config import EngineAddresses, EngineConfig
+from protocol.engine import (
+    EngineAbort,
+    EngineDead,
+    EngineReady,
+    EngineRequest,
+    EngineShutdown,
+    FrontendToScheduler,
+    SchedulerToFrontend,
+    StatsQuery,
+)
+from protocol.errors import ErrorCode, NoriaError
+from protocol.sockets import make_socket
+from frontend.launcher import EngineProcesses, local_addresses
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, addrs: EngineAddresses | None = None) -> None:
+        """Launch the engine processes locally, or connect to `addrs` if given."""
+        self.procs: EngineProcesses | None = None
+        if addrs is None:
+            addrs = local_addresses(config.tensor_parallel_size)
+            self.procs = EngineProcesses(config, addrs)
+        self.ctx = zmq.Context()
+        self.push = make_socket(self.ctx, zmq.PUSH, addrs.requests, bind=False)
+        self.pull = make_socket(self.ctx, zmq.PULL, addrs.outputs, bind=False)
+        self.out_codec: Codec[FrontendToScheduler] = Codec(FrontendToScheduler)
+        self.in_codec: Codec[SchedulerToFrontend] = Codec(SchedulerToFrontend)
+        self.closed = False
+        try:
+            self.ready = self._wait_ready(config.startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self, timeout: float) -> EngineReady:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = self.procs.dead() if self.procs else None
+            if dead:
+                raise NoriaError(ErrorCode.ENGINE_DEAD, f"start-up failed: {dead}")
+            if self.pull.poll(200):
+                msg = self.in_codec.decode(self.pull.recv())
+                if isinstance(msg, EngineReady):
+                    return msg
+                if isinstance(msg, EngineDead):
+                    raise NoriaError(ErrorCode.ENGINE_DEAD, f"start-up failed: {msg.reason}")
+        raise NoriaError(ErrorCode.ENGINE_DEAD, f"the engine did not become ready in {timeout:.0f}s")
+
+    def dead(self) -> str | None:
+        return self.procs.dead() if self.procs else None
+
+    def add(self, req: EngineRequest) -> None:
+        self.push.send(self.out_codec.encode(req))
+
+    def abort(self, req_ids: list[int]) -> None:
+        if req_ids:
+            self.push.send(self.out_codec.encode(EngineAbort(req_ids)))
+
+    def query_stats(self) -> None:
+        self.push.send(self.out_codec.encode(StatsQuery()))
+
+    def recv(self, timeout_ms: int) -> list[SchedulerToFrontend]:
+        """Every message available now, waiting up to `timeout_ms` for the first."""
+        if not self.pull.poll(timeout_ms):
+            return []
+        out = []
+        while True:
+            try:
+                out.append(self.in_codec.decode(self.pull.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return out
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.push.send(self.out_codec.encode(EngineShutdown()), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        if self.procs:
+            self.procs.shutdown()
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()

@@ -1,0 +1,62 @@
+"""Starts the scheduler and worker processes on this host and watches them.
+
+Children are started as `python -m scheduler` / `python -m worker` (the same
+commands a multi-host deployment runs by hand), so the frontend never imports
+engine code. A child that exits is reported by name.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import msgspec
+
+from protocol.config import EngineAddresses, EngineConfig
+from protocol.sockets import ipc_address
+
+
+def local_addresses(tensor_parallel_size: int) -> EngineAddresses:
+    return EngineAddresses(
+        requests=ipc_address("requests"),
+        outputs=ipc_address("outputs"),
+        plans=[ipc_address(f"plans{r}") for r in range(tensor_parallel_size)],
+        results=ipc_address("results"),
+    )
+
+
+class EngineProcesses:
+    def __init__(self, config: EngineConfig, addrs: EngineAddresses) -> None:
+        common = [
+            "--config", msgspec.json.encode(config).decode(),
+            "--addresses", msgspec.json.encode(addrs).decode(),
+        ]
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs["scheduler"] = subprocess.Popen([sys.executable, "-m", "scheduler", *common])
+        for rank in range(config.tensor_parallel_size):
+            self.procs[f"worker rank {rank}"] = subprocess.Popen(
+                [sys.executable, "-m", "worker", *common, "--rank", str(rank)]
+            )
+
+    def dead(self) -> str | None:
+        """A sentence naming the first child that has exited, or None."""
+        for name, p in self.procs.items():
+            rc = p.poll()
+            if rc is not None:
+                return f"the {name} process exited with code {rc}"
+        return None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(2.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,117 @@
+"""The frontend's ZMQ ROUTER API: clients (DEALER) send msgpack maps, get deltas back.
+
+One thread polls the client socket and the scheduler's output socket; it
+blocks when there is nothing to do. If the engine dies, every in-flight and
+new request gets an `engine_dead` error and `serve_forever` returns non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import msgspec
+import zmq
+
+from frontend.core import FrontendCore
+from protocol import PROTOCOL_VERSION
+from protocol.client import Abort, ClientToServer, Delta, Done, Error, Generate, Hello, Ready
+from protocol.codec import Codec
+from protocol.engine import EngineDead, EngineOutputs
+from protocol.errors import ErrorCode
+from protocol.sockets import make_socket
+
+log = logging.getLogger("noria.frontend")
+
+
+class FrontendServer:
+    def __init__(self, core: FrontendCore, address: str, model_name: str) -> None:
+        self.core = core
+        self.model_name = model_name
+        self.ctx = zmq.Context()
+        self.router = make_socket(self.ctx, zmq.ROUTER, address, bind=True)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.codec: Codec[ClientToServer] = Codec(ClientToServer)
+        self.stop_event = threading.Event()
+
+    def _sink(self, identity: bytes):  # noqa: ANN202 - closure type is obvious
+        router, encode = self.router, self.codec.encode
+
+        def send(msg: Delta | Done | Error) -> None:
+            router.send_multipart([identity, encode(msg)])
+
+        return send
+
+    def handle_client(self, identity: bytes, payload: bytes) -> None:
+        try:
+            msg = self.codec.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._sink(identity)(
+                Error(request_id=_request_id_of(payload), code=ErrorCode.INVALID_MESSAGE, message=str(e))
+            )
+            return
+        if isinstance(msg, Generate):
+            self.core.submit((identity, msg.request_id), msg, self._sink(identity))
+        elif isinstance(msg, Abort):
+            self.core.abort((identity, msg.request_id))
+        elif isinstance(msg, Hello):
+            ready = self.core.engine.ready
+            self.router.send_multipart([identity, self.codec.encode(Ready(
+                protocol_version=PROTOCOL_VERSION, model=self.model_name,
+                max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
+            ))])
+
+    def serve_forever(self) -> int:
+        """Serve until stopped (0) or until the engine dies (1)."""
+        engine = self.core.engine
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(engine.pull, zmq.POLLIN)
+        while not self.stop_event.is_set():
+            events = dict(poller.poll(500))
+            if self.router in events:
+                for _ in range(256):  # bounded so engine outputs are never starved
+                    try:
+                        identity, payload = self.router.recv_multipart(zmq.NOBLOCK)[:2]
+                    except zmq.Again:
+                        break
+                    except ValueError:
+                        continue
+                    self.handle_client(identity, payload)
+            if engine.pull in events:
+                for msg in engine.recv(0):
+                    if isinstance(msg, EngineOutputs):
+                        self.core.on_outputs(msg)
+                    elif isinstance(msg, EngineDead):
+                        return self._engine_died(msg.reason)
+            elif not events:
+                dead = engine.dead()
+                if dead:
+                    return self._engine_died(dead)
+        return 0
+
+    def _engine_died(self, reason: str) -> int:
+        log.error("engine died: %s", reason)
+        self.core.fail_all(f"engine died: {reason}")
+        return 1
+
+    def install_signal_handlers(self) -> None:
+        def stop(signum: int, _frame: object) -> None:
+            self.stop_event.set()
+
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
+
+    def close(self) -> None:
+        self.router.close(linger=200)
+        self.ctx.term()
+
+
+def _request_id_of(payload: bytes) -> str | None:
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) else None

@@ -1,0 +1,3 @@
+"""Every message that crosses a process boundary, and how it is encoded."""
+
+PROTOCOL_VERSION = 1

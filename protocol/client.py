@@ -1,0 +1,96 @@
+"""Client-facing messages: msgpack maps with a "type" key (language-neutral).
+
+These are the messages that `noria.Client`, the bridge, and any zmq+msgpack
+client in another language exchange with the frontend's ROUTER socket.
+The websocket bridge speaks the same shapes as JSON. See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from protocol.sampling import SamplingParams
+
+
+class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
+    """Start a request. Exactly one of prompt, messages, prompt_token_ids is given.
+
+    All `SamplingParams` fields sit flat beside the request fields.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    priority: int = 0
+    add_generation_prompt: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        fields = {f: getattr(self, f) for f in SamplingParams.__struct_fields__}
+        return SamplingParams(**fields)
+
+
+class Abort(msgspec.Struct, kw_only=True, tag="abort", tag_field="type"):
+    request_id: str
+
+
+class Hello(msgspec.Struct, kw_only=True, tag="hello", tag_field="type"):
+    """Asks the server who it is; answered by `Ready`. Also a liveness probe."""
+
+    protocol_version: int = 1
+
+
+class Logprob(msgspec.Struct, kw_only=True):
+    """The sampled token's log-probability and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class Delta(msgspec.Struct, kw_only=True, tag="delta", tag_field="type"):
+    request_id: str
+    text: str
+    token_ids: list[int]
+    index: int = 0
+    logprobs: list[Logprob] | None = None
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Done(msgspec.Struct, kw_only=True, tag="done", tag_field="type"):
+    """The one final message of a successful request.
+
+    `finish_reason` is sample 0's; `finish_reasons` lists every sample's when n > 1.
+    """
+
+    request_id: str
+    finish_reason: str
+    usage: Usage
+    finish_reasons: list[str] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class Error(msgspec.Struct, kw_only=True, tag="error", tag_field="type"):
+    """The one final message of a failed request (or a reply to an undecodable message)."""
+
+    request_id: str | None
+    code: str
+    message: str
+
+
+class Ready(msgspec.Struct, kw_only=True, tag="ready", tag_field="type"):
+    protocol_version: int
+    model: str
+    max_model_len: int
+    vocab_size: int
+
+
+ClientToServer = Generate | Abort | Hello
+ServerToClient = Delta | Done | Error | Ready

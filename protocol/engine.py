@@ -1,0 +1,92 @@
+"""Frontend <-> scheduler messages (internal, array-like for speed).
+
+Requests are identified by small integers chosen by the frontend; the
+frontend maps them back to (client, request_id).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.client import Logprob
+from protocol.sampling import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, array_like=True, gc=False, tag="req"):
+    req_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int = 0
+
+
+class EngineAbort(msgspec.Struct, array_like=True, gc=False, tag="abort"):
+    req_ids: list[int]
+
+
+class EngineShutdown(msgspec.Struct, array_like=True, gc=False, tag="shutdown"):
+    pass
+
+
+class StatsQuery(msgspec.Struct, array_like=True, gc=False, tag="stats?"):
+    """Asks the scheduler to publish its stats now (also sent periodically)."""
+
+
+FrontendToScheduler = EngineRequest | EngineAbort | EngineShutdown | StatsQuery
+
+
+class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
+    """New tokens for one request; `finish_reason` set on its last update.
+
+    finish_reason: "stop" | "length" | "abort" | "error" (then `error` holds
+    "code: message").
+    """
+
+    req_id: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[Logprob] | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    num_cached_tokens: int = 0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_kv_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    prompt_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+    blocks_consistent: bool = True
+
+
+class EngineOutputs(msgspec.Struct, array_like=True, gc=False, tag="out"):
+    updates: list[RequestUpdate]
+    stats: SchedulerStats | None = None
+
+
+class EngineReady(msgspec.Struct, array_like=True, gc=False, tag="ready"):
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+
+
+class EngineDead(msgspec.Struct, array_like=True, gc=False, tag="dead"):
+    """Sent by the scheduler when it or a worker fails; every request is lost."""
+
+    reason: str
+
+
+SchedulerToFrontend = EngineOutputs | EngineReady | EngineDead

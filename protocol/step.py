@@ -1,0 +1,87 @@
+"""Scheduler <-> worker messages: one StepPlan per iteration, one StepResult back.
+
+The worker keeps per-request state (token ids, block table, sampling params)
+across steps, so a plan carries only what changed: full data for requests the
+worker has not seen, new block ids for the others.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.client import Logprob
+from protocol.sampling import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, gc=False):
+    """A request the worker has not seen (or must forget and rebuild after preemption).
+
+    `token_ids` holds every token known so far (prompt plus outputs of a resumed
+    request); KV of the first `num_computed_tokens` is already in `block_ids`.
+    """
+
+    req_id: int
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+    num_prompt_tokens: int
+    eos_token_ids: list[int] = []
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
+    req_id: int
+    new_block_ids: list[int]
+
+
+class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
+    """One iteration.
+
+    `scheduled` pairs (req_id, num_tokens) in batch order; a request samples a
+    token when the step brings its computed tokens up to all its known tokens.
+    `copies` are (src, dst) device block copies done before the forward pass
+    (copy-on-write); `swap_out` / `swap_in` are (device_block, cpu_block) pairs.
+    """
+
+    step_id: int
+    scheduled: list[tuple[int, int]]
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    finished_req_ids: list[int] = []
+    copies: list[tuple[int, int]] = []
+    swap_out: list[tuple[int, int]] = []
+    swap_in: list[tuple[int, int]] = []
+
+
+class WorkerShutdown(msgspec.Struct, array_like=True, gc=False, tag="shutdown"):
+    pass
+
+
+SchedulerToWorker = StepPlan | WorkerShutdown
+
+
+class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
+    """Sampled token ids for the requests that sampled this step, in plan order."""
+
+    step_id: int
+    req_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[Logprob | None] | None = None
+    forward_time: float = 0.0
+    error: str | None = None
+
+
+class WorkerReady(msgspec.Struct, array_like=True, gc=False, tag="ready"):
+    rank: int
+    num_kv_blocks: int
+    num_cpu_blocks: int
+    vocab_size: int
+    max_model_len: int
+
+
+class WorkerFailed(msgspec.Struct, array_like=True, gc=False, tag="failed"):
+    rank: int
+    reason: str
+
+
+WorkerToScheduler = StepResult | WorkerReady | WorkerFailed

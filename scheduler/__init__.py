@@ -1,0 +1,1 @@
+"""Request state machine, KV block accounting and the step loop (no torch)."""

@@ -1,0 +1,63 @@
+"""A request as the scheduler sees it: tokens, progress, blocks, status."""
+
+from __future__ import annotations
+
+import enum
+
+from protocol.engine import EngineRequest
+from protocol.sampling import SamplingParams
+
+
+class Status(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED = 3
+
+
+class Request:
+    """One sequence. `num_computed_tokens` catches up with `len(token_ids)`;
+    prefill, chunked prefill, prefix hits and resumed requests are all that."""
+
+    __slots__ = (
+        "req_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids",
+        "stop_ids", "priority", "arrival_seq", "max_tokens", "status", "num_computed_tokens",
+        "block_ids", "block_hashes", "num_cached_blocks", "in_worker", "num_cached_tokens",
+        "swapped_blocks", "num_preemptions", "sort_key",
+    )
+
+    def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int) -> None:
+        self.req_id = msg.req_id
+        self.token_ids: list[int] = list(msg.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params: SamplingParams = msg.params
+        self.eos_token_ids = frozenset(() if msg.params.ignore_eos else msg.eos_token_ids)
+        self.stop_ids = frozenset(msg.params.stop_token_ids or ())
+        self.priority = msg.priority
+        self.arrival_seq = arrival_seq
+        self.max_tokens = max_tokens
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks so far
+        self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.in_worker = False  # the worker holds state for it
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.swapped_blocks: list[int] = []  # CPU blocks while swapped out
+        self.num_preemptions = 0
+        # Lower runs first; later arrivals are preempted first within a priority.
+        self.sort_key = (self.priority, self.arrival_seq)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )
