@@ -1,0 +1,95 @@
+"""Tokenization, incremental detokenization and stop strings, against the tokenizer itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.processor import InputProcessor, eos_token_ids
+from protocol.client import Generate
+from protocol.errors import NoriaError
+
+TEXTS = [
+    "Hello, world! How are you today?",
+    " The mill grinds grain; 東京 and 你好 and café, naïve 🙂 ✓ done.",
+    "Numbers: 3.14159 and 2026\n\nnew lines\ttabs",
+]
+
+
+def _stream(det: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    parts = []
+    for t in ids:
+        det.add([t])
+        parts.append(det.take(final=False))
+        if det.stopped:
+            break
+    parts.append(det.take(final=True))
+    return parts
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_text_equals_decoded_text_and_never_splits_characters(demo_tokenizer, text):
+    prompt = demo_tokenizer("Once upon a time")["input_ids"]
+    out = demo_tokenizer(text, add_special_tokens=False)["input_ids"]
+    parts = _stream(IncrementalDetokenizer(demo_tokenizer, prompt, None), out)
+    assert "".join(parts) == demo_tokenizer.decode(out) == text
+    assert not any("\ufffd" in p for p in parts)
+
+
+def test_multibyte_characters_span_tokens_in_this_tokenizer(demo_tokenizer):
+    # Guards the test above: some character must really be split across tokens.
+    ids = demo_tokenizer("🙂 ✓ Привет", add_special_tokens=False)["input_ids"]
+    assert any("\ufffd" in demo_tokenizer.decode([t]) for t in ids)
+
+
+@pytest.mark.parametrize(
+    "stop, expected",
+    [(["world"], "Hello, "), (["How", "!"], "Hello, world"), (["zzz"], TEXTS[0]), (["today?"], "Hello, world! How are you ")],
+)
+def test_stop_strings_truncate_and_are_never_partly_streamed(demo_tokenizer, stop, expected):
+    out = demo_tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"]
+    det = IncrementalDetokenizer(demo_tokenizer, [0], stop)
+    parts = _stream(det, out)
+    assert "".join(parts) == expected
+    assert det.stopped == (expected != TEXTS[0])
+    sent = ""
+    for p in parts[:-1]:
+        sent += p
+        assert all(s not in sent for s in stop)
+
+
+@pytest.fixture
+def processor(demo_path, demo_tokenizer):
+    return InputProcessor(demo_tokenizer, eos_token_ids(str(demo_path), demo_tokenizer), len(demo_tokenizer), 64)
+
+
+def test_eos_ids_come_from_generation_config(demo_path, demo_tokenizer):
+    assert eos_token_ids(str(demo_path), demo_tokenizer) == [1, 4]
+
+
+def test_prompt_and_chat_tokenize(processor, demo_tokenizer):
+    ids, params = processor.process(Generate(request_id="a", prompt="Hello", max_tokens=3))
+    assert ids == demo_tokenizer("Hello")["input_ids"] and params.max_tokens == 3
+    ids, _ = processor.process(Generate(request_id="b", messages=[{"role": "user", "content": "Hi"}]))
+    text = demo_tokenizer.decode(ids)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>user") and text.count("<|begin_of_text|>") == 1
+    assert text.endswith("assistant<|end_header_id|>\n\n")
+
+
+@pytest.mark.parametrize(
+    "msg, code, words",
+    [
+        (Generate(request_id="a", prompt=""), "invalid_request", "empty"),
+        (Generate(request_id="a"), "invalid_request", "exactly one"),
+        (Generate(request_id="a", prompt="x", prompt_token_ids=[1]), "invalid_request", "exactly one"),
+        (Generate(request_id="a", prompt_token_ids=[5, 100000]), "invalid_request", "vocabulary"),
+        (Generate(request_id="a", prompt="x " * 200), "prompt_too_long", "max_model_len"),
+        (Generate(request_id="a", prompt="x", temperature=-1.0), "invalid_request", "temperature"),
+        (Generate(request_id="a", messages=[{"content": "x"}]), "invalid_request", "role"),
+        (Generate(request_id="", prompt="x"), "invalid_request", "request_id"),
+    ],
+)
+def test_bad_input_is_named(processor, msg, code, words):
+    with pytest.raises(NoriaError) as e:
+        processor.process(msg)
+    assert e.value.code == code and words in e.value.message

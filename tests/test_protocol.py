@@ -1,0 +1,129 @@
+"""Round trips for every message, and the language-neutral shape of client messages."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from protocol.client import (
+    Abort, ClientToServer, Delta, Done, Error, Generate, Hello, Logprob, Ready, ServerToClient, Usage,
+)
+from protocol.codec import Codec
+from protocol.config import EngineAddresses, EngineConfig
+from protocol.engine import (
+    EngineAbort, EngineDead, EngineOutputs, EngineReady, EngineRequest, EngineShutdown,
+    FrontendToScheduler, RequestUpdate, SchedulerStats, SchedulerToFrontend, StatsQuery,
+)
+from protocol.sampling import SamplingParams, sampling_error
+from protocol.step import (
+    CachedRequestData, NewRequestData, SchedulerToWorker, StepPlan, StepResult, WorkerFailed,
+    WorkerReady, WorkerShutdown, WorkerToScheduler,
+)
+
+LP = Logprob(token_id=3, logprob=-0.5, top_token_ids=[3, 4], top_logprobs=[-0.5, -1.5])
+PARAMS = SamplingParams(n=2, max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=["x"], logprobs=2)
+
+CLIENT_MSGS = [
+    Generate(request_id="r1", prompt="hi", max_tokens=5, temperature=0.0, stop=["\n"]),
+    Generate(request_id="r2", messages=[{"role": "user", "content": "hi"}], n=3, seed=1),
+    Generate(request_id="r3", prompt_token_ids=[1, 2, 3], priority=-1),
+    Abort(request_id="r1"),
+    Hello(),
+]
+SERVER_MSGS = [
+    Delta(request_id="r1", text="é", token_ids=[1, 2], logprobs=[LP]),
+    Done(request_id="r1", finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=2)),
+    Error(request_id=None, code="invalid_message", message="bad"),
+    Ready(protocol_version=1, model="demo", max_model_len=2048, vocab_size=706),
+]
+
+
+@pytest.mark.parametrize("msg", CLIENT_MSGS, ids=lambda m: type(m).__name__)
+def test_client_messages_are_maps_with_type(msg):
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(msg))
+    assert isinstance(raw, dict) and raw["type"] == type(msg).__struct_config__.tag
+    assert Codec(ClientToServer).decode(msgspec.msgpack.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", SERVER_MSGS, ids=lambda m: type(m).__name__)
+def test_server_messages_round_trip(msg):
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(msg))
+    assert isinstance(raw, dict) and "type" in raw
+    assert Codec(ServerToClient).decode(msgspec.msgpack.encode(msg)) == msg
+
+
+def test_a_foreign_client_map_decodes():
+    # What a client in another language builds by hand.
+    raw = {"type": "generate", "request_id": "x", "prompt": "hello", "max_tokens": 3, "top_k": 2}
+    msg = Codec(ClientToServer).decode(msgspec.msgpack.encode(raw))
+    assert isinstance(msg, Generate) and msg.max_tokens == 3 and msg.top_k == 2
+    assert msg.sampling_params() == SamplingParams(max_tokens=3, top_k=2)
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ({"type": "launch", "request_id": "x"}, "launch"),
+        ({"type": "generate", "request_id": 5, "prompt": "a"}, "request_id"),
+        ({"type": "generate", "request_id": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"request_id": "x"}, "type"),
+    ],
+)
+def test_bad_client_messages_name_the_problem(raw, words):
+    with pytest.raises(msgspec.ValidationError, match=words):
+        Codec(ClientToServer).decode(msgspec.msgpack.encode(raw))
+
+
+INTERNAL = [
+    (FrontendToScheduler, EngineRequest(1, [1, 2], PARAMS, [0], 1.5, 2)),
+    (FrontendToScheduler, EngineAbort([1, 2])),
+    (FrontendToScheduler, EngineShutdown()),
+    (FrontendToScheduler, StatsQuery()),
+    (SchedulerToFrontend, EngineOutputs([RequestUpdate(1, [5], "stop", [LP])], SchedulerStats(num_running=2))),
+    (SchedulerToFrontend, EngineReady(10, 16, 2048, 706)),
+    (SchedulerToFrontend, EngineDead("boom")),
+    (SchedulerToWorker, StepPlan(3, [(1, 5)], [NewRequestData(1, [1, 2], [0], 0, PARAMS, 2, [0])],
+                                 [CachedRequestData(2, [4])], [7], [(1, 2)], [(3, 0)], [(0, 3)])),
+    (SchedulerToWorker, WorkerShutdown()),
+    (WorkerToScheduler, StepResult(3, [1], [9], [LP], 0.01)),
+    (WorkerToScheduler, WorkerReady(0, 10, 4, 706, 2048)),
+    (WorkerToScheduler, WorkerFailed(0, "oom")),
+]
+
+
+@pytest.mark.parametrize("union, msg", INTERNAL, ids=lambda x: type(x).__name__)
+def test_internal_messages_round_trip(union, msg):
+    c = Codec(union)
+    assert c.decode(c.encode(msg)) == msg
+
+
+def test_config_round_trips_as_json():
+    cfg = EngineConfig(model="/m", num_kv_blocks=24, preemption_mode="swap")
+    addrs = EngineAddresses(requests="ipc://a", outputs="ipc://b", plans=["ipc://c"], results="ipc://d")
+    assert msgspec.json.decode(msgspec.json.encode(cfg), type=EngineConfig) == cfg
+    assert msgspec.json.decode(msgspec.json.encode(addrs), type=EngineAddresses) == addrs
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n must"),
+        ({"logprobs": 99}, "logprobs"),
+        ({"presence_penalty": 5}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_sampling_validation_names_the_field(kw, words):
+    assert words in (sampling_error(SamplingParams(**kw)) or "")
+
+
+def test_valid_sampling_params_pass():
+    assert sampling_error(PARAMS, vocab_size=100) is None
+    assert sampling_error(SamplingParams(stop_token_ids=[100]), vocab_size=100) is not None
