@@ -8,6 +8,7 @@ event loop thread, so both share one implementation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import threading
@@ -19,7 +20,17 @@ import zmq
 import zmq.asyncio
 
 from frontend.outputs import CompletionOutput, RequestOutput
-from protocol.client import Abort, Delta, Done, Error, Generate, Hello, Logprob, Ready, ServerToClient
+from protocol.client import (
+    Abort,
+    Delta,
+    Done,
+    Error,
+    Generate,
+    Hello,
+    Logprob,
+    Ready,
+    ServerToClient,
+)
 from protocol.codec import Codec
 from protocol.errors import ErrorCode, NoriaError
 from protocol.sampling import SamplingParams
@@ -111,10 +122,8 @@ class AsyncClient:
             self._queues.pop(rid, None)
             if not finished:
                 # The caller stopped listening (break, cancel, timeout): free the engine's work.
-                try:
+                with contextlib.suppress(zmq.ZMQError):
                     await self._sock.send(self._codec.encode(Abort(request_id=rid)))
-                except zmq.ZMQError:
-                    pass
 
     async def generate(
         self,

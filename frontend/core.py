@@ -7,11 +7,8 @@ sure every request ends with exactly one final message (done or error).
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Hashable
-
-import msgspec
 
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_client import EngineClient
@@ -51,7 +48,7 @@ class FrontendCore:
     def __init__(self, engine: EngineClient, processor: InputProcessor) -> None:
         self.engine = engine
         self.processor = processor
-        self._ids = itertools.count()
+        self._next_id = 0
         self.by_rid: dict[int, tuple[_Request, _Sample]] = {}
         self.by_key: dict[Hashable, _Request] = {}
         self.stats: SchedulerStats | None = None
@@ -76,18 +73,14 @@ class FrontendCore:
             return
         req = _Request(key, msg.request_id, sink, prompt_ids)
         tok = self.processor.tokenizer
-        now = time.time()
+        # One engine request carries all n samples; sample i is engine id base + i.
+        base = self._next_id
+        self._next_id += params.n
         for i in range(params.n):
-            # Samples of one request run as separate engine requests; a seeded
-            # request gives sample i the seed + i, as vLLM does.
-            child = params if params.n == 1 else msgspec.structs.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i
-            )
-            rid = next(self._ids)
-            sample = _Sample(rid, i, IncrementalDetokenizer(tok, prompt_ids, params.stop, params.skip_special_tokens))
+            sample = _Sample(base + i, i, IncrementalDetokenizer(tok, prompt_ids, params.stop, params.skip_special_tokens))
             req.samples.append(sample)
-            self.by_rid[rid] = (req, sample)
-            self.engine.add(EngineRequest(rid, prompt_ids, child, self.processor.eos_ids, now, msg.priority))
+            self.by_rid[base + i] = (req, sample)
+        self.engine.add(EngineRequest(base, prompt_ids, params, self.processor.eos_ids, time.time(), msg.priority))
         req.open = params.n
         self.by_key[key] = req
 
@@ -119,6 +112,7 @@ class FrontendCore:
                 continue  # already finished here (stop string, client abort)
             req, s = entry
             if u.finish_reason == "error":
+                # Errors concern the whole request (all samples).
                 self._fail(req, u.error_code or ErrorCode.INTERNAL, u.error_message or "engine error")
                 continue
             req.num_cached_tokens = max(req.num_cached_tokens, u.num_cached_tokens)

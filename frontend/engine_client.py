@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import zmq
 
+from frontend.launcher import EngineProcesses, local_addresses
 from protocol.codec import Codec
 from protocol.config import EngineAddresses, EngineConfig
 from protocol.engine import (
@@ -20,7 +22,6 @@ from protocol.engine import (
 )
 from protocol.errors import ErrorCode, NoriaError
 from protocol.sockets import make_socket
-from frontend.launcher import EngineProcesses, local_addresses
 
 
 class EngineClient:
@@ -84,10 +85,8 @@ class EngineClient:
         if self.closed:
             return
         self.closed = True
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             self.push.send(self.out_codec.encode(EngineShutdown()), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
         if self.procs:
             self.procs.shutdown()
         self.push.close(linger=0)

@@ -30,8 +30,12 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
+    """Changes to a known request's block table: `replaced` (index, block) pairs
+    (copy-on-write moved that entry to a private copy), then `new_block_ids` appended."""
+
     req_id: int
     new_block_ids: list[int]
+    replaced: list[tuple[int, int]] = []
 
 
 class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
@@ -39,8 +43,10 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
 
     `scheduled` pairs (req_id, num_tokens) in batch order; a request samples a
     token when the step brings its computed tokens up to all its known tokens.
-    `copies` are (src, dst) device block copies done before the forward pass
-    (copy-on-write); `swap_out` / `swap_in` are (device_block, cpu_block) pairs.
+    Before the forward pass the worker does, in this order: `swap_out`
+    (device_block, cpu_block), `copies` (src, dst device blocks, copy-on-write),
+    `swap_in` (device_block, cpu_block). The scheduler never swaps in during a
+    step that swapped out, so no block is both read and written by these.
     """
 
     step_id: int

@@ -9,7 +9,6 @@ result, publish the updates. Blocks when idle instead of spinning.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 
 import zmq
@@ -28,7 +27,14 @@ from protocol.engine import (
     StatsQuery,
 )
 from protocol.sockets import make_socket
-from protocol.step import SchedulerToWorker, StepResult, WorkerFailed, WorkerReady, WorkerShutdown, WorkerToScheduler
+from protocol.step import (
+    SchedulerToWorker,
+    StepResult,
+    WorkerFailed,
+    WorkerReady,
+    WorkerShutdown,
+    WorkerToScheduler,
+)
 from scheduler.scheduler import Scheduler
 
 log = logging.getLogger("noria.scheduler")

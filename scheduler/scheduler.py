@@ -2,16 +2,18 @@
 
 Each step: running requests first (a decode costs one token, a prompt still in
 prefill takes a chunk of what is left of the token budget), preempting the
-lowest-priority, latest request when blocks run out; then waiting requests
-board in (priority, arrival) order while blocks, the budget and the sequence
-cap allow. State advances when a step is planned and is reconciled when its
-result arrives.
+lowest-priority, latest request when blocks run out (recompute, or swap to
+CPU blocks); then swapped requests come back; then waiting requests board in
+(priority, arrival) order while blocks, the budget and the sequence cap allow.
+State advances when a step is planned and is reconciled when its result arrives.
 """
 
 from __future__ import annotations
 
 import heapq
 from bisect import insort
+
+import msgspec
 
 from protocol.config import EngineConfig
 from protocol.engine import EngineRequest, RequestUpdate, SchedulerStats
@@ -20,9 +22,11 @@ from protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResul
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request, Status
 
+Batch = list[tuple[Request, int, list[int]]]  # (request, tokens this step, blocks appended)
+
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, num_cpu_blocks: int = 0) -> None:
         self.config = config
         self.block_size = config.block_size
         # No request can outgrow the whole cache, or it would preempt itself forever.
@@ -30,12 +34,16 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.token_budget = config.resolved_max_num_batched_tokens(self.max_model_len)
         self.chunked_prefill = config.enable_chunked_prefill
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.swap = config.preemption_mode == "swap"
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 num_cpu_blocks if self.swap else 0)
         self.requests: dict[int, Request] = {}
-        self.waiting: list[tuple[tuple[int, int], int]] = []  # heap of (sort_key, req_id)
+        self.waiting: list[tuple[tuple[int, int, int], int]] = []  # heap of (sort_key, req_id)
         self.running: list[Request] = []  # sorted by sort_key
+        self.swapped: list[Request] = []  # sorted by sort_key
         self.updates: list[RequestUpdate] = []  # pending messages for the frontend
         self._worker_drop: list[int] = []  # requests the worker must forget
+        self._swap_out: list[tuple[int, int]] = []
         self._arrivals = 0
         self.step_id = 0
         self.stats = SchedulerStats(num_kv_blocks=num_kv_blocks)
@@ -43,24 +51,38 @@ class Scheduler:
     # ---- input -----------------------------------------------------------
 
     def add_request(self, msg: EngineRequest) -> None:
-        n = len(msg.prompt_token_ids)
-        if msg.req_id in self.requests:
+        n_prompt, n = len(msg.prompt_token_ids), msg.params.n
+        rids = range(msg.req_id, msg.req_id + n)
+        if any(r in self.requests for r in rids):
             return self._reject(msg.req_id, ErrorCode.DUPLICATE_REQUEST, f"request {msg.req_id} is already in flight")
-        if n == 0:
+        if n_prompt == 0:
             return self._reject(msg.req_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
-        if n >= self.max_model_len:
+        if n_prompt >= self.max_model_len:
             return self._reject(
                 msg.req_id,
                 ErrorCode.PROMPT_TOO_LONG,
-                f"prompt has {n} tokens but this engine accepts at most {self.max_model_len - 1} "
+                f"prompt has {n_prompt} tokens but this engine accepts at most {self.max_model_len - 1} "
                 f"(max_model_len {self.max_model_len} leaves room for at least one output token)",
             )
-        max_tokens = msg.params.max_tokens or self.max_model_len - n
-        req = Request(msg, self._arrivals, max_tokens)
+        if not self.chunked_prefill and n_prompt > self.token_budget:
+            return self._reject(
+                msg.req_id, ErrorCode.PROMPT_TOO_LONG,
+                f"prompt has {n_prompt} tokens, more than max_num_batched_tokens {self.token_budget} "
+                "with chunked prefill disabled",
+            )
+        if n > self.max_num_seqs:
+            return self._reject(msg.req_id, ErrorCode.INVALID_REQUEST, f"n={n} exceeds max_num_seqs {self.max_num_seqs}")
+        max_tokens = msg.params.max_tokens or self.max_model_len - n_prompt
+        samples = [
+            Request(msg, self._arrivals, max_tokens, i, _sample_params(msg, i)) for i in range(n)
+        ]
         self._arrivals += 1
-        self.requests[req.req_id] = req
-        heapq.heappush(self.waiting, (req.sort_key, req.req_id))
-        self.stats.prompt_tokens += n
+        for r in samples:
+            self.requests[r.req_id] = r
+        head = samples[0]
+        head.children = samples[1:]
+        heapq.heappush(self.waiting, (head.sort_key, head.req_id))
+        self.stats.prompt_tokens += n_prompt
 
     def abort(self, req_ids: list[int]) -> None:
         for rid in req_ids:
@@ -69,6 +91,7 @@ class Scheduler:
                 self._finish(req)
                 self.updates.append(RequestUpdate(rid, [], finish_reason="abort"))
         self.running = [r for r in self.running if r.status == Status.RUNNING]
+        self.swapped = [r for r in self.swapped if r.status == Status.SWAPPED]
 
     def _reject(self, req_id: int, code: str, message: str) -> None:
         self.updates.append(
@@ -78,17 +101,25 @@ class Scheduler:
     # ---- planning --------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._worker_drop)
+        return bool(self.running or self.waiting or self.swapped or self._worker_drop)
+
+    def _wanted(self, req: Request) -> int:
+        """Tokens the request could compute now. A request with unforked samples
+        stops one short of its prompt so that they can share every prompt block."""
+        if req.children and req.num_computed_tokens == req.num_prompt_tokens - 1:
+            self._fork(req)
+        target = req.num_prompt_tokens - 1 if req.children else req.num_tokens
+        return target - req.num_computed_tokens
 
     def schedule(self) -> StepPlan:
         budget = self.token_budget
-        batch: list[tuple[Request, int, list[int]]] = []
+        batch: Batch = []
         running = self.running
         preempted = False
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(self._wanted(req), budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -108,21 +139,46 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        swap_in: list[tuple[int, int]] = []
+        # Never swap in during a step that swapped out: a CPU or device block
+        # freed by one must not be reused by the other before the copies run.
         if not preempted:
-            budget = self._admit(budget, batch)
+            budget = self._swap_in(budget, batch, swap_in)
+            if not self.swapped:
+                budget = self._admit(budget, batch)
+        return self._build_plan(batch, swap_in)
 
-        return self._build_plan(batch)
+    def _swap_in(self, budget: int, batch: Batch, pairs: list[tuple[int, int]]) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.swapped[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            got = self.kv.swap_in(req, num_new)
+            if got is None:
+                break
+            self.swapped.pop(0)
+            pairs.extend(got)
+            req.status = Status.RUNNING
+            insort(self.running, req, key=_sort_key)
+            added = self.kv.allocate_slots(req, num_new)
+            assert added is not None, "swap_in reserved room for the step"
+            batch.append((req, num_new, added))
+            budget -= num_new
+            self.stats.num_swap_ins += 1
+        return budget
 
-    def _admit(self, budget: int, batch: list[tuple[Request, int, list[int]]]) -> int:
+    def _admit(self, budget: int, batch: Batch) -> int:
         waiting = self.waiting
-        while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while waiting and budget > 0:
             req = self.requests.get(waiting[0][1])
             if req is None or req.status != Status.WAITING:
                 heapq.heappop(waiting)  # aborted while waiting
                 continue
+            if len(self.running) + 1 + len(req.children) > self.max_num_seqs:
+                break
             hits = self.kv.get_computed_blocks(req)
             num_computed = len(hits) * self.block_size
-            num_new = req.num_tokens - num_computed
+            target = req.num_prompt_tokens - 1 if req.children else req.num_tokens
+            num_new = max(0, target - num_computed)
             if not self.chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
@@ -132,19 +188,32 @@ class Scheduler:
             heapq.heappop(waiting)
             req.status = Status.RUNNING
             req.num_computed_tokens = num_computed
-            if req.num_output_tokens == 0:
+            if req.num_output_tokens == 0 and req.num_preemptions == 0:
                 self.stats.prefix_cache_queries += req.num_tokens
                 self.stats.prefix_cache_hits += num_computed
                 req.num_cached_tokens = num_computed
             insort(self.running, req, key=_sort_key)
+            if num_new == 0:
+                # Only the last prompt token is left: fork now, run next step.
+                self._wanted(req)
+                continue
             batch.append((req, num_new, added))
             budget -= num_new
         return budget
 
-    def _build_plan(self, batch: list[tuple[Request, int, list[int]]]) -> StepPlan:
+    def _fork(self, parent: Request) -> None:
+        for child in parent.children:
+            self.kv.fork(parent, child)
+            child.status = Status.RUNNING
+            child.num_cached_tokens = parent.num_cached_tokens
+            insort(self.running, child, key=_sort_key)
+        parent.children = []
+
+    def _build_plan(self, batch: Batch, swap_in: list[tuple[int, int]]) -> StepPlan:
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         scheduled: list[tuple[int, int]] = []
+        replaced = self.kv.replaced
         for req, num_new, added in batch:
             if not req.in_worker:
                 new_reqs.append(
@@ -154,16 +223,20 @@ class Scheduler:
                         sorted(req.eos_token_ids),
                     )
                 )
+                replaced.pop(req.req_id, None)
                 req.in_worker = True
-            elif added:
-                cached.append(CachedRequestData(req.req_id, added))
+            else:
+                moved = replaced.pop(req.req_id, None)
+                if added or moved:
+                    cached.append(CachedRequestData(req.req_id, added, moved or []))
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.stats.computed_prompt_tokens += min(num_new, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += num_new
             scheduled.append((req.req_id, num_new))
         self.step_id += 1
         drop, self._worker_drop = self._worker_drop, []
-        return StepPlan(self.step_id, scheduled, new_reqs, cached, drop)
+        swap_out, self._swap_out = self._swap_out, []
+        return StepPlan(self.step_id, scheduled, new_reqs, cached, drop, self.kv.take_copies(), swap_out, swap_in)
 
     # ---- reconciling -----------------------------------------------------
 
@@ -201,19 +274,37 @@ class Scheduler:
     # ---- state changes ---------------------------------------------------
 
     def _preempt(self, req: Request) -> None:
-        """Recompute: free the blocks and re-queue at the front of its priority."""
+        """Swap the request's KV out if asked and there is room, else recompute:
+        free its blocks and re-queue it at the front of its priority."""
+        self.stats.num_preemptions += 1
+        req.num_preemptions += 1
+        self._forget_in_worker(req)
+        pairs = self.kv.swap_out(req) if self.swap and req.block_ids else None
+        if pairs is not None:
+            self._swap_out.extend(pairs)
+            req.status = Status.SWAPPED
+            insort(self.swapped, req, key=_sort_key)
+            self.stats.num_swap_outs += 1
+            return
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
-        req.num_preemptions += 1
-        self._forget_in_worker(req)
         heapq.heappush(self.waiting, (req.sort_key, req.req_id))
-        self.stats.num_preemptions += 1
 
     def _finish(self, req: Request) -> None:
-        # The caller drops finished requests from `running` in one pass.
+        # The caller drops finished requests from `running` / `swapped` in one pass.
+        if req.children:
+            # Samples that never forked become a request of their own.
+            heir, heir.children = req.children[0], req.children[1:]
+            heapq.heappush(self.waiting, (heir.sort_key, heir.req_id))
+            req.children = []
+        for r in self.requests.values():
+            if req in r.children:
+                r.children.remove(req)
+                break
         req.status = Status.FINISHED
         self.kv.free(req)
+        self.kv.free_swapped(req)
         self._forget_in_worker(req)
         del self.requests[req.req_id]
 
@@ -231,8 +322,8 @@ class Scheduler:
     def snapshot_stats(self) -> SchedulerStats:
         s = self.stats
         s.num_running = len(self.running)
-        s.num_waiting = sum(1 for r in self.requests.values() if r.status == Status.WAITING)
-        s.num_swapped = sum(1 for r in self.requests.values() if r.status == Status.SWAPPED)
+        s.num_swapped = len(self.swapped)
+        s.num_waiting = len(self.requests) - s.num_running - s.num_swapped
         s.num_free_blocks = self.kv.num_free_blocks
         s.kv_cache_usage = self.kv.usage()
         return s
@@ -243,14 +334,26 @@ class Scheduler:
         if problem:
             return problem
         owners = [0] * self.kv.pool.num_blocks
+        cpu_owned = 0
         for req in self.requests.values():
             for b in req.block_ids:
                 owners[b] += 1
+            cpu_owned += len(req.swapped_blocks)
         for b, (refs, own) in enumerate(zip(self.kv.pool.ref_cnt, owners, strict=True)):
             if refs != own:
                 return f"block {b} has {refs} references but {own} owners"
+        if cpu_owned + len(self.kv.cpu_free) != self.kv.num_cpu_blocks:
+            return f"CPU blocks: {cpu_owned} owned + {len(self.kv.cpu_free)} free != {self.kv.num_cpu_blocks}"
         return None
 
 
-def _sort_key(req: Request) -> tuple[int, int]:
+def _sort_key(req: Request) -> tuple[int, int, int]:
     return req.sort_key
+
+
+def _sample_params(msg: EngineRequest, index: int):  # noqa: ANN202
+    p = msg.params
+    if p.n == 1:
+        return p
+    # Sample i of a seeded request uses seed + i, as vLLM does.
+    return msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + index)

@@ -6,18 +6,44 @@ import msgspec
 import pytest
 
 from protocol.client import (
-    Abort, ClientToServer, Delta, Done, Error, Generate, Hello, Logprob, Ready, ServerToClient, Usage,
+    Abort,
+    ClientToServer,
+    Delta,
+    Done,
+    Error,
+    Generate,
+    Hello,
+    Logprob,
+    Ready,
+    ServerToClient,
+    Usage,
 )
 from protocol.codec import Codec
 from protocol.config import EngineAddresses, EngineConfig
 from protocol.engine import (
-    EngineAbort, EngineDead, EngineOutputs, EngineReady, EngineRequest, EngineShutdown,
-    FrontendToScheduler, RequestUpdate, SchedulerStats, SchedulerToFrontend, StatsQuery,
+    EngineAbort,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    EngineRequest,
+    EngineShutdown,
+    FrontendToScheduler,
+    RequestUpdate,
+    SchedulerStats,
+    SchedulerToFrontend,
+    StatsQuery,
 )
 from protocol.sampling import SamplingParams, sampling_error
 from protocol.step import (
-    CachedRequestData, NewRequestData, SchedulerToWorker, StepPlan, StepResult, WorkerFailed,
-    WorkerReady, WorkerShutdown, WorkerToScheduler,
+    CachedRequestData,
+    NewRequestData,
+    SchedulerToWorker,
+    StepPlan,
+    StepResult,
+    WorkerFailed,
+    WorkerReady,
+    WorkerShutdown,
+    WorkerToScheduler,
 )
 
 LP = Logprob(token_id=3, logprob=-0.5, top_token_ids=[3, 4], top_logprobs=[-0.5, -1.5])

@@ -1,0 +1,1 @@
+"""Benchmarks: `noria bench NAME [args]` runs `bench/NAME.py`'s main(argv)."""
