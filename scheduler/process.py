@@ -62,7 +62,7 @@ class SchedulerProcess:
         self.stats_due = True
         self.last_stats = 0.0
 
-    def wait_for_workers(self) -> tuple[int, int, int]:
+    def wait_for_workers(self) -> tuple[int, int, int, int]:
         readies: dict[int, WorkerReady] = {}
         deadline = time.monotonic() + self.config.startup_timeout
         while len(readies) < len(self.to_workers):
@@ -76,15 +76,16 @@ class SchedulerProcess:
                 readies[msg.rank] = msg
         num_blocks = min(r.num_kv_blocks for r in readies.values())
         max_len = min(r.max_model_len for r in readies.values())
-        return num_blocks, max_len, readies[0].vocab_size
+        cpu_blocks = min(r.num_cpu_blocks for r in readies.values())
+        return num_blocks, max_len, readies[0].vocab_size, cpu_blocks
 
     def serve(self) -> None:
         try:
-            num_blocks, max_len, vocab = self.wait_for_workers()
+            num_blocks, max_len, vocab, cpu_blocks = self.wait_for_workers()
         except WorkerLost as e:
             self.to_frontend.send(self.out_codec.encode(EngineDead(str(e))))
             raise
-        self.sched = Scheduler(self.config, num_blocks, max_len)
+        self.sched = Scheduler(self.config, num_blocks, max_len, cpu_blocks)
         self.to_frontend.send(
             self.out_codec.encode(EngineReady(num_blocks, self.config.block_size, self.sched.max_model_len, vocab))
         )
