@@ -45,6 +45,8 @@ class Scheduler:
         self._worker_drop: list[int] = []  # requests the worker must forget
         self._swap_out: list[tuple[int, int]] = []
         self._arrivals = 0
+        # Seats held by unforked samples of running or swapped requests.
+        self._pending_seats = 0
         self.step_id = 0
         self.stats = SchedulerStats(num_kv_blocks=num_kv_blocks)
 
@@ -104,12 +106,22 @@ class Scheduler:
         return bool(self.running or self.waiting or self.swapped or self._worker_drop)
 
     def _wanted(self, req: Request) -> int:
-        """Tokens the request could compute now. A request with unforked samples
-        stops one short of its prompt so that they can share every prompt block."""
+        """Tokens the request would compute now. A request with unforked samples
+        stops one short of its prompt so that they can share every prompt block;
+        once there, it forks (see `_maybe_fork`) and computes the last token."""
+        if req.children and req.num_computed_tokens < req.num_prompt_tokens - 1:
+            return req.num_prompt_tokens - 1 - req.num_computed_tokens
+        return req.num_tokens - req.num_computed_tokens
+
+    def _maybe_fork(self, req: Request) -> None:
         if req.children and req.num_computed_tokens == req.num_prompt_tokens - 1:
-            self._fork(req)
-        target = req.num_prompt_tokens - 1 if req.children else req.num_tokens
-        return target - req.num_computed_tokens
+            for child in req.children:
+                self.kv.fork(req, child)
+                child.status = Status.RUNNING
+                child.num_cached_tokens = req.num_cached_tokens
+                insort(self.running, child, key=_sort_key)
+            self._pending_seats -= len(req.children)
+            req.children = []
 
     def schedule(self) -> StepPlan:
         budget = self.token_budget
@@ -119,6 +131,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            self._maybe_fork(req)
             num_new = min(self._wanted(req), budget)
             if num_new <= 0:
                 i += 1
@@ -149,9 +162,11 @@ class Scheduler:
         return self._build_plan(batch, swap_in)
 
     def _swap_in(self, budget: int, batch: Batch, pairs: list[tuple[int, int]]) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.swapped and budget > 0:
             req = self.swapped[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if len(self.running) + self._pending_seats + 1 > self.max_num_seqs:
+                break
+            num_new = min(self._wanted(req), budget)
             got = self.kv.swap_in(req, num_new)
             if got is None:
                 break
@@ -159,11 +174,14 @@ class Scheduler:
             pairs.extend(got)
             req.status = Status.RUNNING
             insort(self.running, req, key=_sort_key)
-            added = self.kv.allocate_slots(req, num_new)
-            assert added is not None, "swap_in reserved room for the step"
-            batch.append((req, num_new, added))
-            budget -= num_new
+            self._maybe_fork(req)
             self.stats.num_swap_ins += 1
+            # Room was reserved, except for a copy-on-write right after a fork:
+            # if that does not fit, the request simply runs from the next step.
+            added = self.kv.allocate_slots(req, num_new)
+            if added is not None:
+                batch.append((req, num_new, added))
+                budget -= num_new
         return budget
 
     def _admit(self, budget: int, batch: Batch) -> int:
@@ -173,7 +191,7 @@ class Scheduler:
             if req is None or req.status != Status.WAITING:
                 heapq.heappop(waiting)  # aborted while waiting
                 continue
-            if len(self.running) + 1 + len(req.children) > self.max_num_seqs:
+            if len(self.running) + self._pending_seats + 1 + len(req.children) > self.max_num_seqs:
                 break
             hits = self.kv.get_computed_blocks(req)
             num_computed = len(hits) * self.block_size
@@ -193,21 +211,14 @@ class Scheduler:
                 self.stats.prefix_cache_hits += num_computed
                 req.num_cached_tokens = num_computed
             insort(self.running, req, key=_sort_key)
+            self._pending_seats += len(req.children)
             if num_new == 0:
                 # Only the last prompt token is left: fork now, run next step.
-                self._wanted(req)
+                self._maybe_fork(req)
                 continue
             batch.append((req, num_new, added))
             budget -= num_new
         return budget
-
-    def _fork(self, parent: Request) -> None:
-        for child in parent.children:
-            self.kv.fork(parent, child)
-            child.status = Status.RUNNING
-            child.num_cached_tokens = parent.num_cached_tokens
-            insort(self.running, child, key=_sort_key)
-        parent.children = []
 
     def _build_plan(self, batch: Batch, swap_in: list[tuple[int, int]]) -> StepPlan:
         new_reqs: list[NewRequestData] = []
@@ -289,19 +300,25 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
+        self._pending_seats -= len(req.children)
         heapq.heappush(self.waiting, (req.sort_key, req.req_id))
 
     def _finish(self, req: Request) -> None:
         # The caller drops finished requests from `running` / `swapped` in one pass.
         if req.children:
             # Samples that never forked become a request of their own.
+            if req.status in (Status.RUNNING, Status.SWAPPED):
+                self._pending_seats -= len(req.children)
             heir, heir.children = req.children[0], req.children[1:]
             heapq.heappush(self.waiting, (heir.sort_key, heir.req_id))
             req.children = []
-        for r in self.requests.values():
-            if req in r.children:
-                r.children.remove(req)
-                break
+        elif req.status == Status.WAITING and req.index > 0:
+            for r in self.requests.values():
+                if req in r.children:
+                    r.children.remove(req)
+                    if r.status in (Status.RUNNING, Status.SWAPPED):
+                        self._pending_seats -= 1
+                    break
         req.status = Status.FINISHED
         self.kv.free(req)
         self.kv.free_swapped(req)

@@ -41,7 +41,10 @@ class FakeWorker:
             assert nr.req_id not in self.reqs, f"req {nr.req_id} sent twice as new"
             self.reqs[nr.req_id] = {"tokens": list(nr.token_ids), "blocks": list(nr.block_ids), "computed": nr.num_computed_tokens}
         for cr in plan.cached_requests:
-            self.reqs[cr.req_id]["blocks"].extend(cr.new_block_ids)
+            blocks = self.reqs[cr.req_id]["blocks"]
+            for idx, block in cr.replaced:
+                blocks[idx] = block
+            blocks.extend(cr.new_block_ids)
         for dev, cpu in plan.swap_out:
             self.cpu[cpu] = list(self.kv[dev])
         for src, dst in plan.copies:

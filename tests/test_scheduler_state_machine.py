@@ -1,0 +1,165 @@
+"""A hypothesis state machine drives the scheduler and block pool against brute-force models.
+
+Random arrivals (shared prefixes, n > 1, priorities), aborts, steps and
+drains, under random cache sizes, budgets, preemption modes and caching
+switches. After every step: reference counts equal owners, no block is owned
+twice or leaked, every cached hash maps to a block that holds exactly the
+tokens hashed, outputs equal the brute-force model's, and every request ends
+exactly once; when all requests end, every block is free.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, event, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import scheduler.kv_cache_manager as kvm
+from protocol.config import EngineConfig
+from protocol.engine import EngineRequest
+from protocol.sampling import SamplingParams
+from scheduler.scheduler import Scheduler
+from tests.fake_worker import FakeWorker, next_token
+
+VOCAB = 40
+EOS = VOCAB - 1
+BS = 4
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27], []]
+
+_hashed: dict[int, tuple[int, ...]] = {}  # chain hash -> every token it covers
+_real_chain_hash = kvm.chain_hash
+
+
+def _recording_chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    h = _real_chain_hash(parent, tokens)
+    _hashed[h] = _hashed.get(parent, ()) + tokens
+    return h
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(6, 32),
+        budget=st.sampled_from([6, 16, 64]),
+        max_seqs=st.integers(3, 8),
+        swap=st.booleans(),
+        cpu_blocks=st.integers(0, 24),
+        caching=st.booleans(),
+    )
+    def setup(self, num_blocks, budget, max_seqs, swap, cpu_blocks, caching):
+        kvm.chain_hash = _recording_chain_hash
+        cfg = EngineConfig(
+            block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+            preemption_mode="swap" if swap else "recompute", enable_prefix_caching=caching,
+        )
+        self.s = Scheduler(cfg, num_blocks, 10_000, cpu_blocks)
+        self.w = FakeWorker(num_blocks, BS, vocab=VOCAB, num_cpu_blocks=cpu_blocks)
+        self.next_id = 0
+        self.prompts: dict[int, list[int]] = {}
+        self.outputs: dict[int, list[int]] = {}
+        self.ended: dict[int, str] = {}
+        self.copies = 0
+
+    def teardown(self):
+        kvm.chain_hash = _real_chain_hash
+        if hasattr(self, "s"):
+            st_ = self.s.stats
+            # Coverage signals, shown by --hypothesis-show-statistics.
+            event("preempted" if st_.num_preemptions else "no preemption")
+            event("swapped" if st_.num_swap_ins else "no swap-in")
+            event("prefix hit" if st_.prefix_cache_hits else "no prefix hit")
+            event("copy-on-write" if self.copies else "no copy")
+
+    def _run_step(self):
+        plan = self.s.schedule()
+        self.copies += len(plan.copies)
+        self.s.update_from_result(self.w.execute(plan))
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(st.integers(0, VOCAB - 2), min_size=0, max_size=20),
+        max_tokens=st.integers(1, 24),
+        n=st.integers(1, 3),
+        priority=st.integers(0, 2),
+        copies=st.integers(1, 3),
+    )
+    def arrive(self, prefix, suffix, max_tokens, n, priority, copies):
+        for k in range(copies):
+            self._arrive(prefix + suffix[k:], max_tokens, n, priority)
+
+    def _arrive(self, prompt, max_tokens, n, priority):
+        rid = self.next_id
+        self.next_id += n
+        self.s.add_request(EngineRequest(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens), [EOS], 0.0, priority))
+        for i in range(n):
+            self.prompts[rid + i] = prompt
+            self.outputs[rid + i] = []
+        self._collect()
+
+    @rule(data=st.data())
+    def abort(self, data):
+        live = sorted(set(self.prompts) - set(self.ended))
+        if live:
+            self.s.abort([data.draw(st.sampled_from(live))])
+            self._collect()
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps):
+        for _ in range(steps):
+            if not self.s.has_work():
+                return
+            self._run_step()
+            self._collect()
+            self.check_state()
+
+    @precondition(lambda self: hasattr(self, "s"))
+    @rule()
+    def drain(self):
+        for _ in range(2000):
+            if not self.s.has_work():
+                break
+            self._run_step()
+            self._collect()
+        assert not self.s.has_work(), "the engine did not finish its work"
+        assert set(self.ended) == set(self.prompts), "a request never ended"
+        assert self.s.kv.pool.num_free == self.s.kv.pool.num_blocks, "blocks leaked"
+        assert len(self.s.kv.cpu_free) == self.s.kv.num_cpu_blocks, "CPU blocks leaked"
+
+    def _collect(self):
+        for u in self.s.take_updates():
+            assert u.req_id not in self.ended, f"request {u.req_id} got an update after it ended"
+            if u.finish_reason == "error":
+                assert not self.prompts[u.req_id] and "empty" in u.error_message, u.error_message
+                for i in range(u.req_id, self.next_id):  # every sample of the rejected request
+                    if self.prompts.get(i) is not None and not self.prompts[i] and i not in self.ended:
+                        self.ended[i] = "error"
+                continue
+            self.outputs[u.req_id].extend(u.new_token_ids)
+            if u.finish_reason:
+                self.ended[u.req_id] = u.finish_reason
+
+    @invariant()
+    def check_state(self):
+        if not hasattr(self, "s"):
+            return
+        s = self.s
+        assert s.check_blocks() is None, s.check_blocks()
+        for r in s.requests.values():
+            assert len(set(r.block_ids)) == len(r.block_ids), f"request {r.req_id} owns a block twice"
+            assert r.num_computed_tokens <= r.num_tokens
+        assert set(s.requests) == set(self.prompts) - set(self.ended)
+        for h, b in s.kv.pool.cached.items():
+            tokens = _hashed[h]
+            k = len(tokens) // BS - 1
+            want = [(tokens[k * BS + j], k * BS + j) for j in range(BS)]
+            assert self.w.kv[b] == want, f"cached block {b} holds {self.w.kv[b]}, hash says {want}"
+        for rid, out in self.outputs.items():
+            toks = list(self.prompts[rid])
+            for t in out:
+                assert t == next_token(toks, VOCAB), f"request {rid} output differs from the model"
+                toks.append(t)
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(
+    max_examples=400, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
