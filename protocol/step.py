@@ -44,9 +44,9 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     `scheduled` pairs (req_id, num_tokens) in batch order; a request samples a
     token when the step brings its computed tokens up to all its known tokens.
     Before the forward pass the worker does, in this order: `swap_out`
-    (device_block, cpu_block), `copies` (src, dst device blocks, copy-on-write),
-    `swap_in` (device_block, cpu_block). The scheduler never swaps in during a
-    step that swapped out, so no block is both read and written by these.
+    (device_block, cpu_block), `swap_in` (device_block, cpu_block), `copies`
+    (src, dst device blocks, copy-on-write; a source may be a block just
+    swapped in). The scheduler never swaps in during a step that swapped out.
     """
 
     step_id: int

@@ -47,10 +47,10 @@ class FakeWorker:
             blocks.extend(cr.new_block_ids)
         for dev, cpu in plan.swap_out:
             self.cpu[cpu] = list(self.kv[dev])
-        for src, dst in plan.copies:
-            self.kv[dst] = list(self.kv[src])
         for dev, cpu in plan.swap_in:
             self.kv[dev] = list(self.cpu[cpu])
+        for src, dst in plan.copies:
+            self.kv[dst] = list(self.kv[src])
         bs = self.block_size
         # Like every layer of the real worker: write the whole step's KV, then attend.
         for rid, n in plan.scheduled:

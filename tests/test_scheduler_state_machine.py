@@ -128,9 +128,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         for u in self.s.take_updates():
             assert u.req_id not in self.ended, f"request {u.req_id} got an update after it ended"
             if u.finish_reason == "error":
-                assert not self.prompts[u.req_id] and "empty" in u.error_message, u.error_message
+                prompt = self.prompts[u.req_id]
+                legit = (not prompt and u.error_code == "invalid_request") or (
+                    len(prompt) >= self.s.max_model_len and u.error_code == "prompt_too_long"
+                )
+                assert legit, u.error_message
                 for i in range(u.req_id, self.next_id):  # every sample of the rejected request
-                    if self.prompts.get(i) is not None and not self.prompts[i] and i not in self.ended:
+                    if self.prompts.get(i) is prompt and i not in self.ended:
                         self.ended[i] = "error"
                 continue
             self.outputs[u.req_id].extend(u.new_token_ids)
