@@ -70,6 +70,7 @@ class Driver:
         if req.prefix is not None:
             src_id, shared = req.prefix
             src = self.reqs[src_id]
+            assert src in self.running, "a prefix source must still hold its blocks"
             assert src.computed >= shared and src.tokens[:shared] == req.tokens[:shared]
             full = shared // self.bs
             req.blocks = src.blocks[:full]
@@ -189,8 +190,8 @@ def test_greedy_matches_transformers(arch: str, checkpoints: dict[str, Path]) ->
     shared_full = 2 * block_size
     p100 = prompts[12][:shared_full] + torch.randint(3, 512, (10,), generator=g).tolist()
     p101 = prompts[13][:40] + torch.randint(3, 512, (7,), generator=g).tolist()
-    driver.add(Req(100, p100, len(p100), 6, arrival=16, prefix=(12, shared_full)))
-    driver.add(Req(101, p101, len(p101), 6, arrival=16, prefix=(13, 40)))
+    driver.add(Req(100, list(p100), len(p100), 6, arrival=16, prefix=(12, shared_full)))
+    driver.add(Req(101, list(p101), len(p101), 6, arrival=16, prefix=(13, 40)))
     extra[100] = (p100, 6)
     extra[101] = (p101, 6)
     # A resumed request: prompt + 3 outputs already known, nothing computed.

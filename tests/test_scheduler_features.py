@@ -1,0 +1,154 @@
+"""Targeted scheduler behaviours, against the brute-force worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol.config import EngineConfig
+from protocol.engine import EngineRequest
+from protocol.sampling import SamplingParams
+from scheduler.scheduler import Scheduler
+from tests.fake_worker import FakeWorker
+from tests.test_scheduler_basic import EOS, reference, run
+
+
+def make(num_blocks: int, block_size: int = 16, cpu_blocks: int = 0, **kw) -> tuple[Scheduler, FakeWorker]:
+    s = Scheduler(EngineConfig(block_size=block_size, **kw), num_blocks, 100_000, cpu_blocks)
+    return s, FakeWorker(num_blocks, block_size, vocab=EOS, num_cpu_blocks=cpu_blocks)
+
+
+def req(rid, prompt, priority=0, **p):
+    return EngineRequest(rid, prompt, SamplingParams(**p), [EOS], 0.0, priority)
+
+
+def step(s, w):
+    plan = s.schedule()
+    s.update_from_result(w.execute(plan))
+    return plan
+
+
+def test_long_prompt_is_chunked_and_never_stalls_decoders():
+    s, w = make(1024, max_num_batched_tokens=512, max_num_seqs=64)
+    for i in range(32):
+        s.add_request(req(i, [i + 1] * 20, max_tokens=1000, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in s.requests.values()):
+        step(s, w)
+    s.add_request(req(100, list(range(4000)), max_tokens=5))
+    chunks = []
+    while s.requests[100].num_output_tokens == 0:
+        plan = step(s, w)
+        sched = dict(plan.scheduled)
+        assert all(sched.get(i) == 1 for i in range(32)), "a decoder was stalled by the long prompt"
+        chunks.append(sched.get(100, 0))
+        assert sum(sched.values()) <= 512
+    assert sum(chunks) == 4000 and len(chunks) >= 8 and max(chunks) == 512 - 32
+
+
+def test_without_chunking_a_prompt_runs_whole():
+    s, w = make(512, max_num_batched_tokens=2048, enable_chunked_prefill=False)
+    s.add_request(req(0, list(range(1500)), max_tokens=2))
+    plan = step(s, w)
+    assert plan.scheduled == [(0, 1500)]
+    s.add_request(req(1, list(range(3000)), max_tokens=2))
+    assert [u.error_code for u in s.take_updates() if u.req_id == 1] == ["prompt_too_long"]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_shared_system_prompt_hits_the_prefix_cache(caching):
+    s, w = make(512, enable_prefix_caching=caching)
+    system = list(range(100, 612))  # 512 tokens = 32 full blocks
+    for i in range(8):
+        s.add_request(req(i, system + [i, i + 1, i + 2], max_tokens=4))
+        done = run(s, w)
+        assert done[i][0] == reference(system + [i, i + 1, i + 2], 4)
+    st = s.snapshot_stats()
+    if caching:
+        assert st.prefix_cache_hits == 7 * 512
+        assert st.computed_prompt_tokens == 8 * 515 - 7 * 512
+    else:
+        assert st.prefix_cache_hits == 0 and st.computed_prompt_tokens == 8 * 515
+
+
+def test_last_prompt_token_is_always_computed():
+    s, w = make(64, enable_prefix_caching=True)
+    prompt = list(range(32))  # exactly two full blocks
+    s.add_request(req(0, prompt, max_tokens=1))
+    run(s, w)
+    s.add_request(req(1, prompt, max_tokens=1))
+    plan = s.schedule()
+    assert plan.new_requests[0].num_computed_tokens == 16 and plan.scheduled == [(1, 16)]
+
+
+def test_n_samples_share_prompt_blocks_and_copy_on_write():
+    s, w = make(64, block_size=16)
+    prompt = list(range(40))  # 2 full blocks + a partial one
+    s.add_request(req(0, prompt, n=4, max_tokens=3))
+    step(s, w)  # prefill of 39 tokens by sample 0 alone
+    assert set(s.requests) == {0, 1, 2, 3} and s.requests[1].block_ids == []
+    plan = step(s, w)  # fork: all share 3 blocks; the writes copy the partial block
+    tables = [s.requests[i].block_ids for i in range(4)]
+    assert all(t[:2] == tables[0][:2] for t in tables), "full prompt blocks are not shared"
+    assert len({t[2] for t in tables}) == 4, "each sample needs its own last block"
+    assert len(plan.copies) == 3
+    used = s.kv.pool.num_blocks - s.kv.pool.num_free
+    assert used == 2 + 4  # versus 12 without sharing
+    done = run(s, w)
+    assert all(done[i][0] == reference(prompt, 3) for i in range(4))
+
+
+def test_priority_runs_first_and_preempts_the_lowest_latest():
+    s, w = make(10, block_size=4, max_num_seqs=2)
+    s.add_request(req(0, [1] * 4, priority=1, max_tokens=30))
+    s.add_request(req(1, [2] * 4, priority=0, max_tokens=30))
+    s.add_request(req(2, [3] * 4, priority=2, max_tokens=30))
+    plan = step(s, w)
+    assert sorted(r for r, _ in plan.scheduled) == [0, 1]  # priority 2 waits
+    for _ in range(20):
+        step(s, w)
+    # 10 blocks are too few for two sequences of 34 tokens: the priority-1 request goes.
+    assert s.stats.num_preemptions > 0
+    assert s.requests[1].num_preemptions == 0
+    done = run(s, w)
+    for i, p in enumerate(([1] * 4, [2] * 4, [3] * 4)):
+        assert done[i][0] == reference(p, 30)
+
+
+def test_swap_out_and_back_in_preserves_outputs():
+    s, w = make(12, block_size=4, cpu_blocks=32, preemption_mode="swap", max_num_seqs=4)
+    prompts = [[i + 1] * 6 for i in range(4)]
+    for i, p in enumerate(prompts):
+        s.add_request(req(i, p, max_tokens=20))
+    swaps_out = swaps_in = 0
+    outs = {}
+    for _ in range(500):
+        if not s.has_work():
+            break
+        plan = step(s, w)
+        swaps_out += len(plan.swap_out)
+        swaps_in += len(plan.swap_in)
+        for u in s.take_updates():
+            outs.setdefault(u.req_id, []).extend(u.new_token_ids)
+    assert swaps_out > 0 and swaps_in == swaps_out
+    assert s.stats.num_swap_outs > 0 and s.stats.num_swap_ins == s.stats.num_swap_outs
+    assert all(outs[i] == reference(p, 20) for i, p in enumerate(prompts))
+    assert s.check_blocks() is None and len(s.kv.cpu_free) == 32
+
+
+def test_swap_falls_back_to_recompute_when_the_swap_area_is_full():
+    s, w = make(12, block_size=4, cpu_blocks=1, preemption_mode="swap", max_num_seqs=4)
+    for i in range(4):
+        s.add_request(req(i, [i + 1] * 6, max_tokens=20))
+    done = run(s, w)
+    assert s.stats.num_preemptions > s.stats.num_swap_outs
+    assert all(done[i][0] == reference([i + 1] * 6, 20) for i in range(4))
+
+
+def test_abort_of_swapped_and_waiting_requests_frees_everything():
+    s, w = make(12, block_size=4, cpu_blocks=32, preemption_mode="swap", max_num_seqs=8)
+    for i in range(6):
+        s.add_request(req(i, [i + 1] * 6, max_tokens=40))
+    while not s.swapped:
+        step(s, w)
+    s.abort([r.req_id for r in s.swapped] + [rid for _, rid in s.waiting])
+    run(s, w)
+    assert len(s.kv.cpu_free) == 32
