@@ -23,6 +23,7 @@ from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request, Status
 
 Batch = list[tuple[Request, int, list[int]]]  # (request, tokens this step, blocks appended)
+_NO_BLOCKS: list[int] = []
 
 
 class Scheduler:
@@ -128,9 +129,17 @@ class Scheduler:
         batch: Batch = []
         running = self.running
         preempted = False
+        bs, ref_cnt = self.block_size, self.kv.pool.ref_cnt
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            c = req.num_computed_tokens
+            if req.num_tokens - c == 1 and c % bs and (c + 1) % bs and ref_cnt[req.block_ids[-1]] == 1 and not req.children:
+                # Hot path: a decode that writes into its own, not yet full, last block.
+                batch.append((req, 1, _NO_BLOCKS))
+                budget -= 1
+                i += 1
+                continue
             self._maybe_fork(req)
             num_new = min(self._wanted(req), budget)
             if num_new <= 0:
@@ -237,7 +246,7 @@ class Scheduler:
                 replaced.pop(req.req_id, None)
                 req.in_worker = True
             else:
-                moved = replaced.pop(req.req_id, None)
+                moved = replaced.pop(req.req_id, None) if replaced else None
                 if added or moved:
                     cached.append(CachedRequestData(req.req_id, added, moved or []))
             if req.num_computed_tokens < req.num_prompt_tokens:
@@ -253,30 +262,33 @@ class Scheduler:
 
     def update_from_result(self, result: StepResult) -> None:
         logprobs = result.logprobs
+        requests, updates, running_status = self.requests, self.updates, Status.RUNNING
+        finished = False
         for j, (rid, tok) in enumerate(zip(result.req_ids, result.token_ids, strict=True)):
-            req = self.requests.get(rid)
-            if req is None or req.status != Status.RUNNING:
+            req = requests.get(rid)
+            if req is None or req.status != running_status:
                 continue  # aborted or preempted after the step was planned
             req.token_ids.append(tok)
-            self.stats.generation_tokens += 1
             lp = logprobs[j] if logprobs is not None else None
             reason = self._stop_reason(req, tok)
-            self.updates.append(
-                RequestUpdate(
-                    rid, [tok], reason, [lp] if lp is not None else None,
-                    num_cached_tokens=req.num_cached_tokens,
-                )
+            updates.append(
+                RequestUpdate(rid, [tok], reason, None if lp is None else [lp], None, None, req.num_cached_tokens)
             )
             if reason is not None:
                 self._finish(req)
-        self.running = [r for r in self.running if r.status == Status.RUNNING]
+                finished = True
+        self.stats.generation_tokens += len(result.token_ids)
+        if finished:
+            self.running = [r for r in self.running if r.status == running_status]
         self.stats.num_steps += 1
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         # vLLM's order: length caps first, then stop tokens once min_tokens is met.
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        n = len(req.token_ids)
+        n_out = n - req.num_prompt_tokens
+        if n_out >= req.max_tokens or n >= self.max_model_len:
             return "length"
-        if req.num_output_tokens < req.params.min_tokens:
+        if n_out < req.params.min_tokens:
             return None
         if tok in req.eos_token_ids or tok in req.stop_ids:
             return "stop"

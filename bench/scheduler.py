@@ -1,0 +1,81 @@
+"""`noria bench scheduler`: time to plan one step with N running requests.
+
+The scheduler runs alone (no worker): each step is planned, encoded as the
+StepPlan the worker would receive, and answered with one sampled token per
+sequence. Reported per step: plan (schedule()), encode (msgpack), update
+(update_from_result()), as medians over the measured steps. Target: plan
+under 0.5 ms at 256 running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from protocol.codec import Codec
+from protocol.config import EngineConfig
+from protocol.engine import EngineRequest
+from protocol.sampling import SamplingParams
+from protocol.step import SchedulerToWorker, StepResult
+from scheduler.scheduler import Scheduler
+
+
+def measure(num_running: int, num_waiting: int, steps: int) -> dict[str, float]:
+    cfg = EngineConfig(block_size=16, max_num_seqs=num_running, max_num_batched_tokens=max(2048, num_running * 2))
+    prompt_len = 128
+    blocks = num_running * (prompt_len + steps + 64) // 16 + 64
+    s = Scheduler(cfg, blocks, 4096)
+    params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    for i in range(num_running + num_waiting):
+        s.add_request(EngineRequest(i, [(i * 7 + j) % 30000 for j in range(prompt_len)], params, [2], 0.0))
+    codec: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
+
+    def one_step() -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        plan = s.schedule()
+        t1 = time.perf_counter()
+        codec.encode(plan)
+        t2 = time.perf_counter()
+        ids = [rid for rid, _ in plan.scheduled]
+        s.update_from_result(StepResult(plan.step_id, ids, [5] * len(ids)))
+        s.take_updates()
+        t3 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2
+
+    # Warm up until every running request is past its prompt (pure decode steps).
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running) or len(s.running) < num_running:
+        one_step()
+    samples = [one_step() for _ in range(steps)]
+    assert len(s.running) == num_running
+    ms = [[x * 1e3 for x in col] for col in zip(*samples, strict=True)]
+    return {
+        "running": num_running, "waiting": num_waiting,
+        "plan_ms": statistics.median(ms[0]), "encode_ms": statistics.median(ms[1]),
+        "update_ms": statistics.median(ms[2]), "plan_p99_ms": sorted(ms[0])[int(0.99 * (len(ms[0]) - 1))],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="noria bench scheduler")
+    ap.add_argument("--sizes", default="64,256,1024")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args(argv)
+    rows = []
+    for n in (int(x) for x in args.sizes.split(",")):
+        for waiting in (0, n):
+            rows.append(measure(n, waiting, args.steps))
+    print(f"{'running':>8} {'waiting':>8} {'plan ms':>9} {'plan p99':>9} {'encode ms':>10} {'update ms':>10}")
+    for r in rows:
+        print(f"{r['running']:>8} {r['waiting']:>8} {r['plan_ms']:>9.3f} {r['plan_p99_ms']:>9.3f} "
+              f"{r['encode_ms']:>10.3f} {r['update_ms']:>10.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
