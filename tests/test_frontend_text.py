@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.processor import InputProcessor, eos_token_ids
@@ -93,3 +95,12 @@ def test_bad_input_is_named(processor, msg, code, words):
     with pytest.raises(NoriaError) as e:
         processor.process(msg)
     assert e.value.code == code and words in e.value.message
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(5, 700), min_size=1, max_size=30), prompt=st.sampled_from(TEXTS))
+def test_any_token_sequence_streams_to_its_full_decode(demo_tokenizer, ids, prompt):
+    # Random ids include lone bytes of multi-byte characters that never complete.
+    p = demo_tokenizer(prompt)["input_ids"]
+    parts = _stream(IncrementalDetokenizer(demo_tokenizer, p, None), ids)
+    assert "".join(parts) == demo_tokenizer.decode(ids, skip_special_tokens=True)
