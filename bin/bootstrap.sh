@@ -6,7 +6,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 extras="${1:-}"
 python="${NORIA_PYTHON:-python3}"
-want="$(cat "$root/pyproject.toml" "$root"/kernels/requirements-test.txt 2>/dev/null | sha256sum | cut -c1-16)-$extras"
+inputs=("$root/pyproject.toml")
+[ -f "$root/kernels/requirements-test.txt" ] && inputs+=("$root/kernels/requirements-test.txt")
+want="$(cat "${inputs[@]}" | sha256sum | cut -c1-16)-$extras"
 stamp="$venv/.noria-installed"
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"

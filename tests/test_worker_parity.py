@@ -206,10 +206,20 @@ def test_greedy_matches_transformers(arch: str, checkpoints: dict[str, Path]) ->
     assert {rid: got[rid] for rid in expected} == expected
 
 
-@pytest.mark.parametrize(("arch", "tied", "shard"), [("llama", True, False), ("qwen2", False, True),
-                                                     ("qwen3", True, True)])
-def test_tied_and_sharded_checkpoints(arch: str, tied: bool, shard: bool, tmp_path: Path) -> None:
-    path = make_checkpoint(arch, tmp_path / arch, tied=tied, shard=shard, seed=3)
+@pytest.mark.parametrize(
+    ("arch", "tied", "shard", "overrides"),
+    [
+        ("llama", True, False, {}),
+        ("qwen2", False, True, {}),
+        ("qwen3", True, True, {}),
+        ("llama", False, False, {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+        # Sliding window on the second layer only (per-layer windows).
+        ("qwen2", False, False, {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1}),
+    ],
+    ids=["tied", "sharded", "tied-sharded", "linear-rope", "per-layer-window"],
+)
+def test_checkpoint_variants(arch: str, tied: bool, shard: bool, overrides: dict, tmp_path: Path) -> None:
+    path = make_checkpoint(arch, tmp_path / arch, tied=tied, shard=shard, seed=3, **overrides)
     if shard:
         assert (path / "model.safetensors.index.json").is_file()
         assert len(list(path.glob("*.safetensors"))) > 1
