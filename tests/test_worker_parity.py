@@ -294,7 +294,8 @@ def test_missing_weights_are_reported(tmp_path: Path) -> None:
 
 
 def test_sizes(checkpoints: dict[str, Path]) -> None:
-    runner = ModelRunner(EngineConfig(model=str(checkpoints["qwen3"]), max_num_seqs=3, swap_space=0.001))
+    runner = ModelRunner(EngineConfig(model=str(checkpoints["qwen3"]), max_num_seqs=3, swap_space=0.001,
+                                      preemption_mode="swap"))
     # qwen3 tiny: 2 layers, 2 KV heads, head_dim 32, float32 -> 16 KiB per 16-token block.
     assert runner.block_size == 16
     assert runner.max_model_len == 512
@@ -306,3 +307,17 @@ def test_sizes(checkpoints: dict[str, Path]) -> None:
     assert runner.max_model_len == 100
     assert runner.num_kv_blocks == int(0.001 * (1 << 30)) // (2 * 2 * 16 * 2 * 32 * 4)
     assert runner.num_cpu_blocks == 0
+
+
+def test_dtype_and_device_resolution() -> None:
+    from worker.device import resolve_device, resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, torch.bfloat16) == torch.float32  # CPU: float32 whatever the checkpoint
+    assert resolve_dtype("auto", torch.device("cuda"), torch.bfloat16) == torch.bfloat16
+    assert resolve_dtype("bf16", cpu, None) == torch.bfloat16
+    assert resolve_dtype("half", cpu, None) == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("int8", cpu, None)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected

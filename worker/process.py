@@ -16,7 +16,14 @@ import zmq
 from protocol.codec import Codec
 from protocol.config import EngineAddresses, EngineConfig
 from protocol.sockets import make_socket
-from protocol.step import SchedulerToWorker, StepPlan, WorkerFailed, WorkerReady, WorkerShutdown, WorkerToScheduler
+from protocol.step import (
+    SchedulerToWorker,
+    StepPlan,
+    WorkerFailed,
+    WorkerReady,
+    WorkerShutdown,
+    WorkerToScheduler,
+)
 
 log = logging.getLogger("noria.worker")
 

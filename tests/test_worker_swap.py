@@ -1,0 +1,164 @@
+"""Block copies and swaps: exact contents in KVCache, and end to end in ModelRunner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from protocol.config import EngineConfig
+from protocol.sampling import SamplingParams
+from protocol.step import CachedRequestData, NewRequestData, StepPlan
+from tests.tiny_models import load_reference, make_checkpoint, reference_greedy
+from worker.kv_cache import KVCache, KVLayout
+from worker.model_runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _filled_cache(dtype: torch.dtype) -> KVCache:
+    layout = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    cache = KVCache(layout, num_blocks=10, num_cpu_blocks=6, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    cache.device_cache[:, :, :10] = torch.randn(cache.device_cache[:, :, :10].shape, generator=g).to(dtype)
+    cache.cpu_cache.copy_(torch.randn(cache.cpu_cache.shape, generator=g).to(dtype))
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_and_swap_preserve_blocks_exactly(dtype: torch.dtype) -> None:
+    cache = _filled_cache(dtype)
+    dev0, cpu0 = cache.device_cache.clone(), cache.cpu_cache.clone()
+
+    cache.swap_out([(1, 0), (3, 5)])
+    assert torch.equal(cache.cpu_cache[:, :, 0], dev0[:, :, 1])  # every layer, K and V
+    assert torch.equal(cache.cpu_cache[:, :, 5], dev0[:, :, 3])
+    assert torch.equal(cache.cpu_cache[:, :, 1:5], cpu0[:, :, 1:5])
+    assert torch.equal(cache.device_cache, dev0)
+
+    cache.copy_blocks([(2, 7), (4, 8)])
+    expected = dev0.clone()
+    expected[:, :, 7], expected[:, :, 8] = dev0[:, :, 2], dev0[:, :, 4]
+    assert torch.equal(cache.device_cache, expected)
+
+    # Swap back into other device blocks (the originals may have been reused).
+    cache.device_cache[:, :, 1] = 0
+    cache.device_cache[:, :, 3] = 0
+    cache.swap_in([(9, 0), (6, 5)])
+    assert torch.equal(cache.device_cache[:, :, 9], dev0[:, :, 1])
+    assert torch.equal(cache.device_cache[:, :, 6], dev0[:, :, 3])
+    for b in (0, 2, 4, 5, 7, 8):
+        assert torch.equal(cache.device_cache[:, :, b], expected[:, :, b])
+    # The per-layer views the model uses see the same memory.
+    k, v = cache.layer(2)
+    assert torch.equal(k[9], dev0[2, 0, 1]) and torch.equal(v[9], dev0[2, 1, 1])
+
+
+def test_copy_reads_all_sources_before_writing() -> None:
+    cache = _filled_cache(torch.float32)
+    dev0 = cache.device_cache.clone()
+    cache.copy_blocks([(1, 2), (2, 3)])  # a chain: 3 gets 2's old content, not 1's
+    assert torch.equal(cache.device_cache[:, :, 2], dev0[:, :, 1])
+    assert torch.equal(cache.device_cache[:, :, 3], dev0[:, :, 2])
+
+
+def test_bad_block_ids_are_rejected() -> None:
+    cache = _filled_cache(torch.float32)
+    with pytest.raises(ValueError, match="block id out of range"):
+        cache.copy_blocks([(1, 10)])  # 10 is the null block: never the scheduler's
+    with pytest.raises(ValueError, match="CPU block id out of range"):
+        cache.swap_out([(1, 6)])
+    with pytest.raises(ValueError, match="block id out of range"):
+        cache.swap_in([(-1, 0)])
+
+
+def test_null_block_stays_zero_and_fresh_blocks_are_zeroed() -> None:
+    cache = _filled_cache(torch.float32)
+    assert not cache.device_cache[:, :, 10].any()
+    cache.device_cache[:, :, 4] = float("nan")
+    cache.zero_new_blocks([4, 5])
+    assert not cache.device_cache[:, :, 4].any() and not cache.device_cache[:, :, 5].any()
+    cache.device_cache[:, :, 4] = 1.0
+    cache.zero_new_blocks([4])  # already in use once: left alone
+    assert bool((cache.device_cache[:, :, 4] == 1.0).all())
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("qwen2", tmp_path_factory.mktemp("ckpt") / "qwen2", seed=5)
+
+
+def _runner(path: Path) -> ModelRunner:
+    return ModelRunner(EngineConfig(model=str(path), num_kv_blocks=16, swap_space=0.001, num_threads=2,
+                                    preemption_mode="swap"))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_swap_preemption_matches_transformers(qwen2: Path) -> None:
+    """A is swapped out mid-decode, its device blocks are overwritten by B, and
+    it comes back in different blocks; its output is unchanged."""
+    ref = load_reference(qwen2)
+    pa, pb = _prompt(37, 1), _prompt(45, 2)
+    runner = _runner(qwen2)
+    out_a: list[int] = []
+    step = 0
+
+    def run(plan_kw: dict) -> list[int]:
+        nonlocal step
+        result = runner.execute(StepPlan(step_id=step, **plan_kw))
+        step += 1
+        return result.token_ids
+
+    out_a += run({"scheduled": [(0, 37)], "new_requests": [NewRequestData(0, pa, [0, 1, 2], 0, GREEDY, 37)]})
+    for _ in range(4):
+        out_a += run({"scheduled": [(0, 1)]})
+    # Preempt A: drop it from the worker and move its 3 blocks to CPU blocks 4, 0, 2.
+    tokens_a = pa + out_a
+    out_b = run({"scheduled": [(1, 45)], "finished_req_ids": [0], "swap_out": [(0, 4), (1, 0), (2, 2)],
+                 "new_requests": [NewRequestData(1, pb, [2, 0, 1, 3], 0, GREEDY, 45)]})
+    for _ in range(3):
+        out_b += run({"scheduled": [(1, 1)]})
+    # Resume A in fresh blocks; its last sampled token is not computed yet.
+    resumed = NewRequestData(0, tokens_a, [7, 5, 9], len(tokens_a) - 1, GREEDY, 37)
+    toks = run({"scheduled": [(1, 1), (0, 1)], "new_requests": [resumed], "swap_in": [(7, 4), (5, 0), (9, 2)]})
+    out_b.append(toks[0])
+    out_a.append(toks[1])
+    for _ in range(3):
+        toks = run({"scheduled": [(0, 1), (1, 1)]})
+        out_a.append(toks[0])
+        out_b.append(toks[1])
+    assert out_a == reference_greedy(ref, pa, len(out_a))
+    assert out_b == reference_greedy(ref, pb, len(out_b))
+
+
+def test_copy_on_write_replaced_entry_matches_transformers(qwen2: Path) -> None:
+    """B forks from A sharing every block, including A's partial last block; on
+    B's first write the scheduler copies that block and replaces B's entry."""
+    ref = load_reference(qwen2)
+    prompt = _prompt(40, 3)  # 2 full blocks + 8 tokens in the third
+    runner = _runner(qwen2)
+    first = runner.execute(StepPlan(0, [(0, 40)], new_requests=[NewRequestData(0, prompt, [0, 1, 2], 0, GREEDY, 40)]))
+    t_a = first.token_ids[0]
+    t_b = (t_a + 1) % 512  # B continues from a different token than A
+    fork = NewRequestData(1, prompt + [t_b], [0, 1, 2], 40, GREEDY, 40)
+    # A writes its position 40 into the shared block 2 (B is known but idle).
+    out_a = [t_a, *runner.execute(StepPlan(1, [(0, 1)], new_requests=[fork])).token_ids]
+    # B's first write: copy block 2 to block 3 and point B's entry 2 at it. The
+    # copy also carries A's position 40, which B's own write then replaces.
+    res = runner.execute(StepPlan(2, [(0, 1), (1, 1)], copies=[(2, 3)],
+                                  cached_requests=[CachedRequestData(1, [], [(2, 3)])]))
+    out_a.append(res.token_ids[0])
+    out_b = [t_b, res.token_ids[1]]
+    for step in range(3, 7):
+        res = runner.execute(StepPlan(step, [(0, 1), (1, 1)]))
+        out_a.append(res.token_ids[0])
+        out_b.append(res.token_ids[1])
+    assert out_a == reference_greedy(ref, prompt, len(out_a))
+    assert out_b[1:] == reference_greedy(ref, prompt + [t_b], len(out_b) - 1)
+    # A's own block 2 is untouched by B's writes.
+    assert runner.block_tables.table[runner.requests[0].row, :3].tolist() == [0, 1, 2]
+    assert runner.block_tables.table[runner.requests[1].row, :3].tolist() == [0, 1, 3]

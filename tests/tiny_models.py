@@ -1,0 +1,132 @@
+"""Tiny seeded random checkpoints of the supported architectures, for tests.
+
+Plain functions (no pytest), so any test can build a checkpoint folder:
+
+    path = make_checkpoint("qwen3", tmp_path / "qwen3", tied=True, shard=True)
+
+The folders hold config.json + safetensors weights exactly as `save_pretrained`
+writes them; no tokenizer. Weights come from transformers' own initialization
+under `torch.manual_seed(seed)`, with a larger initializer range than the
+default so that attention and context visibly change the greedy output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# "llama3" is Llama with Llama 3.1 rope scaling; kept apart from ARCHS so the
+# four families stay the default set.
+ALL_ARCHS = (*ARCHS, "llama3")
+
+VOCAB_SIZE = 512
+EOS_TOKEN_ID = 2
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.1,
+    "bos_token_id": 1,
+    "eos_token_id": EOS_TOKEN_ID,
+}
+
+
+def tiny_config(arch: str, *, tied: bool = False, **overrides: Any) -> Any:
+    """A transformers config for a tiny model of `arch` (one of ALL_ARCHS)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    kwargs: dict[str, Any] = {**_COMMON, "tie_word_embeddings": tied}
+    if arch in ("llama", "llama3"):
+        cls: Any = LlamaConfig
+        if arch == "llama3":
+            kwargs["rope_parameters"] = {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                # Small enough that some of the tiny model's frequencies get scaled.
+                "original_max_position_embeddings": 64,
+            }
+    elif arch == "mistral":
+        cls = MistralConfig
+        # A window shorter than the longer test prompts exercises window masking.
+        kwargs["sliding_window"] = 48
+    elif arch == "qwen2":
+        cls = Qwen2Config
+    elif arch == "qwen3":
+        cls = Qwen3Config
+        # head_dim deliberately differs from hidden_size / num_attention_heads.
+        kwargs["head_dim"] = 32
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ALL_ARCHS}")
+    cfg = cls(**{**kwargs, **overrides})
+    return cfg
+
+
+def make_model(arch: str, *, tied: bool = False, seed: int = 0, **overrides: Any) -> Any:
+    """The transformers model (float32, eval mode) with seeded random weights."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(arch, tied=tied, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.eval()
+
+
+def make_checkpoint(
+    arch: str,
+    path: str | Path,
+    *,
+    tied: bool = False,
+    shard: bool = False,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """Save a tiny seeded `arch` checkpoint into `path` and return it.
+
+    `shard=True` splits the weights over several files with an index
+    (model.safetensors.index.json); `tied=True` ties lm_head to the embeddings,
+    so the checkpoint has no lm_head tensor.
+    """
+    path = Path(path)
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    model = make_model(arch, tied=tied, seed=seed, **overrides)
+    model.save_pretrained(str(path), max_shard_size="100KB" if shard else "50GB")
+    return path
+
+
+def load_reference(path: str | Path) -> Any:
+    """Load a checkpoint folder with transformers for reference outputs (EOS disabled)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def reference_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt (no EOS stop)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

@@ -1,0 +1,241 @@
+"""Paged attention over a ragged batch: metadata, the backend interface, the torch backend.
+
+The torch backend runs on CPU and GPU and is the reference for kernel backends.
+KV cache per layer: K and V tensors of shape [num_blocks, block_size, num_kv_heads,
+head_dim]. The tensors hold one block more than the scheduler knows of: that last
+"null block" is always zero and pads block tables, so a batched gather never reads
+memory that was not written (see kv_cache.py for how fresh blocks are zeroed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout; shared by every layer.
+
+    `*_host` lists mirror device tensors so per-sequence loops never sync the device.
+    """
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, slot = block * block_size + offset
+    query_start_loc: torch.Tensor  # [B + 1] int64, cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int64, context + new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with the null block
+    block_size: int
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    query_start_host: list[int]
+    backend_data: Any = field(default=None, repr=False)  # filled by AttentionBackend.prepare
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """Static facts about one attention layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Precompute per-step data (gather indices, masks) once for all layers."""
+
+    def forward(
+        self,
+        layer: LayerAttention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] (new tokens). Writes k, v into the cache
+        at `meta.slot_mapping` and returns the attention output [T, H, D]."""
+        ...
+
+
+@dataclass
+class _PrefillSeq:
+    row: int
+    start: int
+    num_query: int
+    context: int  # tokens whose KV was already cached before this step
+    block_ids: torch.Tensor | None  # blocks covering the sequence; None when context == 0
+
+
+@dataclass
+class _TorchPlan:
+    decode_tokens: torch.Tensor | None  # flat token index of each decode row; None = all tokens
+    decode_blocks: torch.Tensor | None  # [Bd * max_blocks] block ids to gather
+    decode_shape: tuple[int, int]  # (Bd, padded key length)
+    decode_seq_lens: torch.Tensor | None  # [Bd]
+    prefills: list[_PrefillSeq]
+    masks: dict[tuple[Any, ...], torch.Tensor | None] = field(default_factory=dict)
+
+
+class TorchAttentionBackend:
+    """Decode rows (one query token) go through one batched gather + one SDPA call;
+    every other sequence (prefill chunks, prefix hits) gets its own SDPA call."""
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        bs = meta.block_size
+        decode_rows = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
+        prefill_rows = [i for i, n in enumerate(meta.query_lens_host) if n != 1]
+        decode_tokens = decode_blocks = decode_seq_lens = None
+        decode_shape = (0, 0)
+        if decode_rows:
+            max_len = max(meta.seq_lens_host[i] for i in decode_rows)
+            num_blocks = -(-max_len // bs)
+            tables = meta.block_tables[:, :num_blocks]
+            decode_seq_lens = meta.seq_lens
+            if prefill_rows:
+                rows = torch.tensor(decode_rows, device=meta.block_tables.device)
+                tables = tables[rows]
+                decode_seq_lens = meta.seq_lens[rows]
+                decode_tokens = meta.query_start_loc[rows]
+            decode_blocks = tables.reshape(-1)
+            decode_shape = (len(decode_rows), num_blocks * bs)
+        prefills = []
+        for i in prefill_rows:
+            n, seq_len = meta.query_lens_host[i], meta.seq_lens_host[i]
+            context = seq_len - n
+            blocks = meta.block_tables[i, : -(-seq_len // bs)] if context else None
+            prefills.append(_PrefillSeq(i, meta.query_start_host[i], n, context, blocks))
+        meta.backend_data = _TorchPlan(decode_tokens, decode_blocks, decode_shape, decode_seq_lens, prefills)
+
+    def forward(
+        self,
+        layer: LayerAttention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        plan: _TorchPlan = meta.backend_data
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if plan.decode_blocks is not None and not plan.prefills:
+            return self._decode(layer, q, k_cache, v_cache, plan)
+        out = torch.empty_like(q)
+        if plan.decode_blocks is not None:
+            out[plan.decode_tokens] = self._decode(layer, q[plan.decode_tokens], k_cache, v_cache, plan)
+        for seq in plan.prefills:
+            end = seq.start + seq.num_query
+            out[seq.start : end] = self._prefill(layer, q[seq.start : end], k[seq.start : end],
+                                                 v[seq.start : end], k_cache, v_cache, seq, plan)
+        return out
+
+    def _decode(
+        self,
+        layer: LayerAttention,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: _TorchPlan,
+    ) -> torch.Tensor:
+        batch, length = plan.decode_shape
+        kvh, d = layer.num_kv_heads, layer.head_dim
+        # Gather whole blocks (contiguous memcpy per block) rather than single slots.
+        keys = k_cache.index_select(0, plan.decode_blocks).view(batch, length, kvh, d).transpose(1, 2)
+        values = v_cache.index_select(0, plan.decode_blocks).view(batch, length, kvh, d).transpose(1, 2)
+        # Fold the query heads of a KV group into the query-length axis so K/V
+        # are never repeated for GQA: [B, KVH, G, D] against [B, KVH, L, D].
+        queries = q.reshape(batch, kvh, layer.num_heads // kvh, d)
+        mask = self._decode_mask(plan, layer.sliding_window, length, q.device)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=layer.scale)
+        return out.reshape(batch, layer.num_heads, d)
+
+    @staticmethod
+    def _decode_mask(plan: _TorchPlan, window: int | None, length: int, device: torch.device) -> torch.Tensor:
+        key = ("decode", window)
+        mask = plan.masks.get(key)
+        if mask is None:
+            assert plan.decode_seq_lens is not None
+            pos = torch.arange(length, device=device)
+            seq_lens = plan.decode_seq_lens[:, None]
+            # Keys past seq_len are the unwritten tail of the last block or padding blocks.
+            mask = pos[None, :] < seq_lens
+            if window is not None:
+                mask &= pos[None, :] > seq_lens - 1 - window
+            mask = mask[:, None, None, :]
+            plan.masks[key] = mask
+        return mask
+
+    def _prefill(
+        self,
+        layer: LayerAttention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq: _PrefillSeq,
+        plan: _TorchPlan,
+    ) -> torch.Tensor:
+        seq_len = seq.context + seq.num_query
+        if seq.block_ids is None:
+            keys, values = k, v  # nothing cached yet: the new tokens are the whole sequence
+        else:
+            kvh, d = layer.num_kv_heads, layer.head_dim
+            keys = k_cache.index_select(0, seq.block_ids).view(-1, kvh, d)[:seq_len]
+            values = v_cache.index_select(0, seq.block_ids).view(-1, kvh, d)[:seq_len]
+        mask = self._prefill_mask(plan, seq, layer.sliding_window, q.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )
+        return out[0].transpose(0, 1)
+
+    @staticmethod
+    def _prefill_mask(
+        plan: _TorchPlan, seq: _PrefillSeq, window: int | None, device: torch.device
+    ) -> torch.Tensor | None:
+        if seq.context == 0 and window is None:
+            return None  # plain causal: SDPA's is_causal is the fast path
+        key = ("prefill", seq.row, window)
+        if key not in plan.masks:
+            # Query i sits at position context + i and sees keys 0..context + i.
+            q_pos = torch.arange(seq.context, seq.context + seq.num_query, device=device)[:, None]
+            k_pos = torch.arange(seq.context + seq.num_query, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            plan.masks[key] = mask
+        return plan.masks[key]
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Scatter new K/V rows [T, KVH, D] into the paged cache (reshape_and_cache)."""
+    kvh, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+
+
+def get_attention_backend(device: torch.device) -> AttentionBackend:
+    """Pick the backend for `device`. Only the torch backend exists today; a CUDA
+    kernel backend plugs in here behind the same interface."""
+    del device
+    return TorchAttentionBackend()

@@ -1,0 +1,40 @@
+"""Device and dtype resolution for the worker."""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was requested but torch sees no CUDA device")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    """`auto` is float32 on CPU (half-precision matmuls are slow there and break
+    parity with transformers); on a GPU it is the checkpoint's own dtype."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; expected auto or one of {sorted(_DTYPES)}")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint_dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return checkpoint_dtype
+    return torch.float32

@@ -1,0 +1,136 @@
+"""Device KV cache and CPU swap area: sizing, allocation, block copies and swaps.
+
+Both live in one tensor each, [num_layers, 2 (K, V), num_blocks, block_size,
+num_kv_heads, head_dim], so a copy or swap of any set of blocks is a single
+index_select + index_copy_ over every layer, K and V at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from protocol.config import EngineConfig
+
+GiB = 1 << 30
+DEFAULT_KV_CACHE_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def num_device_blocks(config: EngineConfig, layout: KVLayout, max_model_len: int) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory is not None:
+        blocks = int(config.kv_cache_memory * GiB) // layout.bytes_per_block
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} GiB holds no KV block "
+                f"({layout.bytes_per_block} bytes each)"
+            )
+        return blocks
+    # Enough for every sequence at full length, but never more than a modest
+    # default, so that an idle server does not reserve the whole machine.
+    per_seq = -(-max_model_len // layout.block_size)
+    cap = max(1, int(DEFAULT_KV_CACHE_GIB * GiB) // layout.bytes_per_block)
+    return min(config.max_num_seqs * per_seq, cap)
+
+
+def num_swap_blocks(config: EngineConfig, layout: KVLayout) -> int:
+    # Only swap preemption uses the area; pinned host memory is not free on a GPU host.
+    if config.preemption_mode != "swap":
+        return 0
+    return int(config.swap_space * GiB) // layout.bytes_per_block
+
+
+class KVCache:
+    """Device cache with a trailing zero "null block", plus the CPU swap area."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, num_cpu_blocks: int, device: torch.device) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.null_block = num_blocks
+        shape = (layout.num_layers, 2, num_blocks + 1, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        # torch.empty: untouched pages cost nothing until a block is first used.
+        self.device_cache = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.device_cache[:, :, self.null_block].zero_()
+        # A block's unwritten tail is read (and masked) by batched decode; zeroing
+        # each block on first use keeps NaN garbage out of `0 * value`.
+        self._initialized = bytearray(num_blocks)
+        cpu_shape = (layout.num_layers, 2, num_cpu_blocks, *shape[3:])
+        self.cpu_cache = torch.empty(
+            cpu_shape, dtype=layout.dtype, device="cpu", pin_memory=device.type == "cuda"
+        )
+        self.device = device
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V cache of one layer, each [num_blocks + 1, block_size, num_kv_heads, head_dim]."""
+        return self.device_cache[index, 0], self.device_cache[index, 1]
+
+    def check_blocks(self, block_ids: list[int], what: str) -> None:
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+            raise ValueError(f"{what}: block id out of range [0, {self.num_blocks}): {block_ids}")
+
+    def zero_new_blocks(self, block_ids: list[int]) -> None:
+        """Zero the blocks in `block_ids` that have never been used before."""
+        fresh = [b for b in block_ids if not self._initialized[b]]
+        if not fresh:
+            return
+        for b in fresh:
+            self._initialized[b] = 1
+        self.device_cache.index_fill_(2, self._index(fresh), 0)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Device block src -> dst for every (src, dst) pair (copy-on-write)."""
+        if not pairs:
+            return
+        src, dst = zip(*pairs, strict=True)
+        self.check_blocks([*src, *dst], "copies")
+        self._mark([*dst])
+        self.device_cache.index_copy_(2, self._index(dst), self.device_cache.index_select(2, self._index(src)))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Device block -> CPU block for every (device_block, cpu_block) pair."""
+        if not pairs:
+            return
+        dev, cpu = zip(*pairs, strict=True)
+        self.check_blocks([*dev], "swap_out")
+        self._check_cpu([*cpu], "swap_out")
+        moved = self.device_cache.index_select(2, self._index(dev)).to("cpu")
+        self.cpu_cache.index_copy_(2, torch.tensor(cpu, dtype=torch.long), moved)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """CPU block -> device block for every (device_block, cpu_block) pair."""
+        if not pairs:
+            return
+        dev, cpu = zip(*pairs, strict=True)
+        self.check_blocks([*dev], "swap_in")
+        self._check_cpu([*cpu], "swap_in")
+        self._mark([*dev])
+        moved = self.cpu_cache.index_select(2, torch.tensor(cpu, dtype=torch.long))
+        self.device_cache.index_copy_(2, self._index(dev), moved.to(self.device, non_blocking=True))
+
+    def _check_cpu(self, block_ids: list[int], what: str) -> None:
+        if min(block_ids) < 0 or max(block_ids) >= self.num_cpu_blocks:
+            raise ValueError(f"{what}: CPU block id out of range [0, {self.num_cpu_blocks}): {block_ids}")
+
+    def _mark(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            self._initialized[b] = 1
+
+    def _index(self, ids: list[int] | tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.device)

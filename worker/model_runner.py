@@ -1,0 +1,238 @@
+"""The step executor: applies a StepPlan to per-request state, runs one forward
+pass over the ragged batch and samples.
+
+Per step: forget finished requests, register new ones, extend block tables,
+move KV blocks (swap out, swap in, copy-on-write), build the flattened batch
+and its attention metadata, run the model, sample for requests whose computed
+tokens caught up with their known tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from protocol.config import EngineConfig
+from protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
+from worker.attention import AttentionMetadata, get_attention_backend
+from worker.block_table import BlockTables
+from worker.device import resolve_device, resolve_dtype
+from worker.kv_cache import KVCache, KVLayout, num_device_blocks, num_swap_blocks
+from worker.loader import load_model, load_spec
+from worker.sampler import Sampler, SamplingState
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_id: int
+    token_ids: list[int]
+    num_computed_tokens: int
+    row: int  # row in BlockTables
+    sampling: SamplingState
+
+
+@dataclass(slots=True)
+class _Batch:
+    input_ids: torch.Tensor
+    meta: AttentionMetadata
+    states: list[RequestState]
+    sample_requests: list[RequestState]
+    sample_token_index: torch.Tensor  # flat index of each sampling request's last token
+
+
+class ModelRunner:
+    """Owns the model, the KV cache and every request's worker-side state.
+
+    Attributes the process loop reports in WorkerReady: `num_kv_blocks` (device
+    blocks the scheduler may hand out), `num_cpu_blocks` (swap area),
+    `vocab_size`, `max_model_len`, `block_size`.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        if config.tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not implemented by the worker yet")
+        self.config = config
+        self.rank = rank
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        torch.manual_seed(config.seed)
+        self.device = resolve_device(config.device)
+        self.spec = load_spec(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.spec.checkpoint_dtype)
+        self.model = load_model(config.model, self.spec, self.device, self.dtype)
+
+        self.vocab_size = self.spec.vocab_size
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
+        if self.max_model_len > self.spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.spec.max_position_embeddings}"
+            )
+        layout = KVLayout(self.spec.num_layers, self.block_size, self.spec.num_kv_heads,
+                          self.spec.head_dim, self.dtype)
+        self.num_kv_blocks = num_device_blocks(config, layout, self.max_model_len)
+        self.num_cpu_blocks = num_swap_blocks(config, layout)
+        self.kv_cache = KVCache(layout, self.num_kv_blocks, self.num_cpu_blocks, self.device)
+        self._kv_layers = [self.kv_cache.layer(i) for i in range(self.spec.num_layers)]
+
+        self.attention = get_attention_backend(self.device)
+        self.sampler = Sampler(self.vocab_size, self.device, config.seed)
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.block_tables = BlockTables(max_blocks, self.kv_cache.null_block)
+        self.requests: dict[int, RequestState] = {}
+
+    # -- public -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. Raises (KeyError/ValueError with the step and request
+        named) on a plan that does not fit the worker's state."""
+        start = time.perf_counter()
+        for req_id in plan.finished_req_ids:
+            self._drop(req_id)
+        for new in plan.new_requests:
+            self._add(new)
+        for cached in plan.cached_requests:
+            self._update(cached, plan.step_id)
+        # The order the protocol fixes (see StepPlan).
+        self.kv_cache.swap_out(plan.swap_out)
+        self.kv_cache.swap_in(plan.swap_in)
+        self.kv_cache.copy_blocks(plan.copies)
+        if not plan.scheduled:
+            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
+
+        batch = self._prepare(plan)
+        hidden = self.model(batch.input_ids, batch.meta.positions, batch.meta, self.attention, self._kv_layers)
+        # Advanced only once the forward pass has written the KV.
+        for state, seq_len in zip(batch.states, batch.meta.seq_lens_host, strict=True):
+            state.num_computed_tokens = seq_len
+        if not batch.sample_requests:
+            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[],
+                              forward_time=time.perf_counter() - start)
+        logits = self.model.compute_logits(hidden[batch.sample_token_index])
+        tokens, logprobs = self.sampler.sample(logits, [r.sampling for r in batch.sample_requests])
+        for state, token in zip(batch.sample_requests, tokens, strict=True):
+            state.token_ids.append(token)
+        return StepResult(
+            step_id=plan.step_id,
+            req_ids=[r.req_id for r in batch.sample_requests],
+            token_ids=tokens,
+            logprobs=logprobs,
+            forward_time=time.perf_counter() - start,
+        )
+
+    # -- request state ----------------------------------------------------------
+
+    def _add(self, new: NewRequestData) -> None:
+        # A request seen before (e.g. preempted and resumed) is rebuilt from scratch.
+        self._drop(new.req_id)
+        what = f"request {new.req_id}"
+        if not new.token_ids:
+            raise ValueError(f"{what}: no token ids")
+        if not 0 <= new.num_computed_tokens <= len(new.token_ids):
+            raise ValueError(f"{what}: num_computed_tokens {new.num_computed_tokens} outside "
+                             f"[0, {len(new.token_ids)}]")
+        bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what}: token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
+        self.kv_cache.check_blocks(new.block_ids, what)
+        self.kv_cache.zero_new_blocks(new.block_ids)
+        sampling = SamplingState(new.params, new.token_ids, new.num_prompt_tokens, new.eos_token_ids,
+                                 self.vocab_size, self.device)
+        self.requests[new.req_id] = RequestState(
+            req_id=new.req_id,
+            token_ids=list(new.token_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            row=self.block_tables.add(new.block_ids),
+            sampling=sampling,
+        )
+
+    def _update(self, cached: CachedRequestData, step_id: int) -> None:
+        state = self._get(cached.req_id, step_id)
+        what = f"step {step_id} request {cached.req_id}"
+        changed = [b for _, b in cached.replaced] + cached.new_block_ids
+        self.kv_cache.check_blocks(changed, what)
+        self.kv_cache.zero_new_blocks(changed)
+        for index, block in cached.replaced:
+            self.block_tables.replace(state.row, index, block, what)
+        self.block_tables.append(state.row, cached.new_block_ids)
+
+    def _drop(self, req_id: int) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.block_tables.free(state.row)
+
+    def _get(self, req_id: int, step_id: int) -> RequestState:
+        state = self.requests.get(req_id)
+        if state is None:
+            raise KeyError(f"step {step_id} refers to request {req_id}, which the worker does not know")
+        return state
+
+    # -- batch construction -----------------------------------------------------
+
+    def _prepare(self, plan: StepPlan) -> _Batch:
+        bs = self.block_size
+        states: list[RequestState] = []
+        input_ids: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        for req_id, n in plan.scheduled:
+            state = self._get(req_id, plan.step_id)
+            c = state.num_computed_tokens
+            if n < 1 or c + n > len(state.token_ids):
+                raise ValueError(f"step {plan.step_id}: request {req_id} schedules {n} tokens with "
+                                 f"{c} of {len(state.token_ids)} computed")
+            if c + n > self.block_tables.num_blocks[state.row] * bs:
+                raise ValueError(f"step {plan.step_id}: request {req_id} needs {-(-(c + n) // bs)} blocks "
+                                 f"but has {self.block_tables.num_blocks[state.row]}")
+            states.append(state)
+            input_ids.extend(state.token_ids[c : c + n])
+            query_lens.append(n)
+            context_lens.append(c)
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError(f"step {plan.step_id}: a request is scheduled twice")
+
+        seq_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
+        query_start = [0, *accumulate(query_lens)]
+        block_tables = self.block_tables.gather([s.row for s in states], -(-max(seq_lens) // bs))
+        num_seqs = len(states)
+        if len(input_ids) == num_seqs:  # decode-only: one token per sequence
+            positions = torch.tensor(context_lens, dtype=torch.long)
+            seq_index = torch.arange(num_seqs)
+        else:
+            q_lens = torch.tensor(query_lens, dtype=torch.long)
+            offsets = torch.tensor(context_lens, dtype=torch.long) - torch.tensor(query_start[:-1])
+            positions = torch.arange(len(input_ids)) + torch.repeat_interleave(offsets, q_lens)
+            seq_index = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
+        slots = block_tables[seq_index, positions // bs] * bs + positions % bs
+
+        sample_requests, sample_index = [], []
+        for i, state in enumerate(states):
+            if seq_lens[i] == len(state.token_ids):
+                sample_requests.append(state)
+                sample_index.append(query_start[i + 1] - 1)
+
+        dev = self.device
+        meta = AttentionMetadata(
+            positions=positions.to(dev),
+            slot_mapping=slots.to(dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.long, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            block_tables=block_tables.to(dev),
+            block_size=bs,
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+            query_start_host=query_start,
+        )
+        self.attention.prepare(meta)
+        return _Batch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            meta=meta,
+            states=states,
+            sample_requests=sample_requests,
+            sample_token_index=torch.tensor(sample_index, dtype=torch.long, device=dev),
+        )

@@ -1,0 +1,1 @@
+"""Model implementations, keyed by the `architectures` name in config.json."""

@@ -1,0 +1,215 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a ragged, flattened batch.
+
+Differences inside the family are data in `ModelSpec`: q/k/v and o_proj biases
+(Qwen2), per-head q/k RMSNorm (Qwen3), explicit head_dim, sliding windows
+(Mistral), rope scaling (Llama 3.1) and tied embeddings.
+q/k/v and gate/up are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionBackend, AttentionMetadata, LayerAttention
+from worker.models.layers import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
+from worker.models.spec import ModelSpec
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class StepContext:
+    """What every layer needs for one forward pass besides its input."""
+
+    def __init__(
+        self,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        self.meta = meta
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.cos = cos
+        self.sin = sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+        super().__init__()
+        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.layer_index = layer_index
+        self.q_size, self.kv_size = h * d, kvh * d
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, spec.hidden_size)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if spec.qkv_bias else None
+        self.o_proj = _param(spec.hidden_size, self.q_size)
+        self.o_bias = _param(spec.hidden_size) if spec.o_bias else None
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
+        self.attn = LayerAttention(h, kvh, d, d**-0.5, spec.sliding_windows[layer_index])
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        t = x.shape[0]
+        a = self.attn
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(t, a.num_heads, a.head_dim)
+        k = k.view(t, a.num_kv_heads, a.head_dim)
+        v = v.view(t, a.num_kv_heads, a.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, ctx.cos, ctx.sin)
+        k = apply_rope(k, ctx.cos, ctx.sin)
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        out = ctx.backend.forward(a, q, k, v.contiguous(), k_cache, v_cache, ctx.meta)
+        return F.linear(out.reshape(t, self.q_size), self.o_proj, self.o_bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = _param(2 * spec.intermediate_size, spec.hidden_size)
+        self.gate_up_bias = _param(2 * spec.intermediate_size) if spec.mlp_bias else None
+        self.down_proj = _param(spec.hidden_size, spec.intermediate_size)
+        self.down_bias = _param(spec.hidden_size) if spec.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj, self.gate_up_bias)), self.down_proj, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, layer_index)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Checkpoint name suffix -> (our fused parameter, which slice of it).
+_FUSED = {
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj", 2),
+    "self_attn.q_proj.bias": ("self_attn.qkv_bias", 0),
+    "self_attn.k_proj.bias": ("self_attn.qkv_bias", 1),
+    "self_attn.v_proj.bias": ("self_attn.qkv_bias", 2),
+    "self_attn.o_proj.weight": ("self_attn.o_proj", None),
+    "self_attn.o_proj.bias": ("self_attn.o_bias", None),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj", 1),
+    "mlp.gate_proj.bias": ("mlp.gate_up_bias", 0),
+    "mlp.up_proj.bias": ("mlp.gate_up_bias", 1),
+    "mlp.down_proj.weight": ("mlp.down_proj", None),
+    "mlp.down_proj.bias": ("mlp.down_bias", None),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = _param(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else _param(spec.vocab_size, spec.hidden_size)
+        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] of a ragged batch of T tokens."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        ctx = StepContext(meta, backend, kv_caches, cos, sin)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    # -- weight loading -------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (transformers names) into the fused parameters.
+
+        Raises ValueError on unknown names, shape mismatches and missing tensors.
+        """
+        params = dict(self.named_parameters())
+        filled: set[tuple[str, int | None]] = set()
+        for name, tensor in weights:
+            target = self._target(name)
+            if target is None:
+                continue
+            pname, shard = target
+            if pname not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.spec.architecture} "
+                                 f"(maps to {pname!r}); is the config consistent with the weights?")
+            dest = self._shard_view(params[pname], pname, shard)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled.add((pname, shard))
+        counts = Counter(p for p, _ in filled)
+        missing = [p for p in params if counts[p] < self._num_shards(p)]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+
+    def _target(self, name: str) -> tuple[str, int | None] | None:
+        if "rotary_emb.inv_freq" in name:
+            return None  # old checkpoints store this buffer; it is recomputed
+        if name == "lm_head.weight":
+            return None if self.lm_head is None else ("lm_head", None)
+        name = name.removeprefix("model.")
+        if name == "embed_tokens.weight":
+            return "embed_tokens", None
+        if name == "norm.weight":
+            return "norm.weight", None
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            if rest in _FUSED:
+                pname, shard = _FUSED[rest]
+                return f"layers.{index}.{pname}", shard
+            return f"layers.{index}.{rest}", None  # norms map one to one
+        raise ValueError(f"unexpected checkpoint tensor {name!r} for {self.spec.architecture}")
+
+    def _shard_view(self, param: torch.Tensor, pname: str, shard: int | None) -> torch.Tensor:
+        if shard is None:
+            return param.data
+        spec = self.spec
+        if pname.endswith(("qkv_proj", "qkv_bias")):
+            q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            start, size = ((0, q), (q, kv), (q + kv, kv))[shard]
+        else:
+            size = spec.intermediate_size
+            start = shard * size
+        return param.data.narrow(0, start, size)
+
+    @staticmethod
+    def _num_shards(pname: str) -> int:
+        if pname.endswith(("qkv_proj", "qkv_bias")):
+            return 3
+        if pname.endswith(("gate_up_proj", "gate_up_bias")):
+            return 2
+        return 1

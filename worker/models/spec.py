@@ -1,0 +1,171 @@
+"""The architecture facts a model needs, read once from a Hugging Face config.
+
+Keeping them in one frozen dataclass means the model code never pokes at
+`PretrainedConfig` attributes, whose names drift between transformers versions
+(`rope_theta`/`rope_scaling` became `rope_parameters`, `torch_dtype` became `dtype`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    rope: RopeSpec
+    sliding_windows: tuple[int | None, ...]  # one per layer; None = full attention
+    checkpoint_dtype: torch.dtype | None
+    eos_token_ids: tuple[int, ...]
+
+
+def _rope_spec(cfg: Any) -> RopeSpec:
+    # transformers >= 5 folds theta and scaling into `rope_parameters`; older
+    # versions keep `rope_theta` and an optional `rope_scaling` dict.
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    scaling = getattr(cfg, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        params = {**scaling, **params}
+    theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    return RopeSpec(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", getattr(cfg, "max_position_embeddings", 8192))
+        ),
+    )
+
+
+def _sliding_windows(cfg: Any, arch: str, num_layers: int) -> tuple[int | None, ...]:
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if arch == "LlamaForCausalLM" or window is None:
+        return (None,) * num_layers
+    if layer_types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if arch == "MistralForCausalLM":
+        return (window,) * num_layers
+    if getattr(cfg, "use_sliding_window", False):
+        first = int(getattr(cfg, "max_window_layers", num_layers))
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (None,) * num_layers
+
+
+def _eos_ids(cfg: Any) -> tuple[int, ...]:
+    eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
+
+
+def _checkpoint_dtype(cfg: Any) -> torch.dtype | None:
+    # Touch `torch_dtype` only on old configs: transformers 5 warns on access.
+    value = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def model_spec(cfg: Any) -> ModelSpec:
+    """Build a ModelSpec from a transformers config, or raise ValueError naming what is unsupported."""
+    archs = list(getattr(cfg, "architectures", None) or [])
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if not archs:  # configs built in code (not from a checkpoint) may lack `architectures`
+        arch = _BY_MODEL_TYPE.get(getattr(cfg, "model_type", ""))
+    if arch is None:
+        raise ValueError(
+            f"unsupported model architecture {archs or getattr(cfg, 'model_type', '?')}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"unsupported activation {act!r} for {arch}; only silu is implemented")
+    num_heads = int(cfg.num_attention_heads)
+    num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
+    num_layers = int(cfg.num_hidden_layers)
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    # Bias layout differs per family: Qwen2 always has q/k/v bias but no o_proj
+    # bias; Llama and Qwen3 follow `attention_bias` for all four; Mistral has none.
+    qkv_bias, o_bias = {
+        "LlamaForCausalLM": (attention_bias, attention_bias),
+        "MistralForCausalLM": (False, False),
+        "Qwen2ForCausalLM": (True, False),
+        "Qwen3ForCausalLM": (attention_bias, attention_bias),
+    }[arch]
+    return ModelSpec(
+        architecture=arch,
+        vocab_size=int(cfg.vocab_size),
+        hidden_size=int(cfg.hidden_size),
+        intermediate_size=int(cfg.intermediate_size),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(cfg, "mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        rope=_rope_spec(cfg),
+        sliding_windows=_sliding_windows(cfg, arch, num_layers),
+        checkpoint_dtype=_checkpoint_dtype(cfg),
+        eos_token_ids=_eos_ids(cfg),
+    )
