@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-from frontend.launcher import EngineProcesses, local_addresses
+from frontend.launcher import EngineProcesses
 from protocol.codec import Codec
 from protocol.config import EngineAddresses, EngineConfig
 from protocol.engine import (
@@ -29,8 +29,8 @@ class EngineClient:
         """Launch the engine processes locally, or connect to `addrs` if given."""
         self.procs: EngineProcesses | None = None
         if addrs is None:
-            addrs = local_addresses(config.tensor_parallel_size)
-            self.procs = EngineProcesses(config, addrs)
+            self.procs = EngineProcesses(config)
+            addrs = self.procs.addrs
         self.ctx = zmq.Context()
         self.push = make_socket(self.ctx, zmq.PUSH, addrs.requests, bind=False)
         self.pull = make_socket(self.ctx, zmq.PULL, addrs.outputs, bind=False)

@@ -7,27 +7,31 @@ engine code. A child that exits is reported by name.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import msgspec
 
 from protocol.config import EngineAddresses, EngineConfig
-from protocol.sockets import ipc_address
 
 
-def local_addresses(tensor_parallel_size: int) -> EngineAddresses:
+def local_addresses(tensor_parallel_size: int, folder: str) -> EngineAddresses:
+    """ipc:// addresses inside `folder`, a private directory removed at shutdown."""
     return EngineAddresses(
-        requests=ipc_address("requests"),
-        outputs=ipc_address("outputs"),
-        plans=[ipc_address(f"plans{r}") for r in range(tensor_parallel_size)],
-        results=ipc_address("results"),
+        requests=f"ipc://{folder}/requests",
+        outputs=f"ipc://{folder}/outputs",
+        plans=[f"ipc://{folder}/plans{r}" for r in range(tensor_parallel_size)],
+        results=f"ipc://{folder}/results",
     )
 
 
 class EngineProcesses:
-    def __init__(self, config: EngineConfig, addrs: EngineAddresses) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        self.folder = tempfile.mkdtemp(prefix="noria-")
+        self.addrs = addrs = local_addresses(config.tensor_parallel_size, self.folder)
         common = [
             "--config", msgspec.json.encode(config).decode(),
             "--addresses", msgspec.json.encode(addrs).decode(),
@@ -60,3 +64,4 @@ class EngineProcesses:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-import uuid
-
 import zmq
-
-
-def ipc_address(tag: str) -> str:
-    """A fresh ipc:// address in the temp dir (removed by zmq when the binder closes)."""
-    path = os.path.join(tempfile.gettempdir(), f"noria-{os.getpid()}-{tag}-{uuid.uuid4().hex[:8]}")
-    return f"ipc://{path}"
 
 
 def make_socket(ctx: zmq.Context, kind: int, address: str, *, bind: bool) -> zmq.Socket:

@@ -133,3 +133,57 @@ def test_hello_names_the_model(server):
 def test_client_times_out_instead_of_hanging():
     with Client("tcp://127.0.0.1:1", timeout=0.5) as c, pytest.raises(NoriaError, match="timeout"):
         c.generate("x")
+
+
+def test_children_exit_when_the_server_is_killed(demo_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from protocol.sockets import free_tcp_port
+    from tests.procs import alive, children_of, wait_ready
+
+    port = free_tcp_port()
+    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--zmq-port", str(port), "--num-kv-blocks", "16"])
+    try:
+        wait_ready(f"tcp://127.0.0.1:{port}", proc)
+        kids = children_of(proc.pid)
+        assert len(kids) == 2  # scheduler and worker
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(k) for k in kids), "engine processes outlived a killed server"
+
+
+def test_a_dead_worker_fails_requests_and_the_server_exits_non_zero(demo_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from protocol.sockets import free_tcp_port
+    from tests.procs import children_of, wait_ready
+
+    port = free_tcp_port()
+    address = f"tcp://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--zmq-port", str(port), "--num-kv-blocks", "64"])
+    try:
+        wait_ready(address, proc)
+        worker = next(k for k in children_of(proc.pid) if b"worker" in open(f"/proc/{k}/cmdline", "rb").read())
+        with Client(address, timeout=30) as c:
+            stream = c.stream("go", SamplingParams(max_tokens=2000, ignore_eos=True))
+            next(stream)
+            os.kill(worker, signal.SIGKILL)
+            with pytest.raises(NoriaError) as e:
+                for _ in stream:
+                    pass
+            assert e.value.code == "engine_dead" and "worker" in e.value.message
+        assert proc.wait(30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
