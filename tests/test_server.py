@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -173,7 +174,7 @@ def test_a_dead_worker_fails_requests_and_the_server_exits_non_zero(demo_path):
     proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--zmq-port", str(port), "--num-kv-blocks", "64"])
     try:
         wait_ready(address, proc)
-        worker = next(k for k in children_of(proc.pid) if b"worker" in open(f"/proc/{k}/cmdline", "rb").read())
+        worker = next(k for k in children_of(proc.pid) if b"worker" in Path(f"/proc/{k}/cmdline").read_bytes())
         with Client(address, timeout=30) as c:
             stream = c.stream("go", SamplingParams(max_tokens=2000, ignore_eos=True))
             next(stream)
