@@ -26,10 +26,12 @@ from protocol.client import (
     Done,
     Error,
     Generate,
+    GetStats,
     Hello,
     Logprob,
     Ready,
     ServerToClient,
+    Stats,
 )
 from protocol.codec import Codec
 from protocol.errors import ErrorCode, NoriaError
@@ -38,6 +40,7 @@ from protocol.sampling import SamplingParams
 T = TypeVar("T")
 _HELLO = "\x00hello"
 _NO_ID = "\x00errors"
+_STATS = "\x00stats"
 
 
 class AsyncClient:
@@ -67,7 +70,12 @@ class AsyncClient:
                 msg = self._codec.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
-            key = _HELLO if isinstance(msg, Ready) else (msg.request_id or _NO_ID)
+            if isinstance(msg, Ready):
+                key = _HELLO
+            elif isinstance(msg, Stats):
+                key = _STATS
+            else:
+                key = msg.request_id or _NO_ID
             q = self._queues.get(key)
             if q is not None:
                 q.put_nowait(msg)
@@ -83,6 +91,13 @@ class AsyncClient:
         q = self._queues.setdefault(_HELLO, asyncio.Queue())
         await self._sock.send(self._codec.encode(Hello()))
         return await self._next(q, "hello")
+
+    async def stats(self) -> Stats:
+        """The engine's latest stats (running/waiting requests, KV usage, counters)."""
+        self._ensure_reader()
+        q = self._queues.setdefault(_STATS, asyncio.Queue())
+        await self._sock.send(self._codec.encode(GetStats()))
+        return await self._next(q, "stats")
 
     async def stream(
         self,
@@ -193,6 +208,9 @@ class Client:
 
     def hello(self) -> Ready:
         return self._call(self._async.hello())
+
+    def stats(self) -> Stats:
+        return self._call(self._async.stats())
 
     def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
         return self._call(self._async.generate(prompt, params, **kw))

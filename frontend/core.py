@@ -13,8 +13,8 @@ from collections.abc import Callable, Hashable
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_client import EngineClient
 from frontend.processor import InputProcessor
-from protocol.client import Delta, Done, Error, Generate, Usage
-from protocol.engine import EngineOutputs, EngineRequest, SchedulerStats
+from protocol.client import Delta, Done, Error, Generate, SchedulerStats, Usage
+from protocol.engine import EngineOutputs, EngineRequest
 from protocol.errors import ErrorCode, NoriaError
 
 Sink = Callable[[Delta | Done | Error], None]

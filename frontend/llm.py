@@ -17,8 +17,8 @@ from tqdm import tqdm
 from frontend.core import FrontendCore
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.startup import make_config, start_core
-from protocol.client import Delta, Done, Error, Generate, Logprob
-from protocol.engine import EngineDead, EngineOutputs, SchedulerStats
+from protocol.client import Delta, Done, Error, Generate, Logprob, SchedulerStats
+from protocol.engine import EngineDead, EngineOutputs
 from protocol.errors import ErrorCode, NoriaError
 from protocol.sampling import SamplingParams
 

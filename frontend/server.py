@@ -16,7 +16,19 @@ import zmq
 
 from frontend.core import FrontendCore
 from protocol import PROTOCOL_VERSION
-from protocol.client import Abort, ClientToServer, Delta, Done, Error, Generate, Hello, Ready
+from protocol.client import (
+    Abort,
+    ClientToServer,
+    Delta,
+    Done,
+    Error,
+    Generate,
+    GetStats,
+    Hello,
+    Ready,
+    SchedulerStats,
+    Stats,
+)
 from protocol.codec import Codec
 from protocol.engine import EngineDead, EngineOutputs
 from protocol.errors import ErrorCode
@@ -31,15 +43,21 @@ class FrontendServer:
         self.model_name = model_name
         self.ctx = zmq.Context()
         self.router = make_socket(self.ctx, zmq.ROUTER, address, bind=True)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # Sending to a client that has gone raises EHOSTUNREACH instead of being
+        # dropped silently: that is how a vanished client's requests get aborted.
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.gone: set[bytes] = set()
         self.codec: Codec[ClientToServer] = Codec(ClientToServer)
         self.stop_event = threading.Event()
 
     def _sink(self, identity: bytes):  # noqa: ANN202 - closure type is obvious
         router, encode = self.router, self.codec.encode
 
-        def send(msg: Delta | Done | Error) -> None:
-            router.send_multipart([identity, encode(msg)])
+        def send(msg: Delta | Done | Error | Ready | Stats) -> None:
+            try:
+                router.send_multipart([identity, encode(msg)])
+            except zmq.ZMQError:
+                self.gone.add(identity)
 
         return send
 
@@ -57,10 +75,15 @@ class FrontendServer:
             self.core.abort((identity, msg.request_id))
         elif isinstance(msg, Hello):
             ready = self.core.engine.ready
-            self.router.send_multipart([identity, self.codec.encode(Ready(
+            self._sink(identity)(Ready(
                 protocol_version=PROTOCOL_VERSION, model=self.model_name,
                 max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
-            ))])
+            ))
+        elif isinstance(msg, GetStats):
+            # The latest published stats answer at once; the query makes the next ones fresh.
+            self.core.engine.query_stats()
+            stats = self.core.stats or SchedulerStats()
+            self._sink(identity)(Stats(stats=stats, num_open_requests=self.core.num_open))
 
     def serve_forever(self) -> int:
         """Serve until stopped (0) or until the engine dies (1)."""
@@ -85,11 +108,20 @@ class FrontendServer:
                         self.core.on_outputs(msg)
                     elif isinstance(msg, EngineDead):
                         return self._engine_died(msg.reason)
+            if self.gone:
+                self._abort_gone()
             elif not events:
                 dead = engine.dead()
                 if dead:
                     return self._engine_died(dead)
         return 0
+
+    def _abort_gone(self) -> None:
+        gone, self.gone = self.gone, set()
+        n = self.core.abort_where(lambda key: key[0] in gone)
+        if n:
+            log.info("aborted %d request(s) of %d vanished client(s)", n, len(gone))
+        self.gone -= gone  # the abort's own `done` also fails to send
 
     def _engine_died(self, reason: str) -> int:
         log.error("engine died: %s", reason)

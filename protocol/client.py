@@ -92,5 +92,36 @@ class Ready(msgspec.Struct, kw_only=True, tag="ready", tag_field="type"):
     vocab_size: int
 
 
-ClientToServer = Generate | Abort | Hello
-ServerToClient = Delta | Done | Error | Ready
+class SchedulerStats(msgspec.Struct, kw_only=True):
+    """The scheduler's gauges and counters (a map on the wire; clients read it
+    through `get_stats`, the bridge turns it into Prometheus metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_kv_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    prompt_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+    blocks_consistent: bool = True
+
+
+class GetStats(msgspec.Struct, kw_only=True, tag="get_stats", tag_field="type"):
+    """Asks for the engine's latest stats; answered by `stats`."""
+
+
+class Stats(msgspec.Struct, kw_only=True, tag="stats", tag_field="type"):
+    stats: SchedulerStats
+    num_open_requests: int = 0
+
+
+ClientToServer = Generate | Abort | Hello | GetStats
+ServerToClient = Delta | Done | Error | Ready | Stats

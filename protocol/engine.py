@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.client import Logprob
+from protocol.client import Logprob, SchedulerStats
 from protocol.sampling import SamplingParams
 
 
@@ -50,25 +50,6 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
     error_code: str | None = None
     error_message: str | None = None
     num_cached_tokens: int = 0
-
-
-class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
-    num_running: int = 0
-    num_waiting: int = 0
-    num_swapped: int = 0
-    num_kv_blocks: int = 0
-    num_free_blocks: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_swap_outs: int = 0
-    num_swap_ins: int = 0
-    prompt_tokens: int = 0
-    computed_prompt_tokens: int = 0
-    generation_tokens: int = 0
-    num_steps: int = 0
-    blocks_consistent: bool = True
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, gc=False, tag="out"):

@@ -15,8 +15,9 @@ from bisect import insort
 
 import msgspec
 
+from protocol.client import SchedulerStats
 from protocol.config import EngineConfig
-from protocol.engine import EngineRequest, RequestUpdate, SchedulerStats
+from protocol.engine import EngineRequest, RequestUpdate
 from protocol.errors import ErrorCode
 from protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
 from scheduler.kv_cache_manager import KVCacheManager

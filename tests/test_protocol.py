@@ -12,10 +12,13 @@ from protocol.client import (
     Done,
     Error,
     Generate,
+    GetStats,
     Hello,
     Logprob,
     Ready,
+    SchedulerStats,
     ServerToClient,
+    Stats,
     Usage,
 )
 from protocol.codec import Codec
@@ -29,7 +32,6 @@ from protocol.engine import (
     EngineShutdown,
     FrontendToScheduler,
     RequestUpdate,
-    SchedulerStats,
     SchedulerToFrontend,
     StatsQuery,
 )
@@ -55,12 +57,14 @@ CLIENT_MSGS = [
     Generate(request_id="r3", prompt_token_ids=[1, 2, 3], priority=-1),
     Abort(request_id="r1"),
     Hello(),
+    GetStats(),
 ]
 SERVER_MSGS = [
     Delta(request_id="r1", text="é", token_ids=[1, 2], logprobs=[LP]),
     Done(request_id="r1", finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=2)),
     Error(request_id=None, code="invalid_message", message="bad"),
     Ready(protocol_version=1, model="demo", max_model_len=2048, vocab_size=706),
+    Stats(stats=SchedulerStats(num_running=3, kv_cache_usage=0.5), num_open_requests=2),
 ]
 
 

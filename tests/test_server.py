@@ -188,3 +188,32 @@ def test_a_dead_worker_fails_requests_and_the_server_exits_non_zero(demo_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _wait_idle(address: str, timeout: float = 10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    with Client(address) as c:
+        while True:
+            s = c.stats()
+            if (s.stats.num_running == 0 and s.stats.num_free_blocks == s.stats.num_kv_blocks
+                    and s.num_open_requests == 0) or time.monotonic() > deadline:
+                return s
+
+
+def test_a_vanished_client_has_its_requests_aborted(server):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(server)
+    for i in range(3):
+        s.send(msgspec.msgpack.encode({"type": "generate", "request_id": f"v{i}", "prompt": "go", "max_tokens": 3000, "ignore_eos": True}))
+    assert msgspec.msgpack.decode(s.recv())["type"] == "delta"
+    with Client(server) as c:
+        busy = c.stats()
+    assert busy.stats.num_running + busy.stats.num_waiting >= 1 and busy.num_open_requests >= 3
+    s.close(0)
+    ctx.term()
+    idle = _wait_idle(server)
+    assert idle.num_open_requests == 0 and idle.stats.num_running == 0
+    assert idle.stats.num_free_blocks == idle.stats.num_kv_blocks and idle.stats.blocks_consistent
