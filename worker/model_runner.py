@@ -84,6 +84,9 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         self.block_tables = BlockTables(max_blocks, self.kv_cache.null_block)
         self.requests: dict[int, RequestState] = {}
+        # Benchmarks replay the exact batch shapes (bench/ceiling.py); off by default.
+        record = os.environ.get("NORIA_RECORD_STEPS")
+        self._record = open(record, "w") if record else None  # noqa: SIM115 - lives as long as the runner
 
     # -- public -----------------------------------------------------------------
 
@@ -106,6 +109,10 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
 
         batch = self._prepare(plan)
+        if self._record is not None:
+            meta = batch.meta
+            self._record.write(f"[{meta.query_lens_host}, {meta.seq_lens_host}, {len(batch.sample_requests)}]\n")
+            self._record.flush()
         hidden = self.model(batch.input_ids, batch.meta.positions, batch.meta, self.attention, self._kv_layers)
         # Advanced only once the forward pass has written the KV.
         for state, seq_len in zip(batch.states, batch.meta.seq_lens_host, strict=True):

@@ -1,0 +1,65 @@
+"""The model-only ceiling: replay recorded batch shapes as bare forward passes.
+
+The worker writes one line per step when NORIA_RECORD_STEPS names a file:
+query lengths, sequence lengths and how many rows sampled. Replaying them
+through the same model and attention backend, with metadata built ahead of
+time and no scheduler, processes or sampling, gives the time the model alone
+needs for exactly the batches noria ran.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from itertools import accumulate
+from pathlib import Path
+
+import torch
+
+from protocol.config import EngineConfig
+from worker.attention import AttentionMetadata
+from worker.model_runner import ModelRunner
+
+
+def read_steps(path: str | Path, skip: int = 0) -> list[tuple[list[int], list[int], int]]:
+    """Recorded steps, leaving out the first `skip` (warm-up) lines."""
+    lines = Path(path).read_text().splitlines()[skip:]
+    return [tuple(json.loads(line)) for line in lines]  # type: ignore[misc]
+
+
+def _metadata(runner: ModelRunner, query_lens: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+    bs = runner.block_size
+    per_row = -(-max(seq_lens) // bs)
+    rows = len(query_lens)
+    # Row i owns a private, contiguous run of blocks; contents do not matter for timing.
+    tables = torch.arange(rows * per_row, dtype=torch.long).view(rows, per_row) % runner.num_kv_blocks
+    ctx = [s - q for s, q in zip(seq_lens, query_lens, strict=True)]
+    q_lens = torch.tensor(query_lens)
+    starts = [0, *accumulate(query_lens)]
+    offsets = torch.tensor(ctx) - torch.tensor(starts[:-1])
+    positions = torch.arange(starts[-1]) + torch.repeat_interleave(offsets, q_lens)
+    seq_index = torch.repeat_interleave(torch.arange(rows), q_lens)
+    slots = tables[seq_index, positions // bs] * bs + positions % bs
+    meta = AttentionMetadata(
+        positions=positions, slot_mapping=slots, query_start_loc=torch.tensor(starts),
+        seq_lens=torch.tensor(seq_lens), block_tables=tables, block_size=bs,
+        query_lens_host=list(query_lens), seq_lens_host=list(seq_lens), query_start_host=starts,
+    )
+    runner.attention.prepare(meta)
+    return torch.full((starts[-1],), 5, dtype=torch.long), meta
+
+
+@torch.inference_mode()
+def replay(config: EngineConfig, steps: list[tuple[list[int], list[int], int]]) -> float:
+    runner = ModelRunner(config)
+    model = runner.model
+    total = 0.0
+    for query_lens, seq_lens, num_sampled in steps:
+        ids, meta = _metadata(runner, query_lens, seq_lens)
+        sample_index = torch.tensor([i - 1 for i in meta.query_start_host[1:]][:num_sampled], dtype=torch.long)
+        t0 = time.perf_counter()
+        hidden = model(ids, meta.positions, meta, runner.attention, runner._kv_layers)
+        if num_sampled:
+            model.compute_logits(hidden[sample_index])
+        total += time.perf_counter() - t0
+    return total

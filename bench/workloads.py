@@ -1,0 +1,56 @@
+"""Benchmark workloads and models, defined exactly so anyone can regenerate them."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+from frontend.demo_model import cache_root, ensure_demo
+
+SMALL = {
+    "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4,
+    "intermediate_size": 2048, "vocab_size": 32000, "max_position_embeddings": 2048,
+}
+OUTPUT_LENGTHS = (32, 40, 50, 64, 80, 96, 200, 512)
+
+
+def w1(vocab_size: int = 32000, num_requests: int = 128) -> list[tuple[list[int], int]]:
+    """Workload W1: (prompt token ids, output length) per request.
+
+    `random.Random(0)`; per request, in this order: prompt length
+    randint(32, 256), output length choice(OUTPUT_LENGTHS), then the prompt's
+    token ids randrange(3, vocab_size) one by one.
+    """
+    rng = random.Random(0)
+    out = []
+    for _ in range(num_requests):
+        n = rng.randint(32, 256)
+        m = rng.choice(OUTPUT_LENGTHS)
+        out.append(([rng.randrange(3, vocab_size) for _ in range(n)], m))
+    return out
+
+
+def small_checkpoint() -> Path:
+    """The "small" Llama (~110M parameters): seeded random weights, float32,
+    saved as a Hugging Face checkpoint (with the demo tokenizer for text)."""
+    path = cache_root() / "bench-small-v1"
+    if (path / "complete").exists():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SMALL, torch_dtype="float32", tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    model = LlamaForCausalLM(config).eval()
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    demo = ensure_demo()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (demo / name).exists():
+            shutil.copy(demo / name, tmp / name)
+    (tmp / "complete").write_text("ok\n")
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
