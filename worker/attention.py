@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from worker import cpu_kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -82,6 +84,7 @@ class _TorchPlan:
     decode_blocks: torch.Tensor | None  # [Bd * max_blocks] block ids to gather
     decode_shape: tuple[int, int]  # (Bd, padded key length)
     decode_seq_lens: torch.Tensor | None  # [Bd]
+    decode_tables: torch.Tensor | None  # [Bd, num_blocks]
     prefills: list[_PrefillSeq]
     masks: dict[tuple[Any, ...], torch.Tensor | None] = field(default_factory=dict)
 
@@ -92,11 +95,15 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def __init__(self, native: bool = True) -> None:
+        # `native`: decode through worker/cpu_kernels on the CPU when it builds.
+        self.native = native
+
     def prepare(self, meta: AttentionMetadata) -> None:
         bs = meta.block_size
         decode_rows = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
         prefill_rows = [i for i, n in enumerate(meta.query_lens_host) if n != 1]
-        decode_tokens = decode_blocks = decode_seq_lens = None
+        decode_tokens = decode_blocks = decode_seq_lens = tables = None
         decode_shape = (0, 0)
         if decode_rows:
             max_len = max(meta.seq_lens_host[i] for i in decode_rows)
@@ -116,7 +123,7 @@ class TorchAttentionBackend:
             context = seq_len - n
             blocks = meta.block_tables[i, : -(-seq_len // bs)] if context else None
             prefills.append(_PrefillSeq(i, meta.query_start_host[i], n, context, blocks))
-        meta.backend_data = _TorchPlan(decode_tokens, decode_blocks, decode_shape, decode_seq_lens, prefills)
+        meta.backend_data = _TorchPlan(decode_tokens, decode_blocks, decode_shape, decode_seq_lens, tables, prefills)
 
     def forward(
         self,
@@ -149,6 +156,10 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         plan: _TorchPlan,
     ) -> torch.Tensor:
+        if self.native and cpu_kernels.usable(q, k_cache):
+            # In place through the block tables: no gathered copy of the context.
+            return cpu_kernels.paged_decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_seq_lens,
+                                            layer.scale, layer.sliding_window)
         batch, length = plan.decode_shape
         kvh, d = layer.num_kv_heads, layer.head_dim
         # Gather whole blocks (contiguous memcpy per block) rather than single slots.
