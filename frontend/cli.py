@@ -39,6 +39,9 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import threading
+
+    from frontend.bridge.process import BridgeProcess, engine_address
     from frontend.server import FrontendServer
     from frontend.startup import make_config, start_core
 
@@ -47,13 +50,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     address = f"tcp://{args.host}:{args.zmq_port}"
     server = FrontendServer(core, address, args.model)
     server.install_signal_handlers()
-    print(f"noria: serving {args.model!r} on {address}", flush=True)
+    # The bridge is a separate process and a ZMQ client like any other; if it
+    # dies (say its port is taken), the whole server goes down non-zero.
+    bridge = BridgeProcess(engine_address(args.host, args.zmq_port), args.host, args.port, args.api_key)
+    bridge_failed = threading.Event()
+
+    def on_bridge_exit(rc: int) -> None:
+        bridge_failed.set()
+        server.stop_event.set()
+
+    bridge.watch(on_bridge_exit)
+    print(f"noria: serving {args.model!r} on {address} and http://{args.host}:{args.port}", flush=True)
     try:
         rc = server.serve_forever()
     finally:
+        bridge.stop()
         server.close()
         core.engine.close()
-    return rc
+    return 1 if bridge_failed.is_set() else rc
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -65,6 +79,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate([args.prompt], params, use_tqdm=False)[0]
     print(out.outputs[0].text)
     return 0
+
+
+def cmd_bridge(args: argparse.Namespace) -> int:
+    from frontend.bridge.main import run
+
+    return run(args.engine, args.host, args.port, args.api_key, exit_with_parent=args.exit_with_parent)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -94,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(g)
     g.set_defaults(fn=cmd_generate)
+
+    br = sub.add_parser("bridge", help="HTTP/websocket/OpenAI server in front of a running engine's ZMQ API")
+    br.add_argument("--engine", default="tcp://127.0.0.1:5555", help="the engine's ZMQ client API address")
+    br.add_argument("--host", default="127.0.0.1")
+    br.add_argument("--port", type=int, default=8000)
+    br.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $NORIA_API_KEY)")
+    br.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    br.set_defaults(fn=cmd_bridge)
 
     b = sub.add_parser("bench", help="run a benchmark from bench/")
     b.add_argument("name")

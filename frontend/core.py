@@ -13,22 +13,25 @@ from collections.abc import Callable, Hashable
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_client import EngineClient
 from frontend.processor import InputProcessor
-from protocol.client import Delta, Done, Error, Generate, SchedulerStats, Usage
-from protocol.engine import EngineOutputs, EngineRequest
+from protocol.client import Delta, Done, Error, Generate, Logprob, SchedulerStats, Usage
+from protocol.engine import EngineOutputs, EngineRequest, RequestUpdate
 from protocol.errors import ErrorCode, NoriaError
 
 Sink = Callable[[Delta | Done | Error], None]
 
 
 class _Sample:
-    __slots__ = ("rid", "index", "detok", "num_tokens", "finish_reason")
+    __slots__ = ("rid", "index", "detok", "num_tokens", "finish_reason", "held_ids", "held_logprobs")
 
-    def __init__(self, rid: int, index: int, detok: IncrementalDetokenizer) -> None:
+    def __init__(self, rid: int, index: int, detok: IncrementalDetokenizer, stream: bool) -> None:
         self.rid = rid
         self.index = index
         self.detok = detok
         self.num_tokens = 0
         self.finish_reason: str | None = None
+        # Final-only samples collect ids and detokenize once, when they finish.
+        self.held_ids: list[int] | None = None if stream else []
+        self.held_logprobs: list[Logprob] | None = None
 
 
 class _Request:
@@ -58,7 +61,9 @@ class FrontendCore:
     def num_open(self) -> int:
         return len(self.by_key)
 
-    def submit(self, key: Hashable, msg: Generate, sink: Sink) -> None:
+    def submit(self, key: Hashable, msg: Generate, sink: Sink, stream: bool = True) -> None:
+        """Start a request; `sink` gets its messages. With `stream=False` the
+        sink gets one delta per sample when it finishes (cheaper: offline use)."""
         if self.dead_reason:
             sink(Error(request_id=msg.request_id, code=ErrorCode.ENGINE_DEAD, message=self.dead_reason))
             return
@@ -77,7 +82,9 @@ class FrontendCore:
         base = self._next_id
         self._next_id += params.n
         for i in range(params.n):
-            sample = _Sample(base + i, i, IncrementalDetokenizer(tok, prompt_ids, params.stop, params.skip_special_tokens))
+            detok = IncrementalDetokenizer(tok, prompt_ids, params.stop, params.skip_special_tokens)
+            # Stop strings need the text as it grows, so such samples always stream inside.
+            sample = _Sample(base + i, i, detok, stream or bool(params.stop))
             req.samples.append(sample)
             self.by_rid[base + i] = (req, sample)
         self.engine.add(EngineRequest(base, prompt_ids, params, self.processor.eos_ids, time.time(), msg.priority))
@@ -117,6 +124,9 @@ class FrontendCore:
                 continue
             req.num_cached_tokens = max(req.num_cached_tokens, u.num_cached_tokens)
             s.num_tokens += len(u.new_token_ids)
+            if s.held_ids is not None:
+                self._hold(req, s, u)
+                continue
             s.detok.add(u.new_token_ids)
             finish = u.finish_reason
             if s.detok.stopped:
@@ -128,12 +138,27 @@ class FrontendCore:
                 req.sink(Delta(request_id=req.request_id, text=text, token_ids=list(u.new_token_ids),
                                index=s.index, logprobs=u.logprobs))
             if finish is not None:
-                s.finish_reason = finish
-                del self.by_rid[s.rid]
-                req.open -= 1
-                if req.open == 0:
-                    del self.by_key[req.key]
-                    req.sink(self._done(req))
+                self._finish_sample(req, s, finish)
+
+    def _hold(self, req: _Request, s: _Sample, u: RequestUpdate) -> None:
+        assert s.held_ids is not None
+        s.held_ids.extend(u.new_token_ids)
+        if u.logprobs:
+            s.held_logprobs = (s.held_logprobs or []) + u.logprobs
+        if u.finish_reason is not None:
+            s.detok.add(s.held_ids)
+            text = s.detok.take(final=True)
+            req.sink(Delta(request_id=req.request_id, text=text, token_ids=s.held_ids, index=s.index,
+                           logprobs=s.held_logprobs))
+            self._finish_sample(req, s, u.finish_reason)
+
+    def _finish_sample(self, req: _Request, s: _Sample, finish: str) -> None:
+        s.finish_reason = finish
+        del self.by_rid[s.rid]
+        req.open -= 1
+        if req.open == 0:
+            del self.by_key[req.key]
+            req.sink(self._done(req))
 
     def fail_all(self, reason: str) -> None:
         self.dead_reason = reason

@@ -111,7 +111,7 @@ class LLM:
         core = self.core
         collectors = [_Collector(m.request_id, pr, m.n) for m, pr in zip(msgs, prompts, strict=True)]
         for m, c in zip(msgs, collectors, strict=True):
-            core.submit(m.request_id, m, c)
+            core.submit(m.request_id, m, c, stream=False)
         bar = tqdm(total=len(msgs), desc="generate", unit="req", disable=not use_tqdm or len(msgs) < 2, leave=False)
         done = sum(c.final is not None for c in collectors)
         bar.update(done)

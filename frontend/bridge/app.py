@@ -1,0 +1,106 @@
+"""The bridge's aiohttp application: routes, API-key check, OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import WSCloseCode, web
+
+from frontend.bridge.errors import error_response
+from frontend.bridge.gateway import Gateway
+from frontend.bridge.metrics import CONTENT_TYPE, BridgeMetrics
+from frontend.bridge.openai_api import handle_chat, handle_completions, handle_models, json_response
+from frontend.bridge.openai_schema import Health
+from frontend.bridge.playground import handle_playground
+from frontend.bridge.state import API_KEY, GATEWAY, METRICS, STARTED, WEBSOCKETS
+from frontend.bridge.websocket import handle_stream
+from frontend.client import AsyncClient
+from protocol.errors import NoriaError
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+STATS_TIMEOUT = 2.0
+
+
+def make_app(engine: str, api_key: str | None = None) -> web.Application:
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=64 * 2**20)
+    app[API_KEY] = api_key or ""
+    app[METRICS] = BridgeMetrics()
+    app[WEBSOCKETS] = weakref.WeakSet()
+    app[STARTED] = int(time.time())
+
+    async def upstream(app: web.Application) -> AsyncIterator[None]:
+        # No per-message timeout: a request may wait long in a busy engine; the
+        # heartbeat is what tells a dead engine from a slow one.
+        client = AsyncClient(engine, timeout=None)
+        app[GATEWAY] = Gateway(client, app[METRICS])
+        await client.connect()
+        yield
+        client.close()
+
+    app.cleanup_ctx.append(upstream)
+    app.on_shutdown.append(_close_websockets)
+    app.router.add_get("/", handle_playground)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_get("/v1/stream", handle_stream)
+    return app
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    gateway = request.app[GATEWAY]
+    try:
+        ready = await gateway.ready()
+    except NoriaError as e:
+        return json_response(Health(status="unavailable", engine=f"{e.code}: {e.message}"), status=503)
+    return json_response(Health(status="ok", engine=gateway.client.address, model=ready.model))
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    metrics, client = request.app[METRICS], request.app[GATEWAY].client
+    try:
+        stats = await asyncio.wait_for(client.stats(), STATS_TIMEOUT)
+    except (NoriaError, TimeoutError):
+        stats = None
+    metrics.engine.update(stats)
+    return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """`--api-key` guards the API (/v1/...); health, metrics and the page itself stay open.
+
+    Browsers cannot set headers on a websocket, so /v1/stream also takes `?api_key=`.
+    """
+    key = request.app[API_KEY]
+    if key and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        given = given[7:] if given.startswith("Bearer ") else ""
+        if not given and request.path == "/v1/stream":
+            given = request.query.get("api_key", "")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            why = "missing" if not given else "incorrect"
+            return error_response(401, f"{why} API key: send `Authorization: Bearer KEY`", "invalid_api_key")
+    return await handler(request)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own errors (404, 405, 413) in OpenAI's shape too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.status, e.reason if e.status != 404 else f"no route for {request.method} {request.path}")
+
+
+async def _close_websockets(app: web.Application) -> None:
+    for ws in list(app[WEBSOCKETS]):
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")

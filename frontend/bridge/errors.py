@@ -1,0 +1,66 @@
+"""Errors in OpenAI's shape, with the HTTP status that each noria error code deserves."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from aiohttp import web
+
+from frontend.bridge.openai_schema import ErrorBody, ErrorResponse
+from frontend.client import ENGINE_UNREACHABLE
+from protocol.errors import ErrorCode, NoriaError
+
+# (HTTP status, OpenAI error type) per noria code.
+_BY_CODE: dict[str, tuple[int, str]] = {
+    ErrorCode.INVALID_MESSAGE: (400, "invalid_request_error"),
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.PROMPT_TOO_LONG: (400, "invalid_request_error"),
+    ErrorCode.DUPLICATE_REQUEST: (409, "invalid_request_error"),
+    ErrorCode.ENGINE_DEAD: (503, "service_unavailable_error"),
+    ENGINE_UNREACHABLE: (503, "service_unavailable_error"),
+    ErrorCode.TIMEOUT: (503, "service_unavailable_error"),
+}
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+# msgspec names the offending field as "... - at `$.field[0]`": that is OpenAI's `param`.
+_PARAM = re.compile(r"at `\$\.([A-Za-z_]+)")
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> bytes:
+    kind = _TYPE_BY_STATUS.get(status, "server_error")
+    return msgspec.json.encode(ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=code)))
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> web.Response:
+    return web.Response(status=status, body=error_body(status, message, code, param), content_type="application/json")
+
+
+def status_of(code: str) -> int:
+    return _BY_CODE.get(code, (500, "server_error"))[0]
+
+
+def from_noria(e: NoriaError) -> web.Response:
+    return error_response(status_of(e.code), e.message, e.code)
+
+
+def from_decode(e: msgspec.DecodeError | msgspec.ValidationError) -> web.Response:
+    m = _PARAM.search(str(e))
+    return error_response(400, f"invalid request body: {e}", ErrorCode.INVALID_MESSAGE, m.group(1) if m else None)
+
+
+class BadRequest(Exception):
+    """A request the bridge rejects before it goes upstream (400 unless told otherwise)."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400, code: str = ErrorCode.INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.message, self.code, self.param)

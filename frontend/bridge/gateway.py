@@ -1,0 +1,62 @@
+"""The bridge's one way upstream: requests go through here so that each is timed.
+
+The bridge sees every delta arrive, so time to first token, inter-token
+latency and end-to-end latency are measured here and not in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from frontend.bridge.metrics import BridgeMetrics
+from frontend.client import ENGINE_UNREACHABLE, AsyncClient
+from protocol.client import Delta, Done, Generate, Ready
+from protocol.errors import NoriaError
+
+
+class Gateway:
+    def __init__(self, client: AsyncClient, metrics: BridgeMetrics) -> None:
+        self.client = client
+        self.metrics = metrics
+
+    def new_id(self) -> str:
+        return self.client.new_request_id()
+
+    async def ready(self, timeout: float = 2.0) -> Ready:
+        """The engine's `ready` (model name, lengths); asks for it if not known yet."""
+        if self.client.ready is not None and self.client.connected:
+            return self.client.ready
+        try:
+            return await asyncio.wait_for(self.client.hello(), timeout)
+        except TimeoutError:
+            raise NoriaError(ENGINE_UNREACHABLE, f"no answer from {self.client.address} within {timeout}s") from None
+
+    async def stream(self, msg: Generate) -> AsyncIterator[Delta | Done]:
+        m = self.metrics
+        t0 = time.perf_counter()
+        first = True
+        last: dict[int, float] = {}
+        try:
+            # aclosing: leaving early must close the upstream stream now (it aborts the request).
+            async with aclosing(self.client.stream_request(msg)) as upstream:
+                async for out in upstream:
+                    now = time.perf_counter()
+                    if isinstance(out, Delta):
+                        if out.token_ids:
+                            prev = last.get(out.index)
+                            if first:
+                                m.ttft.observe(now - t0)
+                                first = False
+                            elif prev is not None:
+                                m.itl.observe((now - prev) / len(out.token_ids))
+                            last[out.index] = now
+                    else:
+                        m.e2e.observe(now - t0)
+                        m.success.labels(out.finish_reason).inc()
+                    yield out
+        except NoriaError as e:
+            m.failure.labels(e.code).inc()
+            raise

@@ -1,0 +1,50 @@
+"""`noria bridge`: run the HTTP/websocket bridge on uvloop until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import uvloop
+from aiohttp import web
+
+from frontend.bridge.app import make_app
+
+API_KEY_ENV = "NORIA_API_KEY"  # how `noria serve` hands its key over without showing it in `ps`
+
+
+async def serve(engine: str, host: str, port: int, api_key: str | None, *, handle_sigint: bool = True) -> int:
+    app = make_app(engine, api_key)
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts upstream.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except OSError as e:
+        print(f"noria bridge: cannot listen on {host}:{port}: {e}", file=sys.stderr, flush=True)
+        await runner.cleanup()
+        return 1
+    print(f"noria bridge: http://{host}:{port} (ws /v1/stream, OpenAI /v1, /metrics) -> {engine}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    if handle_sigint:
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0
+
+
+def run(engine: str, host: str, port: int, api_key: str | None, *, exit_with_parent: bool = False) -> int:
+    if exit_with_parent:
+        # Started by `noria serve`: Ctrl-C is the parent's to handle (it sends SIGTERM
+        # in order), and a parent that dies takes the bridge with it.
+        from protocol.lifecycle import become_child
+
+        become_child()
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return uvloop.run(serve(engine, host, port, key, handle_sigint=not exit_with_parent))

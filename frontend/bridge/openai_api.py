@@ -1,0 +1,145 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+A streamed response waits for the first upstream event before it sends its
+headers, so that a request the engine rejects still gets a proper HTTP status;
+later errors arrive as an `error` event before `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from frontend.bridge.errors import BadRequest, error_body, from_decode, from_noria, status_of
+from frontend.bridge.fanout import Fanout
+from frontend.bridge.gateway import Gateway
+from frontend.bridge.openai_builders import ChatBuilder, CompletionBuilder
+from frontend.bridge.openai_requests import chat_generate, completion_generates, read_body
+from frontend.bridge.openai_schema import (
+    ChatRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+from frontend.bridge.state import GATEWAY, STARTED
+from protocol.errors import NoriaError
+
+_encode = msgspec.json.Encoder().encode
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def json_response(obj: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_encode(obj), content_type="application/json")
+
+
+async def _served_model(gateway: Gateway, asked: str | None) -> str:
+    ready = await gateway.ready()
+    if asked and asked != ready.model:
+        raise BadRequest(f"The model `{asked}` does not exist; this server serves `{ready.model}`.",
+                         "model", status=404, code="model_not_found")
+    return ready.model
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    try:
+        ready = await request.app[GATEWAY].ready()
+    except NoriaError as e:
+        return from_noria(e)
+    card = ModelCard(id=ready.model, created=request.app[STARTED], max_model_len=ready.max_model_len)
+    return json_response(ModelList(data=[card]))
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    gateway = request.app[GATEWAY]
+    try:
+        req = await read_body(request, CompletionRequest)
+        messages = completion_generates(req, gateway.new_id)
+        model = await _served_model(gateway, req.model)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return from_decode(e)
+    except BadRequest as e:
+        return e.response()
+    except NoriaError as e:
+        return from_noria(e)
+    builder = CompletionBuilder(
+        f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), len(messages), req.n,
+        logprobs=req.logprobs is not None, stream=req.stream, include_usage=_include_usage(req),
+    )
+    return await _run(request, Fanout(gateway, messages), builder)
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    gateway = request.app[GATEWAY]
+    try:
+        req = await read_body(request, ChatRequest)
+        message = chat_generate(req, gateway.new_id)
+        model = await _served_model(gateway, req.model)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return from_decode(e)
+    except BadRequest as e:
+        return e.response()
+    except NoriaError as e:
+        return from_noria(e)
+    builder = ChatBuilder(
+        f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), req.n,
+        logprobs=req.logprobs, stream=req.stream, include_usage=_include_usage(req),
+    )
+    return await _run(request, Fanout(gateway, [message]), builder)
+
+
+def _include_usage(req: SamplingFields) -> bool:
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+async def _run(request: web.Request, fan: Fanout, builder: CompletionBuilder | ChatBuilder) -> web.StreamResponse:
+    # Whatever ends this handler (done, error, a client that hung up and got the
+    # handler cancelled) aborts what is still running upstream.
+    try:
+        if builder.stream:
+            return await _stream(request, fan, builder)
+        while batch := await fan.next_batch():
+            for prompt, ev in batch:
+                if isinstance(ev, NoriaError):
+                    return from_noria(ev)
+                builder.add(prompt, ev)
+        return json_response(builder.response())
+    finally:
+        fan.close()
+
+
+async def _stream(request: web.Request, fan: Fanout, builder: CompletionBuilder | ChatBuilder) -> web.StreamResponse:
+    batch = await fan.next_batch()
+    for _, ev in batch:
+        if isinstance(ev, NoriaError):
+            return from_noria(ev)
+    resp = web.StreamResponse(headers=_SSE_HEADERS)
+    await resp.prepare(request)
+    chunks = builder.start()
+    while batch:
+        for prompt, ev in batch:
+            if isinstance(ev, NoriaError):
+                chunks.append(error_body(status_of(ev.code), ev.message, ev.code))
+                await _write(resp, chunks, done=True)
+                return resp
+            chunks.extend(builder.add(prompt, ev))
+        await _write(resp, chunks)
+        chunks = []
+        batch = await fan.next_batch()
+    chunks.extend(builder.end())
+    await _write(resp, chunks, done=True)
+    return resp
+
+
+async def _write(resp: web.StreamResponse, chunks: list[bytes], *, done: bool = False) -> None:
+    """One write per batch of events: fewer syscalls when deltas come in bursts."""
+    if done:
+        chunks.append(b"[DONE]")
+    if chunks:
+        await resp.write(b"".join(b"data: " + c + b"\n\n" for c in chunks))
+    if done:
+        await resp.write_eof()
+

@@ -1,0 +1,207 @@
+"""Turn upstream deltas into OpenAI responses: whole ones, or server-sent-event chunks.
+
+Choice index = prompt index * n + sample index, as OpenAI numbers a batch.
+Token strings in logprobs are "token_id:ID" (the bridge has no tokenizer;
+vLLM uses the same spelling for `return_tokens_as_token_ids`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from frontend.bridge.openai_schema import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    TopLogprob,
+    UsageInfo,
+)
+from protocol.client import Delta, Done, Logprob
+
+_encode = msgspec.json.Encoder().encode
+
+
+def token_str(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+class _Choices:
+    """What has come so far, per choice and per prompt."""
+
+    def __init__(self, num_prompts: int, n: int) -> None:
+        self.n = n
+        size = num_prompts * n
+        self.texts: list[list[str]] = [[] for _ in range(size)]
+        self.lengths = [0] * size
+        self.logprobs: list[list[Logprob]] = [[] for _ in range(size)]
+        self.offsets: list[list[int]] = [[] for _ in range(size)]
+        self.finish: list[str | None] = [None] * size
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.open_prompts = num_prompts
+
+    def add_delta(self, prompt: int, d: Delta) -> tuple[int, int]:
+        """Record a delta; returns (choice index, text offset where it starts)."""
+        i = prompt * self.n + d.index
+        start = self.lengths[i]
+        self.texts[i].append(d.text)
+        self.lengths[i] += len(d.text)
+        if d.logprobs:
+            self.logprobs[i].extend(d.logprobs)
+            self.offsets[i].extend([start] * len(d.logprobs))
+        return i, start
+
+    def add_done(self, prompt: int, done: Done) -> list[int]:
+        reasons = done.finish_reasons or [done.finish_reason]
+        self.open_prompts -= 1
+        self.prompt_tokens += done.usage.prompt_tokens
+        self.completion_tokens += done.usage.completion_tokens
+        first = prompt * self.n
+        for k, r in enumerate(reasons[: self.n]):
+            self.finish[first + k] = r
+        return list(range(first, first + min(len(reasons), self.n)))
+
+    def usage(self) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+        )
+
+
+def _completion_logprobs(lps: list[Logprob], offsets: list[int]) -> CompletionLogprobs:
+    tops: list[dict[str, float] | None] = []
+    for lp in lps:
+        top = {token_str(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=False)}
+        top.setdefault(token_str(lp.token_id), lp.logprob)
+        tops.append(top)
+    return CompletionLogprobs(
+        tokens=[token_str(lp.token_id) for lp in lps],
+        token_logprobs=[lp.logprob for lp in lps],
+        top_logprobs=tops,
+        text_offset=offsets,
+    )
+
+
+def _chat_logprobs(lps: list[Logprob]) -> ChatLogprobs:
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(
+            token=token_str(lp.token_id),
+            logprob=lp.logprob,
+            top_logprobs=[TopLogprob(token=token_str(t), logprob=v)
+                          for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=False)],
+        )
+        for lp in lps
+    ])
+
+
+class _Usage:
+    choices: _Choices
+    include_usage: bool
+
+    def _usage_if_last(self, i: int, finished: list[int]) -> UsageInfo | None:
+        """Usage rides on the stream's very last finish chunk unless the client asked
+        for OpenAI's separate usage chunk (`stream_options.include_usage`)."""
+        last = not self.include_usage and self.choices.open_prompts == 0 and i == finished[-1]
+        return self.choices.usage() if last else None
+
+
+class CompletionBuilder(_Usage):
+    def __init__(self, rid: str, model: str, created: int, num_prompts: int, n: int,
+                 *, logprobs: bool, stream: bool, include_usage: bool = False) -> None:
+        self.rid, self.model, self.created = rid, model, created
+        self.choices = _Choices(num_prompts, n)
+        self.want_logprobs = logprobs
+        self.stream = stream
+        self.include_usage = include_usage
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+        return _encode(Completion(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage))
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def add(self, prompt: int, ev: Delta | Done) -> list[bytes]:
+        if isinstance(ev, Delta):
+            i, start = self.choices.add_delta(prompt, ev)
+            if not self.stream or not (ev.text or ev.logprobs):
+                return []
+            lp = _completion_logprobs(ev.logprobs, [start] * len(ev.logprobs)) if self.want_logprobs and ev.logprobs else None
+            return [self._chunk([CompletionChoice(index=i, text=ev.text, logprobs=lp)])]
+        finished = self.choices.add_done(prompt, ev)
+        if not self.stream:
+            return []
+        return [self._chunk([CompletionChoice(index=i, text="", finish_reason=self.choices.finish[i])], self._usage_if_last(i, finished))
+                for i in finished]
+
+    def end(self) -> list[bytes]:
+        return [self._chunk([], self.choices.usage())] if self.include_usage else []
+
+    def response(self) -> Completion:
+        c = self.choices
+        return Completion(
+            id=self.rid, created=self.created, model=self.model, usage=c.usage(),
+            choices=[
+                CompletionChoice(
+                    index=i, text="".join(c.texts[i]), finish_reason=c.finish[i],
+                    logprobs=_completion_logprobs(c.logprobs[i], c.offsets[i]) if self.want_logprobs else None,
+                )
+                for i in range(len(c.texts))
+            ],
+        )
+
+
+class ChatBuilder(_Usage):
+    def __init__(self, rid: str, model: str, created: int, n: int,
+                 *, logprobs: bool, stream: bool, include_usage: bool = False) -> None:
+        self.rid, self.model, self.created = rid, model, created
+        self.choices = _Choices(1, n)
+        self.want_logprobs = logprobs
+        self.stream = stream
+        self.include_usage = include_usage
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
+        return _encode(ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage))
+
+    def start(self) -> list[bytes]:
+        # OpenAI opens every choice with a delta that carries only the role.
+        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+                for i in range(self.choices.n)]
+
+    def add(self, prompt: int, ev: Delta | Done) -> list[bytes]:
+        if isinstance(ev, Delta):
+            i, _ = self.choices.add_delta(prompt, ev)
+            if not self.stream or not (ev.text or (self.want_logprobs and ev.logprobs)):
+                return []
+            lp = _chat_logprobs(ev.logprobs) if self.want_logprobs and ev.logprobs else None
+            return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=ev.text), logprobs=lp)])]
+        finished = self.choices.add_done(prompt, ev)
+        if not self.stream:
+            return []
+        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason=self.choices.finish[i])],
+                            self._usage_if_last(i, finished))
+                for i in finished]
+
+    def end(self) -> list[bytes]:
+        return [self._chunk([], self.choices.usage())] if self.include_usage else []
+
+    def response(self) -> ChatCompletion:
+        c = self.choices
+        return ChatCompletion(
+            id=self.rid, created=self.created, model=self.model, usage=c.usage(),
+            choices=[
+                ChatChoice(
+                    index=i, message=ChatMessage(content="".join(c.texts[i])), finish_reason=c.finish[i],
+                    logprobs=_chat_logprobs(c.logprobs[i]) if self.want_logprobs else None,
+                )
+                for i in range(len(c.texts))
+            ],
+        )

@@ -1,0 +1,122 @@
+"""OpenAI request bodies → noria `generate` messages, rejecting what noria cannot honour."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from frontend.bridge.errors import BadRequest
+from frontend.bridge.openai_schema import ChatRequest, CompletionRequest, SamplingFields
+from protocol.client import Generate
+from protocol.sampling import SamplingParams, sampling_error
+
+R = TypeVar("R", CompletionRequest, ChatRequest)
+MAX_PROMPTS = 128
+
+
+async def read_body(request: web.Request, kind: type[R]) -> R:
+    """Decode a JSON body; a malformed one raises msgspec errors (400 upstream of here)."""
+    return msgspec.json.decode(await request.read(), type=kind)
+
+
+def _sampling(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if req.logit_bias:
+        raise BadRequest("logit_bias is not supported", "logit_bias")
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or None)
+    params = SamplingParams(
+        n=req.n,
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    # Checked here, before anything goes upstream, so that a batch fails as a whole
+    # with 400 and the message names the parameter.
+    problem = sampling_error(params)
+    if problem:
+        first = problem.split(" ", 1)[0]
+        raise BadRequest(problem, first if first in SamplingParams.__struct_fields__ else None)
+    return params
+
+
+def completion_generates(req: CompletionRequest, new_id: Callable[[], str]) -> list[Generate]:
+    if req.echo:
+        raise BadRequest("echo is not supported", "echo")
+    if req.suffix:
+        raise BadRequest("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise BadRequest("best_of must equal n (noria returns every sample it draws)", "best_of")
+    params = _sampling(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    fields = msgspec.structs.asdict(params)
+    out = []
+    for p in _prompts(req.prompt):
+        key = "prompt" if isinstance(p, str) else "prompt_token_ids"
+        out.append(Generate(request_id=new_id(), priority=req.priority, **{key: p}, **fields))
+    return out
+
+
+def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise BadRequest("prompt must not be empty", "prompt")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [list(prompt)]
+    if all(isinstance(s, str) for s in prompt):
+        prompts: list[str | list[int]] = list(prompt)
+    elif all(isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids) for ids in prompt):
+        prompts = [list(ids) for ids in prompt]
+    else:
+        raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise BadRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    return prompts
+
+
+def chat_generate(req: ChatRequest, new_id: Callable[[], str]) -> Generate:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = _sampling(req, max_tokens=max_tokens, logprobs=logprobs)
+    return Generate(
+        request_id=new_id(),
+        messages=[_message(m) for m in req.messages],
+        add_generation_prompt=req.add_generation_prompt,
+        priority=req.priority,
+        **msgspec.structs.asdict(params),
+    )
+
+
+def _message(m: dict[str, Any]) -> dict[str, Any]:
+    """Text-only content: a string, or a list of {"type": "text"} parts joined."""
+    role, content = m.get("role"), m.get("content")
+    if not isinstance(role, str):
+        raise BadRequest("each message needs a string role", "messages")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise BadRequest("only text content parts are supported", "messages")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise BadRequest("message content must be a string or a list of text parts", "messages")
+    return {**m, "content": content}

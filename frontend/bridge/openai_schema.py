@@ -1,0 +1,189 @@
+"""OpenAI-compatible request and response shapes (msgspec Structs, JSON on the wire).
+
+Unknown request fields are ignored, as OpenAI-compatible servers do, so that
+clients sending newer fields keep working; fields that would change the
+meaning of a request and are not supported are rejected in `openai_api`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by both endpoints; the vLLM extras (top_k ... priority) too."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # str, list of str, list of token ids, or list of token-id lists: checked in openai_api
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatRequest(SamplingFields, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class UsageInfo(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+# ---- /v1/completions ----------------------------------------------------
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """A whole response, or (with `stream`) one chunk of one: OpenAI uses one shape for both."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: UsageInfo | None = None
+
+
+# ---- /v1/chat/completions -----------------------------------------------
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    object: str = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: UsageInfo | None = None
+
+
+# ---- /v1/models and errors ----------------------------------------------
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "noria"
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    error: ErrorBody
+
+
+class Health(msgspec.Struct, kw_only=True):
+    status: str
+    engine: str
+    model: str | None = None

@@ -1,0 +1,16 @@
+"""Typed keys for what the bridge's aiohttp application holds."""
+
+from __future__ import annotations
+
+import weakref
+
+from aiohttp import web
+
+from frontend.bridge.gateway import Gateway
+from frontend.bridge.metrics import BridgeMetrics
+
+GATEWAY = web.AppKey("gateway", Gateway)
+METRICS = web.AppKey("metrics", BridgeMetrics)
+API_KEY = web.AppKey("api_key", str)  # "" when no key is required
+WEBSOCKETS = web.AppKey("websockets", weakref.WeakSet)  # open sockets, closed at shutdown
+STARTED = web.AppKey("started", int)  # unix time the bridge started (OpenAI's `created` for models)
