@@ -13,6 +13,11 @@ SMALL = {
     "intermediate_size": 2048, "vocab_size": 32000, "max_position_embeddings": 2048,
 }
 OUTPUT_LENGTHS = (32, 40, 50, 64, 80, 96, 200, 512)
+# For online runs with 4,000-token prompts: long positions, cheap enough to prefill on a CPU.
+SERVING = {
+    "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6, "num_key_value_heads": 2,
+    "intermediate_size": 1024, "vocab_size": 32000, "max_position_embeddings": 8192,
+}
 
 
 def w1(vocab_size: int = 32000, num_requests: int = 128) -> list[tuple[list[int], int]]:
@@ -34,14 +39,23 @@ def w1(vocab_size: int = 32000, num_requests: int = 128) -> list[tuple[list[int]
 def small_checkpoint() -> Path:
     """The "small" Llama (~110M parameters): seeded random weights, float32,
     saved as a Hugging Face checkpoint (with the demo tokenizer for text)."""
-    path = cache_root() / "bench-small-v1"
+    return _checkpoint("bench-small-v1", SMALL)
+
+
+def serving_checkpoint() -> Path:
+    """A ~30M-parameter Llama with 8,192 positions for the online benchmarks."""
+    return _checkpoint("bench-serving-v1", SERVING)
+
+
+def _checkpoint(name: str, shape: dict) -> Path:
+    path = cache_root() / name
     if (path / "complete").exists():
         return path
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**SMALL, torch_dtype="float32", tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    config = LlamaConfig(**shape, torch_dtype="float32", tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
     model = LlamaForCausalLM(config).eval()
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

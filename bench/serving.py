@@ -1,0 +1,226 @@
+"""`noria bench serving`: online latency against `noria serve` with Poisson arrivals.
+
+Three experiments, each against a fresh server on the "serving" model:
+  rates    W1-like requests (prompt 32-256, output 32-128 tokens) at several
+           request rates: TTFT, inter-token latency (ITL) and end-to-end
+           latency at p50/p90/p99;
+  chunked  16 streams decoding while 4,000-token prompts arrive, chunked
+           prefill on vs off: the decoders' ITL (p99 should halve or better);
+  prefix   a shared 1,024-token system prompt, prefix caching on vs off: TTFT.
+Prints tables, writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.workloads import serving_checkpoint
+
+Req = tuple[list[int], int, float]  # prompt ids, max_tokens, send offset (s)
+
+
+def _pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {f"p{p}": _pct(xs, p) * 1000 for p in (50, 90, 99)}
+
+
+class Server:
+    def __init__(self, model: Path, flags: list[str]) -> None:
+        from protocol.sockets import free_tcp_port
+        from tests.procs import wait_ready
+
+        port = free_tcp_port()
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--model", str(model),
+                                      "--zmq-port", str(port), "--port", str(free_tcp_port()), *flags])
+        wait_ready(self.address, self.proc, timeout=300)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+async def drive(address: str, reqs: list[Req]) -> list[dict]:
+    """Send each request at its offset; record per-token arrival times."""
+    from noria import AsyncClient, SamplingParams
+
+    async with AsyncClient(address, timeout=600) as client:
+        start = time.perf_counter()
+
+        async def one(prompt: list[int], max_tokens: int, offset: float) -> dict:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            sent = time.perf_counter()
+            times = []
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            async for out in client.stream(prompt, params):
+                if getattr(out, "token_ids", None):
+                    times.extend([time.perf_counter()] * len(out.token_ids))
+            return {"sent": sent, "times": times, "prompt_len": len(prompt)}
+
+        return await asyncio.gather(*(one(*r) for r in reqs))
+
+
+def latencies(results: list[dict], min_prompt: int = 0, max_prompt: int = 1 << 30) -> dict:
+    ttft, itl, e2e = [], [], []
+    for r in results:
+        if not (min_prompt <= r["prompt_len"] <= max_prompt) or not r["times"]:
+            continue
+        ttft.append(r["times"][0] - r["sent"])
+        itl.extend(b - a for a, b in zip(r["times"], r["times"][1:], strict=False))
+        e2e.append(r["times"][-1] - r["sent"])
+    return {"ttft_ms": summary(ttft), "itl_ms": summary(itl), "e2e_ms": summary(e2e), "n": len(e2e)}
+
+
+def poisson(rng: random.Random, rate: float, n: int) -> list[float]:
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def exp_rates(model: Path, rates: list[float], n: int) -> list[dict]:
+    rows = []
+    server = Server(model, ["--num-kv-blocks", "2048"])
+    try:
+        for rate in rates:
+            rng = random.Random(int(rate * 1000))
+            reqs = [([rng.randrange(3, 32000) for _ in range(rng.randint(32, 256))], rng.randint(32, 128), t)
+                    for t in poisson(rng, rate, n)]
+            res = asyncio.run(drive(server.address, reqs))
+            rows.append({"rate": rate, **latencies(res)})
+    finally:
+        server.close()
+    return rows
+
+
+def exp_chunked(model: Path, long_len: int, num_long: int) -> list[dict]:
+    rows = []
+    rng = random.Random(1)
+    decoders = [([rng.randrange(3, 32000) for _ in range(64)], 400, 0.0) for _ in range(16)]
+    longs = [([rng.randrange(3, 32000) for _ in range(long_len)], 8, 2.0 + 1.5 * i) for i in range(num_long)]
+    for chunked in (True, False):
+        flags = ["--num-kv-blocks", "4096", "--max-num-batched-tokens", "512" if chunked else str(long_len + 64)]
+        flags.append("--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill")
+        flags.append("--no-enable-prefix-caching")
+        server = Server(model, flags)
+        try:
+            res = asyncio.run(drive(server.address, decoders + longs))
+        finally:
+            server.close()
+        rows.append({"chunked_prefill": chunked, "decoders": latencies(res, max_prompt=100),
+                     "long_prompts": latencies(res, min_prompt=long_len)})
+    return rows
+
+
+def exp_prefix(model: Path, n: int, rate: float) -> list[dict]:
+    rows = []
+    rng = random.Random(2)
+    system = [rng.randrange(3, 32000) for _ in range(1024)]
+    offsets = poisson(rng, rate, n)
+    reqs = [(system + [rng.randrange(3, 32000) for _ in range(rng.randint(8, 64))], 32, t) for t in offsets]
+    for caching in (True, False):
+        flags = ["--num-kv-blocks", "4096", "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
+        server = Server(model, flags)
+        try:
+            res = asyncio.run(drive(server.address, reqs))
+        finally:
+            server.close()
+        rows.append({"prefix_caching": caching, **latencies(res)})
+    return rows
+
+
+def plot(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    rates = result.get("rates", [])
+    if rates:
+        x = [r["rate"] for r in rates]
+        for key, style in (("ttft_ms", "o-"), ("itl_ms", "s-"), ("e2e_ms", "^-")):
+            axes[0].plot(x, [r[key]["p99"] for r in rates], style, label=f"{key[:-3]} p99")
+        axes[0].set_xlabel("request rate (req/s)")
+        axes[0].set_ylabel("ms")
+        axes[0].set_yscale("log")
+        axes[0].legend()
+        axes[0].set_title("latency vs rate")
+    ch = result.get("chunked", [])
+    if ch:
+        labels = ["chunked" if r["chunked_prefill"] else "unchunked" for r in ch]
+        for i, p in enumerate(("p50", "p90", "p99")):
+            axes[1].bar([j + i * 0.25 for j in range(len(ch))], [r["decoders"]["itl_ms"][p] for r in ch], 0.25, label=p)
+        axes[1].set_xticks([j + 0.25 for j in range(len(ch))], labels)
+        axes[1].set_ylabel("decoders' inter-token latency (ms)")
+        axes[1].legend()
+        axes[1].set_title("4,000-token prompts arriving")
+    px = result.get("prefix", [])
+    if px:
+        labels = ["cache on" if r["prefix_caching"] else "cache off" for r in px]
+        for i, p in enumerate(("p50", "p90", "p99")):
+            axes[2].bar([j + i * 0.25 for j in range(len(px))], [r["ttft_ms"][p] for r in px], 0.25, label=p)
+        axes[2].set_xticks([j + 0.25 for j in range(len(px))], labels)
+        axes[2].set_ylabel("TTFT (ms)")
+        axes[2].legend()
+        axes[2].set_title("shared 1,024-token system prompt")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="noria bench serving")
+    ap.add_argument("--experiments", default="rates,chunked,prefix")
+    ap.add_argument("--rates", default="1,2,4")
+    ap.add_argument("--num-requests", type=int, default=40)
+    ap.add_argument("--long-prompt", type=int, default=4000)
+    ap.add_argument("--num-long", type=int, default=8)
+    ap.add_argument("--out", default="bench/results/serving")
+    args = ap.parse_args(argv)
+    model = serving_checkpoint()
+    result: dict = {}
+    exps = args.experiments.split(",")
+    if "rates" in exps:
+        result["rates"] = exp_rates(model, [float(r) for r in args.rates.split(",")], args.num_requests)
+        print(f"\n{'rate':>6} {'TTFT p50/p90/p99 ms':>26} {'ITL p50/p90/p99 ms':>26} {'E2E p50/p90/p99 ms':>28}")
+        for r in result["rates"]:
+            f = lambda d: "/".join(f"{d[p]:.0f}" for p in ("p50", "p90", "p99"))  # noqa: E731
+            print(f"{r['rate']:>6} {f(r['ttft_ms']):>26} {f(r['itl_ms']):>26} {f(r['e2e_ms']):>28}")
+    if "chunked" in exps:
+        result["chunked"] = exp_chunked(model, args.long_prompt, args.num_long)
+        print(f"\n{'chunked prefill':<16} {'decoder ITL p50/p90/p99 ms':>30} {'long TTFT p50 ms':>18}")
+        for r in result["chunked"]:
+            d = r["decoders"]["itl_ms"]
+            print(f"{str(r['chunked_prefill']):<16} {d['p50']:>10.0f}/{d['p90']:.0f}/{d['p99']:.0f}"
+                  f"{r['long_prompts']['ttft_ms']['p50']:>18.0f}")
+        on, off = (r["decoders"]["itl_ms"]["p99"] for r in result["chunked"])
+        print(f"p99 ITL, chunked / unchunked: {on / off:.2f}")
+    if "prefix" in exps:
+        result["prefix"] = exp_prefix(model, args.num_requests, 2.0)
+        print(f"\n{'prefix caching':<16} {'TTFT p50/p90/p99 ms':>26}")
+        for r in result["prefix"]:
+            t = r["ttft_ms"]
+            print(f"{str(r['prefix_caching']):<16} {t['p50']:>12.0f}/{t['p90']:.0f}/{t['p99']:.0f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
