@@ -246,7 +246,13 @@ def write_kv(
 
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """Pick the backend for `device`. Only the torch backend exists today; a CUDA
-    kernel backend plugs in here behind the same interface."""
-    del device
+    """The CuPy kernel backend on a CUDA device (torch for what the kernels do
+    not cover, e.g. sliding windows), the torch backend everywhere else."""
+    if device.type == "cuda":
+        try:
+            from kernels.attention_backend import KernelAttentionBackend
+
+            return KernelAttentionBackend(fallback=TorchAttentionBackend(native=False))
+        except ImportError:  # CuPy not installed: `pip install noria[cuda]`
+            pass
     return TorchAttentionBackend()

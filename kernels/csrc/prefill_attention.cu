@@ -1,0 +1,156 @@
+// Ragged prefill attention over the paged KV cache. The query tokens of all sequences are
+// flattened (query_start_loc); the K/V of every token, cached prefix and new tokens alike,
+// are already in the cache (reshape_and_cache runs first). Query i of sequence s sits at
+// position seq_lens[s] - q_len + i and attends causally to positions 0..that position, which
+// covers chunked prefill and prefix-cache hits with no special case.
+//
+// One CTA per (tile of 16 query tokens, head, sequence). Each KV block is staged in shared
+// memory as float; a row of the tile is served by 8 threads that split the block's keys for
+// Q.K and the head dimension for P.V, with an online softmax per row.
+
+#include "common.cuh"
+
+namespace noria {
+namespace prefill {
+constexpr int kNumThreads = 128;
+constexpr int kTileQ = 16;                          // query rows per CTA
+constexpr int kRowThreads = kNumThreads / kTileQ;   // threads per row, within one warp
+}  // namespace prefill
+}  // namespace noria
+
+// out:             [num_tokens, num_heads, HEAD_DIM]
+// query:           token t, head h at query + t * q_stride + h * HEAD_DIM
+// k/v_cache:       [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+// block_tables:    [num_seqs, bt_stride]; seq_lens: [num_seqs] context after this step
+// query_start_loc: [num_seqs + 1]
+// Grid: (ceil(max_query_len / 16), num_heads, num_seqs).
+template <typename T, int HEAD_DIM, int BLOCK_SIZE>
+__global__ void __launch_bounds__(128) paged_attention_prefill(
+    T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ k_cache,
+    const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, float scale,
+    int num_kv_heads, int q_stride, int bt_stride) {
+  using namespace noria;
+  using namespace noria::prefill;
+  constexpr int kVec = Vec16<T>::kElems;
+  constexpr int kChunks = HEAD_DIM / kVec;
+  constexpr int kKeysPerThread = BLOCK_SIZE / kRowThreads;
+  constexpr int kDimsPerThread = HEAD_DIM / kRowThreads;
+  constexpr int kPad = HEAD_DIM + 1;  // odd row stride: 8 rows read in parallel hit 8 banks
+  static_assert(BLOCK_SIZE % kRowThreads == 0 && HEAD_DIM % kRowThreads == 0, "even split");
+  static_assert(kWarpSize % kRowThreads == 0, "a row's threads must share a warp");
+
+  const int tile = blockIdx.x, head = blockIdx.y, seq = blockIdx.z;
+  const int num_heads = gridDim.y;
+  const int q_begin = query_start_loc[seq];
+  const int q_len = query_start_loc[seq + 1] - q_begin;
+  const int tile_begin = tile * kTileQ;
+  if (tile_begin >= q_len) return;  // uniform for the CTA, before any barrier
+  const int kv_head = head / (num_heads / num_kv_heads);
+  const int ctx = seq_lens[seq];
+  const int prefix = ctx - q_len;
+  const int rows = min(kTileQ, q_len - tile_begin);
+  const int last_pos = prefix + tile_begin + rows - 1;
+  const int num_blocks = last_pos / BLOCK_SIZE + 1;
+
+  __shared__ float q_s[kTileQ][kPad];
+  __shared__ float k_s[BLOCK_SIZE][kPad];
+  __shared__ float v_s[BLOCK_SIZE][HEAD_DIM];
+  __shared__ float p_s[kTileQ][BLOCK_SIZE];
+
+  for (int idx = threadIdx.x; idx < kTileQ * HEAD_DIM; idx += kNumThreads) {
+    const int r = idx / HEAD_DIM, d = idx % HEAD_DIM;
+    const long long token = q_begin + tile_begin + r;
+    q_s[r][d] = r < rows ? to_float(query[token * q_stride + head * HEAD_DIM + d]) * scale : 0.0f;
+  }
+
+  const int r = threadIdx.x / kRowThreads;  // this thread's query row
+  const int rl = threadIdx.x % kRowThreads; // its rank among the row's threads
+  const bool row_valid = r < rows;
+  const int qpos = row_valid ? prefix + tile_begin + r : -1;  // -1 masks every key
+  float m = neg_inf(), l = 0.0f;
+  float acc[kDimsPerThread];
+#pragma unroll
+  for (int i = 0; i < kDimsPerThread; ++i) acc[i] = 0.0f;
+
+  const int* table = block_tables + static_cast<long long>(seq) * bt_stride;
+  for (int b = 0; b < num_blocks; ++b) {
+    __syncthreads();  // the previous block's k_s/v_s/p_s readers are done (and q_s is ready)
+    const long long phys = table[b];
+    for (int idx = threadIdx.x; idx < BLOCK_SIZE * kChunks; idx += kNumThreads) {
+      const int j = idx / kChunks, c = idx % kChunks;
+      float k[kVec], v[kVec];
+      if (b * BLOCK_SIZE + j < ctx) {
+        const long long off =
+            ((phys * BLOCK_SIZE + j) * num_kv_heads + kv_head) * HEAD_DIM + c * kVec;
+        load16_as_float(k_cache + off, k);
+        load16_as_float(v_cache + off, v);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) k[i] = v[i] = 0.0f;  // past the context: never trust it
+      }
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        k_s[j][c * kVec + i] = k[i];
+        v_s[j][c * kVec + i] = v[i];
+      }
+    }
+    __syncthreads();
+
+    // This thread's keys are rl, rl + 8, ...: 8 threads read 8 different rows of k_s.
+    float s[kKeysPerThread];
+#pragma unroll
+    for (int t = 0; t < kKeysPerThread; ++t) s[t] = 0.0f;
+#pragma unroll 4
+    for (int d = 0; d < HEAD_DIM; ++d) {
+      const float qd = q_s[r][d];
+#pragma unroll
+      for (int t = 0; t < kKeysPerThread; ++t) s[t] += qd * k_s[rl + t * kRowThreads][d];
+    }
+    float bmax = neg_inf();
+#pragma unroll
+    for (int t = 0; t < kKeysPerThread; ++t) {
+      const int kpos = b * BLOCK_SIZE + rl + t * kRowThreads;
+      if (kpos > qpos) s[t] = neg_inf();  // causal mask
+      bmax = fmaxf(bmax, s[t]);
+    }
+#pragma unroll
+    for (int offset = kRowThreads / 2; offset > 0; offset >>= 1)
+      bmax = fmaxf(bmax, __shfl_xor_sync(kFullMask, bmax, offset));
+    const float m_new = fmaxf(m, bmax);
+    // A row may see no unmasked key in this block (or at all, for rows past the tile).
+    const float shrink = m_new == neg_inf() ? 1.0f : __expf(m - m_new);
+    float psum = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kKeysPerThread; ++t) {
+      const float p = s[t] == neg_inf() ? 0.0f : __expf(s[t] - m_new);
+      p_s[r][rl + t * kRowThreads] = p;
+      psum += p;
+    }
+#pragma unroll
+    for (int offset = kRowThreads / 2; offset > 0; offset >>= 1)
+      psum += __shfl_xor_sync(kFullMask, psum, offset);
+    l = l * shrink + psum;
+    m = m_new;
+    __syncwarp();  // p_s[r][*] is written by the row's threads, all in this warp
+
+#pragma unroll
+    for (int i = 0; i < kDimsPerThread; ++i) acc[i] *= shrink;
+#pragma unroll 2
+    for (int j = 0; j < BLOCK_SIZE; ++j) {
+      const float p = p_s[r][j];
+#pragma unroll
+      for (int i = 0; i < kDimsPerThread; ++i) acc[i] += p * v_s[j][rl + i * kRowThreads];
+    }
+  }
+
+  if (row_valid) {
+    const long long token = q_begin + tile_begin + r;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+    for (int i = 0; i < kDimsPerThread; ++i) {
+      const int d = rl + i * kRowThreads;
+      out[(token * num_heads + head) * HEAD_DIM + d] = from_float<T>(acc[i] * inv);
+    }
+  }
+}

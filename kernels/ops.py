@@ -1,0 +1,388 @@
+"""Python API over the kernels: shape checks, launch configuration and the split-K choice.
+
+Tensors are torch tensors. CUDA tensors run through CuPy on torch's current stream; CPU
+tensors run under the CPU emulator (tests), unless a backend is given. Layouts:
+
+* KV cache (per layer, K and V alike): [num_blocks, block_size, num_kv_heads, head_dim].
+* query / key / value rows: [tokens, heads, head_dim] with heads and head_dim contiguous; the
+  token stride is free, so slices of a fused QKV projection can be passed as they are.
+* block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs] (context length
+  including this step's tokens); query_start_loc int32 [num_seqs + 1]; slot_mapping int32 or
+  int64 [num_tokens] with slot = block * block_size + offset, negative = skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kernels import instances
+from kernels.backends import KernelBackend, default_backend
+from kernels.instances import AttentionConfig
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+SLOT_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
+NUM_THREADS = 128  # decode, reduce and prefill kernels are written for 4 warps
+PREFILL_TILE = 16  # query rows per prefill CTA
+DEFAULT_PARTITION_SIZE = 512  # tokens per split-K partition
+SPLIT_MIN_CONTEXT = 1024  # below this one CTA per (head, sequence) is always enough
+SINGLE_PARTITION = 1 << 30  # a partition size no context reaches
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    try:
+        return DTYPE_NAMES[t.dtype]
+    except KeyError:
+        raise TypeError(f"unsupported dtype {t.dtype}; one of {list(DTYPE_NAMES)}") from None
+
+
+def _check_rows(name: str, t: torch.Tensor, heads: int, head_dim: int) -> None:
+    if t.dim() != 3 or t.shape[1] != heads or t.shape[2] != head_dim:
+        raise ValueError(f"{name} must be [tokens, {heads}, {head_dim}], got {tuple(t.shape)}")
+    if t.stride(2) != 1 or t.stride(1) != head_dim:
+        raise ValueError(f"{name}: heads and head_dim must be contiguous, strides {t.stride()}")
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] "
+            f"of one dtype, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("KV caches must be contiguous")
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    return block_size, num_kv_heads, head_dim
+
+
+def _check_int32(name: str, t: torch.Tensor, ndim: int) -> None:
+    if t.dtype != torch.int32 or t.dim() != ndim:
+        raise ValueError(f"{name} must be an int32 tensor with {ndim} dims")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension")
+
+
+def _backend(t: torch.Tensor, backend: KernelBackend | None) -> KernelBackend:
+    return backend if backend is not None else default_backend(t.device)
+
+
+def _threads_for(elems: int, cap: int = 256) -> int:
+    return max(32, min(cap, (elems + 31) // 32 * 32))
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: KernelBackend | None = None,
+) -> None:
+    """Write key[t] / value[t] ([tokens, num_kv_heads, head_dim]) into slot slot_mapping[t]."""
+    _, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    _check_rows("key", key, num_kv_heads, head_dim)
+    _check_rows("value", value, num_kv_heads, head_dim)
+    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+        raise TypeError("key, value and the caches must share one dtype")
+    if slot_mapping.dtype not in SLOT_DTYPES or slot_mapping.dim() != 1:
+        raise ValueError("slot_mapping must be a 1-D int32 or int64 tensor")
+    num_tokens = key.shape[0]
+    if value.shape[0] != num_tokens or slot_mapping.shape[0] < num_tokens:
+        raise ValueError("key, value and slot_mapping disagree on the number of tokens")
+    if num_tokens == 0:
+        return  # a zero-sized grid is a launch error on a GPU
+    be = _backend(k_cache, backend)
+    dtype = _dtype_name(k_cache)
+    spec = instances.reshape_module(dtype)
+    kern = be.kernel(spec, instances.reshape_name(dtype, SLOT_DTYPES[slot_mapping.dtype]))
+    row = num_kv_heads * head_dim
+    with be.launch_context(k_cache.device):
+        kern(
+            (num_tokens,),
+            (_threads_for(row),),
+            (
+                be.ptr(key),
+                be.ptr(value),
+                be.ptr(k_cache),
+                be.ptr(v_cache),
+                be.ptr(slot_mapping.contiguous()),
+                np.int32(key.stride(0)),
+                np.int32(value.stride(0)),
+                np.int32(row),
+            ),
+        )
+
+
+def choose_num_partitions(
+    max_seq_len: int,
+    num_seqs: int,
+    num_heads: int,
+    sm_count: int,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+) -> int:
+    """Split-K only pays off for long contexts, and only when one CTA per (head, sequence)
+    leaves SMs idle; otherwise the extra partial writes and merge pass cost more than they
+    give."""
+    parts = -(-max_seq_len // partition_size)
+    if parts <= 1 or max_seq_len < SPLIT_MIN_CONTEXT:
+        return 1
+    if num_seqs * num_heads >= 4 * sm_count:
+        return 1
+    return parts
+
+
+def paged_attention_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    split: bool | None = None,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+    backend: KernelBackend | None = None,
+) -> None:
+    """One query token per sequence: out[s] = softmax(scale * q[s] K^T) V over the first
+    seq_lens[s] cached tokens of sequence s. An empty context gives zeros.
+
+    max_seq_len (a host int, at least max(seq_lens); computed with a device sync if omitted)
+    sizes the split-K grid.
+    split=None lets choose_num_partitions decide; True / False force split-K (partitions of
+    partition_size tokens) or a single pass."""
+    block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    num_seqs, num_heads = query.shape[0], query.shape[1]
+    _check_rows("query", query, num_heads, head_dim)
+    if out.shape != (num_seqs, num_heads, head_dim) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{num_seqs}, {num_heads}, {head_dim}] tensor")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads do not group evenly over {num_kv_heads}")
+    _check_int32("block_tables", block_tables, 2)
+    _check_int32("seq_lens", seq_lens, 1)
+    if num_seqs == 0:
+        return
+    if partition_size % block_size != 0:
+        raise ValueError("partition_size must be a multiple of the block size")
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+    be = _backend(k_cache, backend)
+    if split is None:
+        num_partitions = choose_num_partitions(
+            max_seq_len, num_seqs, num_heads, be.sm_count, partition_size
+        )
+    else:
+        num_partitions = max(1, -(-max_seq_len // partition_size)) if split else 1
+    cfg = AttentionConfig(_dtype_name(k_cache), head_dim, block_size)
+    spec = instances.decode_module(cfg)
+    decode = be.kernel(spec, instances.decode_name(cfg))
+    device = k_cache.device
+    common = (
+        be.ptr(query),
+        be.ptr(k_cache),
+        be.ptr(v_cache),
+        be.ptr(block_tables),
+        be.ptr(seq_lens),
+        np.float32(scale),
+        np.int32(num_kv_heads),
+        np.int32(query.stride(0)),
+        np.int32(block_tables.stride(0)),
+    )
+    with be.launch_context(device):
+        if num_partitions == 1:
+            unused = be.ptr(out)  # the partial-result pointers are never touched
+            decode(
+                (num_heads, num_seqs, 1),
+                (NUM_THREADS,),
+                (be.ptr(out), unused, unused, unused, *common, np.int32(SINGLE_PARTITION)),
+            )
+            return
+        part_out = be.scratch((num_seqs, num_heads, num_partitions, head_dim), device)
+        part_max = be.scratch((num_seqs, num_heads, num_partitions), device)
+        part_sum = be.scratch((num_seqs, num_heads, num_partitions), device)
+        decode(
+            (num_heads, num_seqs, num_partitions),
+            (NUM_THREADS,),
+            (
+                be.ptr(out),
+                be.ptr(part_out),
+                be.ptr(part_max),
+                be.ptr(part_sum),
+                *common,
+                np.int32(partition_size),
+            ),
+        )
+        reduce = be.kernel(spec, instances.reduce_name(cfg))
+        smem = 4 * num_partitions
+        if smem > 48 * 1024:
+            raise ValueError(f"{num_partitions} partitions exceed the merge kernel's shared memory")
+        reduce(
+            (num_heads, num_seqs),
+            (NUM_THREADS,),
+            (
+                be.ptr(out),
+                be.ptr(part_out),
+                be.ptr(part_max),
+                be.ptr(part_sum),
+                be.ptr(seq_lens),
+                np.int32(num_partitions),
+                np.int32(partition_size),
+            ),
+            shared_mem=smem,
+        )
+
+
+def paged_attention_prefill(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    backend: KernelBackend | None = None,
+) -> None:
+    """Ragged causal attention: the query tokens query_start_loc[s]:query_start_loc[s+1] of
+    sequence s are its last q_len positions (of seq_lens[s]) and attend to every cached
+    position up to their own. Their K/V must already be in the cache."""
+    block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    num_tokens, num_heads = query.shape[0], query.shape[1]
+    _check_rows("query", query, num_heads, head_dim)
+    if out.shape != (num_tokens, num_heads, head_dim) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{num_tokens}, {num_heads}, {head_dim}] tensor")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads do not group evenly over {num_kv_heads}")
+    _check_int32("block_tables", block_tables, 2)
+    _check_int32("seq_lens", seq_lens, 1)
+    _check_int32("query_start_loc", query_start_loc, 1)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError("query_start_loc must have num_seqs + 1 entries")
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    if max_query_len <= 0:
+        return
+    be = _backend(k_cache, backend)
+    cfg = AttentionConfig(_dtype_name(k_cache), head_dim, block_size)
+    kern = be.kernel(instances.prefill_module(cfg), instances.prefill_name(cfg))
+    tiles = -(-max_query_len // PREFILL_TILE)
+    with be.launch_context(k_cache.device):
+        kern(
+            (tiles, num_heads, num_seqs),
+            (NUM_THREADS,),
+            (
+                be.ptr(out),
+                be.ptr(query),
+                be.ptr(k_cache),
+                be.ptr(v_cache),
+                be.ptr(block_tables),
+                be.ptr(seq_lens),
+                be.ptr(query_start_loc),
+                np.float32(scale),
+                np.int32(num_kv_heads),
+                np.int32(query.stride(0)),
+                np.int32(block_tables.stride(0)),
+            ),
+        )
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    backend: KernelBackend | None = None,
+) -> None:
+    """One step's attention: the decode kernel when every sequence brings one token (then
+    query row s is sequence s), the ragged prefill kernel otherwise."""
+    if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
+        paged_attention_decode(
+            out,
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            max_seq_len=max_seq_len,
+            backend=backend,
+        )
+    else:
+        paged_attention_prefill(
+            out,
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            max_query_len=max_query_len,
+            backend=backend,
+        )
+
+
+def copy_unit(block_bytes: int, addresses: Sequence[int]) -> int:
+    """16-byte copies when every block start is 16-byte aligned, else 4-byte ones."""
+    for unit in (16, 4):
+        if block_bytes % unit == 0 and all(a % unit == 0 for a in addresses):
+            return unit
+    raise ValueError("cache blocks must be 4-byte aligned")
+
+
+def copy_blocks(
+    src_caches: Sequence[torch.Tensor],
+    dst_caches: Sequence[torch.Tensor],
+    block_mapping: torch.Tensor,
+    *,
+    backend: KernelBackend | None = None,
+) -> None:
+    """dst_caches[c][dst] = src_caches[c][src] for every (src, dst) row of block_mapping
+    ([pairs, 2]) and every cache c, in one launch. Swap-out: GPU caches -> pinned CPU caches;
+    swap-in: the reverse; copy-on-write: the same caches on both sides. No block may be both
+    a source and a destination of one call."""
+    if len(src_caches) != len(dst_caches) or not src_caches:
+        raise ValueError("src_caches and dst_caches must be equally long and non-empty")
+    block_bytes = {t[0].numel() * t.element_size() for t in (*src_caches, *dst_caches)}
+    if len(block_bytes) != 1:
+        raise ValueError("every cache must have the same bytes per block")
+    if any(not t.is_contiguous() for t in (*src_caches, *dst_caches)):
+        raise ValueError("caches must be contiguous")
+    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        raise ValueError("block_mapping must be [pairs, 2]")
+    pairs = block_mapping.shape[0]
+    if pairs == 0:
+        return
+    nbytes = block_bytes.pop()
+    unit = copy_unit(nbytes, [t.data_ptr() for t in (*src_caches, *dst_caches)])
+    # The launch runs where the GPU caches are (for a swap, one side is pinned CPU memory).
+    run_on = next((t for t in (*src_caches, *dst_caches) if t.is_cuda), src_caches[0])
+    be = _backend(run_on, backend)
+    device = run_on.device
+    src_table = be.pointer_table(src_caches, device)
+    dst_table = be.pointer_table(dst_caches, device)
+    mapping = block_mapping.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
+    units = nbytes // unit
+    kern = be.kernel(instances.copy_module(), instances.copy_name(unit))
+    with be.launch_context(device):
+        kern(
+            (pairs, len(src_caches)),
+            (_threads_for(units),),
+            (be.ptr(src_table), be.ptr(dst_table), be.ptr(mapping), np.int64(units)),
+        )
