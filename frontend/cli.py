@@ -84,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bridge(args: argparse.Namespace) -> int:
     from frontend.bridge.main import run
 
-    return run(args.engine, args.host, args.port, args.api_key, exit_with_parent=args.exit_with_parent)
+    return run(args.engine, args.host, args.port, args.api_key, parent_pid=args.parent_pid)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     br.add_argument("--host", default="127.0.0.1")
     br.add_argument("--port", type=int, default=8000)
     br.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $NORIA_API_KEY)")
-    br.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    br.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # set by `noria serve`
     br.set_defaults(fn=cmd_bridge)
 
     b = sub.add_parser("bench", help="run a benchmark from bench/")

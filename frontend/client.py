@@ -51,7 +51,7 @@ T = TypeVar("T")
 
 # Client-side only, like `timeout`: the connection dropped or the server stopped
 # answering heartbeats. Never sent over the wire.
-ENGINE_UNREACHABLE = "engine_unreachable"
+ENGINE_UNREACHABLE = ErrorCode.ENGINE_UNREACHABLE
 
 _CONNECTING, _UP, _DOWN, _CLOSED = "connecting", "up", "down", "closed"
 
@@ -162,6 +162,9 @@ class AsyncClient:
         self._sock, self._monitor = sock, monitor
         self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
         self._loop.add_reader(monitor.getsockopt(zmq.FD), self._on_monitor)
+        # ZeroMQ's fd only signals changes: whatever is already pending needs one look.
+        self._loop.call_soon(self._on_monitor)
+        self._schedule_drain()
 
     def _close_socket(self) -> None:
         sock, monitor = self._sock, self._monitor
@@ -274,7 +277,9 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            self._drain()  # a safety net, should an fd edge ever be missed
+            # A safety net, should an fd edge ever be missed.
+            self._on_monitor()
+            self._drain()
             silent = loop.time() - self._last_heard
             if silent >= self.heartbeat_interval:
                 self._send(Hello())
@@ -509,7 +514,8 @@ class Client:
         self._call(_close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
-        self._loop.close()
+        if not self._loop.is_running():
+            self._loop.close()
 
     def __enter__(self) -> Client:
         return self

@@ -10,6 +10,7 @@ class ErrorCode:
     DUPLICATE_REQUEST = "duplicate_request"  # request_id already in flight on this connection
     ENGINE_DEAD = "engine_dead"  # the scheduler or a worker died
     TIMEOUT = "timeout"  # client-side: no answer in time
+    ENGINE_UNREACHABLE = "engine_unreachable"  # client-side: connection lost or server silent
     INTERNAL = "internal_error"
 
 

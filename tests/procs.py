@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from protocol.sockets import free_tcp_port
 
@@ -52,17 +54,55 @@ def wait_ready(address: str, proc: subprocess.Popen, timeout: float = 120.0) -> 
     raise TimeoutError("noria serve did not answer hello")
 
 
+class Served(NamedTuple):
+    address: str  # the ZMQ client API
+    http: str  # the bridge: http://127.0.0.1:PORT
+    proc: subprocess.Popen
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Wait until the bridge answers GET /health with 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"noria exited early with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url}/health did not answer 200")
+
+
 @contextlib.contextmanager
 def serve(*args: str, cmd: list[str] | None = None, cwd: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """Run `noria serve` on a free port; on exit Ctrl-C it and check it cleaned up."""
-    port = free_tcp_port()
+    with serve_http(*args, cmd=cmd, cwd=cwd, wait_bridge=False) as s:
+        yield s.address, s.proc
+
+
+@contextlib.contextmanager
+def serve_http(
+    *args: str, cmd: list[str] | None = None, cwd: str | None = None, zmq_port: int | None = None,
+    wait_bridge: bool = True,
+) -> Iterator[Served]:
+    """`noria serve` on free ZMQ and HTTP ports (unless `args` name them), ready on both."""
+    port = zmq_port or free_tcp_port()
+    extra = [] if "--port" in args else ["--port", str(free_tcp_port())]
     base = cmd or [sys.executable, "-m", "frontend.cli"]
-    proc = subprocess.Popen([*base, "serve", "--zmq-port", str(port), *args], cwd=cwd)
+    argv = [*base, "serve", "--zmq-port", str(port), *extra, *args]
+    http_port = argv[argv.index("--port") + 1]
+    proc = subprocess.Popen(argv, cwd=cwd)
     address = f"tcp://127.0.0.1:{port}"
+    http = f"http://127.0.0.1:{http_port}"
     try:
         wait_ready(address, proc)
+        if wait_bridge:
+            wait_http(http, proc)
         kids = children_of(proc.pid)
-        yield address, proc
+        yield Served(address, http, proc)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -76,3 +116,32 @@ def serve(*args: str, cmd: list[str] | None = None, cwd: str | None = None) -> I
     time.sleep(0.5)
     leftover = [k for k in kids if alive(k)]
     assert not leftover, f"orphan processes after shutdown: {leftover}"
+
+
+def scrape_metrics(http: str) -> dict[str, float]:
+    """GET /metrics parsed with prometheus-client's own text parser: {'name{k="v"}': value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_metrics(http: str, ok, timeout: float = 15.0) -> dict[str, float]:
+    """Scrape until `ok(metrics)` holds; returns the last scrape either way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape_metrics(http)
+        if ok(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def engine_idle(m: dict[str, float]) -> bool:
+    return (m["noria_kv_cache_usage_ratio"] == 0 and m["noria_num_requests_running"] == 0
+            and m["noria_num_requests_waiting"] == 0 and m["noria_num_open_requests"] == 0)

@@ -146,7 +146,8 @@ def test_children_exit_when_the_server_is_killed(demo_path):
     from tests.procs import alive, children_of, wait_ready
 
     port = free_tcp_port()
-    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--zmq-port", str(port), "--num-kv-blocks", "16"])
+    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--zmq-port", str(port),
+                             "--port", str(free_tcp_port()), "--num-kv-blocks", "16"])
     try:
         wait_ready(f"tcp://127.0.0.1:{port}", proc)
         kids = children_of(proc.pid)
@@ -172,7 +173,8 @@ def test_a_dead_worker_fails_requests_and_the_server_exits_non_zero(demo_path):
 
     port = free_tcp_port()
     address = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--zmq-port", str(port), "--num-kv-blocks", "64"])
+    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--zmq-port", str(port),
+                             "--port", str(free_tcp_port()), "--num-kv-blocks", "64"])
     try:
         wait_ready(address, proc)
         worker = next(k for k in children_of(proc.pid) if b"worker" in Path(f"/proc/{k}/cmdline").read_bytes())

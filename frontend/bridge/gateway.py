@@ -37,7 +37,7 @@ class Gateway:
     async def stream(self, msg: Generate) -> AsyncIterator[Delta | Done]:
         m = self.metrics
         t0 = time.perf_counter()
-        first = True
+        first, ended = True, False
         last: dict[int, float] = {}
         try:
             # aclosing: leaving early must close the upstream stream now (it aborts the request).
@@ -54,9 +54,14 @@ class Gateway:
                                 m.itl.observe((now - prev) / len(out.token_ids))
                             last[out.index] = now
                     else:
+                        ended = True
                         m.e2e.observe(now - t0)
                         m.success.labels(out.finish_reason).inc()
                     yield out
         except NoriaError as e:
+            ended = True
             m.failure.labels(e.code).inc()
             raise
+        finally:
+            if not ended:  # the client went away: the request was aborted upstream
+                m.success.labels("abort").inc()

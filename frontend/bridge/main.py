@@ -39,12 +39,15 @@ async def serve(engine: str, host: str, port: int, api_key: str | None, *, handl
     return 0
 
 
-def run(engine: str, host: str, port: int, api_key: str | None, *, exit_with_parent: bool = False) -> int:
-    if exit_with_parent:
+def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: int | None = None) -> int:
+    if parent_pid:
         # Started by `noria serve`: Ctrl-C is the parent's to handle (it sends SIGTERM
-        # in order), and a parent that dies takes the bridge with it.
+        # in order), and a parent that dies takes the bridge with it. The pid is
+        # checked because the parent may already be gone by the time we get here.
+        if os.getppid() != parent_pid:
+            return 3
         from protocol.lifecycle import become_child
 
         become_child()
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    return uvloop.run(serve(engine, host, port, key, handle_sigint=not exit_with_parent))
+    return uvloop.run(serve(engine, host, port, key, handle_sigint=not parent_pid))

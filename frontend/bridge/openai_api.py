@@ -100,7 +100,10 @@ async def _run(request: web.Request, fan: Fanout, builder: CompletionBuilder | C
     # handler cancelled) aborts what is still running upstream.
     try:
         if builder.stream:
-            return await _stream(request, fan, builder)
+            try:
+                return await _stream(request, fan, builder)
+            except ConnectionResetError:  # the client hung up between two writes
+                return web.Response(status=499)
         while batch := await fan.next_batch():
             for prompt, ev in batch:
                 if isinstance(ev, NoriaError):

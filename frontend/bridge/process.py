@@ -31,7 +31,7 @@ class BridgeProcess:
         self.stopping = False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "frontend.cli", "bridge", "--engine", engine,
-             "--host", host, "--port", str(port), "--exit-with-parent"],
+             "--host", host, "--port", str(port), "--parent-pid", str(os.getpid())],
             env=env,
         )
 

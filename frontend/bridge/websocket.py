@@ -41,6 +41,8 @@ class StreamSession:
                     await self.on_message(frame.data)
                 elif frame.type == WSMsgType.ERROR:
                     break
+        except ConnectionError:
+            pass  # closed while we answered; the relays are cancelled below
         finally:
             await self.cancel_all()
 
@@ -72,9 +74,9 @@ class StreamSession:
                 async for out in outs:
                     await self.send(msgspec.structs.replace(out, request_id=rid))
         except NoriaError as e:
-            with contextlib.suppress(ConnectionError, RuntimeError):
+            with contextlib.suppress(ConnectionError):
                 await self.send(Error(request_id=rid, code=e.code, message=e.message))
-        except (ConnectionError, RuntimeError):
+        except ConnectionError:
             pass  # the socket closed under us; leaving the loop aborted the request upstream
         finally:
             entry = self.relays.get(rid)

@@ -1,0 +1,281 @@
+"""The bridge's HTTP side against a live `noria serve`, spoken to by the official
+`openai` package: completions and chat (whole and streamed), n, stop, seed,
+logprobs, usage, errors with OpenAI's shape and status, `--api-key`, a bridge
+whose engine is gone (503), /metrics, and a client hanging up mid-generation."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import msgspec
+import openai
+import pytest
+
+from protocol.sockets import free_tcp_port
+from tests.procs import engine_idle, scrape_metrics, serve_http, wait_http, wait_metrics
+
+
+@pytest.fixture(scope="module")
+def served(demo_path):
+    # Long enough that a 3000-token request is still running when the test hangs up.
+    with serve_http("--num-kv-blocks", "256", "--max-model-len", "2048") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    with openai.OpenAI(base_url=f"{served.http}/v1", api_key="none", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _get(url: str, **headers: str) -> tuple[int, dict]:
+    req = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, msgspec.json.decode(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, msgspec.json.decode(e.read())
+
+
+def test_models_and_health(served, oai):
+    assert [m.id for m in oai.models.list().data] == ["demo"]
+    status, body = _get(f"{served.http}/health")
+    assert status == 200 and body["status"] == "ok" and body["model"] == "demo"
+
+
+def test_completion_stream_equals_whole_for_a_seed(oai):
+    kw = dict(model="demo", prompt="The river", max_tokens=24, temperature=0.9, top_p=0.95, seed=11)
+    whole = oai.completions.create(**kw)
+    assert whole.id.startswith("cmpl-") and whole.object == "text_completion"
+    choice = whole.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.text
+    assert whole.usage.completion_tokens <= 24 and whole.usage.prompt_tokens > 0
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+    chunks = list(oai.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+    # Without include_usage the usage still comes, on the last finish chunk.
+    plain = list(oai.completions.create(**kw, stream=True))
+    assert plain[-1].choices[0].finish_reason and plain[-1].usage == whole.usage
+
+
+def test_chat_stream_equals_whole_for_a_seed(oai):
+    kw = dict(model="demo", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}],
+              max_tokens=20, temperature=0.8, seed=5)
+    whole = oai.chat.completions.create(**kw)
+    assert whole.id.startswith("chatcmpl-") and whole.object == "chat.completion"
+    msg = whole.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    assert whole.usage.completion_tokens <= 20
+
+    chunks = list(oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].usage == whole.usage
+
+
+def test_n_batches_stop_and_max_tokens(oai):
+    out = oai.completions.create(model="demo", prompt=["one", "two"], n=2, max_tokens=5, seed=1, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage.completion_tokens == 4 * 5
+
+    greedy = dict(model="demo", prompt="Once upon", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    text = oai.completions.create(**greedy).choices[0].text
+    m = re.search(r"[A-Za-z]{2,}", text[4:])
+    assert m, f"no word to stop at in {text!r}"
+    stop = m.group(0)
+    cut = oai.completions.create(**greedy, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.index(stop)]
+
+    chat = oai.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], n=3,
+                                       max_completion_tokens=4, seed=2, stream=True)
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in chat if c.choices and c.choices[0].finish_reason}
+    assert set(finished) == {0, 1, 2}
+
+
+def test_logprobs(oai):
+    out = oai.completions.create(model="demo", prompt="Hi", max_tokens=4, logprobs=2, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in lp.tokens)
+    for tok, top in zip(lp.tokens, lp.top_logprobs, strict=True):
+        assert tok in top and 2 <= len(top) <= 3
+    assert lp.text_offset == sorted(lp.text_offset)
+
+    chat = oai.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                       logprobs=True, top_logprobs=3, temperature=0, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    # Greedy: the sampled token is the most likely one.
+    assert all(t.token == t.top_logprobs[0].token for t in content)
+
+
+@pytest.mark.parametrize(
+    "kw, status, param",
+    [
+        (dict(top_p=2.0), 400, "top_p"),
+        (dict(temperature=-1), 400, "temperature"),
+        (dict(max_tokens=0), 400, "max_tokens"),
+        (dict(n=0), 400, "n"),
+        (dict(extra_body={"max_tokens": "many"}), 400, "max_tokens"),
+        (dict(prompt="word " * 2100), 400, None),
+        (dict(model="gpt-9"), 404, "model"),
+        (dict(logprobs=25), 400, "logprobs"),
+    ],
+)
+def test_errors_have_openai_shape_and_status(oai, kw, status, param):
+    args = {"model": "demo", "prompt": "x", **kw}
+    with pytest.raises(openai.APIStatusError) as e:
+        oai.completions.create(**args)
+    assert e.value.status_code == status
+    body = e.value.body
+    assert isinstance(body["message"], str) and body["type"] and body["param"] == param
+    with pytest.raises(openai.APIStatusError) as e:
+        oai.completions.create(**args, stream=True)
+    assert e.value.status_code == status
+
+
+def test_bad_chat_requests(oai):
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        oai.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="role") as e:
+        oai.chat.completions.create(model="demo", messages=[{"content": "no role"}])
+    assert e.value.body["param"] == "messages"
+
+
+def _bridge(engine: str, *args: str) -> tuple[subprocess.Popen, str]:
+    port = free_tcp_port()
+    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "bridge", "--engine", engine, "--port", str(port), *args])
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(15)
+
+
+def test_api_key_on_a_standalone_bridge(served):
+    import asyncio
+
+    import websockets
+
+    proc, http = _bridge(served.address, "--api-key", "sekret")
+    try:
+        wait_http(http, proc)  # /health stays open
+        for key in (None, "wrong"):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            status, body = _get(f"{http}/v1/models", **headers)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        with openai.OpenAI(base_url=f"{http}/v1", api_key="wrong", max_retries=0) as bad, pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model="demo", prompt="x", max_tokens=2)
+        with openai.OpenAI(base_url=f"{http}/v1", api_key="sekret", max_retries=0) as good:
+            assert good.completions.create(model="demo", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+        ws_url = http.replace("http", "ws") + "/v1/stream"
+
+        async def ws_checks() -> str:
+            with pytest.raises(websockets.InvalidStatus) as e:
+                async with websockets.connect(ws_url):
+                    pass
+            assert e.value.response.status_code == 401
+            async with websockets.connect(ws_url, additional_headers={"Authorization": "Bearer sekret"}) as ws:
+                await ws.send('{"type": "generate", "request_id": "a", "prompt": "x", "max_tokens": 2}')
+                while msgspec.json.decode(reply := await ws.recv())["type"] == "delta":
+                    pass
+            async with websockets.connect(ws_url + "?api_key=sekret") as ws:
+                await ws.send('{"type": "generate", "request_id": "b", "prompt": "x", "max_tokens": 2}')
+                while msgspec.json.decode(reply := await ws.recv())["type"] == "delta":
+                    pass
+            return msgspec.json.decode(reply)["type"]
+
+        assert asyncio.run(ws_checks()) == "done"
+    finally:
+        assert _stop(proc) == 0
+
+
+def test_an_unreachable_engine_gives_503():
+    proc, http = _bridge(f"tcp://127.0.0.1:{free_tcp_port()}")
+    try:
+        status, body = 0, {}
+        for _ in range(100):
+            try:
+                status, body = _get(f"{http}/health")
+                break
+            except OSError:
+                threading.Event().wait(0.1)
+        assert status == 503 and body["status"] == "unavailable"
+        with openai.OpenAI(base_url=f"{http}/v1", api_key="none", max_retries=0, timeout=30) as c:
+            with pytest.raises(openai.APIStatusError) as e:
+                c.completions.create(model="demo", prompt="x", max_tokens=2)
+            assert e.value.status_code == 503 and e.value.body["code"] == "engine_unreachable"
+            with pytest.raises(openai.APIStatusError) as e:
+                c.models.list()
+            assert e.value.status_code == 503
+        assert scrape_metrics(http)["noria_engine_up"] == 0
+    finally:
+        assert _stop(proc) == 0
+
+
+def test_a_taken_port_is_a_clear_error(served):
+    port = served.http.rsplit(":", 1)[1]
+    r = subprocess.run([sys.executable, "-m", "frontend.cli", "bridge", "--engine", served.address, "--port", port],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+
+
+def test_metrics_parse_and_move_as_requests_complete(served, oai):
+    before = wait_metrics(served.http, engine_idle)
+    assert before["noria_engine_up"] == 1 and before["noria_kv_cache_blocks"] == 256
+    for name in ("noria_prefix_cache_queries_total", "noria_prefix_cache_hits_total", "noria_num_preemptions_total",
+                 "noria_num_requests_swapped", "noria_inter_token_latency_seconds_count"):
+        assert name in before
+    oai.completions.create(model="demo", prompt="count me", max_tokens=6, extra_body={"ignore_eos": True})
+    oai.chat.completions.create(model="demo", messages=[{"role": "user", "content": "me too"}], max_tokens=4,
+                                extra_body={"ignore_eos": True})
+    after = wait_metrics(served.http, lambda m: m["noria_generation_tokens_total"] >= before["noria_generation_tokens_total"] + 10)
+    assert after["noria_generation_tokens_total"] >= before["noria_generation_tokens_total"] + 10
+    assert after["noria_prompt_tokens_total"] > before["noria_prompt_tokens_total"]
+    ok = 'noria_request_success_total{finish_reason="length"}'
+    assert after[ok] == before.get(ok, 0) + 2
+    for h in ("noria_time_to_first_token_seconds", "noria_e2e_request_latency_seconds"):
+        assert after[f"{h}_count"] == before[f"{h}_count"] + 2
+        assert after[f"{h}_sum"] > before[f"{h}_sum"]
+    assert after["noria_inter_token_latency_seconds_count"] >= before["noria_inter_token_latency_seconds_count"] + 8
+
+
+def test_hanging_up_an_http_stream_aborts_the_request(served, oai):
+    aborted = 'noria_request_success_total{finish_reason="abort"}'
+    before = wait_metrics(served.http, engine_idle)
+    stream = oai.chat.completions.create(model="demo", messages=[{"role": "user", "content": "go on"}],
+                                         max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    busy = wait_metrics(served.http, lambda m: m["noria_kv_cache_usage_ratio"] > 0)
+    assert busy["noria_kv_cache_usage_ratio"] > 0 and busy["noria_num_requests_running"] == 1
+    stream.close()
+    idle = wait_metrics(served.http, engine_idle)
+    assert engine_idle(idle), idle
+    assert idle[aborted] == before.get(aborted, 0) + 1
+
+    # A non-streaming request whose client gives up is aborted too.
+    with (openai.OpenAI(base_url=f"{served.http}/v1", api_key="none", max_retries=0, timeout=1.0) as impatient,
+          pytest.raises(openai.APITimeoutError)):
+        impatient.completions.create(model="demo", prompt="slow", max_tokens=3000, extra_body={"ignore_eos": True})
+    idle = wait_metrics(served.http, engine_idle)
+    assert engine_idle(idle), idle
+    assert idle[aborted] == before.get(aborted, 0) + 2
