@@ -147,33 +147,61 @@ def plot(rows: list[dict], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def run_one(name: str, args: argparse.Namespace, record: str, skip: int) -> dict:
+    path = small_checkpoint()
+    work = w1(num_requests=args.num_requests)
+    flags = {"num_kv_blocks": args.num_kv_blocks}
+    if name.startswith("hf-static-"):
+        return run_hf_static(path, work, int(name.rsplit("-", 1)[1]))
+    if name == "hf-cb":
+        return run_hf_cb(path, work)
+    if name == "noria-llm":
+        return run_noria_llm(path, work, flags, record)
+    if name == "noria-serve":
+        return run_noria_serve(path, work, ["--num-kv-blocks", str(args.num_kv_blocks)])
+    if name == "ceiling":
+        return run_ceiling(path, record, flags, skip)
+    raise SystemExit(f"unknown system {name!r}")
+
+
+def run_isolated(name: str, argv: list[str], record: str, skip: int) -> dict:
+    """Each system in its own process: its own threads, memory and OpenMP settings.
+    The ceiling replays in the worker's setting (passive OpenMP waits), HF in torch's default."""
+    env = dict(os.environ)
+    if name == "ceiling":
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, "-m", "bench.throughput", *argv, "--one", name, "--record", record,
+                        "--skip", str(skip), "--row", out.name], check=True, env=env)
+        return json.loads(Path(out.name).read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="noria bench throughput")
     ap.add_argument("--systems", default="hf-static-8,hf-static-16,hf-static-32,hf-cb,noria-llm,noria-serve,ceiling")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--out", default="bench/results/throughput")
     ap.add_argument("--num-kv-blocks", type=int, default=4096)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: run one system
+    ap.add_argument("--record", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    path = small_checkpoint()
+    if args.one:
+        row = run_one(args.one, args, args.record, args.skip)
+        Path(args.row).write_text(json.dumps(row))
+        return 0
+    small_checkpoint()
     work = w1(num_requests=args.num_requests)
     systems = args.systems.split(",")
-    flags = {"num_kv_blocks": args.num_kv_blocks}
     record = tempfile.mktemp(suffix=".steps")
+    child_argv = ["--num-requests", str(args.num_requests), "--num-kv-blocks", str(args.num_kv_blocks)]
     rows: list[dict] = []
     by_name: dict[str, dict] = {}
     for name in systems:
         print(f"running {name} ...", flush=True)
-        if name.startswith("hf-static-"):
-            rows.append(run_hf_static(path, work, int(name.rsplit("-", 1)[1])))
-        elif name == "hf-cb":
-            rows.append(run_hf_cb(path, work))
-        elif name == "noria-llm":
-            rows.append(run_noria_llm(path, work, flags, record))
-        elif name == "noria-serve":
-            rows.append(run_noria_serve(path, work, ["--num-kv-blocks", str(args.num_kv_blocks)]))
-        elif name == "ceiling":
-            skip = by_name.get("noria-llm", {}).get("record_skip", 0)
-            rows.append(run_ceiling(path, record, flags, skip))
+        skip = by_name.get("noria-llm", {}).get("record_skip", 0)
+        rows.append(run_isolated(name, child_argv, record, skip))
         rows[-1]["tok_s"] = rows[-1]["output_tokens"] / rows[-1]["seconds"]
         by_name[rows[-1]["system"]] = rows[-1]
         print(f"  {rows[-1]['system']}: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
