@@ -24,8 +24,8 @@ log = logging.getLogger("noria.worker")
 
 _SRC = Path(__file__).parent / "csrc" / "paged_decode.c"
 # Reassociation lets the dot products vectorize; nothing else of -ffast-math.
-_FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-          "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fassociative-math", "-fno-signed-zeros",
+          "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 _I64, _F32P, _I64P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
 
 
@@ -89,5 +89,8 @@ def paged_decode(
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    # The kernel keeps a GQA group's queries on its stack: at most 16 heads x 256 dims.
+    group = q.shape[1] // k_cache.shape[2]
     return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and load() is not None)
+            and k_cache.is_contiguous() and group <= 16 and group * q.shape[2] <= 16 * 256
+            and load() is not None)
