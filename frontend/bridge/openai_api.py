@@ -53,18 +53,26 @@ async def handle_models(request: web.Request) -> web.Response:
     return json_response(ModelList(data=[card]))
 
 
+_INPUT_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, BadRequest, NoriaError)
+
+
+def _error_response(e: Exception) -> web.Response:
+    """The OpenAI-shaped answer to a request that could not be read or served."""
+    if isinstance(e, BadRequest):
+        return e.response()
+    if isinstance(e, NoriaError):
+        return from_noria(e)
+    return from_decode(e)  # type: ignore[arg-type]
+
+
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     try:
         req = await read_body(request, CompletionRequest)
         messages = completion_generates(req, gateway.new_id)
         model = await _served_model(gateway, req.model)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        return from_decode(e)
-    except BadRequest as e:
-        return e.response()
-    except NoriaError as e:
-        return from_noria(e)
+    except _INPUT_ERRORS as e:
+        return _error_response(e)
     builder = CompletionBuilder(
         f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), len(messages), req.n,
         logprobs=req.logprobs is not None, stream=req.stream, include_usage=_include_usage(req),
@@ -78,12 +86,8 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
         req = await read_body(request, ChatRequest)
         message = chat_generate(req, gateway.new_id)
         model = await _served_model(gateway, req.model)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        return from_decode(e)
-    except BadRequest as e:
-        return e.response()
-    except NoriaError as e:
-        return from_noria(e)
+    except _INPUT_ERRORS as e:
+        return _error_response(e)
     builder = ChatBuilder(
         f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), req.n,
         logprobs=req.logprobs, stream=req.stream, include_usage=_include_usage(req),
