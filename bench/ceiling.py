@@ -1,10 +1,13 @@
 """The model-only ceiling: replay recorded batch shapes as bare forward passes.
 
 The worker writes one line per step when NORIA_RECORD_STEPS names a file:
-query lengths, sequence lengths and how many rows sampled. Replaying them
-through the same model and attention backend, with metadata built ahead of
-time and no scheduler, processes or sampling, gives the time the model alone
-needs for exactly the batches noria ran.
+query lengths, sequence lengths, how many rows sampled, and the seconds its
+own forward pass (model plus logits) took. Replaying the shapes through the
+same model and attention backend, with metadata built ahead of time and no
+scheduler, processes or sampling, gives the time the model alone needs for
+exactly the batches noria ran. The recorded seconds give a second, in-run
+view of the same thing: wall time minus forward time is what the engine
+spent around the model (planning, IPC, sampling, batch preparation).
 """
 
 from __future__ import annotations
@@ -20,19 +23,33 @@ from protocol.config import EngineConfig
 from worker.attention import AttentionMetadata
 from worker.model_runner import ModelRunner
 
+Step = tuple[list[int], list[int], int, float]
 
-def read_steps(path: str | Path, skip: int = 0) -> list[tuple[list[int], list[int], int]]:
+
+def read_steps(path: str | Path, skip: int = 0) -> list[Step]:
     """Recorded steps, leaving out the first `skip` (warm-up) lines."""
     lines = Path(path).read_text().splitlines()[skip:]
     return [tuple(json.loads(line)) for line in lines]  # type: ignore[misc]
+
+
+def count_steps(path: str | Path) -> int:
+    p = Path(path)
+    return len(p.read_text().splitlines()) if p.exists() else 0
+
+
+def recorded_model_seconds(steps: list[Step]) -> float:
+    return sum(s[3] for s in steps)
 
 
 def _metadata(runner: ModelRunner, query_lens: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
     bs = runner.block_size
     per_row = -(-max(seq_lens) // bs)
     rows = len(query_lens)
-    # Row i owns a private, contiguous run of blocks; contents do not matter for timing.
-    tables = torch.arange(rows * per_row, dtype=torch.long).view(rows, per_row) % runner.num_kv_blocks
+    # Row i owns a private run of blocks, scattered like a pool that has been
+    # in use for a while (contiguous runs read measurably faster than the
+    # worker's real tables; wrapped so large batches stay inside the cache).
+    order = torch.randperm(runner.num_kv_blocks, generator=torch.Generator().manual_seed(rows))
+    tables = order[torch.arange(rows * per_row, dtype=torch.long).view(rows, per_row) % runner.num_kv_blocks]
     ctx = [s - q for s, q in zip(seq_lens, query_lens, strict=True)]
     q_lens = torch.tensor(query_lens)
     starts = [0, *accumulate(query_lens)]
@@ -50,11 +67,11 @@ def _metadata(runner: ModelRunner, query_lens: list[int], seq_lens: list[int]) -
 
 
 @torch.inference_mode()
-def replay(config: EngineConfig, steps: list[tuple[list[int], list[int], int]]) -> float:
+def replay(config: EngineConfig, steps: list[Step]) -> float:
     runner = ModelRunner(config)
     model = runner.model
     total = 0.0
-    for query_lens, seq_lens, num_sampled in steps:
+    for query_lens, seq_lens, num_sampled, _ in steps:
         ids, meta = _metadata(runner, query_lens, seq_lens)
         sample_index = torch.tensor([i - 1 for i in meta.query_start_host[1:]][:num_sampled], dtype=torch.long)
         t0 = time.perf_counter()
