@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.workloads import serving_checkpoint
 
@@ -143,6 +144,16 @@ def exp_prefix(model: Path, n: int, rate: float) -> list[dict]:
     return rows
 
 
+def _percentile_bars(ax: Any, labels: list[str], summaries: list[dict[str, float]], ylabel: str, title: str) -> None:
+    """One group of p50/p90/p99 bars per configuration."""
+    for i, p in enumerate(("p50", "p90", "p99")):
+        ax.bar([j + i * 0.25 for j in range(len(labels))], [s[p] for s in summaries], 0.25, label=p)
+    ax.set_xticks([j + 0.25 for j in range(len(labels))], labels)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    ax.set_title(title)
+
+
 def plot(result: dict, out: Path) -> None:
     import matplotlib
 
@@ -162,22 +173,13 @@ def plot(result: dict, out: Path) -> None:
         axes[0].set_title("latency vs rate")
     ch = result.get("chunked", [])
     if ch:
-        labels = ["chunked" if r["chunked_prefill"] else "unchunked" for r in ch]
-        for i, p in enumerate(("p50", "p90", "p99")):
-            axes[1].bar([j + i * 0.25 for j in range(len(ch))], [r["decoders"]["itl_ms"][p] for r in ch], 0.25, label=p)
-        axes[1].set_xticks([j + 0.25 for j in range(len(ch))], labels)
-        axes[1].set_ylabel("decoders' inter-token latency (ms)")
-        axes[1].legend()
-        axes[1].set_title("4,000-token prompts arriving")
+        _percentile_bars(axes[1], ["chunked" if r["chunked_prefill"] else "unchunked" for r in ch],
+                         [r["decoders"]["itl_ms"] for r in ch],
+                         "decoders' inter-token latency (ms)", "4,000-token prompts arriving")
     px = result.get("prefix", [])
     if px:
-        labels = ["cache on" if r["prefix_caching"] else "cache off" for r in px]
-        for i, p in enumerate(("p50", "p90", "p99")):
-            axes[2].bar([j + i * 0.25 for j in range(len(px))], [r["ttft_ms"][p] for r in px], 0.25, label=p)
-        axes[2].set_xticks([j + 0.25 for j in range(len(px))], labels)
-        axes[2].set_ylabel("TTFT (ms)")
-        axes[2].legend()
-        axes[2].set_title("shared 1,024-token system prompt")
+        _percentile_bars(axes[2], ["cache on" if r["prefix_caching"] else "cache off" for r in px],
+                         [r["ttft_ms"] for r in px], "TTFT (ms)", "shared 1,024-token system prompt")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

@@ -74,7 +74,7 @@ def run_hf_cb(path: Path, work: Work, max_batch_tokens: int = 256, max_requests:
 
 
 def run_noria_llm(path: Path, work: Work, flags: dict, record: str) -> dict:
-    from bench.ceiling import count_steps, read_steps, recorded_model_seconds
+    from bench.ceiling import count_steps
     from noria import LLM, SamplingParams
 
     os.environ["NORIA_RECORD_STEPS"] = record
@@ -90,14 +90,12 @@ def run_noria_llm(path: Path, work: Work, flags: dict, record: str) -> dict:
     finally:
         os.environ.pop("NORIA_RECORD_STEPS", None)
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    steps = read_steps(record, warm)
-    return {"system": "noria-llm", "seconds": dt, "output_tokens": n, "steps": len(steps),
-            "engine_steps": stats.num_steps, "avg_running_batch": n / max(len(steps), 1),
-            "model_seconds": recorded_model_seconds(steps), "record": record, "record_skip": warm}
+    return {"system": "noria-llm", "seconds": dt, "output_tokens": n, "engine_steps": stats.num_steps,
+            **_recorded(record, warm, n), "record": record, "record_skip": warm}
 
 
 def run_noria_serve(path: Path, work: Work, flags: list[str], record: str) -> dict:
-    from bench.ceiling import count_steps, read_steps, recorded_model_seconds
+    from bench.ceiling import count_steps
     from noria import AsyncClient, SamplingParams
     from protocol.sockets import free_tcp_port
     from tests.procs import wait_ready
@@ -123,9 +121,16 @@ def run_noria_serve(path: Path, work: Work, flags: list[str], record: str) -> di
     finally:
         proc.terminate()
         proc.wait(30)
+    return {"system": "noria-serve", "seconds": dt, "output_tokens": n, **_recorded(record, warm, n)}
+
+
+def _recorded(record: str, warm: int, output_tokens: int) -> dict:
+    """What the worker's step record says about the timed part of a run."""
+    from bench.ceiling import read_steps, recorded_model_seconds
+
     steps = read_steps(record, warm)
-    return {"system": "noria-serve", "seconds": dt, "output_tokens": n, "steps": len(steps),
-            "avg_running_batch": n / max(len(steps), 1), "model_seconds": recorded_model_seconds(steps)}
+    return {"steps": len(steps), "avg_running_batch": output_tokens / max(len(steps), 1),
+            "model_seconds": recorded_model_seconds(steps)}
 
 
 def run_ceiling(path: Path, record: str, flags: dict, skip: int) -> dict:
