@@ -32,12 +32,15 @@ def test_the_kernel_builds_here():
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (12, 4), (8, 1)])
-@pytest.mark.parametrize("window", [None, 5])
-def test_paged_decode_matches_float64_reference(heads, kv_heads, window):
+@pytest.mark.parametrize("window", [None, 5, 40])
+# Head sizes with their own compiled copy (64, 128) and the generic one (80);
+# blocks smaller than, equal to and larger than the kernel's 16-token tile.
+@pytest.mark.parametrize("bs, d", [(16, 64), (8, 128), (32, 80)])
+def test_paged_decode_matches_float64_reference(heads, kv_heads, window, bs, d):
     torch.manual_seed(heads * 10 + kv_heads)
-    bs, d, nb = 16, 64, 64
+    nb = 64
     lens = torch.tensor([1, 15, 16, 17, 100, 333])
-    max_blocks = 22
+    max_blocks = -(-333 // bs)
     # Scattered, shared and out-of-order blocks; unused entries point at block 0.
     tables = torch.stack([torch.randperm(nb)[:max_blocks] for _ in lens])
     tables[1, 0] = tables[2, 0]
@@ -68,5 +71,19 @@ def test_both_decode_paths_of_the_torch_backend_agree_with_the_reference(native)
     backend = TorchAttentionBackend(native=native)
     backend.prepare(meta)
     out = backend._decode(LayerAttention(heads, kvh, d, d**-0.5), q, k_cache, v_cache, meta.backend_data)
+    ref = _reference(q, k_cache, v_cache, tables, lens, d**-0.5, None)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_paged_decode_is_exact_on_sharp_softmax():
+    """Scores spread over ~±100: the kernel's exp must underflow to zero
+    cleanly and its running max must rescale earlier tiles correctly."""
+    torch.manual_seed(3)
+    bs, d, nb, heads, kvh = 16, 64, 32, 8, 2
+    lens = torch.tensor([7, 50, 200])
+    tables = torch.stack([torch.randperm(nb)[:13] for _ in lens])
+    k_cache, v_cache = torch.randn(nb, bs, kvh, d), torch.randn(nb, bs, kvh, d)
+    q = torch.randn(len(lens), heads, d) * 12
+    out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, d**-0.5, None)
     ref = _reference(q, k_cache, v_cache, tables, lens, d**-0.5, None)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)

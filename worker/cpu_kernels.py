@@ -23,9 +23,10 @@ import torch
 log = logging.getLogger("noria.worker")
 
 _SRC = Path(__file__).parent / "csrc" / "paged_decode.c"
-# Reassociation lets the dot products vectorize; nothing else of -ffast-math.
+# Reassociation lets the dot products vectorize and no errno lets expf use the vector
+# math library; nothing else of -ffast-math.
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
+          "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _I64, _F32P, _I64P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
 
 

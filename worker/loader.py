@@ -78,4 +78,5 @@ def load_model(path: str | Path, spec: ModelSpec, device: torch.device, dtype: t
     finally:
         torch.set_default_dtype(previous)
     model.load_weights(iter_weights(checkpoint_files(path)))
+    model.pack_weights()
     return model.eval()

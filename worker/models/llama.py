@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata, LayerAttention
-from worker.models.layers import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
+from worker.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope,
+    linear,
+    pack_linear_weight,
+    silu_and_mul,
+)
 from worker.models.spec import ModelSpec
 
 
@@ -55,11 +62,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
         self.attn = LayerAttention(h, kvh, d, d**-0.5, spec.sliding_windows[layer_index])
+        self.qkv_packed: torch.Tensor | None = None
+        self.o_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        self.qkv_packed = pack_linear_weight(self.qkv_proj)
+        self.o_packed = pack_linear_weight(self.o_proj)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
         a = self.attn
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias, self.qkv_packed)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(t, a.num_heads, a.head_dim)
         k = k.view(t, a.num_kv_heads, a.head_dim)
@@ -70,7 +83,7 @@ class Attention(nn.Module):
         k = apply_rope(k, ctx.cos, ctx.sin)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         out = ctx.backend.forward(a, q, k, v.contiguous(), k_cache, v_cache, ctx.meta)
-        return F.linear(out.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        return linear(out.reshape(t, self.q_size), self.o_proj, self.o_bias, self.o_packed)
 
 
 class MLP(nn.Module):
@@ -80,9 +93,16 @@ class MLP(nn.Module):
         self.gate_up_bias = _param(2 * spec.intermediate_size) if spec.mlp_bias else None
         self.down_proj = _param(spec.hidden_size, spec.intermediate_size)
         self.down_bias = _param(spec.hidden_size) if spec.mlp_bias else None
+        self.gate_up_packed: torch.Tensor | None = None
+        self.down_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        self.gate_up_packed = pack_linear_weight(self.gate_up_proj)
+        self.down_packed = pack_linear_weight(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj, self.gate_up_bias)), self.down_proj, self.down_bias)
+        gate_up = linear(x, self.gate_up_proj, self.gate_up_bias, self.gate_up_packed)
+        return linear(silu_and_mul(gate_up), self.down_proj, self.down_bias, self.down_packed)
 
 
 class DecoderLayer(nn.Module):
@@ -126,6 +146,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else _param(spec.vocab_size, spec.hidden_size)
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
+        self.lm_head_packed: torch.Tensor | None = None
 
     def forward(
         self,
@@ -144,8 +165,17 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return linear(hidden, self._lm_head_weight(), None, self.lm_head_packed).float()
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def pack_weights(self) -> None:
+        """Pre-block the matmul weights for the CPU; call again after changing them."""
+        for layer in self.layers:
+            layer.self_attn.pack_weights()
+            layer.mlp.pack_weights()
+        self.lm_head_packed = pack_linear_weight(self._lm_head_weight())
 
     # -- weight loading -------------------------------------------------------
 

@@ -1,0 +1,53 @@
+"""The CPU linear layer: oneDNN's pre-packed weight against a float64 reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import make_checkpoint
+from worker.loader import load_model, load_spec
+from worker.models.layers import PACKED_MIN_ROWS, linear, pack_linear_weight
+
+
+@pytest.mark.parametrize("rows", [0, 1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 17, 130])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_float64_reference(rows: int, with_bias: bool) -> None:
+    torch.manual_seed(rows)
+    weight = torch.randn(96, 80) * 0.1
+    bias = torch.randn(96) if with_bias else None
+    x = torch.randn(rows, 80)
+    packed = pack_linear_weight(weight)
+    assert packed is not None, "oneDNN packing is unavailable in this torch build"
+    want = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
+    for got in (linear(x, weight, bias, packed), linear(x, weight, bias, None)):
+        assert got.shape == (rows, 96) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_packing_applies_only_to_cpu_float32() -> None:
+    assert pack_linear_weight(torch.randn(8, 8, dtype=torch.bfloat16)) is None
+    assert pack_linear_weight(torch.randn(8, 8, dtype=torch.float64)) is None
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_loaded_model_uses_packed_weights_and_they_hold_the_checkpoint(tied: bool, tmp_path: Path) -> None:
+    """The parity tests run through the packed path, so it must be switched on
+    by loading; and each packed copy must compute with the loaded weight."""
+    path = make_checkpoint("llama", tmp_path / "m", tied=tied, seed=5)
+    model = load_model(path, load_spec(path), torch.device("cpu"), torch.float32)
+    x = torch.randn(PACKED_MIN_ROWS + 3, model.spec.hidden_size)
+    attn, mlp = model.layers[0].self_attn, model.layers[-1].mlp
+    pairs = [
+        (attn.qkv_proj, attn.qkv_packed),
+        (mlp.gate_up_proj, mlp.gate_up_packed),
+        (model.embed_tokens if tied else model.lm_head, model.lm_head_packed),
+    ]
+    for weight, packed in pairs:
+        assert packed is not None
+        torch.testing.assert_close(linear(x, weight, None, packed), x @ weight.T, rtol=1e-5, atol=1e-5)
+    hidden = torch.randn(PACKED_MIN_ROWS, model.spec.hidden_size)
+    unpacked = torch.nn.functional.linear(hidden, model.embed_tokens if tied else model.lm_head)
+    torch.testing.assert_close(model.compute_logits(hidden), unpacked, rtol=1e-5, atol=1e-5)
