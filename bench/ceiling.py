@@ -70,6 +70,11 @@ def _metadata(runner: ModelRunner, query_lens: list[int], seq_lens: list[int]) -
 def replay(config: EngineConfig, steps: list[Step]) -> float:
     runner = ModelRunner(config)
     model = runner.model
+    # The replayed contexts were never written here. Untouched pages of the
+    # torch.empty cache all map to the kernel's one zero page, which sits in
+    # cache, so reading them would be unrealistically fast. Writing the cache
+    # first makes every context read hit real memory, as in the worker.
+    runner.kv_cache.device_cache.uniform_(-1, 1)
     total = 0.0
     for query_lens, seq_lens, num_sampled, _ in steps:
         ids, meta = _metadata(runner, query_lens, seq_lens)

@@ -182,10 +182,12 @@ def run_one(name: str, args: argparse.Namespace, record: str, skip: int) -> dict
 
 def run_isolated(name: str, argv: list[str], record: str, skip: int) -> dict:
     """Each system in its own process: its own threads, memory and OpenMP settings.
-    The ceiling replays in the worker's setting (passive OpenMP waits), HF in torch's default."""
+    The ceiling replays in the worker's setting (passive OpenMP waits, huge pages; see
+    worker/__init__.py), HF in torch's default."""
     env = dict(os.environ)
     if name == "ceiling":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run([sys.executable, "-m", "bench.throughput", *argv, "--one", name, "--record", record,
                         "--skip", str(skip), "--row", out.name], check=True, env=env)

@@ -11,3 +11,10 @@ import os
 # costs little when the machine is idle. Only effective before torch is
 # imported, which is the case in `python -m worker`.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Transparent huge pages for torch's CPU allocations of 2 MB and more (the KV
+# cache, the weights): decode reads K/V through scattered blocks, and with 4 KB
+# pages a TLB miss lands on nearly every block. Measured on W1's replayed steps:
+# about 5 % faster. Most kernels only honour THP for regions that ask for it
+# (`enabled = madvise`), which is what this makes torch do.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
