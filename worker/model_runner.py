@@ -114,14 +114,12 @@ class ModelRunner:
         # Advanced only once the forward pass has written the KV.
         for state, seq_len in zip(batch.states, batch.meta.seq_lens_host, strict=True):
             state.num_computed_tokens = seq_len
-        if not batch.sample_requests:
-            if self._record is not None:
-                self._write_record(batch, time.perf_counter() - t_model)
-            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[],
-                              forward_time=time.perf_counter() - start)
-        logits = self.model.compute_logits(hidden[batch.sample_token_index])
+        logits = self.model.compute_logits(hidden[batch.sample_token_index]) if batch.sample_requests else None
         if self._record is not None:
             self._write_record(batch, time.perf_counter() - t_model)
+        if logits is None:
+            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[],
+                              forward_time=time.perf_counter() - start)
         tokens, logprobs = self.sampler.sample(logits, [r.sampling for r in batch.sample_requests])
         for state, token in zip(batch.sample_requests, tokens, strict=True):
             state.token_ids.append(token)

@@ -43,69 +43,66 @@ static inline float exp_neg(float x) {
     return e * two_n.f;
 }
 
-/* The body is instantiated for the common head sizes so the compiler sees a
- * constant D and keeps the dot products and V rows in vector registers; a
- * generic copy serves any other size. */
-#define DEFINE_ATTEND(NAME, DIM)                                                                              \
-    static void NAME(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,         \
-                     int64_t start, int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride, \
-                     int64_t group, int64_t head_dim, float scale, float *out) {                              \
-        const int64_t D = (DIM);                                                                              \
-        float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM];                                              \
-        float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][TILE];                                                 \
-        (void)head_dim;                                                                                       \
-        for (int64_t i = 0; i < group * D; i++) qs[i] = q[i] * scale;                                         \
-        memset(acc, 0, sizeof(float) * (size_t)(group * D));                                                  \
-        for (int64_t g = 0; g < group; g++) m[g] = -INFINITY, l[g] = 0.f;                                     \
-        for (int64_t pos = start; pos < len;) {                                                               \
-            const int64_t off = pos % block_size;                                                             \
-            int64_t n = block_size - off;                                                                     \
-            if (n > len - pos) n = len - pos;                                                                 \
-            if (n > TILE) n = TILE;                                                                           \
-            const int64_t base = table[pos / block_size] * block_stride + off * token_stride;                 \
-            const float *kb = k_cache + base, *vb = v_cache + base;                                           \
-            for (int64_t t = 0; t < n; t++) {                                                                 \
-                const float *kp = kb + t * token_stride;                                                      \
-                for (int64_t g = 0; g < group; g++) {                                                         \
-                    const float *qg = qs + g * D;                                                             \
-                    float dot = 0.f;                                                                          \
-                    _Pragma("omp simd reduction(+ : dot)") for (int64_t d = 0; d < D; d++) dot += qg[d] * kp[d]; \
-                    s[g][t] = dot;                                                                            \
-                }                                                                                             \
-            }                                                                                                 \
-            for (int64_t g = 0; g < group; g++) {                                                             \
-                float mx = m[g];                                                                              \
-                for (int64_t t = 0; t < n; t++) mx = s[g][t] > mx ? s[g][t] : mx;                             \
-                const float corr = exp_neg(m[g] - mx); /* ~0 on the first tile: m = -inf */                       \
-                float sum = 0.f;                                                                              \
-                _Pragma("omp simd reduction(+ : sum)") for (int64_t t = 0; t < n; t++) {                      \
-                    s[g][t] = exp_neg(s[g][t] - mx);                                                             \
-                    sum += s[g][t];                                                                           \
-                }                                                                                             \
-                l[g] = l[g] * corr + sum;                                                                     \
-                m[g] = mx;                                                                                    \
-                if (corr != 1.f)                                                                              \
-                    for (int64_t d = 0; d < D; d++) acc[g * D + d] *= corr;                                   \
-            }                                                                                                 \
-            for (int64_t t = 0; t < n; t++) {                                                                 \
-                const float *vp = vb + t * token_stride;                                                      \
-                for (int64_t g = 0; g < group; g++) {                                                         \
-                    const float p = s[g][t];                                                                  \
-                    float *a = acc + g * D;                                                                   \
-                    _Pragma("omp simd") for (int64_t d = 0; d < D; d++) a[d] += p * vp[d];                    \
-                }                                                                                             \
-            }                                                                                                 \
-            pos += n;                                                                                         \
-        }                                                                                                     \
-        for (int64_t g = 0; g < group; g++) {                                                                 \
-            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;                                                  \
-            for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;                            \
-        }                                                                                                     \
+/* Inlined into each call site below, so where the caller passes a literal head
+ * size the compiler sees a constant D and keeps the dot products and V rows in
+ * vector registers; the generic call serves any other size. */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t start, int64_t len,
+    int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t group, const int64_t D, float scale,
+    float *out) {
+    float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM];
+    float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][TILE];
+    for (int64_t i = 0; i < group * D; i++) qs[i] = q[i] * scale;
+    memset(acc, 0, sizeof(float) * (size_t)(group * D));
+    for (int64_t g = 0; g < group; g++) m[g] = -INFINITY, l[g] = 0.f;
+    for (int64_t pos = start; pos < len;) {
+        const int64_t off = pos % block_size;
+        int64_t n = block_size - off;
+        if (n > len - pos) n = len - pos;
+        if (n > TILE) n = TILE;
+        const int64_t base = table[pos / block_size] * block_stride + off * token_stride;
+        const float *kb = k_cache + base, *vb = v_cache + base;
+        for (int64_t t = 0; t < n; t++) {
+            const float *kp = kb + t * token_stride;
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = qs + g * D;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * kp[d];
+                s[g][t] = dot;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float mx = m[g];
+            for (int64_t t = 0; t < n; t++) mx = s[g][t] > mx ? s[g][t] : mx;
+            const float corr = exp_neg(m[g] - mx); /* ~0 on the first tile: m = -inf */
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) {
+                s[g][t] = exp_neg(s[g][t] - mx);
+                sum += s[g][t];
+            }
+            l[g] = l[g] * corr + sum;
+            m[g] = mx;
+            if (corr != 1.f)
+                for (int64_t d = 0; d < D; d++) acc[g * D + d] *= corr;
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const float *vp = vb + t * token_stride;
+            for (int64_t g = 0; g < group; g++) {
+                const float p = s[g][t];
+                float *a = acc + g * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) a[d] += p * vp[d];
+            }
+        }
+        pos += n;
     }
-
-DEFINE_ATTEND(attend_64, 64)
-DEFINE_ATTEND(attend_128, 128)
-DEFINE_ATTEND(attend_any, head_dim)
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
+    }
+}
 
 void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_table,
                       const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
@@ -123,13 +120,13 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
         const float *kc = k_cache + kh * head_dim, *vc = v_cache + kh * head_dim;
         const float *qh = q + (b * num_heads + kh * group) * head_dim;
         float *oh = out + (b * num_heads + kh * group) * head_dim;
+#define ATTEND(D) attend(qh, kc, vc, table, start, len, block_size, block_stride, token_stride, group, D, scale, oh)
         if (head_dim == 64)
-            attend_64(qh, kc, vc, table, start, len, block_size, block_stride, token_stride, group, head_dim, scale, oh);
+            ATTEND(64);
         else if (head_dim == 128)
-            attend_128(qh, kc, vc, table, start, len, block_size, block_stride, token_stride, group, head_dim, scale,
-                       oh);
+            ATTEND(128);
         else
-            attend_any(qh, kc, vc, table, start, len, block_size, block_stride, token_stride, group, head_dim, scale,
-                       oh);
+            ATTEND(head_dim);
+#undef ATTEND
     }
 }
