@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from protocol.config import EngineConfig
-from worker.attention import AttentionMetadata
-from worker.model_runner import ModelRunner
+from noria.protocol.config import EngineConfig
+from noria.worker.attention import AttentionMetadata
+from noria.worker.model_runner import ModelRunner
 
 Step = tuple[list[int], list[int], int, float]
 

@@ -17,8 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     args, rest = ap.parse_known_args(argv)
-    from frontend.cli import add_engine_args, engine_flags
     from noria import LLM, SamplingParams
+    from noria.frontend.cli import add_engine_args, engine_flags
 
     eng = argparse.ArgumentParser()
     add_engine_args(eng)

@@ -14,12 +14,12 @@ import json
 import statistics
 import time
 
-from protocol.codec import Codec
-from protocol.config import EngineConfig
-from protocol.engine import EngineRequest
-from protocol.sampling import SamplingParams
-from protocol.step import SchedulerToWorker, StepResult
-from scheduler.scheduler import Scheduler
+from noria.protocol.codec import Codec
+from noria.protocol.config import EngineConfig
+from noria.protocol.engine import EngineRequest
+from noria.protocol.sampling import SamplingParams
+from noria.protocol.step import SchedulerToWorker, StepResult
+from noria.scheduler.scheduler import Scheduler
 
 
 def measure(num_running: int, num_waiting: int, steps: int) -> dict[str, float]:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.workloads import serving_checkpoint
+from noria.bench.workloads import serving_checkpoint
 
 Req = tuple[list[int], int, float]  # prompt ids, max_tokens, send offset (s)
 
@@ -40,12 +40,12 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 class Server:
     def __init__(self, model: Path, flags: list[str]) -> None:
-        from protocol.sockets import free_tcp_port
+        from noria.protocol.sockets import free_tcp_port
         from tests.procs import wait_ready
 
         port = free_tcp_port()
         self.address = f"tcp://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--model", str(model),
+        self.proc = subprocess.Popen([sys.executable, "-m", "noria.frontend.cli", "serve", "--model", str(model),
                                       "--zmq-port", str(port), "--port", str(free_tcp_port()), *flags])
         wait_ready(self.address, self.proc, timeout=300)
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.workloads import small_checkpoint, w1
+from noria.bench.workloads import small_checkpoint, w1
 
 Work = list[tuple[list[int], int]]
 
@@ -74,8 +74,8 @@ def run_hf_cb(path: Path, work: Work, max_batch_tokens: int = 256, max_requests:
 
 
 def run_noria_llm(path: Path, work: Work, flags: dict, record: str) -> dict:
-    from bench.ceiling import count_steps
     from noria import LLM, SamplingParams
+    from noria.bench.ceiling import count_steps
 
     os.environ["NORIA_RECORD_STEPS"] = record
     try:
@@ -95,13 +95,13 @@ def run_noria_llm(path: Path, work: Work, flags: dict, record: str) -> dict:
 
 
 def run_noria_serve(path: Path, work: Work, flags: list[str], record: str) -> dict:
-    from bench.ceiling import count_steps
     from noria import AsyncClient, SamplingParams
-    from protocol.sockets import free_tcp_port
+    from noria.bench.ceiling import count_steps
+    from noria.protocol.sockets import free_tcp_port
     from tests.procs import wait_ready
 
     port = free_tcp_port()
-    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--model", str(path),
+    proc = subprocess.Popen([sys.executable, "-m", "noria.frontend.cli", "serve", "--model", str(path),
                              "--zmq-port", str(port), "--port", str(free_tcp_port()), *flags],
                             env={**os.environ, "NORIA_RECORD_STEPS": record})
     address = f"tcp://127.0.0.1:{port}"
@@ -126,7 +126,7 @@ def run_noria_serve(path: Path, work: Work, flags: list[str], record: str) -> di
 
 def _recorded(record: str, warm: int, output_tokens: int) -> dict:
     """What the worker's step record says about the timed part of a run."""
-    from bench.ceiling import read_steps, recorded_model_seconds
+    from noria.bench.ceiling import read_steps, recorded_model_seconds
 
     steps = read_steps(record, warm)
     return {"steps": len(steps), "avg_running_batch": output_tokens / max(len(steps), 1),
@@ -134,8 +134,8 @@ def _recorded(record: str, warm: int, output_tokens: int) -> dict:
 
 
 def run_ceiling(path: Path, record: str, flags: dict, skip: int) -> dict:
-    from bench.ceiling import read_steps, replay
-    from frontend.startup import make_config
+    from noria.bench.ceiling import read_steps, replay
+    from noria.frontend.startup import make_config
 
     steps = read_steps(record, skip)
     dt = replay(make_config(str(path), **flags), steps)
@@ -184,7 +184,7 @@ def run_isolated(name: str, argv: list[str], record: str, skip: int) -> dict:
     """Each system in its own process: its own threads, memory and OpenMP settings.
     HF runs in torch's default settings; the ceiling in the worker's (see `main`)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([sys.executable, "-m", "bench.throughput", *argv, "--one", name, "--record", record,
+        subprocess.run([sys.executable, "-m", "noria.bench.throughput", *argv, "--one", name, "--record", record,
                         "--skip", str(skip), "--row", out.name], check=True)
         return json.loads(Path(out.name).read_text())
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.one == "ceiling":
             # The worker package sets its process settings (OpenMP waits, huge
             # pages) on import; torch is not loaded yet, so they take effect here.
-            import worker  # noqa: F401
+            import noria.worker  # noqa: F401
         row = run_one(args.one, args, args.record, args.skip)
         Path(args.row).write_text(json.dumps(row))
         return 0

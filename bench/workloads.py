@@ -6,7 +6,7 @@ import random
 import shutil
 from pathlib import Path
 
-from frontend.demo_model import cache_root, ensure_demo
+from noria.frontend.demo_model import cache_root, ensure_demo
 
 SMALL = {
     "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4,

@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from protocol.config import EngineConfig
+from noria.protocol.config import EngineConfig
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -41,9 +41,9 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
-    from frontend.bridge.process import BridgeProcess, engine_address
-    from frontend.server import FrontendServer
-    from frontend.startup import make_config, start_core
+    from noria.frontend.bridge.process import BridgeProcess, engine_address
+    from noria.frontend.server import FrontendServer
+    from noria.frontend.startup import make_config, start_core
 
     config = make_config(args.model, **engine_flags(args))
     core = start_core(config)
@@ -71,8 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from frontend.llm import LLM
-    from protocol.sampling import SamplingParams
+    from noria.frontend.llm import LLM
+    from noria.protocol.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
     with LLM(args.model, **engine_flags(args)) as llm:
@@ -82,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bridge(args: argparse.Namespace) -> int:
-    from frontend.bridge.main import run
+    from noria.frontend.bridge.main import run
 
     return run(args.engine, args.host, args.port, args.api_key, parent_pid=args.parent_pid)
 

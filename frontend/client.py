@@ -29,8 +29,8 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from frontend.outputs import CompletionOutput, RequestOutput
-from protocol.client import (
+from noria.frontend.outputs import CompletionOutput, RequestOutput
+from noria.protocol.client import (
     Abort,
     Delta,
     Done,
@@ -43,9 +43,9 @@ from protocol.client import (
     ServerToClient,
     Stats,
 )
-from protocol.codec import Codec
-from protocol.errors import ErrorCode, NoriaError
-from protocol.sampling import SamplingParams
+from noria.protocol.codec import Codec
+from noria.protocol.errors import ErrorCode, NoriaError
+from noria.protocol.sampling import SamplingParams
 
 T = TypeVar("T")
 

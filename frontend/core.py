@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable
 
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.engine_client import EngineClient
-from frontend.processor import InputProcessor
-from protocol.client import Delta, Done, Error, Generate, Logprob, SchedulerStats, Usage
-from protocol.engine import EngineOutputs, EngineRequest, RequestUpdate
-from protocol.errors import ErrorCode, NoriaError
+from noria.frontend.detokenizer import IncrementalDetokenizer
+from noria.frontend.engine_client import EngineClient
+from noria.frontend.processor import InputProcessor
+from noria.protocol.client import Delta, Done, Error, Generate, Logprob, SchedulerStats, Usage
+from noria.protocol.engine import EngineOutputs, EngineRequest, RequestUpdate
+from noria.protocol.errors import ErrorCode, NoriaError
 
 Sink = Callable[[Delta | Done | Error], None]
 

@@ -7,10 +7,10 @@ import time
 
 import zmq
 
-from frontend.launcher import EngineProcesses
-from protocol.codec import Codec
-from protocol.config import EngineAddresses, EngineConfig
-from protocol.engine import (
+from noria.frontend.launcher import EngineProcesses
+from noria.protocol.codec import Codec
+from noria.protocol.config import EngineAddresses, EngineConfig
+from noria.protocol.engine import (
     EngineAbort,
     EngineDead,
     EngineReady,
@@ -20,8 +20,8 @@ from protocol.engine import (
     SchedulerToFrontend,
     StatsQuery,
 )
-from protocol.errors import ErrorCode, NoriaError
-from protocol.sockets import make_socket
+from noria.protocol.errors import ErrorCode, NoriaError
+from noria.protocol.sockets import make_socket
 
 
 class EngineClient:

@@ -1,6 +1,6 @@
 """Starts the scheduler and worker processes on this host and watches them.
 
-Children are started as `python -m scheduler` / `python -m worker` (the same
+Children are started as `python -m noria.scheduler` / `python -m noria.worker` (the same
 commands a multi-host deployment runs by hand), so the frontend never imports
 engine code. A child that exits is reported by name.
 """
@@ -15,7 +15,7 @@ import time
 
 import msgspec
 
-from protocol.config import EngineAddresses, EngineConfig
+from noria.protocol.config import EngineAddresses, EngineConfig
 
 
 def local_addresses(tensor_parallel_size: int, folder: str) -> EngineAddresses:
@@ -37,10 +37,10 @@ class EngineProcesses:
             "--addresses", msgspec.json.encode(addrs).decode(),
         ]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.procs["scheduler"] = subprocess.Popen([sys.executable, "-m", "scheduler", *common])
+        self.procs["scheduler"] = subprocess.Popen([sys.executable, "-m", "noria.scheduler", *common])
         for rank in range(config.tensor_parallel_size):
             self.procs[f"worker rank {rank}"] = subprocess.Popen(
-                [sys.executable, "-m", "worker", *common, "--rank", str(rank)]
+                [sys.executable, "-m", "noria.worker", *common, "--rank", str(rank)]
             )
 
     def dead(self) -> str | None:

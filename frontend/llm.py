@@ -14,13 +14,13 @@ from typing import Any
 import msgspec
 from tqdm import tqdm
 
-from frontend.core import FrontendCore
-from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.startup import make_config, start_core
-from protocol.client import Delta, Done, Error, Generate, Logprob, SchedulerStats
-from protocol.engine import EngineDead, EngineOutputs
-from protocol.errors import ErrorCode, NoriaError
-from protocol.sampling import SamplingParams
+from noria.frontend.core import FrontendCore
+from noria.frontend.outputs import CompletionOutput, RequestOutput
+from noria.frontend.startup import make_config, start_core
+from noria.protocol.client import Delta, Done, Error, Generate, Logprob, SchedulerStats
+from noria.protocol.engine import EngineDead, EngineOutputs
+from noria.protocol.errors import ErrorCode, NoriaError
+from noria.protocol.sampling import SamplingParams
 
 Prompt = str | list[int]
 

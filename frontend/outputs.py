@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.client import Logprob
+from noria.protocol.client import Logprob
 
 
 class CompletionOutput(msgspec.Struct, kw_only=True):

@@ -6,9 +6,9 @@ import json
 import os
 from typing import Any
 
-from protocol.client import Generate
-from protocol.errors import ErrorCode, NoriaError
-from protocol.sampling import SamplingParams, sampling_error
+from noria.protocol.client import Generate
+from noria.protocol.errors import ErrorCode, NoriaError
+from noria.protocol.sampling import SamplingParams, sampling_error
 
 
 def load_tokenizer(model_path: str) -> Any:

@@ -14,9 +14,9 @@ import threading
 import msgspec
 import zmq
 
-from frontend.core import FrontendCore
-from protocol import PROTOCOL_VERSION
-from protocol.client import (
+from noria.frontend.core import FrontendCore
+from noria.protocol import PROTOCOL_VERSION
+from noria.protocol.client import (
     Abort,
     ClientToServer,
     Delta,
@@ -29,10 +29,10 @@ from protocol.client import (
     SchedulerStats,
     Stats,
 )
-from protocol.codec import Codec
-from protocol.engine import EngineDead, EngineOutputs
-from protocol.errors import ErrorCode
-from protocol.sockets import make_socket
+from noria.protocol.codec import Codec
+from noria.protocol.engine import EngineDead, EngineOutputs
+from noria.protocol.errors import ErrorCode
+from noria.protocol.sockets import make_socket
 
 log = logging.getLogger("noria.frontend")
 

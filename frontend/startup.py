@@ -7,11 +7,11 @@ from typing import Any
 
 import msgspec
 
-from frontend.core import FrontendCore
-from frontend.demo_model import resolve_model
-from frontend.engine_client import EngineClient
-from frontend.processor import InputProcessor, eos_token_ids, load_tokenizer
-from protocol.config import EngineConfig, config_error
+from noria.frontend.core import FrontendCore
+from noria.frontend.demo_model import resolve_model
+from noria.frontend.engine_client import EngineClient
+from noria.frontend.processor import InputProcessor, eos_token_ids, load_tokenizer
+from noria.protocol.config import EngineConfig, config_error
 
 log = logging.getLogger("noria")
 

@@ -20,7 +20,7 @@ __all__ = list(_OPS)
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that tools such as `python -m kernels.nvrtc_check` do not import torch.
+    # Lazy, so that tools such as `python -m noria.kernels.nvrtc_check` do not import torch.
     if name in _OPS:
-        return getattr(importlib.import_module("kernels.ops"), name)
+        return getattr(importlib.import_module("noria.kernels.ops"), name)
     raise AttributeError(f"module 'kernels' has no attribute {name!r}")

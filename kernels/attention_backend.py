@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from kernels import ops
-from kernels.backends import KernelBackend
+from noria.kernels import ops
+from noria.kernels.backends import KernelBackend
 
 
 @dataclass

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.instances import ModuleSpec
-from kernels.options import SOURCE_DIR, compile_options, read_source
+from noria.kernels.instances import ModuleSpec
+from noria.kernels.options import SOURCE_DIR, compile_options, read_source
 
 Kernel = Callable[..., None]
 
@@ -53,7 +53,7 @@ class CupyBackend(KernelBackend):
     """Runs on the current CUDA device and torch's current stream."""
 
     def kernel(self, spec: ModuleSpec, name: str) -> Kernel:
-        from kernels.loader import cupy_kernel
+        from noria.kernels.loader import cupy_kernel
 
         return cupy_kernel(spec, name, self.source_dir)
 
@@ -94,7 +94,7 @@ class EmuBackend(KernelBackend):
 
     def __init__(self, source_dir: Path = SOURCE_DIR, config: Any = None) -> None:
         super().__init__(source_dir)
-        from kernels.emu import EmuConfig
+        from noria.kernels.emu import EmuConfig
 
         self.config = config or EmuConfig.from_env()
 
@@ -137,7 +137,7 @@ class EmuBackend(KernelBackend):
 
 @functools.cache
 def _emu_module(spec: ModuleSpec, source_dir: Path) -> Any:
-    from kernels.emu import EmuRawModule
+    from noria.kernels.emu import EmuRawModule
 
     return EmuRawModule(
         code=read_source(spec.source, source_dir),

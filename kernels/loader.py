@@ -7,8 +7,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from kernels.instances import ModuleSpec
-from kernels.options import SOURCE_DIR, compile_options, read_source
+from noria.kernels.instances import ModuleSpec
+from noria.kernels.options import SOURCE_DIR, compile_options, read_source
 
 
 @functools.cache

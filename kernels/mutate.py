@@ -4,9 +4,9 @@ Every mutant is a one-line edit of a copy of kernels/csrc; the kernel tests then
 that copy (pytest --kernels-src=COPY) in a subprocess, so a mutant that crashes the emulator
 (an out-of-bounds read) takes down only its own run — which counts as caught.
 
-    python -m kernels.mutate                 # stop each run at its first failing test
-    python -m kernels.mutate --per-schedule  # run every oracle test: which thread orders catch it
-    python -m kernels.mutate --per-schedule --update-readme
+    python -m noria.kernels.mutate                 # stop each run at its first failing test
+    python -m noria.kernels.mutate --per-schedule  # run every oracle test: which thread orders catch it
+    python -m noria.kernels.mutate --per-schedule --update-readme
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernels.options import SOURCE_DIR
+from noria.kernels.options import SOURCE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests" / "kernels"
@@ -369,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = table(outcomes, args.per_schedule)
     print(text)
     if args.update_readme:
-        from kernels.readme_tables import update_readme
+        from noria.kernels.readme_tables import update_readme
 
         update_readme("mutations", text)
     return 0 if all(o.caught for o in outcomes) else 1

@@ -7,7 +7,7 @@ those two (private, CuPy 14.2) lookups so the call goes through for a chosen arc
 is real; only loading it fails. ptxas' -v report in the NVRTC log gives registers, shared
 memory and spills per kernel.
 
-    python -m kernels.nvrtc_check [--arch 80 90] [--json]
+    python -m noria.kernels.nvrtc_check [--arch 80 90] [--json]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernels import instances
-from kernels.options import ARCHS, PTXAS_VERBOSE, SOURCE_DIR, compile_options, read_source
+from noria.kernels import instances
+from noria.kernels.options import ARCHS, PTXAS_VERBOSE, SOURCE_DIR, compile_options, read_source
 
 CUPY_VERSION = "14.2.0"  # the private names patched below were checked on this version
 

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kernels import instances
-from kernels.backends import KernelBackend, default_backend
-from kernels.instances import AttentionConfig
+from noria.kernels import instances
+from noria.kernels.backends import KernelBackend, default_backend
+from noria.kernels.instances import AttentionConfig
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SLOT_DTYPES = {torch.int32: "int32", torch.int64: "int64"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kernels.nvrtc_check import KernelUsage
+from noria.kernels.nvrtc_check import KernelUsage
 
 README = Path(__file__).resolve().parent / "README.md"
 

@@ -1,5 +1,5 @@
 """Console-script entry point for `noria`."""
 
-from frontend.cli import main
+from noria.frontend.cli import main
 
 __all__ = ["main"]

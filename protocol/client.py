@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.sampling import SamplingParams
+from noria.protocol.sampling import SamplingParams
 
 
 class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.client import Logprob, SchedulerStats
-from protocol.sampling import SamplingParams
+from noria.protocol.client import Logprob, SchedulerStats
+from noria.protocol.sampling import SamplingParams
 
 
 class EngineRequest(msgspec.Struct, array_like=True, gc=False, tag="req"):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.client import Logprob
-from protocol.sampling import SamplingParams
+from noria.protocol.client import Logprob
+from noria.protocol.sampling import SamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):

@@ -1,4 +1,4 @@
-"""`python -m scheduler --config JSON --addresses JSON`: run the scheduler process."""
+"""`python -m noria.scheduler --config JSON --addresses JSON`: run the scheduler process."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import sys
 
 import msgspec
 
-from protocol.config import EngineAddresses, EngineConfig
-from protocol.lifecycle import become_child
+from noria.protocol.config import EngineAddresses, EngineConfig
+from noria.protocol.lifecycle import become_child
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m scheduler")
+    ap = argparse.ArgumentParser(prog="python -m noria.scheduler")
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")
     ap.add_argument("--addresses", required=True, help="EngineAddresses as JSON")
     ap.add_argument("--standalone", action="store_true", help="do not exit when the parent exits")
@@ -21,7 +21,7 @@ def main() -> int:
     if not args.standalone:
         become_child()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from scheduler.process import run
+    from noria.scheduler.process import run
 
     config = msgspec.json.decode(args.config, type=EngineConfig)
     addrs = msgspec.json.decode(args.addresses, type=EngineAddresses)

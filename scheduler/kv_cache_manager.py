@@ -9,8 +9,8 @@ made while planning a step are collected here and taken by the plan.
 
 from __future__ import annotations
 
-from scheduler.block_pool import BlockPool
-from scheduler.request import Request
+from noria.scheduler.block_pool import BlockPool
+from noria.scheduler.request import Request
 
 # Root of every hash chain; hashing a tuple of ints is stable across processes.
 _ROOT_HASH = 0x6E6F726961

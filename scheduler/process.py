@@ -13,9 +13,9 @@ import time
 
 import zmq
 
-from protocol.codec import Codec
-from protocol.config import EngineAddresses, EngineConfig
-from protocol.engine import (
+from noria.protocol.codec import Codec
+from noria.protocol.config import EngineAddresses, EngineConfig
+from noria.protocol.engine import (
     EngineAbort,
     EngineDead,
     EngineOutputs,
@@ -26,8 +26,8 @@ from protocol.engine import (
     SchedulerToFrontend,
     StatsQuery,
 )
-from protocol.sockets import make_socket
-from protocol.step import (
+from noria.protocol.sockets import make_socket
+from noria.protocol.step import (
     SchedulerToWorker,
     StepResult,
     WorkerFailed,
@@ -35,7 +35,7 @@ from protocol.step import (
     WorkerShutdown,
     WorkerToScheduler,
 )
-from scheduler.scheduler import Scheduler
+from noria.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("noria.scheduler")
 

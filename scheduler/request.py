@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 
-from protocol.engine import EngineRequest
-from protocol.sampling import SamplingParams
+from noria.protocol.engine import EngineRequest
+from noria.protocol.sampling import SamplingParams
 
 
 class Status(enum.IntEnum):

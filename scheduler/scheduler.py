@@ -15,13 +15,13 @@ from bisect import insort
 
 import msgspec
 
-from protocol.client import SchedulerStats
-from protocol.config import EngineConfig
-from protocol.engine import EngineRequest, RequestUpdate
-from protocol.errors import ErrorCode
-from protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request, Status
+from noria.protocol.client import SchedulerStats
+from noria.protocol.config import EngineConfig
+from noria.protocol.engine import EngineRequest, RequestUpdate
+from noria.protocol.errors import ErrorCode
+from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
+from noria.scheduler.kv_cache_manager import KVCacheManager
+from noria.scheduler.request import Request, Status
 
 Batch = list[tuple[Request, int, list[int]]]  # (request, tokens this step, blocks appended)
 _NO_BLOCKS: list[int] = []

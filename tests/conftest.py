@@ -17,13 +17,13 @@ def _noria_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_path(_noria_cache: Path) -> Path:
-    from frontend.demo_model import ensure_demo
+    from noria.frontend.demo_model import ensure_demo
 
     return ensure_demo()
 
 
 @pytest.fixture(scope="session")
 def demo_tokenizer(demo_path: Path):
-    from frontend.processor import load_tokenizer
+    from noria.frontend.processor import load_tokenizer
 
     return load_tokenizer(str(demo_path))

@@ -9,7 +9,7 @@ not depend on how the scheduler batched, chunked, cached or preempted.
 
 from __future__ import annotations
 
-from protocol.step import StepPlan, StepResult
+from noria.protocol.step import StepPlan, StepResult
 
 
 def next_token(tokens: list[int], vocab: int) -> int:

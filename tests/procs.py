@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from protocol.sockets import free_tcp_port
+from noria.protocol.sockets import free_tcp_port
 
 
 def children_of(pid: int) -> list[int]:
@@ -91,7 +91,7 @@ def serve_http(
     """`noria serve` on free ZMQ and HTTP ports (unless `args` name them), ready on both."""
     port = zmq_port or free_tcp_port()
     extra = [] if "--port" in args else ["--port", str(free_tcp_port())]
-    base = cmd or [sys.executable, "-m", "frontend.cli"]
+    base = cmd or [sys.executable, "-m", "noria.frontend.cli"]
     argv = [*base, "serve", "--zmq-port", str(port), *extra, *args]
     http_port = argv[argv.index("--port") + 1]
     proc = subprocess.Popen(argv, cwd=cwd)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.ceiling import read_steps, recorded_model_seconds, replay
-from frontend.startup import make_config
 from noria import LLM, SamplingParams
+from noria.bench.ceiling import read_steps, recorded_model_seconds, replay
+from noria.frontend.startup import make_config
 
 
 @pytest.mark.parametrize("chunk", [None, 24])

@@ -17,7 +17,7 @@ import msgspec
 import openai
 import pytest
 
-from protocol.sockets import free_tcp_port
+from noria.protocol.sockets import free_tcp_port
 from tests.procs import engine_idle, scrape_metrics, serve_http, wait_http, wait_metrics
 
 
@@ -159,7 +159,7 @@ def test_bad_chat_requests(oai):
 
 def _bridge(engine: str, *args: str) -> tuple[subprocess.Popen, str]:
     port = free_tcp_port()
-    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "bridge", "--engine", engine, "--port", str(port), *args])
+    proc = subprocess.Popen([sys.executable, "-m", "noria.frontend.cli", "bridge", "--engine", engine, "--port", str(port), *args])
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -232,7 +232,7 @@ def test_an_unreachable_engine_gives_503():
 
 def test_a_taken_port_is_a_clear_error(served):
     port = served.http.rsplit(":", 1)[1]
-    r = subprocess.run([sys.executable, "-m", "frontend.cli", "bridge", "--engine", served.address, "--port", port],
+    r = subprocess.run([sys.executable, "-m", "noria.frontend.cli", "bridge", "--engine", served.address, "--port", port],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
 

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from noria import Client, NoriaError, SamplingParams
-from protocol.sockets import free_tcp_port
+from noria.protocol.sockets import free_tcp_port
 from tests.procs import alive, children_of, serve_http, wait_ready
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -22,7 +22,7 @@ ENGINE_ARGS = ("--num-kv-blocks", "128", "--max-model-len", "256")
 
 
 def _start(port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--zmq-port", str(port),
+    return subprocess.Popen([sys.executable, "-m", "noria.frontend.cli", "serve", "--zmq-port", str(port),
                              "--port", str(free_tcp_port()), *ENGINE_ARGS])
 
 

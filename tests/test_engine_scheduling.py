@@ -7,7 +7,7 @@ import random
 import pytest
 
 from noria import LLM, SamplingParams
-from protocol.client import Delta, Generate
+from noria.protocol.client import Delta, Generate
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.processor import InputProcessor, eos_token_ids
-from protocol.client import Generate
-from protocol.errors import NoriaError
+from noria.frontend.detokenizer import IncrementalDetokenizer
+from noria.frontend.processor import InputProcessor, eos_token_ids
+from noria.protocol.client import Generate
+from noria.protocol.errors import NoriaError
 
 TEXTS = [
     "Hello, world! How are you today?",

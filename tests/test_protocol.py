@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from protocol.client import (
+from noria.protocol.client import (
     Abort,
     ClientToServer,
     Delta,
@@ -21,9 +21,9 @@ from protocol.client import (
     Stats,
     Usage,
 )
-from protocol.codec import Codec
-from protocol.config import EngineAddresses, EngineConfig
-from protocol.engine import (
+from noria.protocol.codec import Codec
+from noria.protocol.config import EngineAddresses, EngineConfig
+from noria.protocol.engine import (
     EngineAbort,
     EngineDead,
     EngineOutputs,
@@ -35,8 +35,8 @@ from protocol.engine import (
     SchedulerToFrontend,
     StatsQuery,
 )
-from protocol.sampling import SamplingParams, sampling_error
-from protocol.step import (
+from noria.protocol.sampling import SamplingParams, sampling_error
+from noria.protocol.step import (
     CachedRequestData,
     NewRequestData,
     SchedulerToWorker,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.config import EngineConfig
-from protocol.engine import EngineRequest
-from protocol.sampling import SamplingParams
-from scheduler.scheduler import Scheduler
+from noria.protocol.config import EngineConfig
+from noria.protocol.engine import EngineRequest
+from noria.protocol.sampling import SamplingParams
+from noria.scheduler.scheduler import Scheduler
 from tests.fake_worker import FakeWorker
 from tests.test_scheduler_basic import EOS, reference, run
 

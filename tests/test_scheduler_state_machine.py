@@ -14,11 +14,11 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import scheduler.kv_cache_manager as kvm
-from protocol.config import EngineConfig
-from protocol.engine import EngineRequest
-from protocol.sampling import SamplingParams
-from scheduler.scheduler import Scheduler
+import noria.scheduler.kv_cache_manager as kvm
+from noria.protocol.config import EngineConfig
+from noria.protocol.engine import EngineRequest
+from noria.protocol.sampling import SamplingParams
+from noria.scheduler.scheduler import Scheduler
 from tests.fake_worker import FakeWorker, next_token
 
 VOCAB = 40

@@ -142,11 +142,11 @@ def test_children_exit_when_the_server_is_killed(demo_path):
     import sys
     import time
 
-    from protocol.sockets import free_tcp_port
+    from noria.protocol.sockets import free_tcp_port
     from tests.procs import alive, children_of, wait_ready
 
     port = free_tcp_port()
-    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--zmq-port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "noria.frontend.cli", "serve", "--zmq-port", str(port),
                              "--port", str(free_tcp_port()), "--num-kv-blocks", "16"])
     try:
         wait_ready(f"tcp://127.0.0.1:{port}", proc)
@@ -168,12 +168,12 @@ def test_a_dead_worker_fails_requests_and_the_server_exits_non_zero(demo_path):
     import subprocess
     import sys
 
-    from protocol.sockets import free_tcp_port
+    from noria.protocol.sockets import free_tcp_port
     from tests.procs import children_of, wait_ready
 
     port = free_tcp_port()
     address = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "frontend.cli", "serve", "--zmq-port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "noria.frontend.cli", "serve", "--zmq-port", str(port),
                              "--port", str(free_tcp_port()), "--num-kv-blocks", "64"])
     try:
         wait_ready(address, proc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker import cpu_kernels
+from noria.worker import cpu_kernels
 
 
 def _reference(q, k_cache, v_cache, tables, lens, scale, window):
@@ -54,7 +54,7 @@ def test_paged_decode_matches_float64_reference(heads, kv_heads, window, bs, d):
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch-gather"])
 def test_both_decode_paths_of_the_torch_backend_agree_with_the_reference(native):
-    from worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
+    from noria.worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
 
     torch.manual_seed(1)
     bs, d, nb, heads, kvh = 16, 64, 40, 12, 4

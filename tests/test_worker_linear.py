@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from noria.worker.loader import load_model, load_spec
+from noria.worker.models.layers import PACKED_MIN_ROWS, linear, pack_linear_weight
 from tests.tiny_models import make_checkpoint
-from worker.loader import load_model, load_spec
-from worker.models.layers import PACKED_MIN_ROWS, linear, pack_linear_weight
 
 
 @pytest.mark.parametrize("rows", [0, 1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 17, 130])

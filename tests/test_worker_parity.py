@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from protocol.config import EngineConfig
-from protocol.sampling import SamplingParams
-from protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
+from noria.protocol.config import EngineConfig
+from noria.protocol.sampling import SamplingParams
+from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
+from noria.worker.model_runner import ModelRunner
 from tests.tiny_models import ALL_ARCHS, load_reference, make_checkpoint, reference_greedy
-from worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
@@ -310,7 +310,7 @@ def test_sizes(checkpoints: dict[str, Path]) -> None:
 
 
 def test_dtype_and_device_resolution() -> None:
-    from worker.device import resolve_device, resolve_dtype
+    from noria.worker.device import resolve_device, resolve_dtype
 
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu, torch.bfloat16) == torch.float32  # CPU: float32 whatever the checkpoint

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from protocol.config import EngineConfig
-from protocol.sampling import SamplingParams
-from protocol.step import NewRequestData, StepPlan
+from noria.protocol.config import EngineConfig
+from noria.protocol.sampling import SamplingParams
+from noria.protocol.step import NewRequestData, StepPlan
+from noria.worker.model_runner import ModelRunner
+from noria.worker.sampler import Sampler, SamplingState, apply_penalties
 from tests.tiny_models import make_checkpoint
-from worker.model_runner import ModelRunner
-from worker.sampler import Sampler, SamplingState, apply_penalties
 
 CPU = torch.device("cpu")
 V = 48

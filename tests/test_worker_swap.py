@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from protocol.config import EngineConfig
-from protocol.sampling import SamplingParams
-from protocol.step import CachedRequestData, NewRequestData, StepPlan
+from noria.protocol.config import EngineConfig
+from noria.protocol.sampling import SamplingParams
+from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan
+from noria.worker.kv_cache import KVCache, KVLayout
+from noria.worker.model_runner import ModelRunner
 from tests.tiny_models import load_reference, make_checkpoint, reference_greedy
-from worker.kv_cache import KVCache, KVLayout
-from worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
 

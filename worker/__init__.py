@@ -9,7 +9,7 @@ import os
 # OpenMP's default busy-wait between parallel regions then fights them for the
 # CPU (measured: decode steps 4-6x slower on 2 busy cores); passive waiting
 # costs little when the machine is idle. Only effective before torch is
-# imported, which is the case in `python -m worker`.
+# imported, which is the case in `python -m noria.worker`.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Transparent huge pages for torch's CPU allocations of 2 MB and more (the KV

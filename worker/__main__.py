@@ -1,4 +1,4 @@
-"""`python -m worker --config JSON --addresses JSON --rank N`: run one worker rank."""
+"""`python -m noria.worker --config JSON --addresses JSON --rank N`: run one worker rank."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import sys
 
 import msgspec
 
-from protocol.config import EngineAddresses, EngineConfig
-from protocol.lifecycle import become_child
+from noria.protocol.config import EngineAddresses, EngineConfig
+from noria.protocol.lifecycle import become_child
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m worker")
+    ap = argparse.ArgumentParser(prog="python -m noria.worker")
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")
     ap.add_argument("--addresses", required=True, help="EngineAddresses as JSON")
     ap.add_argument("--rank", type=int, default=0)
@@ -22,7 +22,7 @@ def main() -> int:
     if not args.standalone:
         become_child()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from worker.process import run
+    from noria.worker.process import run
 
     config = msgspec.json.decode(args.config, type=EngineConfig)
     addrs = msgspec.json.decode(args.addresses, type=EngineAddresses)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from worker import cpu_kernels
+from noria.worker import cpu_kernels
 
 
 @dataclass
@@ -250,7 +250,7 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
     not cover, e.g. sliding windows), the torch backend everywhere else."""
     if device.type == "cuda":
         try:
-            from kernels.attention_backend import KernelAttentionBackend
+            from noria.kernels.attention_backend import KernelAttentionBackend
 
             return KernelAttentionBackend(fallback=TorchAttentionBackend(native=False))
         except ImportError:  # CuPy not installed: `pip install noria[cuda]`

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.config import EngineConfig
+from noria.protocol.config import EngineConfig
 
 GiB = 1 << 30
 DEFAULT_KV_CACHE_GIB = 1.0

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from worker.models.llama import LlamaForCausalLM
-from worker.models.spec import ModelSpec, model_spec
+from noria.worker.models.llama import LlamaForCausalLM
+from noria.worker.models.spec import ModelSpec, model_spec
 
 # Every supported architecture shares one implementation; the spec carries the differences.
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {

@@ -16,14 +16,14 @@ from itertools import accumulate
 
 import torch
 
-from protocol.config import EngineConfig
-from protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
-from worker.attention import AttentionMetadata, get_attention_backend
-from worker.block_table import BlockTables
-from worker.device import resolve_device, resolve_dtype
-from worker.kv_cache import KVCache, KVLayout, num_device_blocks, num_swap_blocks
-from worker.loader import load_model, load_spec
-from worker.sampler import Sampler, SamplingState
+from noria.protocol.config import EngineConfig
+from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
+from noria.worker.attention import AttentionMetadata, get_attention_backend
+from noria.worker.block_table import BlockTables
+from noria.worker.device import resolve_device, resolve_dtype
+from noria.worker.kv_cache import KVCache, KVLayout, num_device_blocks, num_swap_blocks
+from noria.worker.loader import load_model, load_spec
+from noria.worker.sampler import Sampler, SamplingState
 
 
 @dataclass(slots=True)

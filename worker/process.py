@@ -13,10 +13,10 @@ import traceback
 
 import zmq
 
-from protocol.codec import Codec
-from protocol.config import EngineAddresses, EngineConfig
-from protocol.sockets import make_socket
-from protocol.step import (
+from noria.protocol.codec import Codec
+from noria.protocol.config import EngineAddresses, EngineConfig
+from noria.protocol.sockets import make_socket
+from noria.protocol.step import (
     SchedulerToWorker,
     StepPlan,
     WorkerFailed,
@@ -35,7 +35,7 @@ def run(config: EngineConfig, addrs: EngineAddresses, rank: int) -> int:
     plan_codec: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
     out_codec: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
     try:
-        from worker.model_runner import ModelRunner
+        from noria.worker.model_runner import ModelRunner
 
         t0 = time.monotonic()
         runner = ModelRunner(config, rank)

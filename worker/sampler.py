@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from protocol.client import Logprob
-from protocol.sampling import SamplingParams
+from noria.protocol.client import Logprob
+from noria.protocol.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -10,16 +10,21 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import WSCloseCode, web
 
-from frontend.bridge.errors import error_response
-from frontend.bridge.gateway import Gateway
-from frontend.bridge.metrics import CONTENT_TYPE, BridgeMetrics
-from frontend.bridge.openai_api import handle_chat, handle_completions, handle_models, json_response
-from frontend.bridge.openai_schema import Health
-from frontend.bridge.playground import handle_playground
-from frontend.bridge.state import API_KEY, GATEWAY, METRICS, STARTED, WEBSOCKETS
-from frontend.bridge.websocket import handle_stream
-from frontend.client import AsyncClient
-from protocol.errors import NoriaError
+from noria.frontend.bridge.errors import error_response
+from noria.frontend.bridge.gateway import Gateway
+from noria.frontend.bridge.metrics import CONTENT_TYPE, BridgeMetrics
+from noria.frontend.bridge.openai_api import (
+    handle_chat,
+    handle_completions,
+    handle_models,
+    json_response,
+)
+from noria.frontend.bridge.openai_schema import Health
+from noria.frontend.bridge.playground import handle_playground
+from noria.frontend.bridge.state import API_KEY, GATEWAY, METRICS, STARTED, WEBSOCKETS
+from noria.frontend.bridge.websocket import handle_stream
+from noria.frontend.client import AsyncClient
+from noria.protocol.errors import NoriaError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATS_TIMEOUT = 2.0

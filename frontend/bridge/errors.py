@@ -7,9 +7,9 @@ import re
 import msgspec
 from aiohttp import web
 
-from frontend.bridge.openai_schema import ErrorBody, ErrorResponse
-from frontend.client import ENGINE_UNREACHABLE
-from protocol.errors import ErrorCode, NoriaError
+from noria.frontend.bridge.openai_schema import ErrorBody, ErrorResponse
+from noria.frontend.client import ENGINE_UNREACHABLE
+from noria.protocol.errors import ErrorCode, NoriaError
 
 # (HTTP status, OpenAI error type) per noria code.
 _BY_CODE: dict[str, tuple[int, str]] = {

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 
-from frontend.bridge.gateway import Gateway
-from protocol.client import Delta, Done, Generate
-from protocol.errors import NoriaError
+from noria.frontend.bridge.gateway import Gateway
+from noria.protocol.client import Delta, Done, Generate
+from noria.protocol.errors import NoriaError
 
 Event = tuple[int, Delta | Done | NoriaError]  # (prompt index, what came)
 

@@ -11,10 +11,10 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from frontend.bridge.metrics import BridgeMetrics
-from frontend.client import ENGINE_UNREACHABLE, AsyncClient
-from protocol.client import Delta, Done, Generate, Ready
-from protocol.errors import NoriaError
+from noria.frontend.bridge.metrics import BridgeMetrics
+from noria.frontend.client import ENGINE_UNREACHABLE, AsyncClient
+from noria.protocol.client import Delta, Done, Generate, Ready
+from noria.protocol.errors import NoriaError
 
 
 class Gateway:

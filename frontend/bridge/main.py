@@ -10,7 +10,7 @@ import sys
 import uvloop
 from aiohttp import web
 
-from frontend.bridge.app import make_app
+from noria.frontend.bridge.app import make_app
 
 API_KEY_ENV = "NORIA_API_KEY"  # how `noria serve` hands its key over without showing it in `ps`
 
@@ -46,7 +46,7 @@ def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: i
         # checked because the parent may already be gone by the time we get here.
         if os.getppid() != parent_pid:
             return 3
-        from protocol.lifecycle import become_child
+        from noria.protocol.lifecycle import become_child
 
         become_child()
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None

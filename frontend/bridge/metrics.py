@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from protocol.client import SchedulerStats, Stats
+from noria.protocol.client import SchedulerStats, Stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -13,20 +13,20 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from frontend.bridge.errors import BadRequest, error_body, from_decode, from_noria, status_of
-from frontend.bridge.fanout import Fanout
-from frontend.bridge.gateway import Gateway
-from frontend.bridge.openai_builders import ChatBuilder, CompletionBuilder
-from frontend.bridge.openai_requests import chat_generate, completion_generates, read_body
-from frontend.bridge.openai_schema import (
+from noria.frontend.bridge.errors import BadRequest, error_body, from_decode, from_noria, status_of
+from noria.frontend.bridge.fanout import Fanout
+from noria.frontend.bridge.gateway import Gateway
+from noria.frontend.bridge.openai_builders import ChatBuilder, CompletionBuilder
+from noria.frontend.bridge.openai_requests import chat_generate, completion_generates, read_body
+from noria.frontend.bridge.openai_schema import (
     ChatRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
     SamplingFields,
 )
-from frontend.bridge.state import GATEWAY, STARTED
-from protocol.errors import NoriaError
+from noria.frontend.bridge.state import GATEWAY, STARTED
+from noria.protocol.errors import NoriaError
 
 _encode = msgspec.json.Encoder().encode
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

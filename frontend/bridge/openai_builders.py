@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from frontend.bridge.openai_schema import (
+from noria.frontend.bridge.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -24,7 +24,7 @@ from frontend.bridge.openai_schema import (
     TopLogprob,
     UsageInfo,
 )
-from protocol.client import Delta, Done, Logprob
+from noria.protocol.client import Delta, Done, Logprob
 
 _encode = msgspec.json.Encoder().encode
 

@@ -8,10 +8,10 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from frontend.bridge.errors import BadRequest
-from frontend.bridge.openai_schema import ChatRequest, CompletionRequest, SamplingFields
-from protocol.client import Generate
-from protocol.sampling import SamplingParams, sampling_error
+from noria.frontend.bridge.errors import BadRequest
+from noria.frontend.bridge.openai_schema import ChatRequest, CompletionRequest, SamplingFields
+from noria.protocol.client import Generate
+from noria.protocol.sampling import SamplingParams, sampling_error
 
 R = TypeVar("R", CompletionRequest, ChatRequest)
 MAX_PROMPTS = 128

@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from frontend.bridge.main import API_KEY_ENV
+from noria.frontend.bridge.main import API_KEY_ENV
 
 log = logging.getLogger("noria.bridge")
 
@@ -30,7 +30,7 @@ class BridgeProcess:
             env[API_KEY_ENV] = api_key
         self.stopping = False
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "frontend.cli", "bridge", "--engine", engine,
+            [sys.executable, "-m", "noria.frontend.cli", "bridge", "--engine", engine,
              "--host", host, "--port", str(port), "--parent-pid", str(os.getpid())],
             env=env,
         )

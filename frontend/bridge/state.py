@@ -6,8 +6,8 @@ import weakref
 
 from aiohttp import web
 
-from frontend.bridge.gateway import Gateway
-from frontend.bridge.metrics import BridgeMetrics
+from noria.frontend.bridge.gateway import Gateway
+from noria.frontend.bridge.metrics import BridgeMetrics
 
 GATEWAY = web.AppKey("gateway", Gateway)
 METRICS = web.AppKey("metrics", BridgeMetrics)

@@ -15,10 +15,10 @@ from contextlib import aclosing
 import msgspec
 from aiohttp import WSMsgType, web
 
-from frontend.bridge.gateway import Gateway
-from frontend.bridge.state import GATEWAY, WEBSOCKETS
-from protocol.client import Abort, Delta, Done, Error, Generate
-from protocol.errors import ErrorCode, NoriaError
+from noria.frontend.bridge.gateway import Gateway
+from noria.frontend.bridge.state import GATEWAY, WEBSOCKETS
+from noria.protocol.client import Abort, Delta, Done, Error, Generate
+from noria.protocol.errors import ErrorCode, NoriaError
 
 _decoder = msgspec.json.Decoder(Generate | Abort)
 _encoder = msgspec.json.Encoder()

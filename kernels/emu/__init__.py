@@ -1,8 +1,8 @@
 """CPU emulation of CUDA kernels: the unchanged .cu sources are compiled with g++ against a
 header-only runtime (include/cudaemu.h) that runs each CUDA thread as a fiber."""
 
-from kernels.emu.build import EmuBuildError
-from kernels.emu.module import (
+from noria.kernels.emu.build import EmuBuildError
+from noria.kernels.emu.module import (
     SCHEDULES,
     EmuConfig,
     EmuKernel,

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.emu import build, wrapper
+from noria.kernels.emu import build, wrapper
 
 SCHEDULES = ("forward", "reverse", "greedy", "greedy-reverse", "random")
 _POLICY = {name: i for i, name in enumerate(SCHEDULES)}

@@ -17,10 +17,10 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from kernels.backends import EmuBackend  # noqa: E402
-from kernels.emu import EmuConfig  # noqa: E402
-from kernels.instances import ModuleSpec  # noqa: E402
-from kernels.options import SOURCE_DIR  # noqa: E402
+from noria.kernels.backends import EmuBackend  # noqa: E402
+from noria.kernels.emu import EmuConfig  # noqa: E402
+from noria.kernels.instances import ModuleSpec  # noqa: E402
+from noria.kernels.options import SOURCE_DIR  # noqa: E402
 
 # The GPU module runs only where a GPU is; elsewhere it is not collected (rather than skipped).
 collect_ignore = [] if torch.cuda.is_available() else ["test_gpu_kernels.py"]

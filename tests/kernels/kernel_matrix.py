@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.instances import AttentionConfig
+from noria.kernels.instances import AttentionConfig
 
 EMU_CONFIGS: list[AttentionConfig] = [
     AttentionConfig("float32", 128, 16),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.instances import AttentionConfig
+from noria.kernels.instances import AttentionConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

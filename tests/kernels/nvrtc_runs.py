@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels import nvrtc_check
-from kernels.options import ARCHS
+from noria.kernels import nvrtc_check
+from noria.kernels.options import ARCHS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def start() -> list[Run]:
         out, err = tmp / f"sm_{arch}.json", tmp / f"sm_{arch}.log"
         with out.open("wb") as o, err.open("wb") as e:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kernels.nvrtc_check", "--arch", arch, "--json"],
+                [sys.executable, "-m", "noria.kernels.nvrtc_check", "--arch", arch, "--json"],
                 cwd=ROOT,
                 env=env,
                 stdout=o,

@@ -9,8 +9,8 @@ import pytest
 import torch
 from kernel_scenes import TORCH_DTYPES
 
-from kernels import instances, ops, reference
-from kernels.instances import ModuleSpec
+from noria.kernels import instances, ops, reference
+from noria.kernels.instances import ModuleSpec
 
 DTYPES = list(TORCH_DTYPES)
 

@@ -12,8 +12,8 @@ import torch
 from kernel_matrix import EMU_CONFIGS, cfg_id, configs_param, schedules_param
 from kernel_scenes import TORCH_DTYPES, Scene, assert_matches, edge_lengths, make_scene
 
-from kernels import ops, reference
-from kernels.instances import AttentionConfig, ModuleSpec, decode_module
+from noria.kernels import ops, reference
+from noria.kernels.instances import AttentionConfig, ModuleSpec, decode_module
 
 SCALE = 0.37  # deliberately not 1/sqrt(head_dim): a kernel that drops or redoes it fails
 LONG = 2100  # a few thousand tokens, not a multiple of 32: >128 one-block partitions

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.emu import SCHEDULES, EmuConfig, EmuKernelError, EmuLaunchError, EmuRawModule
+from noria.kernels.emu import SCHEDULES, EmuConfig, EmuKernelError, EmuLaunchError, EmuRawModule
 
 PROBES = Path(__file__).with_name("emu_probe_kernels.cu")
 ALL_ORDERS = [*SCHEDULES[:-1], "random:1", "random:2"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from kernel_scenes import TORCH_DTYPES, Scene, assert_matches, edge_lengths, make_scene
 
-from kernels import ops, reference
-from kernels.instances import AttentionConfig, all_configs
+from noria.kernels import ops, reference
+from noria.kernels.instances import AttentionConfig, all_configs
 
 CUDA = torch.device("cuda")
 SCALE = 0.37

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels import mutate
-from kernels.options import SOURCE_DIR
+from noria.kernels import mutate
+from noria.kernels.options import SOURCE_DIR
 
 # The bug classes the kernel tests must be shown to catch.
 REQUIRED = {

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import ops
-from kernels.backends import KernelBackend
-from kernels.instances import ModuleSpec
+from noria.kernels import ops
+from noria.kernels.backends import KernelBackend
+from noria.kernels.instances import ModuleSpec
 
 
 class Recorder(KernelBackend):

@@ -8,8 +8,8 @@ import math
 import torch
 from kernel_scenes import make_scene
 
-from kernels import reference
-from kernels.instances import AttentionConfig
+from noria.kernels import reference
+from noria.kernels.instances import AttentionConfig
 
 
 def naive_prefill(

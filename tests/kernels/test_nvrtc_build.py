@@ -6,8 +6,8 @@ from __future__ import annotations
 import nvrtc_runs
 import pytest
 
-from kernels import instances, nvrtc_check, readme_tables
-from kernels.options import ARCHS, SOURCE_DIR
+from noria.kernels import instances, nvrtc_check, readme_tables
+from noria.kernels.options import ARCHS, SOURCE_DIR
 
 
 @pytest.fixture(scope="module")

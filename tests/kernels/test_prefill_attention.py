@@ -13,8 +13,8 @@ import torch
 from kernel_matrix import EMU_CONFIGS, cfg_id, configs_param, schedules_param
 from kernel_scenes import TORCH_DTYPES, Scene, assert_matches, make_scene
 
-from kernels import ops, reference
-from kernels.instances import AttentionConfig, ModuleSpec, prefill_module
+from noria.kernels import ops, reference
+from noria.kernels.instances import AttentionConfig, ModuleSpec, prefill_module
 
 SCALE = 0.37
 

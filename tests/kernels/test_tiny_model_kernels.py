@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from tiny_llama import PagedEngine, Sequence, TinyConfig, TinyLlama, reference_generate
 
-from kernels import instances
-from kernels.instances import AttentionConfig, ModuleSpec
+from noria.kernels import instances
+from noria.kernels.instances import AttentionConfig, ModuleSpec
 
 CFG = TinyConfig()
 STEPS = 6

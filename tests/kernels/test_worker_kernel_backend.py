@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import instances
-from kernels.attention_backend import KernelAttentionBackend
-from kernels.instances import AttentionConfig, ModuleSpec
-from protocol.config import EngineConfig
+from noria.kernels import instances
+from noria.kernels.attention_backend import KernelAttentionBackend
+from noria.kernels.instances import AttentionConfig, ModuleSpec
+from noria.protocol.config import EngineConfig
+from noria.worker.attention import TorchAttentionBackend
+from noria.worker.model_runner import ModelRunner
 from tests.test_worker_parity import Driver, Req
 from tests.tiny_models import make_checkpoint
-from worker.attention import TorchAttentionBackend
-from worker.model_runner import ModelRunner
 
 # hidden 256 over 4 heads: head_dim 64, a size the kernels are built for; GQA over 2 KV heads.
 OVERRIDES = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import ops
-from kernels.backends import KernelBackend
+from noria.kernels import ops
+from noria.kernels.backends import KernelBackend
 
 # attend(layer, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

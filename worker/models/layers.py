@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.models.spec import RopeSpec
+from noria.worker.models.spec import RopeSpec
 
 
 class RMSNorm(nn.Module):

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionBackend, AttentionMetadata, LayerAttention
-from worker.models.layers import (
+from noria.worker.attention import AttentionBackend, AttentionMetadata, LayerAttention
+from noria.worker.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rope,
@@ -24,7 +24,7 @@ from worker.models.layers import (
     pack_linear_weight,
     silu_and_mul,
 )
-from worker.models.spec import ModelSpec
+from noria.worker.models.spec import ModelSpec
 
 
 def _param(*shape: int) -> nn.Parameter:
