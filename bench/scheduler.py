@@ -29,7 +29,7 @@ def measure(num_running: int, num_waiting: int, steps: int) -> dict[str, float]:
     s = Scheduler(cfg, blocks, 4096)
     params = SamplingParams(max_tokens=100_000, ignore_eos=True)
     for i in range(num_running + num_waiting):
-        s.add_request(EngineRequest(i, [(i * 7 + j) % 30000 for j in range(prompt_len)], params, [2], 0.0))
+        s.add_request(EngineRequest(i, [(i * 7 + j) % 30000 for j in range(prompt_len)], params, [2]))
     codec: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
 
     def one_step() -> tuple[float, float, float]:

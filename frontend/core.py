@@ -7,7 +7,6 @@ sure every request ends with exactly one final message (done or error).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Hashable
 
 from noria.frontend.detokenizer import IncrementalDetokenizer
@@ -87,7 +86,7 @@ class FrontendCore:
             sample = _Sample(base + i, i, detok, stream or bool(params.stop))
             req.samples.append(sample)
             self.by_rid[base + i] = (req, sample)
-        self.engine.add(EngineRequest(base, prompt_ids, params, self.processor.eos_ids, time.time(), msg.priority))
+        self.engine.add(EngineRequest(base, prompt_ids, params, self.processor.eos_ids, msg.priority))
         req.open = params.n
         self.by_key[key] = req
 

@@ -25,11 +25,3 @@ class Codec(Generic[T]):
 
     def decode(self, data: bytes | memoryview) -> T:
         return self._decoder.decode(data)
-
-
-def to_bytes(obj: Any) -> bytes:
-    return msgspec.msgpack.encode(obj)
-
-
-def from_bytes(data: bytes, typ: type[T]) -> T:
-    return msgspec.msgpack.decode(data, type=typ)

@@ -17,7 +17,6 @@ class EngineRequest(msgspec.Struct, array_like=True, gc=False, tag="req"):
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: list[int]
-    arrival_time: float
     priority: int = 0
 
 

@@ -35,10 +35,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
-
-    @property
     def has_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0

@@ -73,7 +73,6 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     req_ids: list[int]
     token_ids: list[int]
     logprobs: list[Logprob | None] | None = None
-    forward_time: float = 0.0
     error: str | None = None
 
 

@@ -105,7 +105,7 @@ def test_bad_client_messages_name_the_problem(raw, words):
 
 
 INTERNAL = [
-    (FrontendToScheduler, EngineRequest(1, [1, 2], PARAMS, [0], 1.5, 2)),
+    (FrontendToScheduler, EngineRequest(1, [1, 2], PARAMS, [0], 2)),
     (FrontendToScheduler, EngineAbort([1, 2])),
     (FrontendToScheduler, EngineShutdown()),
     (FrontendToScheduler, StatsQuery()),
@@ -115,7 +115,7 @@ INTERNAL = [
     (SchedulerToWorker, StepPlan(3, [(1, 5)], [NewRequestData(1, [1, 2], [0], 0, PARAMS, 2, [0])],
                                  [CachedRequestData(2, [4])], [7], [(1, 2)], [(3, 0)], [(0, 3)])),
     (SchedulerToWorker, WorkerShutdown()),
-    (WorkerToScheduler, StepResult(3, [1], [9], [LP], 0.01)),
+    (WorkerToScheduler, StepResult(3, [1], [9], [LP])),
     (WorkerToScheduler, WorkerReady(0, 10, 4, 706, 2048)),
     (WorkerToScheduler, WorkerFailed(0, "oom")),
 ]

@@ -19,7 +19,7 @@ def make(num_blocks: int = 64, block_size: int = 4, max_len: int = 256, **kw) ->
 
 
 def req(rid: int, prompt: list[int], priority: int = 0, **params) -> EngineRequest:
-    return EngineRequest(rid, prompt, SamplingParams(**params), [EOS], 0.0, priority)
+    return EngineRequest(rid, prompt, SamplingParams(**params), [EOS], priority)
 
 
 def run(s: Scheduler, w: FakeWorker, max_steps: int = 10_000) -> dict[int, tuple[list[int], str]]:

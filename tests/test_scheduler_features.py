@@ -18,7 +18,7 @@ def make(num_blocks: int, block_size: int = 16, cpu_blocks: int = 0, **kw) -> tu
 
 
 def req(rid, prompt, priority=0, **p):
-    return EngineRequest(rid, prompt, SamplingParams(**p), [EOS], 0.0, priority)
+    return EngineRequest(rid, prompt, SamplingParams(**p), [EOS], priority)
 
 
 def step(s, w):

@@ -89,7 +89,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _arrive(self, prompt, max_tokens, n, priority):
         rid = self.next_id
         self.next_id += n
-        self.s.add_request(EngineRequest(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens), [EOS], 0.0, priority))
+        self.s.add_request(EngineRequest(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens), [EOS], priority))
         for i in range(n):
             self.prompts[rid + i] = prompt
             self.outputs[rid + i] = []

@@ -94,7 +94,6 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. Raises (KeyError/ValueError with the step and request
         named) on a plan that does not fit the worker's state."""
-        start = time.perf_counter()
         for req_id in plan.finished_req_ids:
             self._drop(req_id)
         for new in plan.new_requests:
@@ -118,8 +117,7 @@ class ModelRunner:
         if self._record is not None:
             self._write_record(batch, time.perf_counter() - t_model)
         if logits is None:
-            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[],
-                              forward_time=time.perf_counter() - start)
+            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
         tokens, logprobs = self.sampler.sample(logits, [r.sampling for r in batch.sample_requests])
         for state, token in zip(batch.sample_requests, tokens, strict=True):
             state.token_ids.append(token)
@@ -128,7 +126,6 @@ class ModelRunner:
             req_ids=[r.req_id for r in batch.sample_requests],
             token_ids=tokens,
             logprobs=logprobs,
-            forward_time=time.perf_counter() - start,
         )
 
     def _write_record(self, batch: _Batch, model_seconds: float) -> None:

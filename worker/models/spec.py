@@ -59,7 +59,6 @@ class ModelSpec:
     rope: RopeSpec
     sliding_windows: tuple[int | None, ...]  # one per layer; None = full attention
     checkpoint_dtype: torch.dtype | None
-    eos_token_ids: tuple[int, ...]
 
 
 def _rope_spec(cfg: Any) -> RopeSpec:
@@ -102,13 +101,6 @@ def _sliding_windows(cfg: Any, arch: str, num_layers: int) -> tuple[int | None, 
         first = int(getattr(cfg, "max_window_layers", num_layers))
         return tuple(window if i >= first else None for i in range(num_layers))
     return (None,) * num_layers
-
-
-def _eos_ids(cfg: Any) -> tuple[int, ...]:
-    eos = getattr(cfg, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
 
 
 def _checkpoint_dtype(cfg: Any) -> torch.dtype | None:
@@ -167,5 +159,4 @@ def model_spec(cfg: Any) -> ModelSpec:
         rope=_rope_spec(cfg),
         sliding_windows=_sliding_windows(cfg, arch, num_layers),
         checkpoint_dtype=_checkpoint_dtype(cfg),
-        eos_token_ids=_eos_ids(cfg),
     )
