@@ -1,6 +1,7 @@
 """Request bookkeeping shared by the ZMQ server and the offline LLM.
 
-Maps client requests (a key plus n samples) to engine request ids, feeds
+Maps client requests (a key plus n samples) to engine requests, one per
+sample (this class alone knows which engine ids are one request's), feeds
 engine updates through each sample's detokenizer and stop strings, and makes
 sure every request ends with exactly one final message (done or error).
 """
@@ -9,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
+import msgspec
+
 from noria.frontend.detokenizer import IncrementalDetokenizer
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.processor import InputProcessor
 from noria.protocol.client import Delta, Done, Error, Generate, Logprob, SchedulerStats, Usage
 from noria.protocol.engine import EngineOutputs, EngineRequest, RequestUpdate
 from noria.protocol.errors import ErrorCode, NoriaError
+from noria.protocol.sampling import SamplingParams
 
 Sink = Callable[[Delta | Done | Error], None]
 
@@ -77,16 +81,17 @@ class FrontendCore:
             return
         req = _Request(key, msg.request_id, sink, prompt_ids)
         tok = self.processor.tokenizer
-        # One engine request carries all n samples; sample i is engine id base + i.
-        base = self._next_id
-        self._next_id += params.n
+        group = self._next_id if params.n > 1 else None  # any id unique to this request
         for i in range(params.n):
+            rid = self._next_id
+            self._next_id += 1
             detok = IncrementalDetokenizer(tok, prompt_ids, params.stop, params.skip_special_tokens)
             # Stop strings need the text as it grows, so such samples always stream inside.
-            sample = _Sample(base + i, i, detok, stream or bool(params.stop))
+            sample = _Sample(rid, i, detok, stream or bool(params.stop))
             req.samples.append(sample)
-            self.by_rid[base + i] = (req, sample)
-        self.engine.add(EngineRequest(base, prompt_ids, params, self.processor.eos_ids, msg.priority))
+            self.by_rid[rid] = (req, sample)
+            self.engine.add(EngineRequest(rid, prompt_ids, _sample_params(params, i), self.processor.eos_ids,
+                                          msg.priority, group))
         req.open = params.n
         self.by_key[key] = req
 
@@ -121,7 +126,10 @@ class FrontendCore:
                 # Errors concern the whole request (all samples).
                 self._fail(req, u.error_code or ErrorCode.INTERNAL, u.error_message or "engine error")
                 continue
-            req.num_cached_tokens = max(req.num_cached_tokens, u.num_cached_tokens)
+            if s.index == 0:
+                # The prompt counts once, as sample 0 found it: the other samples'
+                # hits on sample 0's blocks are no cached tokens for the client.
+                req.num_cached_tokens = u.num_cached_tokens
             s.num_tokens += len(u.new_token_ids)
             if s.held_ids is not None:
                 self._hold(req, s, u)
@@ -190,3 +198,8 @@ class FrontendCore:
         )
 
 
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.n == 1:
+        return params
+    # Sample i of a seeded request uses seed + i, as vLLM does.
+    return msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + index)

@@ -1,7 +1,8 @@
 """Frontend <-> scheduler messages (internal, array-like for speed).
 
 Requests are identified by small integers chosen by the frontend; the
-frontend maps them back to (client, request_id).
+frontend maps them back to (client, request_id). One engine request is one
+sequence: the frontend sends each of a client request's n samples as its own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ class EngineRequest(msgspec.Struct, array_like=True, gc=False, tag="req"):
     params: SamplingParams
     eos_token_ids: list[int]
     priority: int = 0
+    # The samples of one client request carry the same group (the frontend's
+    # choice): they share prompt blocks even with prefix caching disabled.
+    sample_group: int | None = None
 
 
 class EngineAbort(msgspec.Struct, array_like=True, gc=False, tag="abort"):

@@ -17,7 +17,6 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
-        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -71,11 +70,6 @@ class BlockPool:
             self.block_hash[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
-            self.num_evictions += 1
-
-    def reset_cache(self) -> None:
-        for block in list(self.free):
-            self._uncache(block)
 
     def check(self) -> str | None:
         """Internal consistency: every block is owned xor free; cache map agrees."""

@@ -1,10 +1,11 @@
-"""Maps requests to KV blocks: prefix-cache lookup, slot allocation with
-copy-on-write, forks for parallel samples, swap to CPU blocks, freeing.
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, swap to
+CPU blocks, freeing.
 
 Allocation answers None when it does not fit, so the scheduler owns every
 preemption decision. Exactly one place (`free`) releases a request's device
-blocks; `free_swapped` its CPU blocks. Copies and block-table replacements
-made while planning a step are collected here and taken by the plan.
+blocks; `free_swapped` its CPU blocks. Only full blocks are ever shared (prefix
+hits, which is also how the n samples of a request share their prompt), and a
+full block is never written again, so no block ever needs a copy-on-write.
 """
 
 from __future__ import annotations
@@ -27,19 +28,27 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
-        self.copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write this step
-        self.replaced: dict[int, list[tuple[int, int]]] = {}  # req_id -> (table index, new block)
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
+
+    def hash_root(self, sample_group: int | None) -> int | None:
+        """Where a request's hash chain starts: the common root with prefix caching
+        on. With it off, the samples of one client request (same `sample_group`)
+        still share their prompt blocks, with each other only: their chain starts
+        at a root of their own. None: nothing hashed, nothing shared."""
+        if self.enable_prefix_caching:
+            return _ROOT_HASH
+        # Not chain_hash: no block's tokens are behind this root.
+        return None if sample_group is None else hash((_ROOT_HASH, sample_group))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _ensure_hashes(self, req: Request, num_full_blocks: int) -> None:
         hashes, bs, tokens = req.block_hashes, self.block_size, req.token_ids
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else req.hash_root
         for i in range(len(hashes), num_full_blocks):
             parent = chain_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]))
             hashes.append(parent)
@@ -49,7 +58,7 @@ class KVCacheManager:
 
         The last token is never served from cache: its logits are needed.
         """
-        if not self.enable_prefix_caching:
+        if req.hash_root is None:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._ensure_hashes(req, max_blocks)
@@ -66,31 +75,20 @@ class KVCacheManager:
     ) -> list[int] | None:
         """Give `req` blocks for `num_new_tokens` more tokens (after any prefix hit).
 
-        If the first new token lands in a block shared with another request,
-        that block is copied first. Returns the block ids appended to the
-        table, or None when it does not fit (then nothing changed).
+        Returns the block ids appended to the table, or None when it does not
+        fit (then nothing changed).
         """
         hits = computed_blocks or []
-        num_computed = req.num_computed_tokens + len(hits) * self.block_size
-        total = num_computed + num_new_tokens
+        total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         need = max(0, self.blocks_needed(total) - len(req.block_ids) - len(hits))
-        table = req.block_ids
-        cow = num_new_tokens > 0 and num_computed % self.block_size != 0 and self.pool.ref_cnt[table[-1]] > 1
         # Hit blocks that sit in the free list stop being allocatable once touched.
         reclaimed = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
-        if need + cow > self.pool.num_free - reclaimed:
+        if need > self.pool.num_free - reclaimed:
             return None
         self.pool.touch(hits)
-        if cow:
-            src = table[-1]
-            (dst,) = self.pool.allocate(1) or ()
-            self.copies.append((src, dst))
-            self.pool.release([src])
-            table[-1] = dst
-            self.replaced.setdefault(req.req_id, []).append((len(table) - 1, dst))
         added = hits + (self.pool.allocate(need) or []) if need else list(hits)
-        table.extend(added)
-        if self.enable_prefix_caching:
+        req.block_ids.extend(added)
+        if req.hash_root is not None:
             self._cache_full_blocks(req, total // self.block_size)
         return added
 
@@ -104,20 +102,11 @@ class KVCacheManager:
             self.pool.cache(req.block_ids[i], req.block_hashes[i])
         req.num_cached_blocks = num_full
 
-    def fork(self, parent: Request, child: Request) -> None:
-        """`child` shares every block of `parent` (a later write copies first)."""
-        child.block_ids = list(parent.block_ids)
-        self.pool.touch(child.block_ids)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_cached_blocks = parent.num_cached_blocks
-        child.num_computed_tokens = parent.num_computed_tokens
-
     def free(self, req: Request) -> None:
         # Tail first, so LRU eviction never orphans a cached prefix.
         self.pool.release(req.block_ids[::-1])
         req.block_ids = []
         req.num_cached_blocks = 0
-        self.replaced.pop(req.req_id, None)
 
     # ---- swap ------------------------------------------------------------
 
@@ -148,10 +137,6 @@ class KVCacheManager:
     def free_swapped(self, req: Request) -> None:
         self.cpu_free.extend(req.swapped_blocks)
         req.swapped_blocks = []
-
-    def take_copies(self) -> list[tuple[int, int]]:
-        out, self.copies = self.copies, []
-        return out
 
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks if self.pool.num_blocks else 0.0

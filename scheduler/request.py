@@ -23,16 +23,14 @@ class Request:
         "req_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids",
         "stop_ids", "priority", "arrival_seq", "max_tokens", "status", "num_computed_tokens",
         "block_ids", "block_hashes", "num_cached_blocks", "in_worker", "num_cached_tokens",
-        "swapped_blocks", "num_preemptions", "sort_key", "index", "children",
+        "swapped_blocks", "num_preemptions", "sort_key", "hash_root",
     )
 
-    def __init__(
-        self, msg: EngineRequest, arrival_seq: int, max_tokens: int, index: int = 0, params: SamplingParams | None = None
-    ) -> None:
-        self.req_id = msg.req_id + index
+    def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: int | None) -> None:
+        self.req_id = msg.req_id
         self.token_ids: list[int] = list(msg.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.params: SamplingParams = params or msg.params
+        self.params: SamplingParams = msg.params
         self.eos_token_ids = frozenset(() if self.params.ignore_eos else msg.eos_token_ids)
         self.stop_ids = frozenset(self.params.stop_token_ids or ())
         self.priority = msg.priority
@@ -42,18 +40,14 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks so far
+        self.hash_root = hash_root  # where the chain starts; None: its blocks are never shared
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.in_worker = False  # the worker holds state for it
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.swapped_blocks: list[int] = []  # CPU blocks while swapped out
         self.num_preemptions = 0
-        # Lower runs first; later arrivals are preempted first within a priority;
-        # the samples of one request sort together, in index order.
-        self.sort_key = (self.priority, self.arrival_seq, index)
-        self.index = index
-        # Samples 1..n-1 of an n > 1 request wait here until this one has computed
-        # all but the last prompt token; then they fork its blocks (copy-on-write).
-        self.children: list[Request] = []
+        # Lower runs first; later arrivals are preempted first within a priority.
+        self.sort_key = (self.priority, self.arrival_seq)
 
     @property
     def num_tokens(self) -> int:

@@ -6,14 +6,22 @@ lowest-priority, latest request when blocks run out (recompute, or swap to
 CPU blocks); then swapped requests come back; then waiting requests board in
 (priority, arrival) order while blocks, the budget and the sequence cap allow.
 State advances when a step is planned and is reconciled when its result arrives.
+
+Parallel sampling (n > 1) is not a concept here. As in vLLM V1, the frontend
+sends each sample as an engine request of its own (own id, own seed) and the
+samples share their prompt's full blocks through the prefix cache; with
+prefix caching off they still share with each other under a hash root of
+their own (`KVCacheManager.hash_root`). Keeping the n samples as a group in
+the scheduler instead meant seats reserved for unforked samples, a prefill
+that stopped one token short so that they could fork, an heir when the
+leading sample ended first, and copy-on-write of the shared last block; the
+fan-out costs at most one block's worth of extra prefill per sample.
 """
 
 from __future__ import annotations
 
 import heapq
 from bisect import insort
-
-import msgspec
 
 from noria.protocol.client import SchedulerStats
 from noria.protocol.config import EngineConfig
@@ -40,25 +48,25 @@ class Scheduler:
         self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                  num_cpu_blocks if self.swap else 0)
         self.requests: dict[int, Request] = {}
-        self.waiting: list[tuple[tuple[int, int, int], int]] = []  # heap of (sort_key, req_id)
+        self.waiting: list[tuple[tuple[int, int], int]] = []  # heap of (sort_key, req_id)
         self.running: list[Request] = []  # sorted by sort_key
         self.swapped: list[Request] = []  # sorted by sort_key
         self.updates: list[RequestUpdate] = []  # pending messages for the frontend
         self._worker_drop: list[int] = []  # requests the worker must forget
         self._swap_out: list[tuple[int, int]] = []
         self._arrivals = 0
-        # Seats held by unforked samples of running or swapped requests.
-        self._pending_seats = 0
         self.step_id = 0
         self.stats = SchedulerStats(num_kv_blocks=num_kv_blocks)
 
     # ---- input -----------------------------------------------------------
 
     def add_request(self, msg: EngineRequest) -> None:
-        n_prompt, n = len(msg.prompt_token_ids), msg.params.n
-        rids = range(msg.req_id, msg.req_id + n)
-        if any(r in self.requests for r in rids):
+        n_prompt = len(msg.prompt_token_ids)
+        if msg.req_id in self.requests:
             return self._reject(msg.req_id, ErrorCode.DUPLICATE_REQUEST, f"request {msg.req_id} is already in flight")
+        if msg.params.n != 1:
+            return self._reject(msg.req_id, ErrorCode.INVALID_REQUEST,
+                                f"n={msg.params.n}: each sample must be an engine request of its own")
         if n_prompt == 0:
             return self._reject(msg.req_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
         if n_prompt >= self.max_model_len:
@@ -74,18 +82,11 @@ class Scheduler:
                 f"prompt has {n_prompt} tokens, more than max_num_batched_tokens {self.token_budget} "
                 "with chunked prefill disabled",
             )
-        if n > self.max_num_seqs:
-            return self._reject(msg.req_id, ErrorCode.INVALID_REQUEST, f"n={n} exceeds max_num_seqs {self.max_num_seqs}")
         max_tokens = msg.params.max_tokens or self.max_model_len - n_prompt
-        samples = [
-            Request(msg, self._arrivals, max_tokens, i, _sample_params(msg, i)) for i in range(n)
-        ]
+        req = Request(msg, self._arrivals, max_tokens, self.kv.hash_root(msg.sample_group))
         self._arrivals += 1
-        for r in samples:
-            self.requests[r.req_id] = r
-        head = samples[0]
-        head.children = samples[1:]
-        heapq.heappush(self.waiting, (head.sort_key, head.req_id))
+        self.requests[req.req_id] = req
+        heapq.heappush(self.waiting, (req.sort_key, req.req_id))
         self.stats.prompt_tokens += n_prompt
 
     def abort(self, req_ids: list[int]) -> None:
@@ -107,45 +108,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.swapped or self._worker_drop)
 
-    def _wanted(self, req: Request) -> int:
-        """Tokens the request would compute now. A request with unforked samples
-        stops one short of its prompt so that they can share every prompt block;
-        once there, it forks (see `_maybe_fork`) and computes the last token."""
-        if req.children and req.num_computed_tokens < req.num_prompt_tokens - 1:
-            return req.num_prompt_tokens - 1 - req.num_computed_tokens
-        return req.num_tokens - req.num_computed_tokens
-
-    def _maybe_fork(self, req: Request) -> None:
-        if req.children and req.num_computed_tokens == req.num_prompt_tokens - 1:
-            for child in req.children:
-                self.kv.fork(req, child)
-                child.status = Status.RUNNING
-                child.num_cached_tokens = req.num_cached_tokens
-                insort(self.running, child, key=_sort_key)
-            self._pending_seats -= len(req.children)
-            req.children = []
-
     def schedule(self) -> StepPlan:
         budget = self.token_budget
         batch: Batch = []
         running = self.running
         preempted = False
-        bs, ref_cnt = self.block_size, self.kv.pool.ref_cnt
+        bs = self.block_size
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             c = req.num_computed_tokens
-            if req.num_tokens - c == 1 and c % bs and (c + 1) % bs and ref_cnt[req.block_ids[-1]] == 1 and not req.children:
-                # Hot path: a decode that writes into its own, not yet full, last block.
+            if req.num_tokens - c == 1 and c % bs and (c + 1) % bs:
+                # Hot path: a decode that neither starts nor fills a block.
                 batch.append((req, 1, _NO_BLOCKS))
                 budget -= 1
                 i += 1
                 continue
-            self._maybe_fork(req)
-            num_new = min(self._wanted(req), budget)
-            if num_new <= 0:
-                i += 1
-                continue
+            num_new = min(req.num_tokens - c, budget)
             added = self.kv.allocate_slots(req, num_new)
             while added is None:
                 # The victim is the lowest-priority, latest request still unplanned
@@ -172,11 +151,9 @@ class Scheduler:
         return self._build_plan(batch, swap_in)
 
     def _swap_in(self, budget: int, batch: Batch, pairs: list[tuple[int, int]]) -> int:
-        while self.swapped and budget > 0:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
-            if len(self.running) + self._pending_seats + 1 > self.max_num_seqs:
-                break
-            num_new = min(self._wanted(req), budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             got = self.kv.swap_in(req, num_new)
             if got is None:
                 break
@@ -184,29 +161,23 @@ class Scheduler:
             pairs.extend(got)
             req.status = Status.RUNNING
             insort(self.running, req, key=_sort_key)
-            self._maybe_fork(req)
             self.stats.num_swap_ins += 1
-            # Room was reserved, except for a copy-on-write right after a fork:
-            # if that does not fit, the request simply runs from the next step.
             added = self.kv.allocate_slots(req, num_new)
-            if added is not None:
-                batch.append((req, num_new, added))
-                budget -= num_new
+            assert added is not None, "swap_in reserved room for this step's tokens"
+            batch.append((req, num_new, added))
+            budget -= num_new
         return budget
 
     def _admit(self, budget: int, batch: Batch) -> int:
         waiting = self.waiting
-        while waiting and budget > 0:
+        while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.requests.get(waiting[0][1])
             if req is None or req.status != Status.WAITING:
                 heapq.heappop(waiting)  # aborted while waiting
                 continue
-            if len(self.running) + self._pending_seats + 1 + len(req.children) > self.max_num_seqs:
-                break
             hits = self.kv.get_computed_blocks(req)
             num_computed = len(hits) * self.block_size
-            target = req.num_prompt_tokens - 1 if req.children else req.num_tokens
-            num_new = max(0, target - num_computed)
+            num_new = req.num_tokens - num_computed
             if not self.chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
@@ -221,11 +192,6 @@ class Scheduler:
                 self.stats.prefix_cache_hits += num_computed
                 req.num_cached_tokens = num_computed
             insort(self.running, req, key=_sort_key)
-            self._pending_seats += len(req.children)
-            if num_new == 0:
-                # Only the last prompt token is left: fork now, run next step.
-                self._maybe_fork(req)
-                continue
             batch.append((req, num_new, added))
             budget -= num_new
         return budget
@@ -234,7 +200,6 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         scheduled: list[tuple[int, int]] = []
-        replaced = self.kv.replaced
         for req, num_new, added in batch:
             if not req.in_worker:
                 new_reqs.append(
@@ -244,12 +209,9 @@ class Scheduler:
                         sorted(req.eos_token_ids),
                     )
                 )
-                replaced.pop(req.req_id, None)
                 req.in_worker = True
-            else:
-                moved = replaced.pop(req.req_id, None) if replaced else None
-                if added or moved:
-                    cached.append(CachedRequestData(req.req_id, added, moved or []))
+            elif added:
+                cached.append(CachedRequestData(req.req_id, added))
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.stats.computed_prompt_tokens += min(num_new, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += num_new
@@ -257,7 +219,7 @@ class Scheduler:
         self.step_id += 1
         drop, self._worker_drop = self._worker_drop, []
         swap_out, self._swap_out = self._swap_out, []
-        return StepPlan(self.step_id, scheduled, new_reqs, cached, drop, self.kv.take_copies(), swap_out, swap_in)
+        return StepPlan(self.step_id, scheduled, new_reqs, cached, drop, swap_out=swap_out, swap_in=swap_in)
 
     # ---- reconciling -----------------------------------------------------
 
@@ -313,25 +275,10 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
-        self._pending_seats -= len(req.children)
         heapq.heappush(self.waiting, (req.sort_key, req.req_id))
 
     def _finish(self, req: Request) -> None:
         # The caller drops finished requests from `running` / `swapped` in one pass.
-        if req.children:
-            # Samples that never forked become a request of their own.
-            if req.status in (Status.RUNNING, Status.SWAPPED):
-                self._pending_seats -= len(req.children)
-            heir, heir.children = req.children[0], req.children[1:]
-            heapq.heappush(self.waiting, (heir.sort_key, heir.req_id))
-            req.children = []
-        elif req.status == Status.WAITING and req.index > 0:
-            for r in self.requests.values():
-                if req in r.children:
-                    r.children.remove(req)
-                    if r.status in (Status.RUNNING, Status.SWAPPED):
-                        self._pending_seats -= 1
-                    break
         req.status = Status.FINISHED
         self.kv.free(req)
         self.kv.free_swapped(req)
@@ -377,13 +324,5 @@ class Scheduler:
         return None
 
 
-def _sort_key(req: Request) -> tuple[int, int, int]:
+def _sort_key(req: Request) -> tuple[int, int]:
     return req.sort_key
-
-
-def _sample_params(msg: EngineRequest, index: int):  # noqa: ANN202
-    p = msg.params
-    if p.n == 1:
-        return p
-    # Sample i of a seeded request uses seed + i, as vLLM does.
-    return msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + index)

@@ -55,6 +55,15 @@ def test_n_samples_and_stop_strings(llm):
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
 
 
+def test_sample_i_of_a_seeded_request_is_the_request_seeded_with_seed_plus_i(llm):
+    many = llm.generate(["Hello"], SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=40, ignore_eos=True),
+                        use_tqdm=False)[0].outputs
+    alone = [SamplingParams(max_tokens=12, temperature=1.0, seed=40 + i, ignore_eos=True) for i in range(3)]
+    outs = llm.generate(["Hello"] * 3, alone, use_tqdm=False)
+    assert [c.token_ids for c in many] == [o.outputs[0].token_ids for o in outs]
+    assert len({tuple(c.token_ids) for c in many}) == 3
+
+
 def test_bad_request_raises_and_engine_survives(llm):
     with pytest.raises(NoriaError, match="top_p"):
         llm.generate(["x"], SamplingParams(top_p=2.0), use_tqdm=False)

@@ -79,21 +79,69 @@ def test_last_prompt_token_is_always_computed():
     assert plan.new_requests[0].num_computed_tokens == 16 and plan.scheduled == [(1, 16)]
 
 
-def test_n_samples_share_prompt_blocks_and_copy_on_write():
-    s, w = make(64, block_size=16)
+def samples(first_rid, prompt, n, **p):
+    """The engine requests the frontend sends for one client request with n samples."""
+    return [EngineRequest(first_rid + i, prompt, SamplingParams(**p), [EOS], 0, first_rid) for i in range(n)]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_samples_of_one_request_share_their_full_prompt_blocks(caching):
+    s, w = make(64, enable_prefix_caching=caching)
     prompt = list(range(40))  # 2 full blocks + a partial one
-    s.add_request(req(0, prompt, n=4, max_tokens=3))
-    step(s, w)  # prefill of 39 tokens by sample 0 alone
-    assert set(s.requests) == {0, 1, 2, 3} and s.requests[1].block_ids == []
-    plan = step(s, w)  # fork: all share 3 blocks; the writes copy the partial block
+    for r in samples(0, prompt, 4, max_tokens=3):
+        s.add_request(r)
+    plan = step(s, w)
+    # Sample 0 computes the prompt; the others hit its full blocks in the same step.
+    assert plan.scheduled == [(0, 40), (1, 8), (2, 8), (3, 8)]
+    assert plan.copies == []
     tables = [s.requests[i].block_ids for i in range(4)]
     assert all(t[:2] == tables[0][:2] for t in tables), "full prompt blocks are not shared"
     assert len({t[2] for t in tables}) == 4, "each sample needs its own last block"
-    assert len(plan.copies) == 3
-    used = s.kv.pool.num_blocks - s.kv.pool.num_free
-    assert used == 2 + 4  # versus 12 without sharing
+    assert s.kv.pool.num_blocks - s.kv.pool.num_free == 2 + 4  # versus 12 without sharing
     done = run(s, w)
     assert all(done[i][0] == reference(prompt, 3) for i in range(4))
+    # A request of its own shares the prompt only where prefix caching is on.
+    s.add_request(req(10, prompt, max_tokens=1))
+    assert step(s, w).scheduled == [(10, 8 if caching else 40)]
+
+
+def test_samples_that_board_later_still_share_the_prompt():
+    s, w = make(64, enable_prefix_caching=False, max_num_seqs=2)
+    prompt = list(range(40))
+    for r in samples(0, prompt, 5, max_tokens=6):
+        s.add_request(r)
+    widest = 0
+    outs: dict[int, list[int]] = {}
+    while s.has_work():
+        widest = max(widest, len(step(s, w).scheduled))
+        for u in s.take_updates():
+            outs.setdefault(u.req_id, []).extend(u.new_token_ids)
+    assert widest == 2
+    # Samples 2..4 board after 0 and 1 have finished and still find the freed blocks.
+    assert s.stats.computed_prompt_tokens == 40 + 4 * 8
+    assert outs == {i: reference(prompt, 6) for i in range(5)}
+    assert s.check_blocks() is None and s.kv.pool.num_free == 64
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_samples_survive_preemption(mode):
+    s, w = make(10, block_size=4, cpu_blocks=16, preemption_mode=mode, enable_prefix_caching=False)
+    prompt = [7] * 10
+    for r in samples(0, prompt, 4, max_tokens=14):
+        s.add_request(r)
+    done = run(s, w)
+    assert s.stats.num_preemptions > 0
+    if mode == "swap":
+        assert s.stats.num_swap_outs > 0
+    assert {i: done[i] for i in range(4)} == {i: (reference(prompt, 14), "length") for i in range(4)}
+    assert len(s.kv.cpu_free) == s.kv.num_cpu_blocks
+
+
+def test_an_engine_request_is_one_sequence():
+    s, _ = make(64)
+    s.add_request(req(0, [1, 2, 3], n=2))
+    assert [(u.req_id, u.error_code) for u in s.take_updates()] == [(0, "invalid_request")]
+    assert not s.has_work()
 
 
 def test_priority_runs_first_and_preempts_the_lowest_latest():

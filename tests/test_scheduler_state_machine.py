@@ -1,11 +1,14 @@
 """A hypothesis state machine drives the scheduler and block pool against brute-force models.
 
-Random arrivals (shared prefixes, n > 1, priorities), aborts, steps and
-drains, under random cache sizes, budgets, preemption modes and caching
-switches. After every step: reference counts equal owners, no block is owned
-twice or leaked, every cached hash maps to a block that holds exactly the
-tokens hashed, outputs equal the brute-force model's, and every request ends
-exactly once; when all requests end, every block is free.
+Random arrivals (shared prefixes, n > 1 sent as the frontend sends it: one
+engine request per sample, in one group, priorities), aborts of one sample or
+of all samples of a request, steps and drains, under random cache sizes,
+budgets, preemption modes and caching switches. After every step: reference
+counts equal owners, no block is owned twice or leaked, with caching off no
+block is shared outside a request's samples, every cached hash maps to a
+block that holds exactly the tokens hashed, outputs equal the brute-force
+model's, and every request ends exactly once; when all requests end, every
+block is free.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.prompts: dict[int, list[int]] = {}
         self.outputs: dict[int, list[int]] = {}
         self.ended: dict[int, str] = {}
-        self.copies = 0
+        self.group: dict[int, int] = {}  # req_id -> its client request's first engine id
+        self.shared = False
 
     def teardown(self):
         kvm.chain_hash = _real_chain_hash
@@ -67,11 +71,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("preempted" if st_.num_preemptions else "no preemption")
             event("swapped" if st_.num_swap_ins else "no swap-in")
             event("prefix hit" if st_.prefix_cache_hits else "no prefix hit")
-            event("copy-on-write" if self.copies else "no copy")
+            caching = "caching on" if self.s.kv.enable_prefix_caching else "caching off"
+            event(f"samples shared a block, {caching}" if self.shared else "no sample sharing")
 
     def _run_step(self):
         plan = self.s.schedule()
-        self.copies += len(plan.copies)
+        assert not plan.copies, "only full blocks are shared, and they are never written"
         self.s.update_from_result(self.w.execute(plan))
 
     @rule(
@@ -87,19 +92,25 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._arrive(prefix + suffix[k:], max_tokens, n, priority)
 
     def _arrive(self, prompt, max_tokens, n, priority):
-        rid = self.next_id
-        self.next_id += n
-        self.s.add_request(EngineRequest(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens), [EOS], priority))
-        for i in range(n):
-            self.prompts[rid + i] = prompt
-            self.outputs[rid + i] = []
+        first = self.next_id
+        for _ in range(n):  # one engine request per sample, as the frontend sends them
+            rid = self.next_id
+            self.next_id += 1
+            self.prompts[rid] = prompt
+            self.outputs[rid] = []
+            self.group[rid] = first
+            params = SamplingParams(max_tokens=max_tokens)
+            self.s.add_request(EngineRequest(rid, prompt, params, [EOS], priority, first if n > 1 else None))
         self._collect()
 
-    @rule(data=st.data())
-    def abort(self, data):
+    @rule(data=st.data(), whole=st.booleans())
+    def abort(self, data, whole):
+        """One sample (a stop string) or every open sample of its request (a client abort)."""
         live = sorted(set(self.prompts) - set(self.ended))
         if live:
-            self.s.abort([data.draw(st.sampled_from(live))])
+            rid = data.draw(st.sampled_from(live))
+            ids = [r for r in live if self.group[r] == self.group[rid]] if whole else [rid]
+            self.s.abort(ids)
             self._collect()
 
     @rule(steps=st.integers(1, 4))
@@ -133,9 +144,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     len(prompt) >= self.s.max_model_len and u.error_code == "prompt_too_long"
                 )
                 assert legit, u.error_message
-                for i in range(u.req_id, self.next_id):  # every sample of the rejected request
-                    if self.prompts.get(i) is prompt and i not in self.ended:
-                        self.ended[i] = "error"
+                self.ended[u.req_id] = "error"
                 continue
             self.outputs[u.req_id].extend(u.new_token_ids)
             if u.finish_reason:
@@ -147,9 +156,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         s = self.s
         assert s.check_blocks() is None, s.check_blocks()
+        holders: dict[int, list[int]] = {}  # block -> the groups of the requests holding it
         for r in s.requests.values():
             assert len(set(r.block_ids)) == len(r.block_ids), f"request {r.req_id} owns a block twice"
             assert r.num_computed_tokens <= r.num_tokens
+            for b in r.block_ids:
+                holders.setdefault(b, []).append(self.group[r.req_id])
+        for b, groups in holders.items():
+            if len(set(groups)) > 1:
+                assert s.kv.enable_prefix_caching, f"block {b} is shared across requests with caching off"
+            elif len(groups) > 1:
+                self.shared = True
         assert set(s.requests) == set(self.prompts) - set(self.ended)
         for h, b in s.kv.pool.cached.items():
             tokens = _hashed[h]
