@@ -1,17 +1,9 @@
 """The ZeroMQ client library: `AsyncClient` (asyncio) and `Client` (blocking).
 
-One DEALER socket carries many requests; replies are routed to each request's
-inbox by request_id. The socket is read straight from the event loop
-(`add_reader` on ZeroMQ's notification fd, drained in batches), so there is no
-per-message future or thread hop; this is what keeps it fast under uvloop.
-
-Liveness: a heartbeat (`hello`) goes out whenever the server has been quiet
-for `heartbeat_interval`; a dropped connection (socket monitor) or
-`heartbeat_timeout` seconds of silence marks the engine unreachable: every
-request in flight fails with `engine_unreachable`, the socket is recreated
-(so no stale request is replayed to a restarted server) and probing goes on
-until the server answers again. `Client` runs an `AsyncClient` on a private
-uvloop thread, so both share one implementation.
+Many requests share one connection (`noria.frontend.connection`: the socket
+loop, heartbeat and reconnect); this module is the request API on top of it.
+`Client` runs an `AsyncClient` on a private uvloop thread, so both share one
+implementation.
 """
 
 from __future__ import annotations
@@ -20,76 +12,21 @@ import asyncio
 import itertools
 import os
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import aclosing
 from typing import Any, TypeVar
 
-import msgspec
-import zmq
-from zmq.utils.monitor import parse_monitor_message
-
-from noria.frontend.outputs import CompletionOutput, RequestOutput
-from noria.protocol.client import (
-    Abort,
-    Delta,
-    Done,
-    Error,
-    Generate,
-    GetStats,
-    Hello,
-    Logprob,
-    Ready,
-    ServerToClient,
-    Stats,
-)
-from noria.protocol.codec import Codec
+from noria.frontend.connection import ENGINE_UNREACHABLE, Connection
+from noria.frontend.inputs import Prompt, make_generate
+from noria.frontend.outputs import OutputBuilder, RequestOutput
+from noria.protocol.client import Abort, Delta, Done, Error, Generate, Ready, Stats
 from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.sampling import SamplingParams
 
+# Re-exported: other modules and older callers import them from here.
+__all__ = ["ENGINE_UNREACHABLE", "AsyncClient", "Client", "make_generate"]
+
 T = TypeVar("T")
-
-# Client-side only, like `timeout`: the connection dropped or the server stopped
-# answering heartbeats. Never sent over the wire.
-ENGINE_UNREACHABLE = ErrorCode.ENGINE_UNREACHABLE
-
-_CONNECTING, _UP, _DOWN, _CLOSED = "connecting", "up", "down", "closed"
-
-
-class _Inbox:
-    """One request's replies: a deque plus at most one waiting reader."""
-
-    __slots__ = ("items", "waiter")
-
-    def __init__(self) -> None:
-        self.items: deque[Delta | Done | Error] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-
-    def put(self, msg: Delta | Done | Error) -> None:
-        self.items.append(msg)
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def get(self, loop: asyncio.AbstractEventLoop, timeout: float | None) -> Delta | Done | Error | None:
-        """The next reply, or None when `timeout` passed without one."""
-        if not self.items:
-            fut = self.waiter = loop.create_future()
-            handle = None if timeout is None else loop.call_later(timeout, _expire, fut)
-            try:
-                await fut
-            finally:
-                self.waiter = None
-                if handle is not None:
-                    handle.cancel()
-            if not self.items:
-                return None
-        return self.items.popleft()
-
-
-def _expire(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class AsyncClient:
@@ -105,216 +42,49 @@ class AsyncClient:
         NoriaError("timeout"); None waits as long as the heartbeat says the engine
         is alive. `heartbeat_timeout`: seconds of silence (despite probes) after
         which the engine counts as unreachable."""
-        self.address = address
         self.timeout = timeout
-        self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout
-        self.ready: Ready | None = None  # the latest `ready`, once the server answered
-        self._ctx = zmq.Context()
-        self._codec: Codec[ServerToClient] = Codec(ServerToClient)
-        self._inboxes: dict[str, _Inbox] = {}
-        self._hello_waiters: list[asyncio.Future[Ready]] = []
-        self._stats_waiters: list[asyncio.Future[Stats]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._sock: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
-        self._heartbeat: asyncio.Task[None] | None = None
-        self._drain_pending = False
-        self._state = _CONNECTING
-        self._down_reason = ""
-        self._last_heard = 0.0
+        self._conn = Connection(address, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout)
         self._ids = itertools.count()
         self._prefix = f"c{os.getpid():x}{id(self) & 0xFFFF:x}-"
 
-    # ---- connection -------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return self._conn.address
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return self._conn.heartbeat_interval
+
+    @property
+    def heartbeat_timeout(self) -> float:
+        return self._conn.heartbeat_timeout
+
+    @property
+    def ready(self) -> Ready | None:
+        """The latest `ready`, once the server answered."""
+        return self._conn.ready
 
     @property
     def connected(self) -> bool:
         """True once the server has answered and nothing says it has gone since."""
-        return self._state == _UP
-
-    def _start(self) -> asyncio.AbstractEventLoop:
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            if self._state == _CLOSED:
-                raise NoriaError(ENGINE_UNREACHABLE, "the client is closed")
-            self._loop = loop
-            self._last_heard = loop.time()
-            self._open_socket()
-            self._heartbeat = loop.create_task(self._heartbeat_loop())
-        elif self._loop is not loop:
-            raise RuntimeError("an AsyncClient is bound to the event loop it was first used on")
-        elif self._state == _CLOSED:
-            raise NoriaError(ENGINE_UNREACHABLE, "the client is closed")
-        return loop
-
-    def _open_socket(self) -> None:
-        assert self._loop is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # Unbounded queues: flow is bounded by the engine's own budgets.
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sock.connect(self.address)
-        self._sock, self._monitor = sock, monitor
-        self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
-        self._loop.add_reader(monitor.getsockopt(zmq.FD), self._on_monitor)
-        # ZeroMQ's fd only signals changes: whatever is already pending needs one look.
-        self._loop.call_soon(self._on_monitor)
-        self._schedule_drain()
-
-    def _close_socket(self) -> None:
-        sock, monitor = self._sock, self._monitor
-        self._sock = self._monitor = None
-        if sock is None or monitor is None:
-            return
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(sock.getsockopt(zmq.FD))
-            self._loop.remove_reader(monitor.getsockopt(zmq.FD))
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
-
-    def _send(self, msg: Generate | Abort | Hello | GetStats) -> None:
-        sock = self._sock
-        if sock is None:
-            return
-        try:
-            sock.send(self._codec.encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            return  # cannot queue (socket being replaced): the heartbeat notices
-        # A send can swallow ZeroMQ's edge-triggered "readable" signal: look again.
-        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._schedule_drain()
-
-    def _schedule_drain(self) -> None:
-        if not self._drain_pending and self._loop is not None:
-            self._drain_pending = True
-            self._loop.call_soon(self._drain)
-
-    def _drain(self) -> None:
-        self._drain_pending = False
-        sock = self._sock
-        while sock is not None and sock is self._sock:
-            try:
-                data = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
-                return
-            try:
-                msg = self._codec.decode(data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-            self._dispatch(msg)
-
-    def _dispatch(self, msg: Delta | Done | Error | Ready | Stats) -> None:
-        assert self._loop is not None
-        self._last_heard = self._loop.time()
-        if self._state != _UP:
-            self._state = _UP
-        if isinstance(msg, Ready):
-            self.ready = msg
-            waiters, self._hello_waiters = self._hello_waiters, []
-            for w in waiters:
-                if not w.done():
-                    w.set_result(msg)
-        elif isinstance(msg, Stats):
-            swaiters, self._stats_waiters = self._stats_waiters, []
-            for sw in swaiters:
-                if not sw.done():
-                    sw.set_result(msg)
-        elif msg.request_id is not None:
-            inbox = self._inboxes.get(msg.request_id)
-            if inbox is not None:
-                inbox.put(msg)
-
-    def _on_monitor(self) -> None:
-        monitor = self._monitor
-        if monitor is None:
-            return
-        lost = False
-        while True:
-            try:
-                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
-            except (zmq.Again, zmq.ZMQError):
-                break
-            if event["event"] == zmq.EVENT_CONNECTED:
-                self._send(Hello())  # learn at once that the server is there
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
-                lost = True
-        if lost:
-            self._drain()  # replies that arrived before the drop are still good
-            self._go_down(f"lost the connection to {self.address}")
-
-    def _go_down(self, reason: str) -> None:
-        """Fail everything in flight; start over on a fresh socket.
-
-        The old socket is dropped so that queued requests are not replayed to a
-        restarted server, which would run them for nobody.
-        """
-        if self._state in (_DOWN, _CLOSED):
-            return
-        self._state = _DOWN
-        self._down_reason = reason
-        self._fail_all(ENGINE_UNREACHABLE, reason)
-        self._close_socket()
-        self._open_socket()
-
-    def _fail_all(self, code: str, reason: str) -> None:
-        inboxes, self._inboxes = self._inboxes, {}
-        for rid, inbox in inboxes.items():
-            inbox.put(Error(request_id=rid, code=code, message=f"{reason}; request {rid} was lost"))
-        swaiters, self._stats_waiters = self._stats_waiters, []
-        for w in swaiters:
-            if not w.done():
-                w.set_exception(NoriaError(code, reason))
-
-    async def _heartbeat_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self.heartbeat_interval)
-            # A safety net, should an fd edge ever be missed.
-            self._on_monitor()
-            self._drain()
-            silent = loop.time() - self._last_heard
-            if silent >= self.heartbeat_interval:
-                self._send(Hello())
-            if silent >= self.heartbeat_timeout and self._state != _DOWN:
-                self._go_down(f"no answer from {self.address} for {silent:.1f}s")
-
-    def _check_up(self) -> None:
-        if self._state == _DOWN:
-            raise NoriaError(ENGINE_UNREACHABLE, f"{self._down_reason} (retrying in the background)")
-
-    # ---- requests ---------------------------------------------------------
+        return self._conn.connected
 
     async def connect(self) -> None:
         """Bind to the running loop and start connecting; returns at once.
 
         Optional: every call does it on first use. A long-lived client (the
         bridge) calls it so that its heartbeat runs before the first request."""
-        self._start()
+        self._conn.start()
 
     async def hello(self) -> Ready:
         """Ask the server who it is. Also waits (up to `timeout`) for an unreachable one to come back."""
-        loop = self._start()
-        fut: asyncio.Future[Ready] = loop.create_future()
-        self._hello_waiters.append(fut)
-        self._send(Hello())
-        return await self._await(fut, "hello")
+        self._conn.start()
+        return await self._await(self._conn.ask_hello(), "hello")
 
     async def stats(self) -> Stats:
         """The engine's latest stats (running/waiting requests, KV usage, counters)."""
-        loop = self._start()
-        self._check_up()
-        fut: asyncio.Future[Stats] = loop.create_future()
-        self._stats_waiters.append(fut)
-        self._send(GetStats())
-        return await self._await(fut, "stats")
+        self._conn.start()
+        return await self._await(self._conn.ask_stats(), "stats")
 
     async def _await(self, fut: asyncio.Future[T], what: str) -> T:
         try:
@@ -331,15 +101,13 @@ class AsyncClient:
         Raises NoriaError on an error reply, a timeout or a lost engine. Leaving
         the iteration early (break, cancel, timeout) aborts the request upstream.
         """
-        loop = self._start()
+        conn = self._conn
+        loop = conn.start()
         rid = msg.request_id
-        if rid in self._inboxes:
-            raise NoriaError(ErrorCode.DUPLICATE_REQUEST, f"request_id {rid!r} is already in flight")
-        self._check_up()
-        inbox = self._inboxes[rid] = _Inbox()
+        inbox = conn.open_inbox(rid)
         finished = False
         try:
-            self._send(msg)
+            conn.send(msg)
             while True:
                 out = await inbox.get(loop, self.timeout)
                 if out is None:
@@ -352,16 +120,15 @@ class AsyncClient:
                     finished = True
                     return
         finally:
-            if self._inboxes.get(rid) is inbox:
-                del self._inboxes[rid]
-            if not finished and self._state != _DOWN:
+            conn.close_inbox(rid, inbox)
+            if not finished and not conn.down:
                 # The caller stopped listening: free the engine's work. Synchronous,
                 # so that it also happens inside a cancelled task.
-                self._send(Abort(request_id=rid))
+                conn.send(Abort(request_id=rid))
 
     async def stream(
         self,
-        prompt: str | list[int] | None = None,
+        prompt: Prompt | None = None,
         params: SamplingParams | None = None,
         *,
         messages: list[dict[str, Any]] | None = None,
@@ -376,81 +143,37 @@ class AsyncClient:
 
     async def generate(
         self,
-        prompt: str | list[int] | None = None,
+        prompt: Prompt | None = None,
         params: SamplingParams | None = None,
         *,
         messages: list[dict[str, Any]] | None = None,
         request_id: str | None = None,
         priority: int = 0,
     ) -> RequestOutput:
-        n = (params or SamplingParams()).n
-        texts: list[list[str]] = [[] for _ in range(n)]
-        ids: list[list[int]] = [[] for _ in range(n)]
-        lps: list[list[Logprob] | None] = [None] * n
-        done: Done | None = None
-        rid = request_id or self.new_request_id()
-        msg = make_generate(rid, prompt, params, messages=messages, priority=priority)
+        msg = make_generate(request_id or self.new_request_id(), prompt, params, messages=messages, priority=priority)
+        builder = OutputBuilder(msg.request_id, msg.prompt, msg.n)
         async with aclosing(self.stream_request(msg)) as upstream:
             async for out in upstream:
-                if isinstance(out, Delta):
-                    texts[out.index].append(out.text)
-                    ids[out.index].extend(out.token_ids)
-                    if out.logprobs:
-                        lps[out.index] = (lps[out.index] or []) + out.logprobs
-                else:
-                    done = out
-        assert done is not None
-        reasons = done.finish_reasons or [done.finish_reason]
-        return RequestOutput(
-            request_id=rid,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=done.prompt_token_ids or [],
-            outputs=[
-                CompletionOutput(index=i, text="".join(texts[i]), token_ids=ids[i], finish_reason=reasons[i], logprobs=lps[i])
-                for i in range(n)
-            ],
-        )
+                builder.add(out)
+        return builder.output()
 
     async def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
         return await self.generate(None, params, messages=messages, **kw)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request of this client; it ends with a `done` whose finish_reason is "abort"."""
-        self._start()
-        self._send(Abort(request_id=request_id))
+        self._conn.start()
+        self._conn.send(Abort(request_id=request_id))
 
     def close(self) -> None:
         """Fail what is in flight and release the socket. Call it on the client's loop."""
-        if self._state == _CLOSED:
-            return
-        self._state = _CLOSED
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-        self._fail_all(ENGINE_UNREACHABLE, "the client was closed")
-        self._close_socket()
-        self._ctx.term()
+        self._conn.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
-
-
-def make_generate(
-    request_id: str,
-    prompt: str | list[int] | None,
-    params: SamplingParams | None,
-    *,
-    messages: list[dict[str, Any]] | None = None,
-    priority: int = 0,
-) -> Generate:
-    fields = msgspec.structs.asdict(params or SamplingParams())
-    if isinstance(prompt, str):
-        fields["prompt"] = prompt
-    elif prompt is not None:
-        fields["prompt_token_ids"] = list(prompt)
-    return Generate(request_id=request_id, messages=messages, priority=priority, **fields)
 
 
 class Client:
@@ -484,13 +207,13 @@ class Client:
     def stats(self) -> Stats:
         return self._call(self._async.stats())
 
-    def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
+    def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
         return self._call(self._async.generate(prompt, params, **kw))
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
         return self._call(self._async.chat(messages, params, **kw))
 
-    def stream(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, **kw: Any) -> Iterator[Delta | Done]:
+    def stream(self, prompt: Prompt | None = None, params: SamplingParams | None = None, **kw: Any) -> Iterator[Delta | Done]:
         agen = self._async.stream(prompt, params, **kw)
         try:
             while True:

@@ -192,7 +192,8 @@ class FrontendCore:
         return Done(
             request_id=req.request_id,
             finish_reason=reasons[0],
-            usage=Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=sum(s.num_tokens for s in req.samples)),
+            usage=Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=sum(s.num_tokens for s in req.samples),
+                        cached_tokens=req.num_cached_tokens),
             finish_reasons=reasons if len(reasons) > 1 else None,
             prompt_token_ids=req.prompt_ids,
         )

@@ -11,54 +11,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 from tqdm import tqdm
 
 from noria.frontend.core import FrontendCore
-from noria.frontend.outputs import CompletionOutput, RequestOutput
+from noria.frontend.inputs import Prompt, make_generate
+from noria.frontend.outputs import OutputBuilder, RequestOutput
+from noria.frontend.pump import pump_engine
 from noria.frontend.startup import make_config, start_core
-from noria.protocol.client import Delta, Done, Error, Generate, Logprob, SchedulerStats
-from noria.protocol.engine import EngineDead, EngineOutputs
+from noria.protocol.client import Error, Generate, SchedulerStats
 from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.sampling import SamplingParams
-
-Prompt = str | list[int]
-
-
-class _Collector:
-    """Accumulates one request's messages into a RequestOutput."""
-
-    def __init__(self, request_id: str, prompt: str | None, n: int) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.texts = [""] * n
-        self.ids: list[list[int]] = [[] for _ in range(n)]
-        self.logprobs: list[list[Logprob] | None] = [None] * n
-        self.final: Done | Error | None = None
-
-    def __call__(self, msg: Delta | Done | Error) -> None:
-        if isinstance(msg, Delta):
-            self.texts[msg.index] += msg.text
-            self.ids[msg.index].extend(msg.token_ids)
-            if msg.logprobs:
-                lp = self.logprobs[msg.index]
-                if lp is None:
-                    lp = self.logprobs[msg.index] = []
-                lp.extend(msg.logprobs)
-        else:
-            self.final = msg
-
-    def output(self, num_cached_tokens: int = 0) -> RequestOutput:
-        assert isinstance(self.final, Done)
-        reasons = self.final.finish_reasons or [self.final.finish_reason]
-        outs = [
-            CompletionOutput(index=i, text=self.texts[i], token_ids=self.ids[i],
-                             finish_reason=reasons[i], logprobs=self.logprobs[i])
-            for i in range(len(self.texts))
-        ]
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
-                             prompt_token_ids=self.final.prompt_token_ids or [], outputs=outs,
-                             num_cached_tokens=num_cached_tokens)
 
 
 class LLM:
@@ -82,14 +44,10 @@ class LLM:
     ) -> list[RequestOutput]:
         items = _as_prompt_list(prompts)
         plist = _as_params_list(params, len(items))
-        msgs = []
-        for i, (prompt, p) in enumerate(zip(items, plist, strict=True)):
-            fields = msgspec.structs.asdict(p)
-            if isinstance(prompt, str):
-                fields["prompt"] = prompt
-            else:
-                fields["prompt_token_ids"] = list(prompt)
-            msgs.append(Generate(request_id=self._next_id(), priority=priority[i] if priority else 0, **fields))
+        msgs = [
+            make_generate(self._next_id(), prompt, p, priority=priority[i] if priority else 0)
+            for i, (prompt, p) in enumerate(zip(items, plist, strict=True))
+        ]
         return self._run(msgs, [m.prompt for m in msgs], use_tqdm)
 
     def chat(
@@ -101,24 +59,21 @@ class LLM:
     ) -> list[RequestOutput]:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         plist = _as_params_list(params, len(convs))
-        msgs = [
-            Generate(request_id=self._next_id(), messages=list(c), **msgspec.structs.asdict(p))
-            for c, p in zip(convs, plist, strict=True)
-        ]
+        msgs = [make_generate(self._next_id(), None, p, messages=list(c)) for c, p in zip(convs, plist, strict=True)]
         return self._run(msgs, [None] * len(msgs), use_tqdm)
 
     def _run(self, msgs: list[Generate], prompts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
         core = self.core
-        collectors = [_Collector(m.request_id, pr, m.n) for m, pr in zip(msgs, prompts, strict=True)]
-        for m, c in zip(msgs, collectors, strict=True):
+        builders = [OutputBuilder(m.request_id, pr, m.n) for m, pr in zip(msgs, prompts, strict=True)]
+        for m, c in zip(msgs, builders, strict=True):
             core.submit(m.request_id, m, c, stream=False)
         bar = tqdm(total=len(msgs), desc="generate", unit="req", disable=not use_tqdm or len(msgs) < 2, leave=False)
-        done = sum(c.final is not None for c in collectors)
+        done = sum(c.final is not None for c in builders)
         bar.update(done)
         try:
             while done < len(msgs):
                 self._pump(500)
-                now_done = sum(c.final is not None for c in collectors)
+                now_done = sum(c.final is not None for c in builders)
                 bar.update(now_done - done)
                 done = now_done
         except BaseException:
@@ -127,24 +82,15 @@ class LLM:
             raise
         finally:
             bar.close()
-        errors = [c.final for c in collectors if isinstance(c.final, Error)]
+        errors = [c.final for c in builders if isinstance(c.final, Error)]
         if errors:
             e = errors[0]
             raise NoriaError(e.code, f"request {e.request_id}: {e.message}")
-        return [c.output() for c in collectors]
+        return [c.output() for c in builders]
 
     def _pump(self, timeout_ms: int) -> None:
-        core = self.core
-        msgs = core.engine.recv(timeout_ms)
-        for msg in msgs:
-            if isinstance(msg, EngineOutputs):
-                core.on_outputs(msg)
-            elif isinstance(msg, EngineDead):
-                core.fail_all(f"engine died: {msg.reason}")
-        if not msgs:
-            dead = core.engine.dead()
-            if dead:
-                core.fail_all(f"engine died: {dead}")
+        # A dead engine needs nothing more here: its requests have failed, and so will new ones.
+        pump_engine(self.core, timeout_ms)
 
     def stats(self, timeout: float = 10.0) -> SchedulerStats:
         """The scheduler's counters (preemptions, prefix-cache hits, blocks...)."""

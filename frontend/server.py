@@ -15,6 +15,7 @@ import msgspec
 import zmq
 
 from noria.frontend.core import FrontendCore
+from noria.frontend.pump import pump_engine
 from noria.protocol import PROTOCOL_VERSION
 from noria.protocol.client import (
     Abort,
@@ -30,7 +31,6 @@ from noria.protocol.client import (
     Stats,
 )
 from noria.protocol.codec import Codec
-from noria.protocol.engine import EngineDead, EngineOutputs
 from noria.protocol.errors import ErrorCode
 from noria.protocol.sockets import make_socket
 
@@ -94,27 +94,26 @@ class FrontendServer:
         while not self.stop_event.is_set():
             events = dict(poller.poll(500))
             if self.router in events:
-                for _ in range(256):  # bounded so engine outputs are never starved
-                    try:
-                        identity, payload = self.router.recv_multipart(zmq.NOBLOCK)[:2]
-                    except zmq.Again:
-                        break
-                    except ValueError:
-                        continue
-                    self.handle_client(identity, payload)
-            if engine.pull in events:
-                for msg in engine.recv(0):
-                    if isinstance(msg, EngineOutputs):
-                        self.core.on_outputs(msg)
-                    elif isinstance(msg, EngineDead):
-                        return self._engine_died(msg.reason)
+                self._read_clients()
+            # With no event at all, the pump looks whether the engine processes still live.
+            if engine.pull in events or not events:
+                dead = pump_engine(self.core, 0)
+                if dead:
+                    log.error("engine died: %s", dead)
+                    return 1
             if self.gone:
                 self._abort_gone()
-            elif not events:
-                dead = engine.dead()
-                if dead:
-                    return self._engine_died(dead)
         return 0
+
+    def _read_clients(self) -> None:
+        for _ in range(256):  # bounded so engine outputs are never starved
+            try:
+                identity, payload = self.router.recv_multipart(zmq.NOBLOCK)[:2]
+            except zmq.Again:
+                return
+            except ValueError:
+                continue
+            self.handle_client(identity, payload)
 
     def _abort_gone(self) -> None:
         gone, self.gone = self.gone, set()
@@ -122,11 +121,6 @@ class FrontendServer:
         if n:
             log.info("aborted %d request(s) of %d vanished client(s)", n, len(gone))
         self.gone -= gone  # the abort's own `done` also fails to send
-
-    def _engine_died(self, reason: str) -> int:
-        log.error("engine died: %s", reason)
-        self.core.fail_all(f"engine died: {reason}")
-        return 1
 
     def install_signal_handlers(self) -> None:
         def stop(signum: int, _frame: object) -> None:

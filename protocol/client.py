@@ -62,6 +62,9 @@ class Delta(msgspec.Struct, kw_only=True, tag="delta", tag_field="type"):
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens served from the prefix cache (whole KV blocks, never the last
+    # prompt token). Defaults to 0 so that either side may predate the field.
+    cached_tokens: int = 0
 
 
 class Done(msgspec.Struct, kw_only=True, tag="done", tag_field="type"):

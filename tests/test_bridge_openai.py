@@ -34,6 +34,14 @@ def oai(served):
         yield c
 
 
+LONG = "A prompt long enough to fill several KV blocks of sixteen tokens each, and then some more. " * 3
+BLOCK = 16  # the default --block-size
+
+
+def _cached(usage) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
 def _get(url: str, **headers: str) -> tuple[int, dict]:
     req = urllib.request.Request(url, headers=headers)
     try:
@@ -62,7 +70,8 @@ def test_completion_stream_equals_whole_for_a_seed(oai):
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [choice.finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage  # a short prompt: no whole block to cache
+    assert _cached(whole.usage) == 0
 
     # Without include_usage the usage still comes, on the last finish chunk.
     plain = list(oai.completions.create(**kw, stream=True))
@@ -83,7 +92,10 @@ def test_chat_stream_equals_whole_for_a_seed(oai):
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
     assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
-    assert chunks[-1].usage == whole.usage
+    # The same counts, except that the repeat found the first one's prompt blocks in the prefix cache.
+    usage = chunks[-1].usage
+    assert usage.model_dump(exclude={"prompt_tokens_details"}) == whole.usage.model_dump(exclude={"prompt_tokens_details"})
+    assert _cached(whole.usage) == 0 and _cached(usage) == (usage.prompt_tokens - 1) // BLOCK * BLOCK
 
 
 def test_n_batches_stop_and_max_tokens(oai):
@@ -122,6 +134,32 @@ def test_logprobs(oai):
     assert len(content) == 3 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
     # Greedy: the sampled token is the most likely one.
     assert all(t.token == t.top_logprobs[0].token for t in content)
+
+
+def test_usage_reports_prefix_cache_hits(oai):
+    kw = dict(model="demo", prompt=LONG + "completions", max_tokens=2)
+    first = oai.completions.create(**kw).usage
+    second = oai.completions.create(**kw).usage
+    assert first.prompt_tokens == second.prompt_tokens > 3 * BLOCK
+    assert _cached(first) == 0
+    # Every whole block before the last prompt token (whose logits are needed) was computed once already.
+    assert _cached(second) == (second.prompt_tokens - 1) // BLOCK * BLOCK
+    # A batch sums its prompts' hits, as it sums their prompt tokens.
+    batch = oai.completions.create(model="demo", prompt=[LONG + "completions"] * 2, max_tokens=2).usage
+    assert batch.prompt_tokens == 2 * second.prompt_tokens and _cached(batch) == 2 * _cached(second)
+
+    chat = dict(model="demo", messages=[{"role": "user", "content": LONG + "chat"}], max_tokens=2)
+    oai.chat.completions.create(**chat)
+    chunks = list(oai.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens > 3 * BLOCK and _cached(usage) == (usage.prompt_tokens - 1) // BLOCK * BLOCK
+
+
+def test_no_prefix_caching_reports_no_cached_tokens(demo_path):
+    with (serve_http("--no-enable-prefix-caching", "--num-kv-blocks", "64", "--max-model-len", "256") as s,
+          openai.OpenAI(base_url=f"{s.http}/v1", api_key="none", max_retries=0, timeout=60) as c):
+        usages = [c.completions.create(model="demo", prompt=LONG, max_tokens=2).usage for _ in range(2)]
+    assert usages[0].prompt_tokens > 3 * BLOCK and [_cached(u) for u in usages] == [0, 0]
 
 
 @pytest.mark.parametrize(

@@ -102,6 +102,24 @@ def test_50_streams_on_50_sockets(served, reference):
         _check(msgs, reference[_prompt(i)])
 
 
+def test_done_usage_reports_prefix_cache_hits(served):
+    prompt = "A prompt long enough to fill several KV blocks of sixteen tokens each. " * 4
+
+    async def main() -> list[dict]:
+        async with websockets.connect(_ws_url(served)) as ws:
+            usages = []
+            for rid in ("c1", "c2"):
+                await ws.send(_generate(rid, prompt, max_tokens=2))
+                usages.append((await _collect(ws, {rid}))[rid][-1]["usage"])
+            return usages
+
+    first, second = asyncio.run(main())
+    assert first["prompt_tokens"] == second["prompt_tokens"] > 3 * 16
+    # What the first one computed is there for the second: every whole block before the last token.
+    assert first["cached_tokens"] == 0
+    assert second["cached_tokens"] == (second["prompt_tokens"] - 1) // 16 * 16
+
+
 def test_abort_duplicate_and_bad_messages(served):
     async def main():
         async with websockets.connect(_ws_url(served)) as ws:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -84,7 +85,8 @@ def _check_delta(m: dict) -> None:
 def _check_done(m: dict) -> None:
     assert m["type"] == "done"
     assert m["finish_reason"] in ("stop", "length", "abort")
-    assert set(m["usage"]) == {"prompt_tokens", "completion_tokens"}
+    assert set(m["usage"]) == {"prompt_tokens", "completion_tokens", "cached_tokens"}
+    assert 0 <= m["usage"]["cached_tokens"] < m["usage"]["prompt_tokens"]
     assert all(isinstance(v, int) for v in m["usage"].values())
     assert m["finish_reasons"] is None or all(r in ("stop", "length", "abort") for r in m["finish_reasons"])
     assert m["prompt_token_ids"] is None or all(isinstance(t, int) for t in m["prompt_token_ids"])
@@ -181,6 +183,24 @@ def test_error_codes(raw, msg, code):
         assert err["request_id"] == msg["request_id"]
     else:
         assert err["request_id"] is None
+
+
+def test_prefix_cache_hits_are_reported_in_usage(raw, address):
+    """A repeated 100-token prompt: every whole block before its last token comes from the cache."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(300, 700) for _ in range(100)]
+    usages = []
+    for _ in range(2):
+        rid = _rid()
+        raw.send({"type": "generate", "request_id": rid, "prompt_token_ids": prompt, "max_tokens": 2, "temperature": 0.0})
+        done = raw.until_final(rid)[-1]
+        _check_done(done)
+        usages.append(done["usage"])
+    assert [u["cached_tokens"] for u in usages] == [0, 96]  # 6 blocks of 16
+    # The client library reports it as vLLM does, on the RequestOutput.
+    with Client(address) as c:
+        assert c.generate(prompt, SamplingParams(max_tokens=2)).num_cached_tokens == 96
+        assert c.generate(prompt[:50] + [1] * 50, SamplingParams(max_tokens=2)).num_cached_tokens == 48
 
 
 def test_duplicate_request_id(raw):

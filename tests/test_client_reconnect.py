@@ -104,8 +104,18 @@ def test_a_server_that_answers_late_is_reconnected_to():
     ctx = zmq.Context()
     ready = {"type": "ready", "protocol_version": 1, "model": "fake", "max_model_len": 64, "vocab_size": 10}
     with Client(address, timeout=10, heartbeat_interval=0.2, heartbeat_timeout=0.5) as c:
-        time.sleep(1.0)  # long enough to be declared unreachable
-        assert not c.connected
+        # Nobody answers: the heartbeat declares the engine unreachable, which fails the request
+        # well before its own 10 s timeout ...
+        t0 = time.monotonic()
+        with pytest.raises(NoriaError) as e:
+            c.generate("anyone?", GREEDY)
+        assert e.value.code == "engine_unreachable" and "no answer" in e.value.message
+        assert time.monotonic() - t0 < 5 and not c.connected
+        # ... and from then on new requests fail at once, until the server answers.
+        t0 = time.monotonic()
+        with pytest.raises(NoriaError, match="retrying") as e:
+            c.generate("still nobody?", GREEDY)
+        assert e.value.code == "engine_unreachable" and time.monotonic() - t0 < 1
         router = ctx.socket(zmq.ROUTER)
         router.bind(address)
 

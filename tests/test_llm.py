@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from noria import LLM, NoriaError, SamplingParams
@@ -68,6 +70,38 @@ def test_bad_request_raises_and_engine_survives(llm):
     with pytest.raises(NoriaError, match="top_p"):
         llm.generate(["x"], SamplingParams(top_p=2.0), use_tqdm=False)
     assert llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def _long_prompt(seed: int, length: int = 100) -> list[int]:
+    """Token ids no other test uses, so that nothing is cached before the test sends them."""
+    rng = random.Random(seed)
+    return [rng.randrange(300, 700) for _ in range(length)]
+
+
+def test_prefix_cache_hits_are_reported(llm):
+    prompt = _long_prompt(1)
+    block = llm.config.block_size
+    p = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    first = llm.generate([prompt], p, use_tqdm=False)[0]
+    hits_before = llm.stats().prefix_cache_hits
+    second = llm.generate([prompt], p, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    # Every full block before the last prompt token (whose logits are needed): 6 x 16 of 100.
+    assert second.num_cached_tokens == (len(prompt) - 1) // block * block == 96
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.stats().prefix_cache_hits - hits_before == second.num_cached_tokens
+    # A prompt sharing only its first 40 tokens reuses the two whole blocks among them.
+    forked = llm.generate([prompt[:40] + _long_prompt(2, 60)], p, use_tqdm=False)[0]
+    assert forked.num_cached_tokens == 2 * block
+
+
+def test_no_prefix_caching_reports_no_cached_tokens(demo_path):
+    prompt = _long_prompt(3)
+    p = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with LLM("demo", num_kv_blocks=32, enable_prefix_caching=False) as engine:
+        outs = [engine.generate([prompt], p, use_tqdm=False)[0] for _ in range(2)]
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
 def test_leaving_with_stops_every_process(demo_path):

@@ -62,6 +62,7 @@ CLIENT_MSGS = [
 SERVER_MSGS = [
     Delta(request_id="r1", text="é", token_ids=[1, 2], logprobs=[LP]),
     Done(request_id="r1", finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=2)),
+    Done(request_id="r2", finish_reason="length", usage=Usage(prompt_tokens=40, completion_tokens=2, cached_tokens=32)),
     Error(request_id=None, code="invalid_message", message="bad"),
     Ready(protocol_version=1, model="demo", max_model_len=2048, vocab_size=706),
     Stats(stats=SchedulerStats(num_running=3, kv_cache_usage=0.5), num_open_requests=2),
@@ -80,6 +81,22 @@ def test_server_messages_round_trip(msg):
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(msg))
     assert isinstance(raw, dict) and "type" in raw
     assert Codec(ServerToClient).decode(msgspec.msgpack.encode(msg)) == msg
+
+
+def test_usage_cached_tokens_is_optional_both_ways():
+    # A `done` from a server that predates `cached_tokens` reads as 0 ...
+    old = {"type": "done", "request_id": "r", "finish_reason": "stop", "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    done = Codec(ServerToClient).decode(msgspec.msgpack.encode(old))
+    assert isinstance(done, Done) and done.usage == Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=0)
+
+    # ... and a reader that predates it ignores it.
+    class OldUsage(msgspec.Struct, kw_only=True):
+        prompt_tokens: int
+        completion_tokens: int
+
+    new = msgspec.msgpack.encode(Usage(prompt_tokens=40, completion_tokens=2, cached_tokens=32))
+    assert msgspec.msgpack.decode(new) == {"prompt_tokens": 40, "completion_tokens": 2, "cached_tokens": 32}
+    assert msgspec.msgpack.decode(new, type=OldUsage) == OldUsage(prompt_tokens=40, completion_tokens=2)
 
 
 def test_a_foreign_client_map_decodes():

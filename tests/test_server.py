@@ -51,15 +51,30 @@ def test_staggered_arrivals_give_the_same_greedy_text(server):
     with Client(server) as c:
         alone = [c.generate(q, p).outputs[0].token_ids for q in prompts]
 
-    async def staggered():
+    async def rest(ids: list[int], stream) -> list[int]:
+        async for out in stream:
+            ids.extend(getattr(out, "token_ids", []))
+        return ids
+
+    async def staggered() -> tuple[list[list[int]], str | None]:
         async with AsyncClient(server) as c:
+            # A long request keeps a batch decoding for every arrival to board.
+            anchor = c.stream("anchor", SamplingParams(max_tokens=2000, ignore_eos=True), request_id="anchor")
+            await anext(anchor)
             tasks = []
             for q in prompts:
-                tasks.append(asyncio.create_task(c.generate(q, p)))
-                await asyncio.sleep(0.05)
-            return [o.outputs[0].token_ids for o in await asyncio.gather(*tasks)]
+                # Each one is decoding before the next arrives.
+                stream = c.stream(q, p)
+                first = await anext(stream)
+                tasks.append(asyncio.create_task(rest(list(first.token_ids), stream)))
+            outs = await asyncio.gather(*tasks)
+            await c.abort("anchor")
+            last = [out async for out in anchor][-1]
+            return outs, last.finish_reason
 
-    assert asyncio.run(staggered()) == alone
+    outs, anchor_end = asyncio.run(staggered())
+    assert anchor_end == "abort", "the anchor finished early: the later arrivals did not board a running batch"
+    assert outs == alone
 
 
 def _raw(address: str, messages: list[object]) -> list[dict]:
@@ -193,16 +208,21 @@ def test_a_dead_worker_fails_requests_and_the_server_exits_non_zero(demo_path):
             proc.wait()
 
 
-def _wait_idle(address: str, timeout: float = 10.0):
+def _poll_stats(address: str, ok, timeout: float = 10.0):
+    """Ask for stats until `ok(stats)` holds; returns the last answer either way."""
     import time
 
     deadline = time.monotonic() + timeout
     with Client(address) as c:
         while True:
             s = c.stats()
-            if (s.stats.num_running == 0 and s.stats.num_free_blocks == s.stats.num_kv_blocks
-                    and s.num_open_requests == 0) or time.monotonic() > deadline:
+            if ok(s) or time.monotonic() > deadline:
                 return s
+            time.sleep(0.05)
+
+
+def _idle(s) -> bool:
+    return s.num_open_requests == 0 and s.stats.num_running == 0 and s.stats.num_free_blocks == s.stats.num_kv_blocks
 
 
 def test_a_vanished_client_has_its_requests_aborted(server):
@@ -212,11 +232,11 @@ def test_a_vanished_client_has_its_requests_aborted(server):
     for i in range(3):
         s.send(msgspec.msgpack.encode({"type": "generate", "request_id": f"v{i}", "prompt": "go", "max_tokens": 3000, "ignore_eos": True}))
     assert msgspec.msgpack.decode(s.recv())["type"] == "delta"
-    with Client(server) as c:
-        busy = c.stats()
+    # Published stats lag a little behind: ask until they show the three requests.
+    busy = _poll_stats(server, lambda st: st.stats.num_running + st.stats.num_waiting >= 1 and st.num_open_requests >= 3)
     assert busy.stats.num_running + busy.stats.num_waiting >= 1 and busy.num_open_requests >= 3
     s.close(0)
     ctx.term()
-    idle = _wait_idle(server)
+    idle = _poll_stats(server, _idle)
     assert idle.num_open_requests == 0 and idle.stats.num_running == 0
     assert idle.stats.num_free_blocks == idle.stats.num_kv_blocks and idle.stats.blocks_consistent

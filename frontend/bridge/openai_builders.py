@@ -21,6 +21,7 @@ from noria.frontend.bridge.openai_schema import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -46,6 +47,7 @@ class _Choices:
         self.finish: list[str | None] = [None] * size
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0
         self.open_prompts = num_prompts
 
     def add_delta(self, prompt: int, d: Delta) -> tuple[int, int]:
@@ -64,6 +66,7 @@ class _Choices:
         self.open_prompts -= 1
         self.prompt_tokens += done.usage.prompt_tokens
         self.completion_tokens += done.usage.completion_tokens
+        self.cached_tokens += done.usage.cached_tokens
         first = prompt * self.n
         for k, r in enumerate(reasons[: self.n]):
             self.finish[first + k] = r
@@ -74,6 +77,7 @@ class _Choices:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
 
 

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from noria.frontend.bridge.errors import BadRequest
 from noria.frontend.bridge.openai_schema import ChatRequest, CompletionRequest, SamplingFields
+from noria.frontend.inputs import make_generate
 from noria.protocol.client import Generate
 from noria.protocol.sampling import SamplingParams, sampling_error
 
@@ -61,12 +62,7 @@ def completion_generates(req: CompletionRequest, new_id: Callable[[], str]) -> l
     if req.best_of is not None and req.best_of != req.n:
         raise BadRequest("best_of must equal n (noria returns every sample it draws)", "best_of")
     params = _sampling(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-    fields = msgspec.structs.asdict(params)
-    out = []
-    for p in _prompts(req.prompt):
-        key = "prompt" if isinstance(p, str) else "prompt_token_ids"
-        out.append(Generate(request_id=new_id(), priority=req.priority, **{key: p}, **fields))
-    return out
+    return [make_generate(new_id(), p, params, priority=req.priority) for p in _prompts(req.prompt)]
 
 
 def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
@@ -94,13 +90,8 @@ def chat_generate(req: ChatRequest, new_id: Callable[[], str]) -> Generate:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _sampling(req, max_tokens=max_tokens, logprobs=logprobs)
-    return Generate(
-        request_id=new_id(),
-        messages=[_message(m) for m in req.messages],
-        add_generation_prompt=req.add_generation_prompt,
-        priority=req.priority,
-        **msgspec.structs.asdict(params),
-    )
+    return make_generate(new_id(), None, params, messages=[_message(m) for m in req.messages],
+                         priority=req.priority, add_generation_prompt=req.add_generation_prompt)
 
 
 def _message(m: dict[str, Any]) -> dict[str, Any]:

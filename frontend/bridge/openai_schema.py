@@ -60,10 +60,15 @@ class ChatRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
 
 
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 # ---- /v1/completions ----------------------------------------------------

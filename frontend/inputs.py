@@ -1,0 +1,33 @@
+"""The one way a `generate` message is made from SamplingParams and a prompt
+(used by `LLM`, the client library and the OpenAI bridge)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from noria.protocol.client import Generate
+from noria.protocol.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+def make_generate(
+    request_id: str,
+    prompt: Prompt | None = None,
+    params: SamplingParams | None = None,
+    *,
+    messages: list[dict[str, Any]] | None = None,
+    priority: int = 0,
+    add_generation_prompt: bool = True,
+) -> Generate:
+    """A text prompt, a token-id prompt or chat `messages` (give one), with every
+    SamplingParams field laid flat beside the request's own fields."""
+    fields = msgspec.structs.asdict(params or SamplingParams())
+    if isinstance(prompt, str):
+        fields["prompt"] = prompt
+    elif prompt is not None:
+        fields["prompt_token_ids"] = list(prompt)
+    return Generate(request_id=request_id, messages=messages, priority=priority,
+                    add_generation_prompt=add_generation_prompt, **fields)
