@@ -1,1 +1,4 @@
-"""Benchmarks: `noria bench NAME [args]` runs `bench/NAME.py`'s main(argv)."""
+"""Benchmarks: `noria bench NAME [args]` runs `noria.bench.NAME.main(argv)`."""
+
+# The modules that are benchmarks; the others (workloads, ceiling, plots) are their helpers.
+BENCHMARKS = ("generate", "scheduler", "serving", "throughput")

@@ -16,13 +16,13 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from noria.bench.plots import pyplot
 from noria.bench.workloads import serving_checkpoint
+from noria.frontend.local_server import LocalServer
 
 Req = tuple[list[int], int, float]  # prompt ids, max_tokens, send offset (s)
 
@@ -38,20 +38,10 @@ def summary(xs: list[float]) -> dict[str, float]:
     return {f"p{p}": _pct(xs, p) * 1000 for p in (50, 90, 99)}
 
 
-class Server:
-    def __init__(self, model: Path, flags: list[str]) -> None:
-        from noria.protocol.sockets import free_tcp_port
-        from tests.procs import wait_ready
-
-        port = free_tcp_port()
-        self.address = f"tcp://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "noria.frontend.cli", "serve", "--model", str(model),
-                                      "--zmq-port", str(port), "--port", str(free_tcp_port()), *flags])
-        wait_ready(self.address, self.proc, timeout=300)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+def start_server(model: Path, flags: list[str]) -> LocalServer:
+    server = LocalServer("--model", str(model), *flags)
+    server.wait(timeout=300)
+    return server
 
 
 async def drive(address: str, reqs: list[Req]) -> list[dict]:
@@ -95,7 +85,7 @@ def poisson(rng: random.Random, rate: float, n: int) -> list[float]:
 
 def exp_rates(model: Path, rates: list[float], n: int) -> list[dict]:
     rows = []
-    server = Server(model, ["--num-kv-blocks", "2048"])
+    server = start_server(model, ["--num-kv-blocks", "2048"])
     try:
         for rate in rates:
             rng = random.Random(int(rate * 1000))
@@ -104,42 +94,42 @@ def exp_rates(model: Path, rates: list[float], n: int) -> list[dict]:
             res = asyncio.run(drive(server.address, reqs))
             rows.append({"rate": rate, **latencies(res)})
     finally:
-        server.close()
+        server.stop()
     return rows
 
 
-def exp_chunked(model: Path, long_len: int, num_long: int) -> list[dict]:
+def exp_chunked(model: Path, long_len: int, num_long: int, num_decoders: int, decode_len: int) -> list[dict]:
     rows = []
     rng = random.Random(1)
-    decoders = [([rng.randrange(3, 32000) for _ in range(64)], 400, 0.0) for _ in range(16)]
+    decoders = [([rng.randrange(3, 32000) for _ in range(64)], decode_len, 0.0) for _ in range(num_decoders)]
     longs = [([rng.randrange(3, 32000) for _ in range(long_len)], 8, 2.0 + 1.5 * i) for i in range(num_long)]
     for chunked in (True, False):
         flags = ["--num-kv-blocks", "4096", "--max-num-batched-tokens", "512" if chunked else str(long_len + 64)]
         flags.append("--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill")
         flags.append("--no-enable-prefix-caching")
-        server = Server(model, flags)
+        server = start_server(model, flags)
         try:
             res = asyncio.run(drive(server.address, decoders + longs))
         finally:
-            server.close()
+            server.stop()
         rows.append({"chunked_prefill": chunked, "decoders": latencies(res, max_prompt=100),
                      "long_prompts": latencies(res, min_prompt=long_len)})
     return rows
 
 
-def exp_prefix(model: Path, n: int, rate: float) -> list[dict]:
+def exp_prefix(model: Path, n: int, rate: float, system_len: int) -> list[dict]:
     rows = []
     rng = random.Random(2)
-    system = [rng.randrange(3, 32000) for _ in range(1024)]
+    system = [rng.randrange(3, 32000) for _ in range(system_len)]
     offsets = poisson(rng, rate, n)
     reqs = [(system + [rng.randrange(3, 32000) for _ in range(rng.randint(8, 64))], 32, t) for t in offsets]
     for caching in (True, False):
         flags = ["--num-kv-blocks", "4096", "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
-        server = Server(model, flags)
+        server = start_server(model, flags)
         try:
             res = asyncio.run(drive(server.address, reqs))
         finally:
-            server.close()
+            server.stop()
         rows.append({"prefix_caching": caching, **latencies(res)})
     return rows
 
@@ -155,11 +145,9 @@ def _percentile_bars(ax: Any, labels: list[str], summaries: list[dict[str, float
 
 
 def plot(result: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     rates = result.get("rates", [])
     if rates:
@@ -191,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=40)
     ap.add_argument("--long-prompt", type=int, default=4000)
     ap.add_argument("--num-long", type=int, default=8)
+    ap.add_argument("--num-decoders", type=int, default=16, help="chunked: streams decoding meanwhile")
+    ap.add_argument("--decode-len", type=int, default=400, help="chunked: tokens each decoder generates")
+    ap.add_argument("--system-prompt", type=int, default=1024, help="prefix: tokens of the shared prompt")
     ap.add_argument("--out", default="bench/results/serving")
     args = ap.parse_args(argv)
     model = serving_checkpoint()
@@ -203,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             f = lambda d: "/".join(f"{d[p]:.0f}" for p in ("p50", "p90", "p99"))  # noqa: E731
             print(f"{r['rate']:>6} {f(r['ttft_ms']):>26} {f(r['itl_ms']):>26} {f(r['e2e_ms']):>28}")
     if "chunked" in exps:
-        result["chunked"] = exp_chunked(model, args.long_prompt, args.num_long)
+        result["chunked"] = exp_chunked(model, args.long_prompt, args.num_long, args.num_decoders, args.decode_len)
         print(f"\n{'chunked prefill':<16} {'decoder ITL p50/p90/p99 ms':>30} {'long TTFT p50 ms':>18}")
         for r in result["chunked"]:
             d = r["decoders"]["itl_ms"]
@@ -212,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         on, off = (r["decoders"]["itl_ms"]["p99"] for r in result["chunked"])
         print(f"p99 ITL, chunked / unchunked: {on / off:.2f}")
     if "prefix" in exps:
-        result["prefix"] = exp_prefix(model, args.num_requests, 2.0)
+        result["prefix"] = exp_prefix(model, args.num_requests, 2.0, args.system_prompt)
         print(f"\n{'prefix caching':<16} {'TTFT p50/p90/p99 ms':>26}")
         for r in result["prefix"]:
             t = r["ttft_ms"]

@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from noria.bench.workloads import small_checkpoint, w1
+from noria.bench.plots import pyplot
+from noria.bench.workloads import CHECKPOINTS, w1
 
 Work = list[tuple[list[int], int]]
 
@@ -97,19 +98,13 @@ def run_noria_llm(path: Path, work: Work, flags: dict, record: str) -> dict:
 def run_noria_serve(path: Path, work: Work, flags: list[str], record: str) -> dict:
     from noria import AsyncClient, SamplingParams
     from noria.bench.ceiling import count_steps
-    from noria.protocol.sockets import free_tcp_port
-    from tests.procs import wait_ready
+    from noria.frontend.local_server import LocalServer
 
-    port = free_tcp_port()
-    proc = subprocess.Popen([sys.executable, "-m", "noria.frontend.cli", "serve", "--model", str(path),
-                             "--zmq-port", str(port), "--port", str(free_tcp_port()), *flags],
-                            env={**os.environ, "NORIA_RECORD_STEPS": record})
-    address = f"tcp://127.0.0.1:{port}"
-    try:
-        wait_ready(address, proc, timeout=300)
+    with LocalServer("--model", str(path), *flags, env={**os.environ, "NORIA_RECORD_STEPS": record}) as server:
+        server.wait(timeout=300)
 
         async def main() -> tuple[float, int, int]:
-            async with AsyncClient(address, timeout=600) as c:
+            async with AsyncClient(server.address, timeout=600) as c:
                 await c.generate(work[0][0], SamplingParams(max_tokens=2))
                 warm = count_steps(record)
                 params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
@@ -118,9 +113,6 @@ def run_noria_serve(path: Path, work: Work, flags: list[str], record: str) -> di
                 return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), warm
 
         dt, n, warm = asyncio.run(main())
-    finally:
-        proc.terminate()
-        proc.wait(30)
     return {"system": "noria-serve", "seconds": dt, "output_tokens": n, **_recorded(record, warm, n)}
 
 
@@ -143,11 +135,9 @@ def run_ceiling(path: Path, record: str, flags: dict, skip: int) -> dict:
 
 
 def plot(rows: list[dict], runs: dict[str, list[dict]], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(8, 4))
     names = [r["system"] for r in rows]
     vals = [r["tok_s"] for r in rows]
@@ -163,9 +153,16 @@ def plot(rows: list[dict], runs: dict[str, list[dict]], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
-def run_one(name: str, args: argparse.Namespace, record: str, skip: int) -> dict:
-    path = small_checkpoint()
+def workload(args: argparse.Namespace) -> Work:
     work = w1(num_requests=args.num_requests)
+    if args.max_tokens:
+        work = [(p, min(m, args.max_tokens)) for p, m in work]
+    return work
+
+
+def run_one(name: str, args: argparse.Namespace, record: str, skip: int) -> dict:
+    path = CHECKPOINTS[args.model]()
+    work = workload(args)
     flags = {"num_kv_blocks": args.num_kv_blocks}
     if name.startswith("hf-static-"):
         return run_hf_static(path, work, int(name.rsplit("-", 1)[1]))
@@ -201,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                          "report the best of each (a shared machine's slow spells then hit no system alone)")
     ap.add_argument("--out", default="bench/results/throughput")
     ap.add_argument("--num-kv-blocks", type=int, default=4096)
+    ap.add_argument("--model", choices=sorted(CHECKPOINTS), default="small",
+                    help="the benchmark model (\"serving\" is smaller, for quick runs)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="cap every request's output length")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: run one system
     ap.add_argument("--record", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
@@ -214,12 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         row = run_one(args.one, args, args.record, args.skip)
         Path(args.row).write_text(json.dumps(row))
         return 0
-    small_checkpoint()
-    work = w1(num_requests=args.num_requests)
+    CHECKPOINTS[args.model]()
+    work = workload(args)
     systems = args.systems.split(",")
     if "ceiling" in systems and "noria-llm" not in systems:
         raise SystemExit("the ceiling replays noria-llm's batches: include noria-llm")
-    child_argv = ["--num-requests", str(args.num_requests), "--num-kv-blocks", str(args.num_kv_blocks)]
+    child_argv = ["--num-requests", str(args.num_requests), "--num-kv-blocks", str(args.num_kv_blocks),
+                  "--model", args.model, *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])]
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
 
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                     run(name, tag, runs["noria-llm"][-1] if name == "ceiling" else None)
     rows = [min(runs[name], key=lambda x: x["seconds"]) for name in systems]
     by = {r["system"]: r for r in rows}
-    print(f"\nW1: {len(work)} requests, {sum(m for _, m in work)} output tokens, {os.cpu_count()} cores")
+    print(f"\nW1 ({args.model} model): {len(work)} requests, {sum(m for _, m in work)} output tokens, {os.cpu_count()} cores")
     print(f"{'system':<14} {'seconds':>9} {'tok/s':>8}  runs (s)")
     for r in rows:
         each = " ".join(f"{x['seconds']:.1f}" for x in runs[r["system"]])

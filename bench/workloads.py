@@ -68,3 +68,7 @@ def _checkpoint(name: str, shape: dict) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
     return path
+
+
+# The benchmark models by name, for `--model` flags.
+CHECKPOINTS = {"small": small_checkpoint, "serving": serving_checkpoint}

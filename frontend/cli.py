@@ -6,31 +6,37 @@ import argparse
 import importlib
 import logging
 import sys
+import typing
 from typing import Any
 
-from noria.protocol.config import EngineConfig
+from noria.bench import BENCHMARKS
+from noria.frontend.api_key import add_api_key_args, resolve_api_key
+from noria.protocol.config import BlockSize, Device, Dtype, EngineConfig, PreemptionMode
+
+
+def _choices(literal: Any) -> list[Any]:
+    return list(typing.get_args(literal))
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("engine")
     g.add_argument("--model", default="demo", help="local HF checkpoint folder, or 'demo' (default)")
     g.add_argument("--tokenizer", default=None)
-    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--block-size", type=int, choices=_choices(BlockSize), default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="override the computed number of KV blocks")
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the device KV cache")
     g.add_argument("--swap-space", type=float, default=None, help="GiB of CPU memory for swapped KV blocks")
-    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
+    g.add_argument("--preemption-mode", choices=_choices(PreemptionMode), default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--tensor-parallel-size", type=int, default=None)
-    g.add_argument("--dtype", default=None)
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
+    g.add_argument("--dtype", choices=_choices(Dtype), default=None)
+    g.add_argument("--device", choices=_choices(Device), default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
-    g.add_argument("--api-key", default=None)
 
 
 def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -45,6 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from noria.frontend.server import FrontendServer
     from noria.frontend.startup import make_config, start_core
 
+    api_key = resolve_api_key(args)  # before any child starts: none of them may inherit it
     config = make_config(args.model, **engine_flags(args))
     core = start_core(config)
     address = f"tcp://{args.host}:{args.zmq_port}"
@@ -52,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.install_signal_handlers()
     # The bridge is a separate process and a ZMQ client like any other; if it
     # dies (say its port is taken), the whole server goes down non-zero.
-    bridge = BridgeProcess(engine_address(args.host, args.zmq_port), args.host, args.port, args.api_key)
+    bridge = BridgeProcess(engine_address(args.host, args.zmq_port), args.host, args.port, api_key)
     bridge_failed = threading.Event()
 
     def on_bridge_exit(rc: int) -> None:
@@ -84,15 +91,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bridge(args: argparse.Namespace) -> int:
     from noria.frontend.bridge.main import run
 
-    return run(args.engine, args.host, args.port, args.api_key, parent_pid=args.parent_pid)
+    return run(args.engine, args.host, args.port, resolve_api_key(args), parent_pid=args.parent_pid)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    try:
-        mod = importlib.import_module(f"bench.{args.name}")
-    except ModuleNotFoundError:
-        print(f"noria bench: no benchmark named {args.name!r}", file=sys.stderr)
-        return 2
+    # Imported by its package name so that it runs from the installed script in any directory.
+    mod = importlib.import_module(f"noria.bench.{args.name}")
     return int(mod.main(args.rest) or 0)
 
 
@@ -105,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="HTTP/websocket port")
     s.add_argument("--zmq-port", type=int, default=5555, help="ZMQ client API port")
+    add_api_key_args(s)
     s.set_defaults(fn=cmd_serve)
 
     g = sub.add_parser("generate", help="offline: print the completion of one prompt")
@@ -119,12 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     br.add_argument("--engine", default="tcp://127.0.0.1:5555", help="the engine's ZMQ client API address")
     br.add_argument("--host", default="127.0.0.1")
     br.add_argument("--port", type=int, default=8000)
-    br.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $NORIA_API_KEY)")
+    add_api_key_args(br)
     br.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # set by `noria serve`
     br.set_defaults(fn=cmd_bridge)
 
-    b = sub.add_parser("bench", help="run a benchmark from bench/")
-    b.add_argument("name")
+    b = sub.add_parser("bench", help="run a benchmark from bench/ (`noria bench NAME --help`)")
+    b.add_argument("name", choices=BENCHMARKS)
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 

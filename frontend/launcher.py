@@ -15,6 +15,7 @@ import time
 
 import msgspec
 
+from noria.frontend.api_key import child_env
 from noria.protocol.config import EngineAddresses, EngineConfig
 
 
@@ -37,10 +38,11 @@ class EngineProcesses:
             "--addresses", msgspec.json.encode(addrs).decode(),
         ]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.procs["scheduler"] = subprocess.Popen([sys.executable, "-m", "noria.scheduler", *common])
+        env = child_env()  # the engine never needs the API key
+        self.procs["scheduler"] = subprocess.Popen([sys.executable, "-m", "noria.scheduler", *common], env=env)
         for rank in range(config.tensor_parallel_size):
             self.procs[f"worker rank {rank}"] = subprocess.Popen(
-                [sys.executable, "-m", "noria.worker", *common, "--rank", str(rank)]
+                [sys.executable, "-m", "noria.worker", *common, "--rank", str(rank)], env=env
             )
 
     def dead(self) -> str | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from noria.protocol.client import Generate
 from noria.protocol.errors import ErrorCode, NoriaError
-from noria.protocol.sampling import SamplingParams, sampling_error
+from noria.protocol.sampling import SamplingParams, check_sampling
 
 
 def load_tokenizer(model_path: str) -> Any:
@@ -50,9 +50,7 @@ class InputProcessor:
         if not msg.request_id:
             raise NoriaError(ErrorCode.INVALID_REQUEST, "request_id must be a non-empty string")
         params = msg.sampling_params()
-        problem = sampling_error(params, self.vocab_size)
-        if problem:
-            raise NoriaError(ErrorCode.INVALID_REQUEST, problem)
+        check_sampling(params, self.vocab_size)
         ids = self.tokenize(msg)
         if not ids:
             raise NoriaError(ErrorCode.INVALID_REQUEST, "prompt is empty")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import msgspec
@@ -11,22 +12,20 @@ from noria.frontend.core import FrontendCore
 from noria.frontend.demo_model import resolve_model
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.processor import InputProcessor, eos_token_ids, load_tokenizer
-from noria.protocol.config import EngineConfig, config_error
+from noria.protocol.config import EngineConfig
+from noria.protocol.validation import convert
 
 log = logging.getLogger("noria")
 
 
-def make_config(model: str = "demo", **flags: Any) -> EngineConfig:
-    """An EngineConfig from CLI-style snake_case flags; unknown flags are an error."""
+def make_config(model: str | os.PathLike[str] = "demo", **flags: Any) -> EngineConfig:
+    """An EngineConfig from CLI-style snake_case flags, checked against its field types;
+    an unknown flag is a TypeError, a bad value a ParamError (a ValueError) naming the flag."""
     known = set(EngineConfig.__struct_fields__)
     unknown = sorted(set(flags) - known)
     if unknown:
         raise TypeError(f"unknown engine flag(s): {', '.join(unknown)}")
-    config = EngineConfig(model=model, **{k: v for k, v in flags.items() if v is not None})
-    problem = config_error(config)
-    if problem:
-        raise ValueError(problem)
-    return config
+    return convert({"model": os.fspath(model), **{k: v for k, v in flags.items() if v is not None}}, EngineConfig)
 
 
 def start_core(config: EngineConfig) -> FrontendCore:

@@ -1,32 +1,48 @@
-"""Engine configuration shared by every process (sent to children as msgpack)."""
+"""Engine configuration shared by every process (sent to children as JSON)."""
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
+from msgspec import Meta
+
+# Accepted spellings, as vLLM accepts them; the worker maps them to torch dtypes.
+Dtype = Literal["auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"]
+Device = Literal["auto", "cpu", "cuda"]
+PreemptionMode = Literal["recompute", "swap"]
+BlockSize = Literal[8, 16, 32, 64, 128]
+AtLeastOne = Annotated[int, Meta(ge=1)]
+GiB = Annotated[float, Meta(ge=0.0)]
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
-    """Engine flags; names follow vLLM's CLI flags in snake_case."""
+    """Engine flags; names follow vLLM's CLI flags in snake_case.
+
+    The types are the rules: `make_config` (and every child process decoding its
+    `--config`) checks them through msgspec. The constructor checks nothing, so
+    tests can build configs directly. Secrets (the API key) are not engine flags:
+    this Struct travels to every child process on its command line.
+    """
 
     model: str = "demo"
     tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
+    dtype: Dtype = "auto"
+    device: Device = "auto"
     seed: int = 0
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_memory: float | None = None  # GiB for the device KV cache; None = computed
-    swap_space: float = 4.0  # GiB of CPU memory for swapped KV blocks
-    preemption_mode: str = "recompute"
+    block_size: BlockSize = 16
+    max_num_seqs: AtLeastOne = 256
+    max_num_batched_tokens: AtLeastOne | None = None
+    max_model_len: AtLeastOne | None = None
+    num_kv_blocks: AtLeastOne | None = None  # override the computed number of device KV blocks
+    kv_cache_memory: Annotated[float, Meta(gt=0.0)] | None = None  # GiB for the device KV cache; None = computed
+    swap_space: GiB = 4.0  # GiB of CPU memory for swapped KV blocks
+    preemption_mode: PreemptionMode = "recompute"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    tensor_parallel_size: int = 1
-    api_key: str | None = None
-    num_threads: int | None = None  # torch intra-op threads in the worker
-    startup_timeout: float = 300.0
+    tensor_parallel_size: AtLeastOne = 1
+    num_threads: AtLeastOne | None = None  # torch intra-op threads in the worker
+    startup_timeout: Annotated[float, Meta(gt=0.0)] = 300.0
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:
@@ -34,24 +50,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.enable_chunked_prefill:
             return 2048
         return max(max_model_len, 2048)
-
-
-def config_error(c: EngineConfig) -> str | None:
-    checks = [
-        (c.block_size in (8, 16, 32, 64, 128), f"block_size must be one of 8, 16, 32, 64, 128, got {c.block_size}"),
-        (c.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
-        (c.max_num_batched_tokens is None or c.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
-        (c.num_kv_blocks is None or c.num_kv_blocks >= 1, "num_kv_blocks must be at least 1"),
-        (c.preemption_mode in ("recompute", "swap"), f"preemption_mode must be recompute or swap, got {c.preemption_mode}"),
-        (c.swap_space >= 0, "swap_space must be non-negative"),
-        (c.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1"),
-        (c.dtype in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"), f"unknown dtype {c.dtype}"),
-        (c.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {c.device}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            return message
-    return None
 
 
 class EngineAddresses(msgspec.Struct, kw_only=True):

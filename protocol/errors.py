@@ -15,9 +15,18 @@ class ErrorCode:
 
 
 class NoriaError(Exception):
-    """An error with one of the `ErrorCode` codes."""
+    """An error with one of the `ErrorCode` codes; `param` names the offending field, if one is."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, param: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.param = param
+
+
+class ParamError(NoriaError, ValueError):
+    """A value that is out of range or of the wrong type, named by its field: the bridge
+    reports `param` as OpenAI's `param`, and Python callers can catch it as a ValueError."""
+
+    def __init__(self, param: str | None, message: str, code: str = ErrorCode.INVALID_REQUEST) -> None:
+        super().__init__(code, message, param=param)

@@ -6,7 +6,17 @@ see exactly what the user asked for.
 
 from __future__ import annotations
 
+from typing import Annotated, Any, ClassVar
+
 import msgspec
+from msgspec import Meta
+
+from noria.protocol.errors import ParamError
+from noria.protocol.validation import check_fields
+
+MAX_LOGPROBS = 20
+MAX_N = 64
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -29,6 +39,28 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
 
+    # The range each field must fall in, checked through msgspec by `check_sampling`
+    # (`check_fields` reads this ClassVar).
+    # They are not the fields' own types on purpose: a `generate` message with n=0
+    # must still decode (its request id is then known) and fail as `invalid_request`,
+    # while a wrongly typed field fails to decode as `invalid_message`.
+    CHECKED: ClassVar[dict[str, Any]] = {
+        "n": Annotated[int, Meta(ge=1, le=MAX_N)],
+        "max_tokens": Annotated[int, Meta(ge=1)] | None,
+        "temperature": Annotated[float, Meta(ge=0.0)],
+        "top_p": Annotated[float, Meta(gt=0.0, le=1.0)],
+        "top_k": Annotated[int, Meta(ge=-1)],  # 0 and -1 both mean off
+        "min_p": Annotated[float, Meta(ge=0.0, le=1.0)],
+        "seed": Annotated[int, Meta(ge=-(2**63))] | None,  # < 2**64 is checked in code
+        "stop": list[Annotated[str, Meta(min_length=1)]] | None,
+        "stop_token_ids": list[Annotated[int, Meta(ge=0)]] | None,
+        "min_tokens": Annotated[int, Meta(ge=0)],
+        "logprobs": Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None,
+        "presence_penalty": Penalty,
+        "frequency_penalty": Penalty,
+        "repetition_penalty": Annotated[float, Meta(gt=0.0)],
+    }
+
     def __post_init__(self) -> None:
         # A single stop string is accepted for convenience, as vLLM does.
         if isinstance(self.stop, str):
@@ -43,42 +75,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
 
 
-MAX_LOGPROBS = 20
-
-
-def sampling_error(p: SamplingParams, vocab_size: int | None = None) -> str | None:
-    """Return a message naming the first invalid value, or None when all are valid."""
-    checks: list[tuple[bool, str]] = [
-        (p.n >= 1, f"n must be at least 1, got {p.n}"),
-        (p.n <= 64, f"n must be at most 64, got {p.n}"),
-        (p.max_tokens is None or p.max_tokens >= 1, f"max_tokens must be at least 1, got {p.max_tokens}"),
-        (p.temperature >= 0.0, f"temperature must be non-negative, got {p.temperature}"),
-        (0.0 < p.top_p <= 1.0, f"top_p must be in (0, 1], got {p.top_p}"),
-        (p.top_k >= -1, f"top_k must be -1 or 0 (disabled) or positive, got {p.top_k}"),
-        (0.0 <= p.min_p <= 1.0, f"min_p must be in [0, 1], got {p.min_p}"),
-        (p.min_tokens >= 0, f"min_tokens must be non-negative, got {p.min_tokens}"),
-        (
-            p.max_tokens is None or p.min_tokens <= p.max_tokens,
-            f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})",
-        ),
-        (
-            p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS,
-            f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}",
-        ),
-        (-2.0 <= p.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {p.presence_penalty}"),
-        (-2.0 <= p.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}"),
-        (p.repetition_penalty > 0.0, f"repetition_penalty must be positive, got {p.repetition_penalty}"),
-        (p.seed is None or -(2**63) <= p.seed < 2**64, f"seed out of range: {p.seed}"),
-        (
-            p.stop is None or all(isinstance(s, str) and s for s in p.stop),
-            "stop must be a list of non-empty strings",
-        ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            return message
+def check_sampling(p: SamplingParams, vocab_size: int | None = None) -> None:
+    """Raise a ParamError naming the first invalid field; return when all are valid."""
+    check_fields(p)
+    # Rules that span fields or need the model, which a field's type cannot say.
+    if p.seed is not None and p.seed >= 2**64:
+        raise ParamError("seed", f"seed must be below 2**64, got {p.seed}")
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        raise ParamError("min_tokens", f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")
     if vocab_size is not None and p.stop_token_ids:
-        bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
+        bad = [t for t in p.stop_token_ids if t >= vocab_size]
         if bad:
-            return f"stop_token_ids out of vocabulary range [0, {vocab_size}): {bad}"
-    return None
+            raise ParamError("stop_token_ids", f"stop_token_ids out of vocabulary range [0, {vocab_size}): {bad}")

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from noria.protocol.sockets import free_tcp_port
+from noria.frontend.local_server import LocalServer, wait_http, wait_ready
+
+__all__ = ["alive", "children_of", "engine_idle", "scrape_metrics", "serve", "serve_http", "wait_gone",
+           "wait_http", "wait_metrics", "wait_ready"]
 
 
 def children_of(pid: int) -> list[int]:
@@ -38,42 +39,20 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_ready(address: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    from noria import Client, NoriaError
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"noria serve exited early with code {proc.returncode}")
-        try:
-            with Client(address, timeout=2.0) as c:
-                c.hello()
-                return
-        except NoriaError:
-            continue
-    raise TimeoutError("noria serve did not answer hello")
-
-
 class Served(NamedTuple):
     address: str  # the ZMQ client API
     http: str  # the bridge: http://127.0.0.1:PORT
     proc: subprocess.Popen
 
 
-def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    """Wait until the bridge answers GET /health with 200."""
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Poll until none of `pids` is alive or the deadline passes; the ones still alive."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"noria exited early with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url}/health did not answer 200")
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -86,35 +65,19 @@ def serve(*args: str, cmd: list[str] | None = None, cwd: str | None = None) -> I
 @contextlib.contextmanager
 def serve_http(
     *args: str, cmd: list[str] | None = None, cwd: str | None = None, zmq_port: int | None = None,
-    wait_bridge: bool = True,
+    wait_bridge: bool = True, env: dict[str, str] | None = None,
 ) -> Iterator[Served]:
-    """`noria serve` on free ZMQ and HTTP ports (unless `args` name them), ready on both."""
-    port = zmq_port or free_tcp_port()
-    extra = [] if "--port" in args else ["--port", str(free_tcp_port())]
-    base = cmd or [sys.executable, "-m", "noria.frontend.cli"]
-    argv = [*base, "serve", "--zmq-port", str(port), *extra, *args]
-    http_port = argv[argv.index("--port") + 1]
-    proc = subprocess.Popen(argv, cwd=cwd)
-    address = f"tcp://127.0.0.1:{port}"
-    http = f"http://127.0.0.1:{http_port}"
+    """`noria serve` on free ZMQ and HTTP ports (unless `args` name them), ready on both;
+    on exit it is Ctrl-C'd and must exit 0 leaving no child process behind."""
+    server = LocalServer(*args, cmd=cmd, cwd=cwd, zmq_port=zmq_port, env=env)
     try:
-        wait_ready(address, proc)
-        if wait_bridge:
-            wait_http(http, proc)
-        kids = children_of(proc.pid)
-        yield Served(address, http, proc)
+        server.wait(http=wait_bridge)
+        kids = children_of(server.proc.pid)
+        yield Served(server.address, server.http, server.proc)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise
-    assert proc.returncode == 0, f"noria serve exited with {proc.returncode}"
-    time.sleep(0.5)
-    leftover = [k for k in kids if alive(k)]
+        server.stop()
+    assert server.proc.returncode == 0, f"noria serve exited with {server.proc.returncode}"
+    leftover = wait_gone(kids)
     assert not leftover, f"orphan processes after shutdown: {leftover}"
 
 
@@ -139,7 +102,7 @@ def wait_metrics(http: str, ok, timeout: float = 15.0) -> dict[str, float]:
         m = scrape_metrics(http)
         if ok(m) or time.monotonic() > deadline:
             return m
-        time.sleep(0.1)
+        time.sleep(0.1)  # poll interval; the deadline bounds the wait
 
 
 def engine_idle(m: dict[str, float]) -> bool:

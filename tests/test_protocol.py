@@ -35,7 +35,8 @@ from noria.protocol.engine import (
     SchedulerToFrontend,
     StatsQuery,
 )
-from noria.protocol.sampling import SamplingParams, sampling_error
+from noria.protocol.errors import ParamError
+from noria.protocol.sampling import SamplingParams, check_sampling
 from noria.protocol.step import (
     CachedRequestData,
     NewRequestData,
@@ -152,25 +153,59 @@ def test_config_round_trips_as_json():
 
 
 @pytest.mark.parametrize(
-    "kw, words",
+    "kw, param",
     [
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
         ({"top_k": -5}, "top_k"),
         ({"min_p": 2}, "min_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 0}, "n must"),
-        ({"logprobs": 99}, "logprobs"),
+        ({"n": 0}, "n"),
+        ({"n": 65}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"presence_penalty": 5}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
         ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"seed": 2**64}, "seed"),
+        ({"n": "3"}, "n"),  # a Python caller's wrong type is caught too
     ],
 )
-def test_sampling_validation_names_the_field(kw, words):
-    assert words in (sampling_error(SamplingParams(**kw)) or "")
+def test_sampling_validation_names_the_field(kw, param):
+    with pytest.raises(ParamError) as e:
+        check_sampling(SamplingParams(**kw))
+    assert e.value.param == param and param in e.value.message
+    assert e.value.code == "invalid_request" and isinstance(e.value, ValueError)
 
 
-def test_valid_sampling_params_pass():
-    assert sampling_error(PARAMS, vocab_size=100) is None
-    assert sampling_error(SamplingParams(stop_token_ids=[100]), vocab_size=100) is not None
+@pytest.mark.parametrize(
+    "kw",
+    [  # the edges of vLLM's ranges are valid
+        {"temperature": 0}, {"top_p": 1.0}, {"top_k": -1}, {"top_k": 0}, {"min_p": 1.0}, {"n": 64},
+        {"logprobs": 0}, {"logprobs": 20}, {"presence_penalty": -2}, {"frequency_penalty": 2},
+        {"max_tokens": None, "min_tokens": 5}, {"min_tokens": 3, "max_tokens": 3}, {"seed": 2**64 - 1},
+        {"seed": -(2**63)}, {"stop": "x"},
+    ],
+)
+def test_valid_sampling_params_pass(kw):
+    check_sampling(SamplingParams(**kw))
+
+
+def test_stop_token_ids_are_checked_against_the_vocabulary():
+    check_sampling(PARAMS, vocab_size=100)
+    check_sampling(SamplingParams(stop_token_ids=[99]), vocab_size=100)
+    with pytest.raises(ParamError) as e:
+        check_sampling(SamplingParams(stop_token_ids=[100]), vocab_size=100)
+    assert e.value.param == "stop_token_ids"
+
+
+def test_checked_types_name_real_fields():
+    assert set(SamplingParams.CHECKED) <= set(SamplingParams.__struct_fields__)
+    # The wire type stays loose: an out-of-range value decodes (and is rejected later, with its request id).
+    g = msgspec.msgpack.decode(msgspec.msgpack.encode({"type": "generate", "request_id": "r", "n": 0}), type=Generate)
+    assert g.n == 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import msgspec
 from aiohttp import web
 
@@ -29,8 +27,6 @@ _TYPE_BY_STATUS = {
     413: "invalid_request_error",
     503: "service_unavailable_error",
 }
-# msgspec names the offending field as "... - at `$.field[0]`": that is OpenAI's `param`.
-_PARAM = re.compile(r"at `\$\.([A-Za-z_]+)")
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> bytes:
@@ -47,12 +43,12 @@ def status_of(code: str) -> int:
 
 
 def from_noria(e: NoriaError) -> web.Response:
-    return error_response(status_of(e.code), e.message, e.code)
+    return error_response(status_of(e.code), e.message, e.code, e.param)
 
 
 def from_decode(e: msgspec.DecodeError | msgspec.ValidationError) -> web.Response:
-    m = _PARAM.search(str(e))
-    return error_response(400, f"invalid request body: {e}", ErrorCode.INVALID_MESSAGE, m.group(1) if m else None)
+    """A body that is not JSON (a body that does not fit its type is a BadRequest with its param)."""
+    return error_response(400, f"invalid request body: {e}", ErrorCode.INVALID_MESSAGE)
 
 
 class BadRequest(Exception):

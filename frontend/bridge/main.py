@@ -12,8 +12,6 @@ from aiohttp import web
 
 from noria.frontend.bridge.app import make_app
 
-API_KEY_ENV = "NORIA_API_KEY"  # how `noria serve` hands its key over without showing it in `ps`
-
 
 async def serve(engine: str, host: str, port: int, api_key: str | None, *, handle_sigint: bool = True) -> int:
     app = make_app(engine, api_key)
@@ -49,5 +47,4 @@ def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: i
         from noria.protocol.lifecycle import become_child
 
         become_child()
-    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    return uvloop.run(serve(engine, host, port, key, handle_sigint=not parent_pid))
+    return uvloop.run(serve(engine, host, port, api_key, handle_sigint=not parent_pid))

@@ -12,18 +12,30 @@ from noria.frontend.bridge.errors import BadRequest
 from noria.frontend.bridge.openai_schema import ChatRequest, CompletionRequest, SamplingFields
 from noria.frontend.inputs import make_generate
 from noria.protocol.client import Generate
-from noria.protocol.sampling import SamplingParams, sampling_error
+from noria.protocol.errors import ErrorCode, ParamError
+from noria.protocol.sampling import SamplingParams, check_sampling
+from noria.protocol.validation import field_error
 
 R = TypeVar("R", CompletionRequest, ChatRequest)
 MAX_PROMPTS = 128
 
 
 async def read_body(request: web.Request, kind: type[R]) -> R:
-    """Decode a JSON body; a malformed one raises msgspec errors (400 upstream of here)."""
-    return msgspec.json.decode(await request.read(), type=kind)
+    """Decode a JSON body: one that is not JSON raises msgspec's DecodeError, one that
+    does not fit `kind` a BadRequest naming the field (OpenAI's `param`)."""
+    body = await request.read()
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        bad = field_error(kind, msgspec.json.decode(body))
+        raise BadRequest(f"invalid request body: {e}", bad.param if bad else None,
+                         code=ErrorCode.INVALID_MESSAGE) from None
 
 
-def _sampling(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+              names: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from a request; `names` maps a SamplingParams field to the request
+    field it came from where the two differ, so that an error names what the client sent."""
     if req.logit_bias:
         raise BadRequest("logit_bias is not supported", "logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or None)
@@ -46,11 +58,12 @@ def _sampling(req: SamplingFields, *, max_tokens: int | None, logprobs: int | No
         skip_special_tokens=req.skip_special_tokens,
     )
     # Checked here, before anything goes upstream, so that a batch fails as a whole
-    # with 400 and the message names the parameter.
-    problem = sampling_error(params)
-    if problem:
-        first = problem.split(" ", 1)[0]
-        raise BadRequest(problem, first if first in SamplingParams.__struct_fields__ else None)
+    # with 400 and the error names the parameter.
+    try:
+        check_sampling(params)
+    except ParamError as e:
+        param = (names or {}).get(e.param or "", e.param)
+        raise BadRequest(e.message, param) from None
     return params
 
 
@@ -89,7 +102,10 @@ def chat_generate(req: ChatRequest, new_id: Callable[[], str]) -> Generate:
         raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _sampling(req, max_tokens=max_tokens, logprobs=logprobs)
+    names = {"logprobs": "top_logprobs"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    params = _sampling(req, max_tokens=max_tokens, logprobs=logprobs, names=names)
     return make_generate(new_id(), None, params, messages=[_message(m) for m in req.messages],
                          priority=req.priority, add_generation_prompt=req.add_generation_prompt)
 

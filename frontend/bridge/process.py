@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from noria.frontend.bridge.main import API_KEY_ENV
+from noria.frontend.api_key import child_env
 
 log = logging.getLogger("noria.bridge")
 
@@ -24,16 +24,19 @@ def engine_address(host: str, zmq_port: int) -> str:
 
 class BridgeProcess:
     def __init__(self, engine: str, host: str, port: int, api_key: str | None) -> None:
-        env = dict(os.environ)
-        env.pop(API_KEY_ENV, None)
+        argv = [sys.executable, "-m", "noria.frontend.cli", "bridge", "--engine", engine,
+                "--host", host, "--port", str(port), "--parent-pid", str(os.getpid())]
         if api_key:
-            env[API_KEY_ENV] = api_key
+            argv += ["--api-key-file", "-"]  # the key comes through a pipe: see frontend/api_key.py
         self.stopping = False
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "noria.frontend.cli", "bridge", "--engine", engine,
-             "--host", host, "--port", str(port), "--parent-pid", str(os.getpid())],
-            env=env,
-        )
+        self.proc = subprocess.Popen(argv, env=child_env(), stdin=subprocess.PIPE if api_key else subprocess.DEVNULL)
+        if api_key:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(api_key.encode() + b"\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass  # the bridge is already gone; `watch` reports its exit
 
     def watch(self, on_unexpected_exit: Callable[[int], None]) -> None:
         """Call `on_unexpected_exit(returncode)` (from a thread) if the bridge dies on its own."""

@@ -1,0 +1,75 @@
+"""Every `noria bench NAME` runs from the installed console script, in any directory.
+
+The benchmarks ship in the package (noria.bench); they must not need this
+repository's tests/ folder or its working directory. Each runs here at its
+smallest sizes from a temporary directory outside the repository.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from noria.bench import BENCHMARKS
+
+ROOT = Path(__file__).resolve().parents[1]
+NORIA = Path(sys.executable).parent / "noria"  # the venv's console script
+PRODUCT = ("noria", "protocol", "frontend", "scheduler", "worker", "kernels", "bench")
+
+# The smallest run of each benchmark, and a line of the table it prints.
+TINY = {
+    "generate": (["--num-requests", "2", "--num-kv-blocks", "64"], "output tok/s"),
+    "scheduler": (["--sizes", "4", "--steps", "3"], "plan ms"),
+    "serving": (["--experiments", "rates", "--rates", "50", "--num-requests", "2", "--out", "out/serving"],
+                "TTFT p50/p90/p99 ms"),
+    "throughput": (["--model", "serving", "--systems", "noria-serve", "--rounds", "1", "--num-requests", "2",
+                    "--max-tokens", "4", "--num-kv-blocks", "64", "--out", "out/throughput"], "runs (s)"),
+}
+
+
+def _env() -> dict[str, str]:
+    # Nothing but the installed package: no PYTHONPATH pointing into the repository.
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def test_every_benchmark_has_a_tiny_run():
+    assert set(TINY) == set(BENCHMARKS)
+
+
+def test_the_product_never_imports_tests():
+    bad = []
+    for folder in PRODUCT:
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n.split(".")[0] == "tests"]
+    assert not bad
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_help_from_anywhere(name, tmp_path):
+    out = subprocess.run([str(NORIA), "bench", name, "--help"], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"noria bench {name}" in out.stdout
+
+
+def test_an_unknown_benchmark_is_named(tmp_path):
+    out = subprocess.run([str(NORIA), "bench", "workloads"], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "generate" in out.stderr
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_a_tiny_run_from_anywhere(name, tmp_path):
+    args, table = TINY[name]
+    out = subprocess.run([str(NORIA), "bench", name, *args], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=540)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert table in out.stdout, out.stdout[-3000:]
