@@ -1,15 +1,13 @@
-"""The `noria` command: serve, generate, bench."""
+"""The frontend's `noria` subcommands: serve, generate, bridge (noria/cli.py adds the rest)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 import typing
 from typing import Any
 
-from noria.bench import BENCHMARKS
 from noria.frontend.api_key import add_api_key_args, resolve_api_key
 from noria.protocol.config import BlockSize, Device, Dtype, EngineConfig, PreemptionMode
 
@@ -94,16 +92,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     return run(args.engine, args.host, args.port, resolve_api_key(args), parent_pid=args.parent_pid)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    # Imported by its package name so that it runs from the installed script in any directory.
-    mod = importlib.import_module(f"noria.bench.{args.name}")
-    return int(mod.main(args.rest) or 0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="noria", description="LLM inference server with continuous batching")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
+def add_commands(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="start frontend, scheduler, workers (and the bridge)")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
@@ -128,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     br.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # set by `noria serve`
     br.set_defaults(fn=cmd_bridge)
 
-    b = sub.add_parser("bench", help="run a benchmark from bench/ (`noria bench NAME --help`)")
-    b.add_argument("name", choices=BENCHMARKS)
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(fn=cmd_bench)
 
+def parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    ap = argparse.ArgumentParser(prog="noria", description="LLM inference server with continuous batching")
+    return ap, ap.add_subparsers(dest="cmd", required=True)
+
+
+def run(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -140,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"noria: error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap, sub = parser()
+    add_commands(sub)
+    return run(ap, argv)
 
 
 if __name__ == "__main__":

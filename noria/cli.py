@@ -1,5 +1,16 @@
-"""Console-script entry point for `noria`."""
+"""Console-script entry point for `noria`: every folder's subcommands on one parser."""
 
-from noria.frontend.cli import main
+from __future__ import annotations
+
+from noria import bench
+from noria.frontend import cli as frontend_cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap, sub = frontend_cli.parser()
+    frontend_cli.add_commands(sub)
+    bench.add_command(sub)
+    return frontend_cli.run(ap, argv)
+
 
 __all__ = ["main"]
