@@ -14,13 +14,14 @@ tensors run under the CPU emulator (tests), unless a backend is given. Layouts:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from noria.kernels import instances
 from noria.kernels.backends import KernelBackend, default_backend
-from noria.kernels.instances import AttentionConfig
+from noria.kernels.instances import AttentionConfig, ModuleSpec
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SLOT_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
@@ -155,15 +156,8 @@ def paged_attention_decode(
     sizes the split-K grid.
     split=None lets choose_num_partitions decide; True / False force split-K (partitions of
     partition_size tokens) or a single pass."""
-    block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    block_size, num_kv_heads, head_dim = _check_decode_args(out, query, k_cache, v_cache, block_tables, seq_lens)
     num_seqs, num_heads = query.shape[0], query.shape[1]
-    _check_rows("query", query, num_heads, head_dim)
-    if out.shape != (num_seqs, num_heads, head_dim) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{num_seqs}, {num_heads}, {head_dim}] tensor")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"{num_heads} query heads do not group evenly over {num_kv_heads}")
-    _check_int32("block_tables", block_tables, 2)
-    _check_int32("seq_lens", seq_lens, 1)
     if num_seqs == 0:
         return
     if partition_size % block_size != 0:
@@ -182,15 +176,8 @@ def paged_attention_decode(
     decode = be.kernel(spec, instances.decode_name(cfg))
     device = k_cache.device
     common = (
-        be.ptr(query),
-        be.ptr(k_cache),
-        be.ptr(v_cache),
-        be.ptr(block_tables),
-        be.ptr(seq_lens),
-        np.float32(scale),
-        np.int32(num_kv_heads),
-        np.int32(query.stride(0)),
-        np.int32(block_tables.stride(0)),
+        be.ptr(query), be.ptr(k_cache), be.ptr(v_cache), be.ptr(block_tables), be.ptr(seq_lens),
+        np.float32(scale), np.int32(num_kv_heads), np.int32(query.stride(0)), np.int32(block_tables.stride(0)),
     )
     with be.launch_context(device):
         if num_partitions == 1:
@@ -201,39 +188,7 @@ def paged_attention_decode(
                 (be.ptr(out), unused, unused, unused, *common, np.int32(SINGLE_PARTITION)),
             )
             return
-        part_out = be.scratch((num_seqs, num_heads, num_partitions, head_dim), device)
-        part_max = be.scratch((num_seqs, num_heads, num_partitions), device)
-        part_sum = be.scratch((num_seqs, num_heads, num_partitions), device)
-        decode(
-            (num_heads, num_seqs, num_partitions),
-            (NUM_THREADS,),
-            (
-                be.ptr(out),
-                be.ptr(part_out),
-                be.ptr(part_max),
-                be.ptr(part_sum),
-                *common,
-                np.int32(partition_size),
-            ),
-        )
-        reduce = be.kernel(spec, instances.reduce_name(cfg))
-        smem = 4 * num_partitions
-        if smem > 48 * 1024:
-            raise ValueError(f"{num_partitions} partitions exceed the merge kernel's shared memory")
-        reduce(
-            (num_heads, num_seqs),
-            (NUM_THREADS,),
-            (
-                be.ptr(out),
-                be.ptr(part_out),
-                be.ptr(part_max),
-                be.ptr(part_sum),
-                be.ptr(seq_lens),
-                np.int32(num_partitions),
-                np.int32(partition_size),
-            ),
-            shared_mem=smem,
-        )
+        _launch_split_decode(be, spec, cfg, decode, out, seq_lens, common, num_partitions, partition_size)
 
 
 def paged_attention_prefill(
@@ -386,3 +341,40 @@ def copy_blocks(
             (_threads_for(units),),
             (be.ptr(src_table), be.ptr(dst_table), be.ptr(mapping), np.int64(units)),
         )
+
+
+def _check_decode_args(
+    out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+) -> tuple[int, int, int]:
+    """The decode contract's shape checks; returns (block_size, num_kv_heads, head_dim)."""
+    block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    num_seqs, num_heads = query.shape[0], query.shape[1]
+    _check_rows("query", query, num_heads, head_dim)
+    if out.shape != (num_seqs, num_heads, head_dim) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{num_seqs}, {num_heads}, {head_dim}] tensor")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads do not group evenly over {num_kv_heads}")
+    _check_int32("block_tables", block_tables, 2)
+    _check_int32("seq_lens", seq_lens, 1)
+    return block_size, num_kv_heads, head_dim
+
+
+def _launch_split_decode(
+    be: KernelBackend, spec: ModuleSpec, cfg: AttentionConfig, decode: Any, out: torch.Tensor,
+    seq_lens: torch.Tensor, common: tuple[Any, ...], num_partitions: int, partition_size: int,
+) -> None:
+    """Split-K: each partition writes a partial result, then the merge kernel combines them."""
+    num_seqs, num_heads, head_dim = out.shape
+    device = out.device
+    part_out = be.scratch((num_seqs, num_heads, num_partitions, head_dim), device)
+    part_max = be.scratch((num_seqs, num_heads, num_partitions), device)
+    part_sum = be.scratch((num_seqs, num_heads, num_partitions), device)
+    parts = (be.ptr(out), be.ptr(part_out), be.ptr(part_max), be.ptr(part_sum))
+    decode((num_heads, num_seqs, num_partitions), (NUM_THREADS,), (*parts, *common, np.int32(partition_size)))
+    reduce = be.kernel(spec, instances.reduce_name(cfg))
+    smem = 4 * num_partitions
+    if smem > 48 * 1024:
+        raise ValueError(f"{num_partitions} partitions exceed the merge kernel's shared memory")
+    reduce((num_heads, num_seqs), (NUM_THREADS,),
+           (*parts, be.ptr(seq_lens), np.int32(num_partitions), np.int32(partition_size)), shared_mem=smem)
