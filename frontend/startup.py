@@ -12,6 +12,7 @@ from noria.frontend.demo_model import resolve_model
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.processor import InputProcessor, eos_token_ids, load_tokenizer
 from noria.protocol.config import EngineConfig, config_error
+from noria.protocol.model_shapes import check_tensor_parallel
 
 log = logging.getLogger("noria")
 
@@ -31,6 +32,7 @@ def make_config(model: str = "demo", **flags: Any) -> EngineConfig:
 
 def start_core(config: EngineConfig) -> FrontendCore:
     model_path = resolve_model(config.model)
+    check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
     config = msgspec.structs.replace(config, model=model_path)
     tokenizer = load_tokenizer(config.tokenizer or model_path)
     engine = EngineClient(config)
