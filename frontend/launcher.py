@@ -8,6 +8,7 @@ engine code. A child that exits is reported by name.
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,14 @@ def local_addresses(tensor_parallel_size: int, folder: str) -> EngineAddresses:
     )
 
 
+def free_tcp_address() -> str:
+    """tcp://127.0.0.1:PORT on a port free right now: the tensor-parallel
+    ranks' torch.distributed rendezvous, which rank 0 binds."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
 class EngineProcesses:
     def __init__(self, config: EngineConfig) -> None:
         self.folder = tempfile.mkdtemp(prefix="noria-")
@@ -40,9 +49,10 @@ class EngineProcesses:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         env = child_env()  # the engine never needs the API key
         self.procs["scheduler"] = subprocess.Popen([sys.executable, "-m", "noria.scheduler", *common], env=env)
+        dist = ["--dist-init-method", free_tcp_address()] if config.tensor_parallel_size > 1 else []
         for rank in range(config.tensor_parallel_size):
             self.procs[f"worker rank {rank}"] = subprocess.Popen(
-                [sys.executable, "-m", "noria.worker", *common, "--rank", str(rank)], env=env
+                [sys.executable, "-m", "noria.worker", *common, "--rank", str(rank), *dist], env=env
             )
 
     def dead(self) -> str | None:

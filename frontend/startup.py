@@ -13,6 +13,7 @@ from noria.frontend.demo_model import resolve_model
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.processor import InputProcessor, eos_token_ids, load_tokenizer
 from noria.protocol.config import EngineConfig
+from noria.protocol.model_shapes import check_tensor_parallel
 from noria.protocol.validation import convert
 
 log = logging.getLogger("noria")
@@ -30,6 +31,7 @@ def make_config(model: str | os.PathLike[str] = "demo", **flags: Any) -> EngineC
 
 def start_core(config: EngineConfig) -> FrontendCore:
     model_path = resolve_model(config.model)
+    check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
     config = msgspec.structs.replace(config, model=model_path)
     tokenizer = load_tokenizer(config.tokenizer or model_path)
     engine = EngineClient(config)

@@ -1,4 +1,5 @@
-"""`python -m noria.worker --config JSON --addresses JSON --rank N`: run one worker rank."""
+"""`python -m noria.worker --config JSON --addresses JSON --rank N [--dist-init-method tcp://HOST:PORT]`:
+run one worker rank."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ def main() -> int:
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")
     ap.add_argument("--addresses", required=True, help="EngineAddresses as JSON")
     ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--dist-init-method", default=None,
+                    help="torch.distributed rendezvous of the tensor-parallel ranks, e.g. tcp://127.0.0.1:PORT")
     ap.add_argument("--standalone", action="store_true", help="do not exit when the parent exits")
     args = ap.parse_args()
     if not args.standalone:
@@ -26,7 +29,7 @@ def main() -> int:
 
     config = msgspec.json.decode(args.config, type=EngineConfig)
     addrs = msgspec.json.decode(args.addresses, type=EngineAddresses)
-    return run(config, addrs, args.rank)
+    return run(config, addrs, args.rank, args.dist_init_method)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from noria.worker.models.llama import LlamaForCausalLM
+from noria.worker.models.parallel import TensorParallel
 from noria.worker.models.spec import ModelSpec, model_spec
 
 # Every supported architecture shares one implementation; the spec carries the differences.
@@ -67,14 +68,16 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(path: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Build the model for `spec` directly on `device` in `dtype` and fill it from `path`."""
+def load_model(path: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+               tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """Build the model for `spec` (this rank's shard of it under `tp`) directly on
+    `device` in `dtype` and fill it from `path`."""
     cls = MODEL_CLASSES[spec.architecture]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(spec)
+            model = cls(spec, tp)
     finally:
         torch.set_default_dtype(previous)
     model.load_weights(iter_weights(checkpoint_files(path)))

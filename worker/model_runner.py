@@ -5,6 +5,11 @@ Per step: forget finished requests, register new ones, extend block tables,
 move KV blocks (swap out, swap in, copy-on-write), build the flattened batch
 and its attention metadata, run the model, sample for requests whose computed
 tokens caught up with their known tokens.
+
+Tensor parallelism: every rank runs this same code on the same plans with its
+shard of the model (worker/models/parallel.py). Only rank 0 holds sampling
+state and samples; it broadcasts the sampled ids so that the other ranks can
+extend their token lists, and only its StepResult is sent (worker/process.py).
 """
 
 from __future__ import annotations
@@ -13,16 +18,20 @@ import os
 import time
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import cast
 
 import torch
 
+from noria.protocol.client import Logprob
 from noria.protocol.config import EngineConfig
+from noria.protocol.model_shapes import ShardedShapes, tensor_parallel_error
 from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
 from noria.worker.attention import AttentionMetadata, get_attention_backend
 from noria.worker.block_table import BlockTables
 from noria.worker.device import resolve_device, resolve_dtype
 from noria.worker.kv_cache import KVCache, KVLayout, num_device_blocks, num_swap_blocks
 from noria.worker.loader import load_model, load_spec
+from noria.worker.models.parallel import destroy_tensor_parallel, init_tensor_parallel
 from noria.worker.sampler import Sampler, SamplingState
 
 
@@ -32,7 +41,7 @@ class RequestState:
     token_ids: list[int]
     num_computed_tokens: int
     row: int  # row in BlockTables
-    sampling: SamplingState
+    sampling: SamplingState | None  # rank 0 only: the other ranks do not sample
 
 
 @dataclass(slots=True)
@@ -52,17 +61,28 @@ class ModelRunner:
     `vocab_size`, `max_model_len`, `block_size`.
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
-        if config.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not implemented by the worker yet")
+    def __init__(self, config: EngineConfig, rank: int = 0, dist_init_method: str | None = None) -> None:
+        """`dist_init_method` (e.g. tcp://127.0.0.1:PORT) is the torch.distributed
+        rendezvous of the tensor-parallel ranks; unused with one rank."""
         self.config = config
         self.rank = rank
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        tp_size = config.tensor_parallel_size
+        # Ranks on one host share its cores: each takes its share so that N ranks
+        # do not oversubscribe them (num_threads, when given, is per rank).
+        torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // tp_size))
         torch.manual_seed(config.seed)
         self.device = resolve_device(config.device)
-        self.spec = load_spec(config.model)
+        if self.device.type == "cuda" and tp_size > 1:
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        self.spec = s = load_spec(config.model)
+        # The check `noria serve` makes too; here before joining the other ranks.
+        problem = tensor_parallel_error(ShardedShapes(s.num_heads, s.num_kv_heads, s.intermediate_size), tp_size)
+        if problem:
+            raise ValueError(f"cannot shard {config.model}: {problem}")
+        self.tp = init_tensor_parallel(rank, tp_size, dist_init_method, self.device, config.startup_timeout)
         self.dtype = resolve_dtype(config.dtype, self.device, self.spec.checkpoint_dtype)
-        self.model = load_model(config.model, self.spec, self.device, self.dtype)
+        self.model = load_model(config.model, self.spec, self.device, self.dtype, self.tp)
 
         self.vocab_size = self.spec.vocab_size
         self.block_size = config.block_size
@@ -72,7 +92,8 @@ class ModelRunner:
                 f"max_model_len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {self.spec.max_position_embeddings}"
             )
-        layout = KVLayout(self.spec.num_layers, self.block_size, self.spec.num_kv_heads,
+        # Each rank caches only its own KV heads.
+        layout = KVLayout(self.spec.num_layers, self.block_size, self.model.shapes.num_kv_heads,
                           self.spec.head_dim, self.dtype)
         self.num_kv_blocks = num_device_blocks(config, layout, self.max_model_len)
         self.num_cpu_blocks = num_swap_blocks(config, layout)
@@ -80,15 +101,23 @@ class ModelRunner:
         self._kv_layers = [self.kv_cache.layer(i) for i in range(self.spec.num_layers)]
 
         self.attention = get_attention_backend(self.device)
-        self.sampler = Sampler(self.vocab_size, self.device, config.seed)
+        self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp.first else None
         max_blocks = -(-self.max_model_len // self.block_size)
         self.block_tables = BlockTables(max_blocks, self.kv_cache.null_block)
         self.requests: dict[int, RequestState] = {}
         # Benchmarks replay the exact batch shapes (bench/ceiling.py); off by default.
-        record = os.environ.get("NORIA_RECORD_STEPS")
+        record = os.environ.get("NORIA_RECORD_STEPS") if self.tp.first else None
         self._record = open(record, "w") if record else None  # noqa: SIM115 - lives as long as the runner
 
     # -- public -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Leave the process group (every rank calls this at shutdown)."""
+        if self._record is not None:
+            self._record.close()
+            self._record = None
+        if self.tp.size > 1:
+            destroy_tensor_parallel()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -113,12 +142,13 @@ class ModelRunner:
         # Advanced only once the forward pass has written the KV.
         for state, seq_len in zip(batch.states, batch.meta.seq_lens_host, strict=True):
             state.num_computed_tokens = seq_len
+        # Every rank takes part (the logits are gathered); only rank 0 gets them.
         logits = self.model.compute_logits(hidden[batch.sample_token_index]) if batch.sample_requests else None
         if self._record is not None:
             self._write_record(batch, time.perf_counter() - t_model)
-        if logits is None:
+        if not batch.sample_requests:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
-        tokens, logprobs = self.sampler.sample(logits, [r.sampling for r in batch.sample_requests])
+        tokens, logprobs = self._sample(logits, batch.sample_requests)
         for state, token in zip(batch.sample_requests, tokens, strict=True):
             state.token_ids.append(token)
         return StepResult(
@@ -127,6 +157,21 @@ class ModelRunner:
             token_ids=tokens,
             logprobs=logprobs,
         )
+
+    def _sample(self, logits: torch.Tensor | None, requests: list[RequestState]
+                ) -> tuple[list[int], list[Logprob | None] | None]:
+        """Rank 0 samples; with several ranks it broadcasts the ids to the others."""
+        logprobs = None
+        if self.sampler is not None:
+            assert logits is not None
+            states = cast(list[SamplingState], [r.sampling for r in requests])  # set wherever a sampler is
+            tokens, logprobs = self.sampler.sample(logits, states)
+        else:
+            tokens = [0] * len(requests)
+        if self.tp.size > 1:
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            tokens = self.tp.broadcast_from_first(ids).tolist()
+        return tokens, logprobs
 
     def _write_record(self, batch: _Batch, model_seconds: float) -> None:
         # Forward time lets the benchmark split wall time into model and engine overhead.
@@ -152,8 +197,10 @@ class ModelRunner:
             raise ValueError(f"{what}: token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
         self.kv_cache.check_blocks(new.block_ids, what)
         self.kv_cache.zero_new_blocks(new.block_ids)
-        sampling = SamplingState(new.params, new.token_ids, new.num_prompt_tokens, new.eos_token_ids,
-                                 self.vocab_size, self.device)
+        sampling = None
+        if self.sampler is not None:
+            sampling = SamplingState(new.params, new.token_ids, new.num_prompt_tokens, new.eos_token_ids,
+                                     self.vocab_size, self.device)
         self.requests[new.req_id] = RequestState(
             req_id=new.req_id,
             token_ids=list(new.token_ids),

@@ -28,17 +28,19 @@ from noria.protocol.step import (
 log = logging.getLogger("noria.worker")
 
 
-def run(config: EngineConfig, addrs: EngineAddresses, rank: int) -> int:
+def run(config: EngineConfig, addrs: EngineAddresses, rank: int, dist_init_method: str | None = None) -> int:
+    """`dist_init_method`: the tensor-parallel ranks' torch.distributed rendezvous."""
     ctx = zmq.Context()
     plans = make_socket(ctx, zmq.PULL, addrs.plans[rank], bind=False)
     results = make_socket(ctx, zmq.PUSH, addrs.results, bind=False)
     plan_codec: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
     out_codec: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
+    runner = None
     try:
         from noria.worker.model_runner import ModelRunner
 
         t0 = time.monotonic()
-        runner = ModelRunner(config, rank)
+        runner = ModelRunner(config, rank, dist_init_method)
         log.info("rank %d loaded %s in %.1fs: %d KV blocks", rank, config.model, time.monotonic() - t0, runner.num_kv_blocks)
         results.send(
             out_codec.encode(
@@ -60,6 +62,8 @@ def run(config: EngineConfig, addrs: EngineAddresses, rank: int) -> int:
         time.sleep(0.2)  # let the message leave before the context goes
         return 1
     finally:
+        if runner is not None:
+            runner.close()
         plans.close(linger=0)
         results.close(linger=500)
         ctx.term()

@@ -4,6 +4,15 @@ Differences inside the family are data in `ModelSpec`: q/k/v and o_proj biases
 (Qwen2), per-head q/k RMSNorm (Qwen3), explicit head_dim, sliding windows
 (Mistral), rope scaling (Llama 3.1) and tied embeddings.
 q/k/v and gate/up are fused into one matmul each at load time.
+
+Tensor parallelism (Megatron): q/k/v and gate/up are column-parallel (each rank
+holds its heads / columns), o_proj and down_proj row-parallel (the matching input
+slice, then one all_reduce each); norms and the embedding are replicated (a
+lookup costs nothing, a vocab-parallel one would add an all_reduce per step);
+the lm_head is vocab-parallel and its logits are gathered on rank 0 only, which
+alone samples. On the CPU that halves the largest decode matmul (vocab x hidden,
+read from memory every step) for a gather of sampled-rows x vocab floats, about
+rows / hidden of the weight's bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from noria.worker.models.layers import (
     pack_linear_weight,
     silu_and_mul,
 )
+from noria.worker.models.parallel import RankShapes, TensorParallel, rank_shapes
 from noria.worker.models.spec import ModelSpec
 
 
@@ -49,11 +59,22 @@ class StepContext:
         self.sin = sin
 
 
+def _row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  packed: torch.Tensor | None, tp: TensorParallel) -> torch.Tensor:
+    """x holds this rank's slice of the input features: partial sums, all-reduced;
+    the bias is added once, after the sum."""
+    if tp.size == 1:
+        return linear(x, weight, bias, packed)  # the single-rank op order, bit for bit
+    out = tp.all_reduce(linear(x, weight, None, packed))
+    return out if bias is None else out + bias
+
+
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+    def __init__(self, spec: ModelSpec, layer_index: int, shapes: RankShapes, tp: TensorParallel) -> None:
         super().__init__()
-        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        h, kvh, d = shapes.num_heads, shapes.num_kv_heads, spec.head_dim
         self.layer_index = layer_index
+        self.tp = tp
         self.q_size, self.kv_size = h * d, kvh * d
         self.qkv_proj = _param(self.q_size + 2 * self.kv_size, spec.hidden_size)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if spec.qkv_bias else None
@@ -83,15 +104,17 @@ class Attention(nn.Module):
         k = apply_rope(k, ctx.cos, ctx.sin)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         out = ctx.backend.forward(a, q, k, v.contiguous(), k_cache, v_cache, ctx.meta)
-        return linear(out.reshape(t, self.q_size), self.o_proj, self.o_bias, self.o_packed)
+        return _row_parallel(out.reshape(t, self.q_size), self.o_proj, self.o_bias, self.o_packed, self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, shapes: RankShapes, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = _param(2 * spec.intermediate_size, spec.hidden_size)
-        self.gate_up_bias = _param(2 * spec.intermediate_size) if spec.mlp_bias else None
-        self.down_proj = _param(spec.hidden_size, spec.intermediate_size)
+        inter = shapes.intermediate_size
+        self.tp = tp
+        self.gate_up_proj = _param(2 * inter, spec.hidden_size)
+        self.gate_up_bias = _param(2 * inter) if spec.mlp_bias else None
+        self.down_proj = _param(spec.hidden_size, inter)
         self.down_bias = _param(spec.hidden_size) if spec.mlp_bias else None
         self.gate_up_packed: torch.Tensor | None = None
         self.down_packed: torch.Tensor | None = None
@@ -102,14 +125,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj, self.gate_up_bias, self.gate_up_packed)
-        return linear(silu_and_mul(gate_up), self.down_proj, self.down_bias, self.down_packed)
+        return _row_parallel(silu_and_mul(gate_up), self.down_proj, self.down_bias, self.down_packed, self.tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_index: int) -> None:
+    def __init__(self, spec: ModelSpec, layer_index: int, shapes: RankShapes, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, layer_index)
-        self.mlp = MLP(spec)
+        self.self_attn = Attention(spec, layer_index, shapes, tp)
+        self.mlp = MLP(spec, shapes, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -138,13 +161,17 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.tp = tp = tp or TensorParallel()
+        self.shapes = shapes = rank_shapes(spec.num_heads, spec.num_kv_heads, spec.intermediate_size,
+                                           spec.vocab_size, tp)
         self.embed_tokens = _param(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, shapes, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else _param(spec.vocab_size, spec.hidden_size)
+        vocab_rows = shapes.vocab_end - shapes.vocab_start
+        self.lm_head = None if spec.tie_word_embeddings else _param(vocab_rows, spec.hidden_size)
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
         self.lm_head_packed: torch.Tensor | None = None
 
@@ -164,11 +191,20 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, ctx)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self._lm_head_weight(), None, self.lm_head_packed).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits [rows, vocab] on rank 0; None on the other ranks."""
+        local = linear(hidden, self._lm_head_weight(), None, self.lm_head_packed).float()
+        if self.tp.size == 1:
+            return local
+        pad = self.shapes.vocab_shard - local.shape[1]
+        parts = self.tp.gather_to_first(F.pad(local, (0, pad)) if pad else local)
+        return None if parts is None else torch.cat(parts, dim=1)[:, : self.spec.vocab_size]
 
     def _lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens if self.lm_head is None else self.lm_head
+        if self.lm_head is not None:
+            return self.lm_head
+        # Tied: this rank's vocabulary rows of the (replicated) embedding.
+        return self.embed_tokens[self.shapes.vocab_start : self.shapes.vocab_end]
 
     def pack_weights(self) -> None:
         """Pre-block the matmul weights for the CPU; call again after changing them."""
@@ -195,6 +231,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.spec.architecture} "
                                  f"(maps to {pname!r}); is the config consistent with the weights?")
             dest = self._shard_view(params[pname], pname, shard)
+            tensor = self._rank_slice(tensor, pname, shard)
             if dest.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dest.shape)}")
@@ -227,14 +264,33 @@ class LlamaForCausalLM(nn.Module):
     def _shard_view(self, param: torch.Tensor, pname: str, shard: int | None) -> torch.Tensor:
         if shard is None:
             return param.data
-        spec = self.spec
+        d, s = self.spec.head_dim, self.shapes
         if pname.endswith(("qkv_proj", "qkv_bias")):
-            q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            q, kv = s.num_heads * d, s.num_kv_heads * d
             start, size = ((0, q), (q, kv), (q + kv, kv))[shard]
         else:
-            size = spec.intermediate_size
+            size = s.intermediate_size
             start = shard * size
         return param.data.narrow(0, start, size)
+
+    def _rank_slice(self, tensor: torch.Tensor, pname: str, shard: int | None) -> torch.Tensor:
+        """This rank's part of a full checkpoint tensor (the whole of it with one rank)."""
+        if self.tp.size == 1:
+            return tensor
+        d, s = self.spec.head_dim, self.shapes
+        if pname.endswith(("qkv_proj", "qkv_bias")):
+            if shard == 0:
+                return tensor.narrow(0, s.head_start * d, s.num_heads * d)
+            return tensor.narrow(0, s.kv_head_start * d, s.num_kv_heads * d)
+        if pname.endswith(("gate_up_proj", "gate_up_bias")):
+            return tensor.narrow(0, s.inter_start, s.intermediate_size)
+        if pname.endswith("self_attn.o_proj"):
+            return tensor.narrow(1, s.head_start * d, s.num_heads * d)
+        if pname.endswith("mlp.down_proj"):
+            return tensor.narrow(1, s.inter_start, s.intermediate_size)
+        if pname == "lm_head":
+            return tensor.narrow(0, s.vocab_start, s.vocab_end - s.vocab_start)
+        return tensor  # replicated: embedding, norms, o/down biases (added after the sum)
 
     @staticmethod
     def _num_shards(pname: str) -> int:

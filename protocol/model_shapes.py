@@ -1,0 +1,70 @@
+"""Can a checkpoint be split over N tensor-parallel ranks? Torch-free, so the
+frontend can refuse before it starts any process and the worker can check again.
+
+Megatron-style sharding splits attention heads and MLP columns across ranks.
+KV heads are split too; when there are fewer KV heads than ranks, each KV head
+is replicated on N / num_kv_heads ranks (as vLLM does), which needs
+N % num_kv_heads == 0 so that every rank's query heads share one KV head.
+The vocabulary is padded per rank and needs no check.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ShardedShapes:
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+
+
+def read_shapes(model_path: str | Path) -> ShardedShapes | None:
+    """The shapes tensor parallelism splits, from the checkpoint's config.json;
+    None when there is no config.json (the worker reports that itself)."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    cfg = json.loads(config_file.read_text())
+    num_heads = int(cfg["num_attention_heads"])
+    return ShardedShapes(
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+    )
+
+
+def tensor_parallel_error(shapes: ShardedShapes, tp: int) -> str | None:
+    """A sentence naming the numbers that cannot be split over `tp` ranks, or None."""
+    if tp < 1:
+        return f"tensor_parallel_size must be at least 1, got {tp}"
+    h, kvh, inter = shapes.num_heads, shapes.num_kv_heads, shapes.intermediate_size
+    if h % tp:
+        return (f"tensor_parallel_size {tp} does not divide num_attention_heads {h}; "
+                f"use a size that divides {h}")
+    if kvh >= tp and kvh % tp:
+        return (f"tensor_parallel_size {tp} does not divide num_key_value_heads {kvh}")
+    if kvh < tp and tp % kvh:
+        return (f"tensor_parallel_size {tp} is larger than num_key_value_heads {kvh} and not a "
+                f"multiple of it, so KV heads can be neither split nor replicated evenly")
+    if inter % tp:
+        return f"tensor_parallel_size {tp} does not divide intermediate_size {inter}"
+    return None
+
+
+def check_tensor_parallel(model_path: str | Path, tp: int) -> None:
+    """Raise ValueError if the checkpoint at `model_path` cannot be split over `tp` ranks."""
+    if tp == 1:
+        return
+    shapes = read_shapes(model_path)
+    problem = tensor_parallel_error(shapes, tp) if shapes is not None else None
+    if problem:
+        raise ValueError(f"cannot shard {model_path}: {problem}")
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    """KV heads each rank holds (and caches): a share, or one replicated head."""
+    return max(1, num_kv_heads // tp)
