@@ -189,7 +189,7 @@ def run_isolated(name: str, argv: list[str], record: str, skip: int) -> dict:
 REPEATED = ("noria-llm", "noria-serve", "ceiling")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="noria bench throughput")
     ap.add_argument("--systems", default="hf-static-8,hf-static-16,hf-static-32,hf-cb,noria-llm,noria-serve,ceiling")
     ap.add_argument("--num-requests", type=int, default=128)
@@ -205,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.one:
         if args.one == "ceiling":
             # The worker package sets its process settings (OpenMP waits, huge
@@ -219,6 +223,22 @@ def main(argv: list[str] | None = None) -> int:
     systems = args.systems.split(",")
     if "ceiling" in systems and "noria-llm" not in systems:
         raise SystemExit("the ceiling replays noria-llm's batches: include noria-llm")
+    runs = _run_rounds(args, systems)
+    rows = [min(runs[name], key=lambda x: x["seconds"]) for name in systems]
+    print(f"\nW1 ({args.model} model): {len(work)} requests, {sum(m for _, m in work)} output tokens, {os.cpu_count()} cores")
+    ratios = _report(rows, runs)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for group in runs.values():
+        for x in group:
+            x.pop("record", None)
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "runs": runs, "ratios": ratios}, indent=2))
+    plot(rows, runs, out.with_suffix(".png"))
+    return 0
+
+
+def _run_rounds(args: argparse.Namespace, systems: list[str]) -> dict[str, list[dict]]:
+    """Every system once, then the repeated ones interleaved for `--rounds` rounds."""
     child_argv = ["--num-requests", str(args.num_requests), "--num-kv-blocks", str(args.num_kv_blocks),
                   "--model", args.model, *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])]
     runs: dict[str, list[dict]] = {}
@@ -243,14 +263,17 @@ def main(argv: list[str] | None = None) -> int:
             for name in REPEATED:
                 if name in systems:
                     run(name, tag, runs["noria-llm"][-1] if name == "ceiling" else None)
-    rows = [min(runs[name], key=lambda x: x["seconds"]) for name in systems]
+    return runs
+
+
+def _report(rows: list[dict], runs: dict[str, list[dict]]) -> dict[str, float]:
+    """Print the table and the ratios against the baselines run in the same job."""
     by = {r["system"]: r for r in rows}
-    print(f"\nW1 ({args.model} model): {len(work)} requests, {sum(m for _, m in work)} output tokens, {os.cpu_count()} cores")
     print(f"{'system':<14} {'seconds':>9} {'tok/s':>8}  runs (s)")
     for r in rows:
         each = " ".join(f"{x['seconds']:.1f}" for x in runs[r["system"]])
         print(f"{r['system']:<14} {r['seconds']:>9.1f} {r['tok_s']:>8.1f}  {each}")
-    ratios = {}
+    ratios: dict[str, float] = {}
     if "noria-llm" in by:
         n = by["noria-llm"]
         for base in ("hf-static-8", "hf-static-16", "hf-static-32", "hf-cb"):
@@ -269,14 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"average running batch (noria): {n['avg_running_batch']:.1f}")
     for k, v in ratios.items():
         print(f"{k:<50} {v:6.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for group in runs.values():
-        for x in group:
-            x.pop("record", None)
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "runs": runs, "ratios": ratios}, indent=2))
-    plot(rows, runs, out.with_suffix(".png"))
-    return 0
+    return ratios
 
 
 if __name__ == "__main__":

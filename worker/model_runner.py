@@ -232,7 +232,9 @@ class ModelRunner:
 
     # -- batch construction -----------------------------------------------------
 
-    def _prepare(self, plan: StepPlan) -> _Batch:
+    def _scheduled_inputs(self, plan: StepPlan) -> tuple[list[RequestState], list[int], list[int], list[int]]:
+        """The plan's requests in batch order with their new input ids, query and context lengths,
+        checked against what this worker knows (a plan that disagrees is a bug, not a step)."""
         bs = self.block_size
         states: list[RequestState] = []
         input_ids: list[int] = []
@@ -253,7 +255,11 @@ class ModelRunner:
             context_lens.append(c)
         if len({id(s) for s in states}) != len(states):
             raise ValueError(f"step {plan.step_id}: a request is scheduled twice")
+        return states, input_ids, query_lens, context_lens
 
+    def _prepare(self, plan: StepPlan) -> _Batch:
+        bs = self.block_size
+        states, input_ids, query_lens, context_lens = self._scheduled_inputs(plan)
         seq_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
         query_start = [0, *accumulate(query_lens)]
         block_tables = self.block_tables.gather([s.row for s in states], -(-max(seq_lens) // bs))
