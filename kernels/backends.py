@@ -48,6 +48,10 @@ class KernelBackend(ABC):
     def launch_context(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def check(self) -> None:
+        """Raise if this backend cannot run kernels here (start-up check; the default: it can)."""
+        return None
+
 
 class CupyBackend(KernelBackend):
     """Runs on the current CUDA device and torch's current stream."""
@@ -71,6 +75,15 @@ class CupyBackend(KernelBackend):
     @functools.cached_property
     def sm_count(self) -> int:
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+    def check(self) -> None:
+        """CuPy imports, sees a device and loads NVRTC: what a missing or broken install
+        (no wheel, a wheel for another CUDA major, no NVRTC library) gets wrong first."""
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("CuPy sees no CUDA device")
+        cupy.cuda.nvrtc.getVersion()
 
     @contextlib.contextmanager
     def launch_context(self, device: torch.device) -> Iterator[None]:
