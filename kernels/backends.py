@@ -126,9 +126,14 @@ class EmuBackend(KernelBackend):
     def ptr(self, t: torch.Tensor) -> Any:
         if t.device.type != "cpu":
             raise ValueError("the CPU emulator needs CPU tensors")
+        from noria.kernels.emu.memcheck import tensor_view
+
+        storage = t.untyped_storage()
         if t.dtype == torch.bfloat16:
             t = t.view(torch.int16)  # numpy has no bfloat16; only the address matters
-        return t.detach().numpy()
+        # The storage's extent lets the memory check tell a read past a strided slice (a query
+        # slice of a fused QKV row) from a read of some other allocation.
+        return tensor_view(t.detach().numpy(), storage.data_ptr(), storage.nbytes())
 
     def pointer_table(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
         return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)

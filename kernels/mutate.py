@@ -165,6 +165,33 @@ MUTANTS: tuple[Mutant, ...] = (
         "for (int offset = kRowThreads / 2; offset > 1; offset >>= 1)\n      bmax",
         _PREFILL_TESTS,
     ),
+    # Off by one past the end: the values stay right (the stray bytes land in padding or in
+    # memory that is overwritten or ignored), so only the emulator's memory check sees them.
+    Mutant(
+        "decode-q-staging-past-end",
+        "off-by-one past the end (query staging writes `q_s[HEAD_DIM]`)",
+        "decode_attention.cu",
+        "for (int d = threadIdx.x; d < HEAD_DIM; d += kNumThreads) q_s[d]",
+        "for (int d = threadIdx.x; d <= HEAD_DIM; d += kNumThreads) q_s[d]",
+        _DECODE_TESTS,
+    ),
+    Mutant(
+        "splitk-max-past-end",
+        "off-by-one past the end (split-K merge reads `part_max[parts]`)",
+        "decode_attention.cu",
+        "for (int p = threadIdx.x; p < parts; p += kNumThreads) mx = fmaxf(mx, pm[p]);",
+        "for (int p = threadIdx.x; p <= parts; p += kNumThreads) mx = fmaxf(mx, pm[p]);",
+        _DECODE_TESTS,
+        keyword="float32-d128-b16 and split",
+    ),
+    Mutant(
+        "prefill-tile-staging-past-end",
+        "off-by-one past the end (K/V staging writes row `kKeyTile` of `k_s`, `v_s`)",
+        "prefill_attention.cu",
+        "for (int idx = threadIdx.x; idx < kKeyTile * kChunks; idx += kNumThreads)",
+        "for (int idx = threadIdx.x; idx <= kKeyTile * kChunks; idx += kNumThreads)",
+        _PREFILL_TESTS,
+    ),
 )
 
 
