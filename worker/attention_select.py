@@ -10,6 +10,7 @@ step ever reaches a kernel that was not built for its shapes.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,9 @@ from noria.worker.attention import AttentionBackend, LayerAttention, TorchAttent
 log = logging.getLogger("noria.worker")
 
 CUDA_INSTALL_HINT = "pip install noria[cuda]"
+# Set to 1, a CPU worker runs its attention and block copies on the kernels under the CPU
+# emulator (tests: the engine's scheduling scenarios over the CUDA-side code paths).
+EMULATED_KERNELS_ENV = "NORIA_EMULATED_KERNELS"
 
 
 def attention_layers(model: nn.Module) -> list[LayerAttention]:
@@ -39,6 +43,10 @@ def get_attention_backend(
     """The kernel backend (with torch for the layers it cannot run) on a CUDA device, the
     torch backend elsewhere. `kernel_backend` (a kernels.backends.KernelBackend, e.g. the CPU
     emulator in tests) forces the kernel path on any device."""
+    if kernel_backend is None and device.type == "cpu" and os.environ.get(EMULATED_KERNELS_ENV) == "1":
+        from noria.kernels.backends import EmuBackend
+
+        kernel_backend = EmuBackend()
     if device.type != "cuda" and kernel_backend is None:
         return TorchAttentionBackend()
     try:
@@ -57,10 +65,10 @@ def get_attention_backend(
         log.warning("attention: torch backend for every layer: %s", _describe(on_torch))
         return TorchAttentionBackend(native=device.type == "cpu")
     if on_torch:
-        log.warning("attention: CUDA kernels for %d of %d layers, torch for layers %s",
+        log.warning("attention: kernels for %d of %d layers, torch for layers %s",
                     len(layers) - len(on_torch), len(layers), _describe(on_torch))
     else:
-        log.info("attention: CUDA kernels for all %d layers", len(layers))
+        log.info("attention: kernels for all %d layers", len(layers))
     return kernels
 
 

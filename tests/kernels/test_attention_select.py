@@ -60,7 +60,7 @@ def test_per_layer_decision_and_one_line(caplog: pytest.LogCaptureFixture) -> No
     backend, lines = select(caplog, CPU, [BUILT, ODD_HEAD, WINDOWED, BUILT], kernel_backend=rec)
     assert isinstance(backend, KernelAttentionBackend)
     assert len(lines) == 1, lines
-    assert "CUDA kernels for 2 of 4 layers" in lines[0]
+    assert "kernels for 2 of 4 layers" in lines[0]
     assert "1: head size 16" in lines[0] and "2: sliding window 8" in lines[0]
     # Start-up compiled exactly the head size that runs on kernels, nothing at step time.
     assert any("32, 16>" in n for n in rec.compiled) and not any(", 16, " in n for n in rec.compiled)
