@@ -3,8 +3,11 @@ AttentionBackend protocol: prepare(meta) once per step, forward(layer, q, k, v, 
 v_cache, meta) per layer). It only reads attributes, so kernels/ does not import worker/.
 
 The worker's metadata is int64; the kernels take int32 block tables, sequence lengths and
-query offsets, converted once per step in prepare(). Layers with a sliding window are not
-supported by the kernels and go to `fallback` (the worker's torch backend).
+query offsets, converted once per step in prepare(). `unsupported(layer, dtype, block_size)`
+says why the kernels cannot run a layer (a sliding window, a head size, dtype or block size
+with no instance); such layers go to `fallback` (the worker's torch backend), so no shape
+reaches a kernel that was not built for it. `warm_up` compiles the modules a model needs at
+start-up instead of at its first step.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from typing import Any
 
 import torch
 
-from noria.kernels import ops
-from noria.kernels.backends import KernelBackend
+from noria.kernels import instances, ops
+from noria.kernels.backends import KernelBackend, default_backend
 
 
 @dataclass
@@ -28,12 +31,58 @@ class _StepTensors:
     fallback_data: Any  # what the fallback's prepare() left in meta.backend_data
 
 
+def unsupported(layer: Any, dtype: torch.dtype, block_size: int) -> str | None:
+    """Why the kernels cannot run `layer` (a worker.attention.LayerAttention) with this cache
+    dtype and block size, or None when they can."""
+    if getattr(layer, "sliding_window", None) is not None:
+        return f"sliding window {layer.sliding_window} (the kernels attend to the whole context)"
+    if dtype not in ops.DTYPE_NAMES:
+        return f"dtype {dtype} (kernels: {', '.join(ops.DTYPE_NAMES.values())})"
+    if layer.head_dim not in instances.HEAD_SIZES:
+        return f"head size {layer.head_dim} (kernels: {', '.join(map(str, instances.HEAD_SIZES))})"
+    if block_size not in instances.BLOCK_SIZES:
+        return f"block size {block_size} (kernels: {', '.join(map(str, instances.BLOCK_SIZES))})"
+    if layer.num_kv_heads < 1 or layer.num_heads % layer.num_kv_heads:
+        return f"{layer.num_heads} query heads do not group evenly over {layer.num_kv_heads} KV heads"
+    return None
+
+
 class KernelAttentionBackend:
     name = "kernels"
 
     def __init__(self, fallback: Any = None, backend: KernelBackend | None = None) -> None:
         self.fallback = fallback
         self.backend = backend  # None: CuPy for CUDA tensors, the emulator for CPU ones
+        # (layer, dtype, block size) -> why not, or None; decided once per layer shape.
+        self._decisions: dict[tuple[Any, torch.dtype, int], str | None] = {}
+
+    def supports(self, layer: Any, dtype: torch.dtype, block_size: int) -> bool:
+        return self.unsupported(layer, dtype, block_size) is None
+
+    def unsupported(self, layer: Any, dtype: torch.dtype, block_size: int) -> str | None:
+        key = (layer, dtype, block_size)
+        if key not in self._decisions:
+            self._decisions[key] = unsupported(layer, dtype, block_size)
+        return self._decisions[key]
+
+    def warm_up(self, layers: Any, dtype: torch.dtype, block_size: int, device: torch.device) -> None:
+        """Check the backend and compile every module the supported `layers` need, so that a
+        missing NVRTC or a compile error shows at start-up, not at the first step."""
+        be = self.backend or default_backend(device)
+        be.check()
+        dtype_name = ops.DTYPE_NAMES.get(dtype)
+        if dtype_name is None:
+            return
+        head_dims = sorted({la.head_dim for la in layers if self.supports(la, dtype, block_size)})
+        if not head_dims:
+            return
+        specs = [instances.reshape_module(dtype_name), instances.copy_module()]
+        for d in head_dims:
+            cfg = instances.AttentionConfig(dtype_name, d, block_size)
+            specs += [instances.decode_module(cfg), instances.prefill_module(cfg)]
+        for spec in specs:
+            for name in spec.names:
+                be.kernel(spec, name)
 
     def prepare(self, meta: Any) -> None:
         fallback_data = None
@@ -49,6 +98,10 @@ class KernelAttentionBackend:
             fallback_data=fallback_data,
         )
 
+    def copy_blocks(self, src_caches: Any, dst_caches: Any, block_mapping: torch.Tensor) -> None:
+        """Swaps and copy-on-write for worker.kv_cache.KVCache.block_copier: one launch."""
+        ops.copy_blocks(src_caches, dst_caches, block_mapping, backend=self.backend)
+
     def forward(
         self,
         layer: Any,
@@ -60,9 +113,10 @@ class KernelAttentionBackend:
         meta: Any,
     ) -> torch.Tensor:
         step: _StepTensors = meta.backend_data
-        if getattr(layer, "sliding_window", None) is not None:
+        why = self.unsupported(layer, k_cache.dtype, k_cache.shape[1])
+        if why is not None:
             if self.fallback is None:
-                raise NotImplementedError("the kernels have no sliding-window attention")
+                raise NotImplementedError(f"no kernel for this layer: {why}")
             meta.backend_data = step.fallback_data
             try:
                 return self.fallback.forward(layer, q, k, v, k_cache, v_cache, meta)

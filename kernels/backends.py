@@ -48,6 +48,10 @@ class KernelBackend(ABC):
     def launch_context(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def check(self) -> None:
+        """Raise if this backend cannot run kernels here (start-up check; the default: it can)."""
+        return None
+
 
 class CupyBackend(KernelBackend):
     """Runs on the current CUDA device and torch's current stream."""
@@ -71,6 +75,15 @@ class CupyBackend(KernelBackend):
     @functools.cached_property
     def sm_count(self) -> int:
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+    def check(self) -> None:
+        """CuPy imports, sees a device and loads NVRTC: what a missing or broken install
+        (no wheel, a wheel for another CUDA major, no NVRTC library) gets wrong first."""
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("CuPy sees no CUDA device")
+        cupy.cuda.nvrtc.getVersion()
 
     @contextlib.contextmanager
     def launch_context(self, device: torch.device) -> Iterator[None]:
@@ -113,9 +126,14 @@ class EmuBackend(KernelBackend):
     def ptr(self, t: torch.Tensor) -> Any:
         if t.device.type != "cpu":
             raise ValueError("the CPU emulator needs CPU tensors")
+        from noria.kernels.emu.memcheck import tensor_view
+
+        storage = t.untyped_storage()
         if t.dtype == torch.bfloat16:
             t = t.view(torch.int16)  # numpy has no bfloat16; only the address matters
-        return t.detach().numpy()
+        # The storage's extent lets the memory check tell a read past a strided slice (a query
+        # slice of a fused QKV row) from a read of some other allocation.
+        return tensor_view(t.detach().numpy(), storage.data_ptr(), storage.nbytes())
 
     def pointer_table(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
         return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES: dict[str, str] = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128)
-BLOCK_SIZES: tuple[int, ...] = (16, 32)
+HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 128, 256)
+BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
 SLOT_TYPES: dict[str, str] = {"int32": "int", "int64": "long long"}
 COPY_UNITS: dict[int, str] = {16: "uint4", 4: "unsigned int"}
 

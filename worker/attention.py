@@ -243,16 +243,3 @@ def write_kv(
     kvh, d = k.shape[1], k.shape[2]
     k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
     v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
-
-
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """The CuPy kernel backend on a CUDA device (torch for what the kernels do
-    not cover, e.g. sliding windows), the torch backend everywhere else."""
-    if device.type == "cuda":
-        try:
-            from noria.kernels.attention_backend import KernelAttentionBackend
-
-            return KernelAttentionBackend(fallback=TorchAttentionBackend(native=False))
-        except ImportError:  # CuPy not installed: `pip install noria[cuda]`
-            pass
-    return TorchAttentionBackend()

@@ -1,12 +1,23 @@
 """Device KV cache and CPU swap area: sizing, allocation, block copies and swaps.
 
 Both live in one tensor each, [num_layers, 2 (K, V), num_blocks, block_size,
-num_kv_heads, head_dim], so a copy or swap of any set of blocks is a single
-index_select + index_copy_ over every layer, K and V at once.
+num_kv_heads, head_dim], so a copy or swap of any set of blocks is one batched
+operation over every layer, K and V at once: with `block_copier` set (the kernel
+attention backend's `copy_blocks`, on CUDA) one `copy_blocks` kernel launch that
+reads and writes the pinned CPU area directly through UVA; otherwise an
+index_select + index_copy_.
+
+Stream order (CUDA): the copies go on torch's current stream, the one the
+forward pass runs on, so a swap-out finishes before the step overwrites its
+source blocks and a swap-in before the step reads its blocks, with no host
+synchronisation. The launch returns at once: the host builds the step's batch
+(ModelRunner._prepare) while the copy runs. Nothing on the host reads the CPU
+area; it is only ever read back by a later swap-in on the same stream.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +25,8 @@ import torch
 from noria.protocol.config import EngineConfig
 
 GiB = 1 << 30
+# copy_blocks(src_caches, dst_caches, block_mapping [pairs, 2]): dst[c][d] = src[c][s].
+BlockCopier = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], torch.Tensor], None]
 DEFAULT_KV_CACHE_GIB = 1.0
 
 
@@ -76,6 +89,7 @@ class KVCache:
             cpu_shape, dtype=layout.dtype, device="cpu", pin_memory=device.type == "cuda"
         )
         self.device = device
+        self.block_copier: BlockCopier | None = None
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V cache of one layer, each [num_blocks + 1, block_size, num_kv_heads, head_dim]."""
@@ -101,6 +115,11 @@ class KVCache:
         src, dst = zip(*pairs, strict=True)
         self.check_blocks([*src, *dst], "copies")
         self._mark([*dst])
+        # The kernel copies every pair at once, so a chain (a block both read and written)
+        # takes the gather-then-scatter path, which reads every source first.
+        if self.block_copier is not None and not set(src) & set(dst):
+            self._copy_kernel(self.device_cache, self.device_cache, pairs)
+            return
         self.device_cache.index_copy_(2, self._index(dst), self.device_cache.index_select(2, self._index(src)))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -110,6 +129,9 @@ class KVCache:
         dev, cpu = zip(*pairs, strict=True)
         self.check_blocks([*dev], "swap_out")
         self._check_cpu([*cpu], "swap_out")
+        if self.block_copier is not None:
+            self._copy_kernel(self.device_cache, self.cpu_cache, pairs)
+            return
         moved = self.device_cache.index_select(2, self._index(dev)).to("cpu")
         self.cpu_cache.index_copy_(2, torch.tensor(cpu, dtype=torch.long), moved)
 
@@ -121,8 +143,18 @@ class KVCache:
         self.check_blocks([*dev], "swap_in")
         self._check_cpu([*cpu], "swap_in")
         self._mark([*dev])
+        if self.block_copier is not None:
+            self._copy_kernel(self.cpu_cache, self.device_cache, [(c, d) for d, c in pairs])
+            return
         moved = self.cpu_cache.index_select(2, torch.tensor(cpu, dtype=torch.long))
         self.device_cache.index_copy_(2, self._index(dev), moved.to(self.device, non_blocking=True))
+
+    def _copy_kernel(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """One launch for every layer's K and V: per-layer views of the two areas."""
+        assert self.block_copier is not None
+        views = [(src[layer, kv], dst[layer, kv]) for layer in range(self.layout.num_layers) for kv in (0, 1)]
+        mapping = torch.tensor(pairs, dtype=torch.int64)
+        self.block_copier([s for s, _ in views], [d for _, d in views], mapping)
 
     def _check_cpu(self, block_ids: list[int], what: str) -> None:
         if min(block_ids) < 0 or max(block_ids) >= self.num_cpu_blocks:

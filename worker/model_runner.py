@@ -26,7 +26,8 @@ from noria.protocol.client import Logprob
 from noria.protocol.config import EngineConfig
 from noria.protocol.model_shapes import ShardedShapes, tensor_parallel_error
 from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
-from noria.worker.attention import AttentionMetadata, get_attention_backend
+from noria.worker.attention import AttentionMetadata
+from noria.worker.attention_select import attention_layers, get_attention_backend
 from noria.worker.block_table import BlockTables
 from noria.worker.device import resolve_device, resolve_dtype
 from noria.worker.kv_cache import KVCache, KVLayout, num_device_blocks, num_swap_blocks
@@ -100,7 +101,10 @@ class ModelRunner:
         self.kv_cache = KVCache(layout, self.num_kv_blocks, self.num_cpu_blocks, self.device)
         self._kv_layers = [self.kv_cache.layer(i) for i in range(self.spec.num_layers)]
 
-        self.attention = get_attention_backend(self.device)
+        # Per layer, once: kernels where they are built for the shapes, torch elsewhere.
+        self.attention = get_attention_backend(self.device, attention_layers(self.model), self.dtype, self.block_size)
+        # Swaps and copy-on-write through the copy_blocks kernel where attention runs on kernels.
+        self.kv_cache.block_copier = getattr(self.attention, "copy_blocks", None)
         self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp.first else None
         max_blocks = -(-self.max_model_len // self.block_size)
         self.block_tables = BlockTables(max_blocks, self.kv_cache.null_block)

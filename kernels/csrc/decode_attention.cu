@@ -17,6 +17,13 @@ constexpr int kNumThreads = kNumWarps * kWarpSize;
 constexpr int kGroup = 8;                               // lanes per token
 constexpr int kTokensPerStep = kWarpSize / kGroup;      // tokens a warp handles at once
 constexpr int kGroups = kNumWarps * kTokensPerStep;      // independent softmax states per CTA
+// Occupancy hint for __launch_bounds__: 0 leaves ptxas its default register budget. That
+// budget spills on sm_90 for float rows of 256 (64 q/acc registers per lane; capped at 96)
+// and for float rows of 96 in 8-token blocks (the token loop unrolls fully); 1 CTA per SM
+// lifts the cap (rows of 256 then take about 120 registers, still 4 CTAs per SM).
+constexpr int min_ctas_per_sm(int head_dim, int block_size) {
+  return head_dim > 128 || block_size < 16 ? 1 : 0;
+}
 }  // namespace decode
 }  // namespace noria
 
@@ -29,7 +36,8 @@ constexpr int kGroups = kNumWarps * kTokensPerStep;      // independent softmax 
 // partition_size: tokens per partition, a multiple of BLOCK_SIZE (>= max context when the
 //                 grid has one partition)
 template <typename T, int HEAD_DIM, int BLOCK_SIZE>
-__global__ void __launch_bounds__(128) paged_attention_decode(
+__global__ void __launch_bounds__(128, noria::decode::min_ctas_per_sm(HEAD_DIM, BLOCK_SIZE))
+    paged_attention_decode(
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_max,
     float* __restrict__ part_sum, const T* __restrict__ query, const T* __restrict__ k_cache,
     const T* __restrict__ v_cache, const int* __restrict__ block_tables,
@@ -42,7 +50,6 @@ __global__ void __launch_bounds__(128) paged_attention_decode(
   constexpr int kChunksPerLane = (kChunks + kGroup - 1) / kGroup;
   static_assert(HEAD_DIM % kVec == 0, "rows must be whole 16-byte chunks");
   static_assert(BLOCK_SIZE % kTokensPerStep == 0, "a warp step must not straddle blocks");
-  static_assert(HEAD_DIM <= kNumThreads, "the final merge gives each thread one element");
 
   const int head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
   const int num_heads = gridDim.x, num_parts = gridDim.z;
@@ -149,8 +156,12 @@ __global__ void __launch_bounds__(128) paged_attention_decode(
   }
   __syncthreads();
 
-  const int d = threadIdx.x;
-  if (d < HEAD_DIM) {
+  // Thread t merges elements t, t + 128, ... (head sizes above 128 take two).
+  constexpr int kMergePerThread = (HEAD_DIM + kNumThreads - 1) / kNumThreads;
+#pragma unroll
+  for (int i = 0; i < kMergePerThread; ++i) {
+    const int d = threadIdx.x + i * kNumThreads;
+    if (d >= HEAD_DIM) continue;
     float gm = neg_inf();
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) gm = fmaxf(gm, grp_m[g]);

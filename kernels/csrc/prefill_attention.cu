@@ -4,9 +4,11 @@
 // position seq_lens[s] - q_len + i and attends causally to positions 0..that position, which
 // covers chunked prefill and prefix-cache hits with no special case.
 //
-// One CTA per (tile of 16 query tokens, head, sequence). Each KV block is staged in shared
-// memory as float; a row of the tile is served by 8 threads that split the block's keys for
-// Q.K and the head dimension for P.V, with an online softmax per row.
+// One CTA per (tile of 16 query tokens, head, sequence). The keys are walked in tiles of
+// kKeyTile tokens (a whole KV block, or a slice of one: large blocks and head sizes would not
+// fit in 48 KB of static shared memory), each staged in shared memory as float; a row of the
+// query tile is served by 8 threads that split the key tile's keys for Q.K and the head
+// dimension for P.V, with an online softmax per row.
 
 #include "common.cuh"
 
@@ -15,6 +17,27 @@ namespace prefill {
 constexpr int kNumThreads = 128;
 constexpr int kTileQ = 16;                          // query rows per CTA
 constexpr int kRowThreads = kNumThreads / kTileQ;   // threads per row, within one warp
+constexpr int kMaxStaticSmem = 48 * 1024;            // more needs an opt-in at launch
+
+// Static shared memory of one CTA for a key tile of `keys` tokens (q_s, k_s, v_s, p_s).
+constexpr int smem_bytes(int head_dim, int keys) {
+  return 4 * (kTileQ * (head_dim + 1) + keys * (head_dim + 1) + keys * head_dim + kTileQ * keys);
+}
+
+// Keys staged per step: the largest of 32, 16, 8 that divides the block size (a tile never
+// straddles two blocks) and fits in static shared memory.
+constexpr int key_tile(int head_dim, int block_size) {
+  return (block_size % 32 == 0 && smem_bytes(head_dim, 32) <= kMaxStaticSmem)   ? 32
+         : (block_size % 16 == 0 && smem_bytes(head_dim, 16) <= kMaxStaticSmem) ? 16
+                                                                                 : 8;
+}
+
+// Occupancy hint for __launch_bounds__: 0 leaves ptxas its default register budget. With
+// 8-key tiles ptxas' default budget for sm_80 is tight enough to spill (48 registers for
+// 16-bit head size 32); 1 CTA per SM lets it take what it needs (about 64).
+constexpr int min_ctas_per_sm(int head_dim, int block_size) {
+  return key_tile(head_dim, block_size) == 8 ? 1 : 0;
+}
 }  // namespace prefill
 }  // namespace noria
 
@@ -25,7 +48,8 @@ constexpr int kRowThreads = kNumThreads / kTileQ;   // threads per row, within o
 // query_start_loc: [num_seqs + 1]
 // Grid: (ceil(max_query_len / 16), num_heads, num_seqs).
 template <typename T, int HEAD_DIM, int BLOCK_SIZE>
-__global__ void __launch_bounds__(128) paged_attention_prefill(
+__global__ void __launch_bounds__(128, noria::prefill::min_ctas_per_sm(HEAD_DIM, BLOCK_SIZE))
+    paged_attention_prefill(
     T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ k_cache,
     const T* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, float scale,
@@ -34,10 +58,13 @@ __global__ void __launch_bounds__(128) paged_attention_prefill(
   using namespace noria::prefill;
   constexpr int kVec = Vec16<T>::kElems;
   constexpr int kChunks = HEAD_DIM / kVec;
-  constexpr int kKeysPerThread = BLOCK_SIZE / kRowThreads;
+  constexpr int kKeyTile = key_tile(HEAD_DIM, BLOCK_SIZE);
+  constexpr int kKeysPerThread = kKeyTile / kRowThreads;
   constexpr int kDimsPerThread = HEAD_DIM / kRowThreads;
   constexpr int kPad = HEAD_DIM + 1;  // odd row stride: 8 rows read in parallel hit 8 banks
-  static_assert(BLOCK_SIZE % kRowThreads == 0 && HEAD_DIM % kRowThreads == 0, "even split");
+  static_assert(kKeyTile % kRowThreads == 0 && HEAD_DIM % kRowThreads == 0, "even split");
+  static_assert(BLOCK_SIZE % kKeyTile == 0, "a key tile must not straddle blocks");
+  static_assert(smem_bytes(HEAD_DIM, kKeyTile) <= kMaxStaticSmem, "static shared memory");
   static_assert(kWarpSize % kRowThreads == 0, "a row's threads must share a warp");
 
   const int tile = blockIdx.x, head = blockIdx.y, seq = blockIdx.z;
@@ -51,12 +78,12 @@ __global__ void __launch_bounds__(128) paged_attention_prefill(
   const int prefix = ctx - q_len;
   const int rows = min(kTileQ, q_len - tile_begin);
   const int last_pos = prefix + tile_begin + rows - 1;
-  const int num_blocks = last_pos / BLOCK_SIZE + 1;
+  const int num_tiles = last_pos / kKeyTile + 1;
 
   __shared__ float q_s[kTileQ][kPad];
-  __shared__ float k_s[BLOCK_SIZE][kPad];
-  __shared__ float v_s[BLOCK_SIZE][HEAD_DIM];
-  __shared__ float p_s[kTileQ][BLOCK_SIZE];
+  __shared__ float k_s[kKeyTile][kPad];
+  __shared__ float v_s[kKeyTile][HEAD_DIM];
+  __shared__ float p_s[kTileQ][kKeyTile];
 
   for (int idx = threadIdx.x; idx < kTileQ * HEAD_DIM; idx += kNumThreads) {
     const int r = idx / HEAD_DIM, d = idx % HEAD_DIM;
@@ -74,15 +101,17 @@ __global__ void __launch_bounds__(128) paged_attention_prefill(
   for (int i = 0; i < kDimsPerThread; ++i) acc[i] = 0.0f;
 
   const int* table = block_tables + static_cast<long long>(seq) * bt_stride;
-  for (int b = 0; b < num_blocks; ++b) {
-    __syncthreads();  // the previous block's k_s/v_s/p_s readers are done (and q_s is ready)
-    const long long phys = table[b];
-    for (int idx = threadIdx.x; idx < BLOCK_SIZE * kChunks; idx += kNumThreads) {
+  for (int kt = 0; kt < num_tiles; ++kt) {
+    __syncthreads();  // the previous tile's k_s/v_s/p_s readers are done (and q_s is ready)
+    const int base = kt * kKeyTile;  // position of the tile's first key
+    const long long phys = table[base / BLOCK_SIZE];
+    const int in_block = base % BLOCK_SIZE;
+    for (int idx = threadIdx.x; idx < kKeyTile * kChunks; idx += kNumThreads) {
       const int j = idx / kChunks, c = idx % kChunks;
       float k[kVec], v[kVec];
-      if (b * BLOCK_SIZE + j < ctx) {
+      if (base + j < ctx) {
         const long long off =
-            ((phys * BLOCK_SIZE + j) * num_kv_heads + kv_head) * HEAD_DIM + c * kVec;
+            ((phys * BLOCK_SIZE + in_block + j) * num_kv_heads + kv_head) * HEAD_DIM + c * kVec;
         load16_as_float(k_cache + off, k);
         load16_as_float(v_cache + off, v);
       } else {
@@ -110,7 +139,7 @@ __global__ void __launch_bounds__(128) paged_attention_prefill(
     float bmax = neg_inf();
 #pragma unroll
     for (int t = 0; t < kKeysPerThread; ++t) {
-      const int kpos = b * BLOCK_SIZE + rl + t * kRowThreads;
+      const int kpos = base + rl + t * kRowThreads;
       if (kpos > qpos) s[t] = neg_inf();  // causal mask
       bmax = fmaxf(bmax, s[t]);
     }
@@ -118,7 +147,7 @@ __global__ void __launch_bounds__(128) paged_attention_prefill(
     for (int offset = kRowThreads / 2; offset > 0; offset >>= 1)
       bmax = fmaxf(bmax, __shfl_xor_sync(kFullMask, bmax, offset));
     const float m_new = fmaxf(m, bmax);
-    // A row may see no unmasked key in this block (or at all, for rows past the tile).
+    // A row may see no unmasked key in this tile (or at all, for rows past the tile).
     const float shrink = m_new == neg_inf() ? 1.0f : __expf(m - m_new);
     float psum = 0.0f;
 #pragma unroll
@@ -137,7 +166,7 @@ __global__ void __launch_bounds__(128) paged_attention_prefill(
 #pragma unroll
     for (int i = 0; i < kDimsPerThread; ++i) acc[i] *= shrink;
 #pragma unroll 2
-    for (int j = 0; j < BLOCK_SIZE; ++j) {
+    for (int j = 0; j < kKeyTile; ++j) {
       const float p = p_s[r][j];
 #pragma unroll
       for (int i = 0; i < kDimsPerThread; ++i) acc[i] += p * v_s[j][rl + i * kRowThreads];

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from noria.kernels.emu import build, wrapper
+from noria.kernels.emu import build, memcheck, wrapper
 
 SCHEDULES = ("forward", "reverse", "greedy", "greedy-reverse", "random")
 _POLICY = {name: i for i, name in enumerate(SCHEDULES)}
@@ -43,6 +43,8 @@ class EmuConfig:
     schedule: str = "forward"
     workers: int = 1
     strict: bool = True
+    # Bounds-check every access to __shared__ variables and pointer arguments (memcheck.h).
+    memcheck: bool = True
 
     @staticmethod
     def from_env() -> EmuConfig:
@@ -50,6 +52,7 @@ class EmuConfig:
             schedule=os.environ.get("CUDAEMU_SCHEDULE", "forward"),
             workers=int(os.environ.get("CUDAEMU_WORKERS", str(min(2, os.cpu_count() or 1)))),
             strict=os.environ.get("CUDAEMU_STRICT", "1") != "0",
+            memcheck=os.environ.get("CUDAEMU_MEMCHECK", "1") != "0",
         )
 
     def policy(self) -> tuple[int, int]:
@@ -61,6 +64,7 @@ class EmuConfig:
 
 _LIBS: dict[Path, ctypes.CDLL] = {}
 _LIBS_LOCK = threading.Lock()
+_VARS: dict[Path, Any] = {}  # per library: the MemVar table it points to
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -85,7 +89,12 @@ def _load(path: Path) -> ctypes.CDLL:
                 ctypes.c_int,
                 ctypes.c_char_p,
                 ctypes.c_size_t,
+                ctypes.c_void_p,
+                ctypes.c_int,
+                ctypes.c_int,
             ]
+            lib.cudaemu_set_vars.restype = None
+            lib.cudaemu_set_vars.argtypes = [ctypes.c_void_p, ctypes.c_int]
             _LIBS[path] = lib
         return lib
 
@@ -186,6 +195,7 @@ class EmuKernel:
         policy, seed = cfg.policy()
         err = ctypes.create_string_buffer(4096)
         lib = self._module._lib()
+        margs, nmargs = memcheck.arg_table(self.kinds, args, self._module.param_names(self.name))
         # Arrays must outlive the call; `args` holds them until we return.
         with self._module._launch_lock:
             rc = lib.cudaemu_launch(
@@ -200,6 +210,9 @@ class EmuKernel:
                 int(cfg.strict),
                 err,
                 len(err),
+                ctypes.cast(margs, ctypes.c_void_p),
+                nmargs,
+                int(cfg.memcheck),
             )
         if rc == 1:
             raise EmuKernelError(f"{self.name}: {err.value.decode()}")
@@ -229,6 +242,7 @@ class EmuRawModule:
         ]
         self._path: Path | None = None
         self._launch_lock = threading.Lock()
+        self._params: dict[str, list[str]] = {}
 
     def with_config(self, **changes: Any) -> EmuRawModule:
         clone = EmuRawModule(
@@ -249,7 +263,20 @@ class EmuRawModule:
         return self._path
 
     def _lib(self) -> ctypes.CDLL:
-        return _load(self.compile())
+        path = self.compile()
+        lib = _load(path)
+        with _LIBS_LOCK:
+            if path not in _VARS:  # the __shared__ variables' spans, for memcheck.h
+                dynamic = [a.name for a in wrapper.dynamic_shared_arrays(self.code)]
+                table, n = memcheck.var_table(path, dynamic)
+                lib.cudaemu_set_vars(ctypes.cast(table, ctypes.c_void_p), n)
+                _VARS[path] = table
+        return lib
+
+    def param_names(self, name: str) -> list[str]:
+        if name not in self._params:
+            self._params[name] = wrapper.kernel_param_names(self.code, name)
+        return self._params[name]
 
     def get_function(self, name: str) -> EmuKernel:
         if name not in self._names:

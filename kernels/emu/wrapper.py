@@ -53,6 +53,31 @@ def extern_c_kernels(code: str) -> list[str]:
     return sorted(set(_EXTERN_C_KERNEL.findall(strip_comments(code))))
 
 
+def kernel_param_names(code: str, name: str) -> list[str]:
+    """Parameter names of the kernel `name` (a name expression such as `k<float, 64>` or an
+    extern "C" name), for memory-check reports; [] when the declaration is not found."""
+    base = re.escape(name.split("<")[0].strip())
+    text = strip_comments(code)
+    m = re.search(r"__global__[^;{}]*?\b" + base + r"\s*\(", text)
+    if m is None:
+        return []
+    depth, i, start = 1, m.end(), m.end()
+    while i < len(text) and depth:
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        i += 1
+    params, depth, cur = [], 0, ""
+    for ch in text[start : i - 1]:
+        depth += {"(": 1, "<": 1, ")": -1, ">": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            params.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    params.append(cur)
+    names = [re.findall(r"[A-Za-z_]\w*", p) for p in params if p.strip()]
+    return [n[-1] if n else "" for n in names]
+
+
 def _c_string(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -65,7 +90,7 @@ def generate(code: str, kernel_names: Sequence[str], source_name: str = "kernel.
     arrays = dynamic_shared_arrays(code)
     for a in arrays:
         lines.append(
-            f"alignas(16) thread_local {a.type_name} "
+            f"thread_local __attribute__((aligned(CUDAEMU_SHARED_ALIGN))) {a.type_name} "
             f"{a.name}[{DYNAMIC_SMEM_CAPACITY} / sizeof({a.type_name})];"
         )
     lines.append("static int cudaemu_dynamic_smem(::cudaemu::Span* out, int max) {")

@@ -80,7 +80,9 @@ def emu(request: pytest.FixtureRequest, source_dir: Path) -> Callable[[str], Emu
 
     def get(schedule: str = "forward") -> EmuBackend:
         if schedule not in cache:
-            cfg = EmuConfig(schedule=schedule, workers=EMU_WORKERS, strict=True)
+            # CUDAEMU_MEMCHECK=0 turns the memory check off (to show what only it catches).
+            memcheck = os.environ.get("CUDAEMU_MEMCHECK", "1") != "0"
+            cfg = EmuConfig(schedule=schedule, workers=EMU_WORKERS, strict=True, memcheck=memcheck)
             cache[schedule] = EmuBackend(source_dir, cfg)
         return cache[schedule]
 

@@ -161,3 +161,26 @@ extern "C" __global__ void traps(float* out) {
   if (threadIdx.x == 3) __trap();
   out[threadIdx.x] = 0.0f;
 }
+
+// Memory checking: `extra` elements past the end of a shared array or of a pointer argument.
+extern "C" __global__ void shared_past_end(float* out, int extra) {
+  __shared__ float first[32];
+  __shared__ float second[32];
+  for (int i = threadIdx.x; i < 32 + extra; i += blockDim.x) first[i] = 1.0f;
+  second[threadIdx.x] = 2.0f;
+  __syncthreads();
+  out[threadIdx.x] = first[threadIdx.x] + second[threadIdx.x];
+}
+
+extern "C" __global__ void copy_with_overrun(const float* in, float* out, int n_in, int n_out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n_out) out[i] = i < n_in ? in[i] : 0.0f;
+}
+
+extern "C" __global__ void dynamic_past_launch_size(float* out, int n) {
+  extern __shared__ __align__(16) unsigned char dyn_smem[];
+  float* s = reinterpret_cast<float*>(dyn_smem);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s[i] = 1.0f;
+  __syncthreads();
+  out[threadIdx.x] = s[threadIdx.x];
+}

@@ -287,3 +287,45 @@ def test_invalid_launches() -> None:
 def test_unknown_schedule_is_rejected() -> None:
     with pytest.raises(ValueError, match="schedule"):
         EmuConfig(schedule="sideways").policy()
+
+
+def test_memcheck_names_the_shared_variable_and_index() -> None:
+    out = np.zeros(32, np.float32)
+    launch("shared_past_end", 1, 32, (out, np.int32(0)))
+    assert np.all(out == 3.0)
+    # One float past `first` lands, without the check, in padding or in `second` (which is
+    # rewritten before it is read): the result would still be right.
+    with pytest.raises(EmuKernelError, match=r"block \(0,0,0\) thread \(0,0,0\): out-of-bounds shared "
+                       r"memory write of 4 bytes: variable shared_past_end::first \(128 bytes\), index 32 "):
+        launch("shared_past_end", 1, 32, (out, np.int32(1)))
+    probes_off = probes().with_config(memcheck=False)
+    probes_off.get_function("shared_past_end")(1, 32, (out, np.int32(1)))  # unchecked: silent
+    assert np.all(out == 3.0)
+
+
+def test_memcheck_names_the_argument_and_index() -> None:
+    src, dst = np.ones(64, np.float32), np.zeros(64, np.float32)
+    launch("copy_with_overrun", 2, 32, (src, dst, np.int32(64), np.int32(64)))
+    with pytest.raises(EmuKernelError, match=r"block \(1,0,0\) thread \(31,0,0\): out-of-bounds global "
+                       r"memory read of 4 bytes: argument in \(4-byte elements\), index 63 "):
+        launch("copy_with_overrun", 2, 32, (src[:63], dst, np.int32(64), np.int32(64)))
+    with pytest.raises(EmuKernelError, match="global memory write of 4 bytes: argument out .* index 63"):
+        launch("copy_with_overrun", 2, 32, (src, dst[:63], np.int32(64), np.int32(64)))
+
+
+def test_memcheck_sees_holes_of_strided_views() -> None:
+    """`in` is every other element of a buffer; a kernel that reads it as contiguous touches
+    the elements between, which are inside the view's span but not in the view."""
+    buf = np.ones(128, np.float32)
+    dst = np.zeros(64, np.float32)
+    launch("copy_with_overrun", 1, 32, (buf[:32], dst, np.int32(32), np.int32(32)))
+    with pytest.raises(EmuKernelError, match=r"thread \(1,0,0\): out-of-bounds global memory read "
+                       r"of 4 bytes: argument in \(4-byte elements\), index 1"):
+        launch("copy_with_overrun", 1, 32, (buf[::2], dst, np.int32(32), np.int32(32)))
+
+
+def test_memcheck_bounds_dynamic_shared_memory_by_the_launch_size() -> None:
+    out = np.zeros(32, np.float32)
+    launch("dynamic_past_launch_size", 1, 32, (out, np.int32(32)), shared_mem=128)
+    with pytest.raises(EmuKernelError, match=r"variable dyn_smem \(128 bytes of dynamic shared memory"):
+        launch("dynamic_past_launch_size", 1, 32, (out, np.int32(33)), shared_mem=128)

@@ -27,9 +27,10 @@ BLOCK_SIZE = 16
 
 
 def emu_specs(params: dict[str, Any]) -> list[ModuleSpec]:
-    cfg = AttentionConfig("float32", 64, BLOCK_SIZE)
+    dtype = params.get("dtype", "float32")
+    cfg = AttentionConfig(dtype, 64, BLOCK_SIZE)
     return [
-        instances.reshape_module("float32"),
+        instances.reshape_module(dtype),
         instances.decode_module(cfg),
         instances.prefill_module(cfg),
     ]
@@ -40,10 +41,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("llama", tmp_path_factory.mktemp("kernels-ckpt") / "llama", **OVERRIDES)
 
 
-def generate(path: Path, attention: Any | None) -> dict[int, list[int]]:
+def generate(path: Path, attention: Any | None, dtype: str = "float32") -> dict[int, list[int]]:
     config = EngineConfig(
         model=str(path),
-        dtype="float32",
+        dtype=dtype,
         device="cpu",
         num_kv_blocks=48,
         swap_space=0.001,
@@ -65,8 +66,13 @@ def generate(path: Path, attention: Any | None) -> dict[int, list[int]]:
     return driver.run()
 
 
-@pytest.mark.parametrize("schedule", ["forward", "greedy-reverse"])
-def test_worker_tokens_match_torch_backend(emu: Any, checkpoint: Path, schedule: str) -> None:
+@pytest.mark.parametrize(("schedule", "dtype"), [("forward", "float32"), ("greedy-reverse", "float32"),
+                                               ("forward", "float16")])
+def test_worker_tokens_match_torch_backend(emu: Any, checkpoint: Path, schedule: str, dtype: str) -> None:
+    """float16 too: the kernels accumulate in float32 like the torch backend's SDPA on the
+    CPU and give the same tokens here. bfloat16 is left out of this exact-token check: its
+    8-bit mantissa turns a near-tie of request 9 the other way (tried); the bfloat16 kernels
+    are held to a tolerance against float64 in the decode / prefill tests instead."""
     kernels = KernelAttentionBackend(fallback=TorchAttentionBackend(), backend=emu(schedule))
     calls = {"n": 0}
     forward = kernels.forward
@@ -76,6 +82,6 @@ def test_worker_tokens_match_torch_backend(emu: Any, checkpoint: Path, schedule:
         return forward(*args)
 
     kernels.forward = counted  # type: ignore[method-assign]
-    got = generate(checkpoint, kernels)
+    got = generate(checkpoint, kernels, dtype)
     assert calls["n"] > 0
-    assert got == generate(checkpoint, None)
+    assert got == generate(checkpoint, None, dtype)

@@ -8,3 +8,4 @@
 #include "cudaemu/half.h"
 #include "cudaemu/runtime.h"
 #include "cudaemu/intrinsics.h"
+#include "cudaemu/memcheck.h"

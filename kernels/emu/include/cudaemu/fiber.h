@@ -30,7 +30,7 @@ struct FiberHeader {
   void* worker;
 };
 
-inline Stack stack_alloc() {
+CUDAEMU_RUNTIME inline Stack stack_alloc() {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   void* p = mmap(nullptr, 2 * kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                  -1, 0);
@@ -46,14 +46,14 @@ inline Stack stack_alloc() {
   return Stack{reinterpret_cast<char*>(base)};
 }
 
-inline void stack_free(Stack s) { munmap(s.base, kStackBytes); }
+CUDAEMU_RUNTIME inline void stack_free(Stack s) { munmap(s.base, kStackBytes); }
 
-inline FiberHeader* stack_header(Stack s) {
+CUDAEMU_RUNTIME inline FiberHeader* stack_header(Stack s) {
   return reinterpret_cast<FiberHeader*>(s.base + kStackBytes - kHeaderBytes);
 }
 
 // Only valid on a fiber stack.
-inline FiberHeader* current_header() {
+CUDAEMU_RUNTIME inline FiberHeader* current_header() {
   char probe;
   const uintptr_t base = reinterpret_cast<uintptr_t>(&probe) & ~(uintptr_t(kStackBytes) - 1);
   return reinterpret_cast<FiberHeader*>(base + kStackBytes - kHeaderBytes);
@@ -108,9 +108,9 @@ struct Context {
 // ABI wants before the `call`.
 // Stacks aligned to 256 KB would put every fiber's hot frames in the same cache sets;
 // starting each fiber at a different offset spreads them out.
-inline size_t stack_color(unsigned index) { return (static_cast<size_t>(index) * 4160u) % 65536u; }
+CUDAEMU_RUNTIME inline size_t stack_color(unsigned index) { return (static_cast<size_t>(index) * 4160u) % 65536u; }
 
-inline void context_init(Context* c, Stack s, unsigned index, void (*fn)(void*), void* arg) {
+CUDAEMU_RUNTIME inline void context_init(Context* c, Stack s, unsigned index, void (*fn)(void*), void* arg) {
   uintptr_t top = reinterpret_cast<uintptr_t>(s.base + kStackBytes - kHeaderBytes -
                                               stack_color(index)) & ~uintptr_t(15);
   uintptr_t* sp = reinterpret_cast<uintptr_t*>(top);
@@ -124,7 +124,7 @@ inline void context_init(Context* c, Stack s, unsigned index, void (*fn)(void*),
   c->sp = sp;
 }
 
-inline void context_switch(Context* from, Context* to) { cudaemu_switch(&from->sp, to->sp); }
+CUDAEMU_RUNTIME inline void context_switch(Context* from, Context* to) { cudaemu_switch(&from->sp, to->sp); }
 
 #else  // portable fallback, about ten times slower (swapcontext makes a syscall)
 
@@ -132,13 +132,13 @@ struct Context {
   ucontext_t uc;
 };
 
-inline void context_trampoline(unsigned hi_fn, unsigned lo_fn, unsigned hi_arg, unsigned lo_arg) {
+CUDAEMU_RUNTIME inline void context_trampoline(unsigned hi_fn, unsigned lo_fn, unsigned hi_arg, unsigned lo_arg) {
   auto fn = reinterpret_cast<void (*)(void*)>((uintptr_t(hi_fn) << 32) | lo_fn);
   fn(reinterpret_cast<void*>((uintptr_t(hi_arg) << 32) | lo_arg));
   abort();
 }
 
-inline void context_init(Context* c, Stack s, unsigned index, void (*fn)(void*), void* arg) {
+CUDAEMU_RUNTIME inline void context_init(Context* c, Stack s, unsigned index, void (*fn)(void*), void* arg) {
   getcontext(&c->uc);
   c->uc.uc_stack.ss_sp = s.base;
   c->uc.uc_stack.ss_size = kStackBytes - kHeaderBytes - stack_color(index);
@@ -148,7 +148,7 @@ inline void context_init(Context* c, Stack s, unsigned index, void (*fn)(void*),
               unsigned(f), unsigned(a >> 32), unsigned(a));
 }
 
-inline void context_switch(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
+CUDAEMU_RUNTIME inline void context_switch(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
 
 #endif
 

@@ -8,24 +8,24 @@
 
 #include "runtime.h"
 
-inline void __syncthreads() { cudaemu::block_barrier(cudaemu::BarrierKind::Plain, 0); }
-inline int __syncthreads_count(int pred) {
+CUDAEMU_RUNTIME inline void __syncthreads() { cudaemu::block_barrier(cudaemu::BarrierKind::Plain, 0); }
+CUDAEMU_RUNTIME inline int __syncthreads_count(int pred) {
   return cudaemu::block_barrier(cudaemu::BarrierKind::Count, pred);
 }
-inline int __syncthreads_and(int pred) {
+CUDAEMU_RUNTIME inline int __syncthreads_and(int pred) {
   return cudaemu::block_barrier(cudaemu::BarrierKind::And, pred);
 }
-inline int __syncthreads_or(int pred) {
+CUDAEMU_RUNTIME inline int __syncthreads_or(int pred) {
   return cudaemu::block_barrier(cudaemu::BarrierKind::Or, pred);
 }
 
-inline void __syncwarp(unsigned mask = 0xffffffffu) {
+CUDAEMU_RUNTIME inline void __syncwarp(unsigned mask = 0xffffffffu) {
   cudaemu::collective(cudaemu::Op::SyncWarp, mask, 0, 0, 0, 32);
 }
 
 namespace cudaemu {
 template <typename T>
-inline T shuffle(Op op, unsigned mask, T var, int param, int width) {
+CUDAEMU_RUNTIME inline T shuffle(Op op, unsigned mask, T var, int param, int width) {
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value,
                 "shuffles move at most 8 bytes of trivially copyable data");
   uint64_t bits = 0;
@@ -38,40 +38,40 @@ inline T shuffle(Op op, unsigned mask, T var, int param, int width) {
 }  // namespace cudaemu
 
 template <typename T>
-inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
+CUDAEMU_RUNTIME inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
   return cudaemu::shuffle(cudaemu::Op::ShflIdx, mask, var, src_lane, width);
 }
 template <typename T>
-inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
+CUDAEMU_RUNTIME inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
   return cudaemu::shuffle(cudaemu::Op::ShflUp, mask, var, static_cast<int>(delta), width);
 }
 template <typename T>
-inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
+CUDAEMU_RUNTIME inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
   return cudaemu::shuffle(cudaemu::Op::ShflDown, mask, var, static_cast<int>(delta), width);
 }
 template <typename T>
-inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
+CUDAEMU_RUNTIME inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
   return cudaemu::shuffle(cudaemu::Op::ShflXor, mask, var, lane_mask, width);
 }
 
-inline unsigned __ballot_sync(unsigned mask, int pred) {
+CUDAEMU_RUNTIME inline unsigned __ballot_sync(unsigned mask, int pred) {
   return static_cast<unsigned>(cudaemu::collective(cudaemu::Op::Ballot, mask, 0, 0, pred, 32));
 }
-inline int __any_sync(unsigned mask, int pred) {
+CUDAEMU_RUNTIME inline int __any_sync(unsigned mask, int pred) {
   return static_cast<int>(cudaemu::collective(cudaemu::Op::Any, mask, 0, 0, pred, 32));
 }
-inline int __all_sync(unsigned mask, int pred) {
+CUDAEMU_RUNTIME inline int __all_sync(unsigned mask, int pred) {
   return static_cast<int>(cudaemu::collective(cudaemu::Op::All, mask, 0, 0, pred, 32));
 }
 // Without a model of divergence this is the set of lanes that have not exited.
-inline unsigned __activemask() {
+CUDAEMU_RUNTIME inline unsigned __activemask() {
   const cudaemu::Worker* w = cudaemu::cur_worker();
   const cudaemu::WarpState& ws = w->warps[w->cur->warp];
   return ws.exists & ~ws.exited;
 }
 
 #define CUDAEMU_REDUCE(name, T, OPU)                                                        \
-  inline T name(unsigned mask, T value) {                                                  \
+  CUDAEMU_RUNTIME inline T name(unsigned mask, T value) {                                  \
     return static_cast<T>(cudaemu::collective(cudaemu::Op::OPU, mask,                      \
                                               static_cast<uint32_t>(value), 0, 0, 32));    \
   }
@@ -85,7 +85,7 @@ CUDAEMU_REDUCE(__reduce_max_sync, int, ReduceMaxI)
 
 // Blocks run concurrently on several OS threads, so global atomics must be real ones.
 template <typename T>
-inline T cudaemu_atomic_rmw_cas(T* addr, T (*f)(T, T), T v) {
+CUDAEMU_RUNTIME inline T cudaemu_atomic_rmw_cas(T* addr, T (*f)(T, T), T v) {
   T old = __atomic_load_n(addr, __ATOMIC_RELAXED);
   while (!__atomic_compare_exchange_n(addr, &old, f(old, v), false, __ATOMIC_SEQ_CST,
                                       __ATOMIC_RELAXED)) {
@@ -145,12 +145,12 @@ CUDAEMU_ATOMIC_FLOAT(float, uint32_t)
 CUDAEMU_ATOMIC_FLOAT(double, uint64_t)
 #undef CUDAEMU_ATOMIC_FLOAT
 
-inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+CUDAEMU_RUNTIME inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+CUDAEMU_RUNTIME inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+CUDAEMU_RUNTIME inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
-[[noreturn]] inline void __trap() { cudaemu::fail("__trap() called"); }
-inline void __nanosleep(unsigned) {}
+[[noreturn]] CUDAEMU_RUNTIME inline void __trap() { cudaemu::fail("__trap() called"); }
+CUDAEMU_RUNTIME inline void __nanosleep(unsigned) {}
 
 // Math: the fast intrinsics are computed with libm, so results differ from a GPU in the
 // last bits; tests compare with tolerances.

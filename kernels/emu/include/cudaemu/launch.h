@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "memcheck.h"
 #include "runtime.h"
 
 namespace cudaemu {
@@ -41,7 +42,7 @@ struct PhdrQuery {
   size_t memsz;
 };
 
-inline int find_tls_phdr(struct dl_phdr_info* info, size_t, void* data) {
+CUDAEMU_RUNTIME inline int find_tls_phdr(struct dl_phdr_info* info, size_t, void* data) {
   PhdrQuery* q = static_cast<PhdrQuery*>(data);
   if (info->dlpi_tls_modid != q->modid) return 0;
   for (int i = 0; i < info->dlpi_phnum; ++i)
@@ -53,7 +54,7 @@ inline int find_tls_phdr(struct dl_phdr_info* info, size_t, void* data) {
 }
 
 // The calling thread's copy of this module's TLS segment, i.e. all of its __shared__ memory.
-inline Span module_tls(void* anchor) {
+CUDAEMU_RUNTIME inline Span module_tls(void* anchor) {
   Dl_info di;
   if (dladdr(anchor, &di) == 0) return Span{nullptr, 0};
   void* h = dlopen(di.dli_fname, RTLD_NOLOAD | RTLD_LAZY);
@@ -71,7 +72,19 @@ inline Span module_tls(void* anchor) {
 // Fill all shared memory with 0xFF bytes (NaN as float, -1 as int) so that a read of memory
 // this block never wrote is visible in the results. Only the part of each dynamic array the
 // launch asked for is filled, to keep block start cheap.
-inline void poison_shared(Span tls, Span* dyn, int ndyn, size_t dynamic_bytes) {
+CUDAEMU_RUNTIME inline void poison_shared(Span tls, Span* dyn, int ndyn, size_t dynamic_bytes) {
+  const ModuleVars& mv = module_vars();
+  if (mv.nvars > 0) {  // the variables only, not the padding between them (memcheck.h)
+    for (int i = 0; i < mv.nvars; ++i) {
+      const MemVar& v = mv.vars[i];
+      if (v.dynamic || strncmp(v.name, "cudaemu::", 9) == 0) continue;  // runtime state
+      memset(tls.ptr + v.offset, 0xff, v.size);
+    }
+    for (int i = 0; i < ndyn; ++i)
+      memset(dyn[i].ptr, 0xff, dynamic_bytes < dyn[i].size ? dynamic_bytes : dyn[i].size);
+    return;
+  }
+  MemCheck* const saved = tl_memcheck;  // lives in the segment filled below
   for (int i = 1; i < ndyn; ++i)
     for (int j = i; j > 0 && dyn[j].ptr < dyn[j - 1].ptr; --j) {
       const Span t = dyn[j];
@@ -86,6 +99,7 @@ inline void poison_shared(Span tls, Span* dyn, int ndyn, size_t dynamic_bytes) {
     p = dyn[i].ptr + dyn[i].size;
   }
   if (end > p) memset(p, 0xff, static_cast<size_t>(end - p));
+  tl_memcheck = saved;
 }
 
 struct StackPool {
@@ -94,12 +108,12 @@ struct StackPool {
   size_t count = 0, capacity = 0;
 };
 
-inline StackPool& stack_pool() {
+CUDAEMU_RUNTIME inline StackPool& stack_pool() {
   static StackPool pool;
   return pool;
 }
 
-inline Stack stack_take() {
+CUDAEMU_RUNTIME inline Stack stack_take() {
   StackPool& p = stack_pool();
   pthread_mutex_lock(&p.lock);
   if (p.count > 0) {
@@ -111,7 +125,7 @@ inline Stack stack_take() {
   return stack_alloc();
 }
 
-inline void stack_give(Stack s) {
+CUDAEMU_RUNTIME inline void stack_give(Stack s) {
   StackPool& p = stack_pool();
   pthread_mutex_lock(&p.lock);
   if (p.count == p.capacity) {
@@ -127,7 +141,7 @@ struct WorkerArgs {
   const ModuleInfo* module;
 };
 
-inline void run_block(Worker* w, unsigned long long b, Span tls, Span* dyn, int ndyn) {
+CUDAEMU_RUNTIME inline void run_block(Worker* w, unsigned long long b, Span tls, Span* dyn, int ndyn) {
   Launch* L = w->L;
   const unsigned long long gx = L->grid.x, gy = L->grid.y;
   w->block_linear = b;
@@ -172,7 +186,7 @@ inline void run_block(Worker* w, unsigned long long b, Span tls, Span* dyn, int 
   w->cur = nullptr;
 }
 
-inline void* worker_main(void* arg) {
+CUDAEMU_RUNTIME inline void* worker_main(void* arg) {
   WorkerArgs* a = static_cast<WorkerArgs*>(arg);
   Worker* w = a->w;
   Launch* L = w->L;
@@ -186,19 +200,25 @@ inline void* worker_main(void* arg) {
   }
   Span dyn[16];
   const int ndyn = a->module->dynamic_smem ? a->module->dynamic_smem(dyn, 16) : 0;
+  const ModuleVars& mv = module_vars();
+  const uintptr_t tls_lo = reinterpret_cast<uintptr_t>(tls.ptr);
+  MemCheck mc{tls_lo, tls_lo + tls.size, mv.vars, mv.nvars, L->margs, L->nmargs, L->dynamic_smem};
+  tl_memcheck = L->memcheck ? &mc : nullptr;
   for (;;) {
     if (__atomic_load_n(&L->failed, __ATOMIC_ACQUIRE)) break;
     const unsigned long long b = __atomic_fetch_add(&L->next_block, 1ull, __ATOMIC_RELAXED);
     if (b >= L->nblocks) break;
     run_block(w, b, tls, dyn, ndyn);
   }
+  tl_memcheck = nullptr;
   return nullptr;
 }
 
-inline int launch(const KernelEntry& k, const ModuleInfo& module, const unsigned* grid,
+CUDAEMU_RUNTIME inline int launch(const KernelEntry& k, const ModuleInfo& module, const unsigned* grid,
                   const unsigned* block, unsigned long long dynamic_smem, void** args,
                   int policy, unsigned long long seed, int workers, int strict, char* err,
-                  size_t errlen) {
+                  size_t errlen, const MemArg* margs = nullptr, int nmargs = 0,
+                  int memcheck = 0) {
   const unsigned long long nthreads =
       static_cast<unsigned long long>(block[0]) * block[1] * block[2];
   const unsigned long long nblocks = static_cast<unsigned long long>(grid[0]) * grid[1] * grid[2];
@@ -214,6 +234,9 @@ inline int launch(const KernelEntry& k, const ModuleInfo& module, const unsigned
     return 2;
   }
   Launch L;
+  L.margs = margs;
+  L.nmargs = nmargs;
+  L.memcheck = memcheck != 0;
   L.args = args;
   L.grid = dim3(grid[0], grid[1], grid[2]);
   L.block = dim3(block[0], block[1], block[2]);

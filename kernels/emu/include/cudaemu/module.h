@@ -24,18 +24,18 @@ constexpr char kind_of() {
 }
 
 template <typename... A, size_t... I>
-inline void invoke_impl(void (*f)(A...), void** args, std::index_sequence<I...>) {
+CUDAEMU_RUNTIME inline void invoke_impl(void (*f)(A...), void** args, std::index_sequence<I...>) {
   f(*static_cast<typename std::remove_cv<typename std::remove_reference<A>::type>::type*>(
       args[I])...);
 }
 
 template <typename... A>
-inline void invoke(void (*fn)(), void** args) {
+CUDAEMU_RUNTIME inline void invoke(void (*fn)(), void** args) {
   invoke_impl(reinterpret_cast<void (*)(A...)>(fn), args, std::index_sequence_for<A...>{});
 }
 
 template <typename... A>
-inline KernelEntry make_entry(const char* name, void (*f)(A...)) {
+CUDAEMU_RUNTIME inline KernelEntry make_entry(const char* name, void (*f)(A...)) {
   static const unsigned short sizes[] = {static_cast<unsigned short>(sizeof(A))..., 0};
   static const char kinds[] = {kind_of<A>()..., '\0'};
   return KernelEntry{name, reinterpret_cast<void (*)()>(f), &invoke<A...>,
@@ -58,9 +58,15 @@ inline KernelEntry make_entry(const char* name, void (*f)(A...)) {
   CUDAEMU_EXPORT int cudaemu_launch(int i, const unsigned* grid, const unsigned* block,      \
                                     unsigned long long smem, void** args, int policy,         \
                                     unsigned long long seed, int workers, int strict,         \
-                                    char* err, size_t errlen) {                               \
+                                    char* err, size_t errlen, const ::cudaemu::MemArg* margs, \
+                                    int nmargs, int memcheck) {                               \
     static const ::cudaemu::ModuleInfo info{reinterpret_cast<void*>(&cudaemu_kernel_count),   \
                                             dynamic_smem_fn, dynamic_smem_capacity};          \
     return ::cudaemu::launch(table[i], info, grid, block, smem, args, policy, seed, workers,  \
-                             strict, err, errlen);                                            \
+                             strict, err, errlen, margs, nmargs, memcheck);                   \
+  }                                                                                           \
+  /* The module's thread-local symbols (offset, size, name), sorted; the caller keeps them. */ \
+  CUDAEMU_EXPORT void cudaemu_set_vars(const ::cudaemu::MemVar* vars, int n) {                \
+    ::cudaemu::module_vars().vars = vars;                                                     \
+    ::cudaemu::module_vars().nvars = n;                                                       \
   }

@@ -24,7 +24,7 @@ enum class Op : uint8_t {
   ReduceMinU, ReduceMinI, ReduceMaxU, ReduceMaxI
 };
 
-inline const char* op_name(Op op) {
+CUDAEMU_RUNTIME inline const char* op_name(Op op) {
   static const char* names[] = {"__syncwarp", "__shfl_sync", "__shfl_up_sync",
                                 "__shfl_down_sync", "__shfl_xor_sync", "__ballot_sync",
                                 "__any_sync", "__all_sync", "__reduce_add_sync",
@@ -58,7 +58,12 @@ struct WarpState {
   Pending pending[32];
 };
 
+struct MemArg;
+
 struct Launch {
+  const MemArg* margs;  // pointer arguments' views for memory checking (memcheck.h)
+  int nmargs;
+  bool memcheck;
   void (*kernel_fn)();
   void (*kernel_invoker)(void (*)(), void**);
   void** args;
@@ -99,13 +104,13 @@ struct Worker {
 // exists before the worker looks it up.
 static thread_local char tls_anchor;
 
-inline Worker* cur_worker() { return static_cast<Worker*>(current_header()->worker); }
-inline Thread* cur_thread() { return static_cast<Thread*>(current_header()->thread); }
+CUDAEMU_RUNTIME inline Worker* cur_worker() { return static_cast<Worker*>(current_header()->worker); }
+CUDAEMU_RUNTIME inline Thread* cur_thread() { return static_cast<Thread*>(current_header()->thread); }
 
-inline void mark_runnable(Worker* w, unsigned i) { w->runnable[i >> 6] |= 1ull << (i & 63); }
-inline void mark_blocked(Worker* w, unsigned i) { w->runnable[i >> 6] &= ~(1ull << (i & 63)); }
+CUDAEMU_RUNTIME inline void mark_runnable(Worker* w, unsigned i) { w->runnable[i >> 6] |= 1ull << (i & 63); }
+CUDAEMU_RUNTIME inline void mark_blocked(Worker* w, unsigned i) { w->runnable[i >> 6] &= ~(1ull << (i & 63)); }
 
-inline uint64_t splitmix(uint64_t* s) {
+CUDAEMU_RUNTIME inline uint64_t splitmix(uint64_t* s) {
   uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -113,7 +118,7 @@ inline uint64_t splitmix(uint64_t* s) {
 }
 
 // Records the first error of the launch; later ones are usually consequences of it.
-inline void record_error(Worker* w, const char* fmt, va_list ap) {
+CUDAEMU_RUNTIME inline void record_error(Worker* w, const char* fmt, va_list ap) {
   Launch* L = w->L;
   pthread_mutex_lock(&L->err_lock);
   if (!__atomic_load_n(&L->failed, __ATOMIC_ACQUIRE)) {
@@ -132,7 +137,7 @@ inline void record_error(Worker* w, const char* fmt, va_list ap) {
 
 // Called on a fiber: record the error and never come back (the block is abandoned; kernel
 // frames hold nothing that needs destroying).
-[[noreturn]] inline void fail(const char* fmt, ...) {
+[[noreturn]] CUDAEMU_RUNTIME inline void fail(const char* fmt, ...) {
   Worker* w = cur_worker();
   va_list ap;
   va_start(ap, fmt);
@@ -143,19 +148,19 @@ inline void record_error(Worker* w, const char* fmt, va_list ap) {
   __builtin_unreachable();
 }
 
-inline void fail_from_scheduler(Worker* w, const char* fmt, ...) {
+CUDAEMU_RUNTIME inline void fail_from_scheduler(Worker* w, const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   record_error(w, fmt, ap);
   va_end(ap);
 }
 
-inline Thread* pick_next(Worker* w);
+CUDAEMU_RUNTIME inline Thread* pick_next(Worker* w);
 
 // The calling fiber has blocked (or exited): switch straight to the next thread the policy
 // picks, or keep running if that is the caller itself. The scheduler loop only comes back
 // in when nothing is runnable (block done or deadlock) or after an error.
-inline void yield(Worker* w, Thread* t) {
+CUDAEMU_RUNTIME inline void yield(Worker* w, Thread* t) {
   Thread* next = w->failed ? nullptr : pick_next(w);
   if (next == t) return;
   if (next == nullptr) {
@@ -166,7 +171,7 @@ inline void yield(Worker* w, Thread* t) {
   context_switch(&t->ctx, &next->ctx);
 }
 
-inline void release_barrier(Worker* w, BarrierKind kind) {
+CUDAEMU_RUNTIME inline void release_barrier(Worker* w, BarrierKind kind) {
   int count = 0;
   for (unsigned i = 0; i < w->nthreads; ++i)
     if (w->threads[i].wait == Wait::Barrier && w->threads[i].pred) ++count;
@@ -186,7 +191,7 @@ inline void release_barrier(Worker* w, BarrierKind kind) {
   w->at_barrier = 0;
 }
 
-inline int block_barrier(BarrierKind kind, int pred) {
+CUDAEMU_RUNTIME inline int block_barrier(BarrierKind kind, int pred) {
   Worker* w = cur_worker();
   Thread* t = w->cur;
   if (w->exited != 0 && w->L->strict)
@@ -202,7 +207,7 @@ inline int block_barrier(BarrierKind kind, int pred) {
 }
 
 // Source lane of a shuffle, following the PTX shfl.sync definition (segmask/clamp).
-inline unsigned shfl_source(Op op, unsigned lane, int param, int width, bool* in_range) {
+CUDAEMU_RUNTIME inline unsigned shfl_source(Op op, unsigned lane, int param, int width, bool* in_range) {
   const unsigned segmask = static_cast<unsigned>(32 - width) & 31u;
   const unsigned clamp = (op == Op::ShflUp) ? 0u : 31u;
   const unsigned max_lane = (lane & segmask) | (clamp & ~segmask);
@@ -221,7 +226,7 @@ inline unsigned shfl_source(Op op, unsigned lane, int param, int width, bool* in
   return ok ? static_cast<unsigned>(j) : lane;
 }
 
-inline void complete_collective(Worker* w, WarpState& ws, const Pending& p, unsigned warp) {
+CUDAEMU_RUNTIME inline void complete_collective(Worker* w, WarpState& ws, const Pending& p, unsigned warp) {
   Thread* lanes = w->threads + warp * 32;
   uint64_t ballot = 0, acc = 0;
   bool first = true;
@@ -271,7 +276,7 @@ inline void complete_collective(Worker* w, WarpState& ws, const Pending& p, unsi
   (void)ws;
 }
 
-inline uint64_t collective(Op op, uint32_t mask, uint64_t value, int param, int pred, int width) {
+CUDAEMU_RUNTIME inline uint64_t collective(Op op, uint32_t mask, uint64_t value, int param, int pred, int width) {
   Worker* w = cur_worker();
   Thread* t = w->cur;
   const uint32_t bit = 1u << t->lane;
@@ -315,7 +320,7 @@ inline uint64_t collective(Op op, uint32_t mask, uint64_t value, int param, int 
   return t->result;
 }
 
-[[noreturn]] inline void thread_exit(Worker* w, Thread* t) {
+[[noreturn]] CUDAEMU_RUNTIME inline void thread_exit(Worker* w, Thread* t) {
   const uint32_t bit = 1u << t->lane;
   WarpState& ws = w->warps[t->warp];
   for (int i = 0; i < ws.npending; ++i)
@@ -334,7 +339,7 @@ inline uint64_t collective(Op op, uint32_t mask, uint64_t value, int param, int 
   __builtin_unreachable();
 }
 
-inline void fiber_main(void* arg) {
+CUDAEMU_RUNTIME inline void fiber_main(void* arg) {
   Thread* t = static_cast<Thread*>(arg);
   Worker* w = cur_worker();
   w->L->kernel_invoker(w->L->kernel_fn, w->L->args);
@@ -342,7 +347,7 @@ inline void fiber_main(void* arg) {
 }
 
 // Lowest runnable index >= from (no wrap), or -1.
-inline int next_runnable(const Worker* w, unsigned from) {
+CUDAEMU_RUNTIME inline int next_runnable(const Worker* w, unsigned from) {
   const unsigned words = (w->nthreads + 63) / 64;
   unsigned wi = from >> 6;
   if (wi >= words) return -1;
@@ -355,7 +360,7 @@ inline int next_runnable(const Worker* w, unsigned from) {
 }
 
 // Highest runnable index <= from (no wrap), or -1.
-inline int prev_runnable(const Worker* w, unsigned from) {
+CUDAEMU_RUNTIME inline int prev_runnable(const Worker* w, unsigned from) {
   int wi = static_cast<int>(from >> 6);
   const unsigned shift = 63 - (from & 63);
   uint64_t bits = w->runnable[wi] & (~0ull >> shift);
@@ -366,7 +371,7 @@ inline int prev_runnable(const Worker* w, unsigned from) {
   }
 }
 
-inline Thread* pick_next(Worker* w) {
+CUDAEMU_RUNTIME inline Thread* pick_next(Worker* w) {
   const unsigned n = w->nthreads;
   int i = -1;
   switch (w->L->policy) {
@@ -390,7 +395,7 @@ inline Thread* pick_next(Worker* w) {
   return &w->threads[i];
 }
 
-inline void report_deadlock(Worker* w) {
+CUDAEMU_RUNTIME inline void report_deadlock(Worker* w) {
   char buf[1024];
   int n = snprintf(buf, sizeof(buf), "deadlock: %u thread(s) wait at __syncthreads", w->at_barrier);
   for (unsigned wi = 0; wi < w->nwarps && n < static_cast<int>(sizeof(buf)) - 96; ++wi) {
@@ -405,8 +410,17 @@ inline void report_deadlock(Worker* w) {
 
 }  // namespace cudaemu
 
+namespace cudaemu {
+// By value, from unchecked functions: the kernel's own (memory-checked) code never loads
+// the emulator's state, which may sit next to a tensor on the heap.
+CUDAEMU_RUNTIME inline uint3 thread_idx() { return cur_thread()->tid; }
+CUDAEMU_RUNTIME inline uint3 block_idx() { return cur_worker()->block_idx; }
+CUDAEMU_RUNTIME inline dim3 block_dim() { return cur_worker()->L->block; }
+CUDAEMU_RUNTIME inline dim3 grid_dim() { return cur_worker()->L->grid; }
+}  // namespace cudaemu
+
 // Built-in variables, read through the current fiber.
-#define threadIdx (::cudaemu::cur_thread()->tid)
-#define blockIdx (::cudaemu::cur_worker()->block_idx)
-#define blockDim (::cudaemu::cur_worker()->L->block)
-#define gridDim (::cudaemu::cur_worker()->L->grid)
+#define threadIdx (::cudaemu::thread_idx())
+#define blockIdx (::cudaemu::block_idx())
+#define blockDim (::cudaemu::block_dim())
+#define gridDim (::cudaemu::grid_dim())
