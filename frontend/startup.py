@@ -12,7 +12,7 @@ from noria.frontend.core import FrontendCore
 from noria.frontend.demo_model import resolve_model
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.processor import InputProcessor, eos_token_ids, load_tokenizer
-from noria.protocol.config import EngineConfig
+from noria.protocol.config import EngineConfig, WorkerLinkConfig
 from noria.protocol.model_shapes import check_tensor_parallel
 from noria.protocol.validation import convert
 
@@ -29,12 +29,13 @@ def make_config(model: str | os.PathLike[str] = "demo", **flags: Any) -> EngineC
     return convert({"model": os.fspath(model), **{k: v for k, v in flags.items() if v is not None}}, EngineConfig)
 
 
-def start_core(config: EngineConfig) -> FrontendCore:
+def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None) -> FrontendCore:
+    """Start the engine (its worker link as `link` says: local ranks over ipc by default)."""
     model_path = resolve_model(config.model)
     check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
     config = msgspec.structs.replace(config, model=model_path)
     tokenizer = load_tokenizer(config.tokenizer or model_path)
-    engine = EngineClient(config)
+    engine = EngineClient(config, link=link)
     ready = engine.ready
     log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", ready.num_kv_blocks, ready.block_size, ready.max_model_len)
     processor = InputProcessor(tokenizer, eos_token_ids(model_path, tokenizer), ready.vocab_size, ready.max_model_len)
