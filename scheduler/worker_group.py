@@ -227,9 +227,9 @@ class WorkerGroup:
 
     def _broadcast(self, msg: msgspec.Struct) -> bool:
         payload = self.codec.encode(msg)
-        for m in list(self.members.values()):
+        for m in [self.members[r] for r in sorted(self.members)]:
             if not self._send(m.identity, payload):
-                self._lose(m, f"{m.name}'s connection closed")
+                self._lose(m, f"the connection to {m.name} closed")
                 return False
         return True
 

@@ -52,9 +52,10 @@ class WorkerLink:
 
     # ---- main thread ------------------------------------------------------
 
-    def connect(self) -> None:
-        """A fresh DEALER; heartbeats at the registration pace until `beat` says otherwise."""
-        self.pipe.send_multipart([b"connect"])
+    def connect(self, timeout: float = REGISTER_TIMEOUT) -> None:
+        """A fresh DEALER; heartbeats at the registration pace until `beat` says otherwise,
+        and `LinkDown` after `timeout` s without a word from the scheduler."""
+        self.pipe.send_multipart([b"connect", msgspec.json.encode(min(timeout, REGISTER_TIMEOUT))])
 
     def beat(self, epoch: int, interval: float, timeout: float) -> None:
         """After Welcome: beat with this epoch, and call the scheduler lost after `timeout` s."""
@@ -140,7 +141,8 @@ class _State:
                 self.dealer.close(linger=0)
             self.dealer = link._new_dealer()
             self.poller.register(self.dealer, zmq.POLLIN)
-            self.epoch, self.interval, self.timeout = 0, REGISTER_BEAT, REGISTER_TIMEOUT
+            self.epoch, self.interval, self.timeout = 0, REGISTER_BEAT, msgspec.json.decode(frames[1])
+            self.beat_bytes = self.decoder.encode(Heartbeat(0))
             self.last_heard = self.next_beat = time.monotonic()
             self.down = False
         elif kind == b"beat":

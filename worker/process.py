@@ -88,7 +88,7 @@ class WorkerSession:
         opts = self.opts
         give_up = time.monotonic() + opts.scheduler_wait
         while True:
-            self.link.connect()
+            self.link.connect(timeout=opts.scheduler_wait)
             self.link.send(hello(opts.rank, opts.device, self.identity, opts.connect))
             while True:
                 msg = self.link.recv()
