@@ -12,10 +12,12 @@ import os
 import signal
 import threading
 
-from noria import SamplingParams
+import pytest
+
+from noria import Client, NoriaError, SamplingParams
 from noria.frontend.processor import load_tokenizer
 from tests.procs import engine_idle, serve_http, wait_metrics
-from tests.workers import local_workers, stats, stream_all, wait_for, wait_stats
+from tests.workers import health, local_workers, stats, stream_all, wait_for, wait_stats
 
 PROMPTS = [f"Request {i} asks the water wheel about the river" for i in range(32)]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -72,3 +74,17 @@ def test_sigkilled_worker_under_load_loses_nothing(demo_path):
         assert m["noria_requests_requeued_total"] == after.requests_requeued
         assert m["noria_tokens_recomputed_total"] == after.tokens_recomputed
         assert m["noria_seconds_without_worker"] > 0 and m["noria_workers_live"] == 1
+
+
+def test_a_worker_past_its_restart_bound_stays_down_and_requests_fail_cleanly(demo_path):
+    flags = ("--num-kv-blocks", "16", "--max-worker-restarts", "0", "--worker-timeout", "1", "--worker-wait", "2")
+    with serve_http(*flags) as served:
+        (worker,) = local_workers(served.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        wait_for("/health 503", lambda: health(served.http)[0] == 503, 10)
+        with Client(served.address, timeout=30) as c, pytest.raises(NoriaError) as e:
+            c.generate("still there?", GREEDY)
+        assert e.value.code == "engine_unavailable"
+        assert local_workers(served.proc.pid) == [], "the worker was restarted past --max-worker-restarts 0"
+        status, body = health(served.http)
+        assert status == 503 and "no worker" in body["reason"] and "connection to worker rank 0" in body["reason"]

@@ -10,9 +10,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import msgspec
@@ -24,22 +23,12 @@ from noria.protocol.codec import Codec
 from noria.protocol.sockets import free_tcp_port
 from noria.protocol.worker_link import Refused, Register, SchedulerToWorker
 from tests.procs import serve_http, wait_metrics
-from tests.workers import start_worker, wait_for
+from tests.workers import NORIA, health, start_worker, wait_for
 
 PROMPTS = ["Hello", "The river turns the wheel", "Once upon a time"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 WORKER_WAIT = 3.0
 ENGINE = ("--num-kv-blocks", "64", "--max-model-len", "256")
-
-
-def health(http: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(f"{http}/health", timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-    except OSError:
-        return 0, {}
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +132,12 @@ def test_a_worker_without_a_scheduler_gives_up(tmp_path: Path):
     out, _ = worker.communicate(timeout=60)
     assert worker.returncode == 1 and "no scheduler answered" in out
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "*"])
+def test_a_clear_text_worker_link_on_every_interface_is_refused_unless_insecure(host):
+    link = f"tcp://{host}:{free_tcp_port()}"
+    out = subprocess.run([*NORIA, "serve", "--worker-listen", link, "--num-local-workers", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "refusing to bind the worker link" in out.stderr
+    assert "--curve-keys" in out.stderr and "--insecure" in out.stderr

@@ -19,6 +19,7 @@ from noria.protocol.worker_link import (
     Register,
     SchedulerToWorker,
     Welcome,
+    WorkerFailed,
     WorkerReady,
 )
 from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
@@ -219,3 +220,13 @@ def test_heartbeats_go_out_and_silence_is_counted_from_the_last_word(rig):
     rig.group.tick()
     (lost,) = rig.events()
     assert isinstance(lost, GroupLost) and "silent for 5.5s" in lost.reason
+
+
+def test_a_rank_that_reports_a_failure_loses_the_group_and_a_stale_report_does_not(rig):
+    d, w = join(rig)
+    rig.send(d, WorkerFailed(w.epoch - 1, 0, "an old incarnation's failure"))
+    assert rig.events() == [] and rig.group.live
+    rig.send(d, WorkerFailed(w.epoch, 0, "Traceback (most recent call last):\nRuntimeError: boom"))
+    (lost,) = rig.events()
+    assert isinstance(lost, GroupLost) and "worker rank 0 (host-a pid 10) failed: RuntimeError: boom" in lost.reason
+    assert not rig.group.live and "RuntimeError: boom" in rig.group.status()

@@ -4,9 +4,12 @@ stream many requests at once, and poll the engine's stats with deadlines."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +19,17 @@ from noria.protocol.client import Delta, Done, Stats
 from tests.procs import children_of
 
 NORIA = [sys.executable, "-m", "noria.cli"]
+
+
+def health(http: str) -> tuple[int, dict]:
+    """GET /health: (status, body); (0, {}) while the bridge does not answer."""
+    try:
+        with urllib.request.urlopen(f"{http}/health", timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except OSError:
+        return 0, {}
 
 
 def worker_cmd(connect: str, *flags: str) -> list[str]:

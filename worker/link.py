@@ -11,6 +11,7 @@ scheduler) and drops the old one with whatever it still had queued.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -133,8 +134,8 @@ class _State:
 
     def _command(self, frames: list[bytes], link: WorkerLink) -> None:
         kind = frames[0]
-        if kind == b"send" and self.dealer is not None:
-            self.dealer.send(frames[1])
+        if kind == b"send":
+            self._send(frames[1])
         elif kind == b"connect":
             if self.dealer is not None:
                 self.poller.unregister(self.dealer)
@@ -151,6 +152,15 @@ class _State:
             self.last_heard = time.monotonic()
         elif kind == b"stop":
             self.alive = False
+
+    def _send(self, payload: bytes) -> None:
+        # A DEALER whose connection was refused (a CURVE handshake that failed) has no
+        # pipe, and a plain send would block this thread for good; the message is dropped
+        # instead: silence then says "no scheduler", and registration starts again.
+        if self.dealer is None:
+            return
+        with contextlib.suppress(zmq.Again):
+            self.dealer.send(payload, zmq.NOBLOCK)
 
     def _receive(self, link: WorkerLink) -> None:
         assert self.dealer is not None
@@ -173,7 +183,7 @@ class _State:
             return
         now = time.monotonic()
         if now >= self.next_beat:
-            self.dealer.send(self.beat_bytes)
+            self._send(self.beat_bytes)
             self.next_beat = now + self.interval
         if not self.down and now - self.last_heard > self.timeout:
             self.down = True

@@ -100,8 +100,10 @@ class WorkerSession:
                 if isinstance(msg, LinkDown):
                     break  # plans or disbands of an older incarnation are ignored
             if time.monotonic() > give_up:
-                log.error("no scheduler answered at %s for %gs (--scheduler-wait): giving up", opts.connect,
-                          opts.scheduler_wait)
+                hint = (" (with --curve-keys: is this worker's public key in the scheduler's authorized/ "
+                        "folder, and scheduler.key the scheduler's?)") if opts.curve_keys else ""
+                log.error("no scheduler answered at %s for %gs (--scheduler-wait): giving up%s", opts.connect,
+                          opts.scheduler_wait, hint)
                 return None
             log.warning("%s; registering again", msg.reason)
 
