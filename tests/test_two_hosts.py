@@ -7,18 +7,21 @@ within --worker-timeout, and once mended it registers again and the requests fin
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from noria import LLM, SamplingParams
+from noria import LLM, Client, SamplingParams
 from noria.protocol.security import generate_keys
 from noria.protocol.sockets import free_tcp_port
 from tests import netns
 from tests.procs import serve_http
+from tests.test_engine_parity import _with_tokenizer
 from tests.test_remote_worker import ENGINE
+from tests.tiny_models import make_checkpoint
 from tests.workers import NORIA, health, stream_all, wait_for, wait_stats, worker_cmd
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=f"no network namespaces: {netns.unavailable()}")
@@ -52,7 +55,9 @@ def hosts():
 def cluster(hosts, demo_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two-hosts")
     keys = tmp / "keys"
-    generate_keys(keys)
+    made = subprocess.run([*NORIA, "keygen", str(keys)], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0 and f"wrote {keys}/authorized/worker.key" in made.stdout
+    assert "copy to the worker's host" in made.stdout
     link = f"tcp://{hosts.addr_a}:{free_tcp_port(hosts.addr_a)}"
     log = tmp / "serve.log"
     with log.open("w") as err, serve_http(
@@ -122,3 +127,28 @@ def test_a_clear_text_link_on_the_network_is_refused(hosts):
     assert out.returncode == 2
     assert "refusing to bind the worker link" in out.stderr and "--curve-keys" in out.stderr
     assert "--insecure" in out.stderr
+
+
+def test_a_tensor_parallel_group_across_the_hosts_matches_one_rank(hosts, demo_path, tmp_path):
+    """Rank 0 on host B hosts the gloo rendezvous, rank 1 on host A joins it; --insecure
+    lets the link run in the clear on a network the operator trusts."""
+    ckpt = _with_tokenizer(make_checkpoint("llama", tmp_path / "llama", num_key_value_heads=4), demo_path)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(5, 500) for _ in range(rng.randint(2, 40))] for _ in range(4)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = ("--model", str(ckpt), "--dtype", "float32", "--num-kv-blocks", "32", "--block-size", "16")
+    with LLM(str(ckpt), dtype="float32", num_kv_blocks=32) as llm:
+        one_rank = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    link = f"tcp://{hosts.addr_a}:{free_tcp_port(hosts.addr_a)}"
+    with serve_http(*engine, "--tensor-parallel-size", "2", "--worker-listen", link, "--num-local-workers", "0",
+                    "--insecure", wait_bridge=False) as served:
+        hosts.popen_on_b(worker_cmd(link, "--rank", "0"))
+        rank1 = subprocess.Popen(worker_cmd(link, "--rank", "1"))
+        try:
+            wait_for("/health 200", lambda: health(served.http)[0] == 200, 120)
+            with Client(served.address, timeout=60) as c:
+                two_ranks = [c.generate(p, params).outputs[0].token_ids for p in prompts]
+        finally:
+            rank1.kill()
+            rank1.wait()
+    assert two_ranks == one_rank

@@ -37,7 +37,7 @@ from noria.protocol.worker_link import (
     WorkerShutdown,
 )
 from noria.worker.link import LinkDown, WorkerLink
-from noria.worker.registration import hello
+from noria.worker.registration import hello, use_route_for_gloo
 
 log = logging.getLogger("noria.worker")
 
@@ -121,6 +121,8 @@ class WorkerSession:
             self._close_runner()
             from noria.worker.model_runner import ModelRunner
 
+            if welcome.dist_init_method:
+                use_route_for_gloo(self.opts.connect)
             t0 = time.monotonic()
             self.runner = ModelRunner(config, self.opts.rank, welcome.dist_init_method)
             self.runner_key = key
