@@ -4,8 +4,9 @@ Systems (pick with --systems): hf-static-8/16/32 (HF `generate`, static
 left-padded batches, each runs until its longest request; only requested
 tokens count), hf-cb (HF continuous batching manager at its best CPU
 settings), noria-llm (`LLM.generate`), noria-serve (`noria serve` + the
-client library, all requests at once), ceiling (noria's recorded batch
-shapes replayed as bare forward passes). The three noria rows run --rounds
+client library, all requests at once), noria-llm-tp2 (`LLM.generate` with
+tensor parallelism over two ranks), ceiling (noria's recorded batch shapes
+replayed as bare forward passes). The three noria rows run --rounds
 times, interleaved, and the best of each is reported next to every run's
 time. Prints a table of output tokens/s and ratios, writes JSON and a PNG
 bar chart.
@@ -170,6 +171,10 @@ def run_one(name: str, args: argparse.Namespace, record: str, skip: int) -> dict
         return run_hf_cb(path, work)
     if name == "noria-llm":
         return run_noria_llm(path, work, flags, record)
+    if name == "noria-llm-tp2":
+        # Two ranks over gloo on the same cores: each rank runs half the heads and columns
+        # with half the threads, plus two all-reduces per layer.
+        return {**run_noria_llm(path, work, {**flags, "tensor_parallel_size": 2}, record), "system": name}
     if name == "noria-serve":
         return run_noria_serve(path, work, ["--num-kv-blocks", str(args.num_kv_blocks)], record)
     if name == "ceiling":
@@ -289,6 +294,8 @@ def _report(rows: list[dict], runs: dict[str, list[dict]]) -> dict[str, float]:
                 ratios[f"{name} wall / its own forward time"] = by[name]["seconds"] / by[name]["model_seconds"]
         if "noria-serve" in by:
             ratios["noria-serve / noria-llm"] = by["noria-serve"]["tok_s"] / n["tok_s"]
+        if "noria-llm-tp2" in by:
+            ratios["noria-llm-tp2 / noria-llm"] = by["noria-llm-tp2"]["tok_s"] / n["tok_s"]
         print(f"average running batch (noria): {n['avg_running_batch']:.1f}")
     for k, v in ratios.items():
         print(f"{k:<50} {v:6.2f}")

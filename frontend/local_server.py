@@ -11,9 +11,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
+from noria.protocol.lifecycle import stop_child
 from noria.protocol.sockets import free_tcp_port
 
 
@@ -22,33 +23,39 @@ def wait_ready(address: str, proc: subprocess.Popen, timeout: float = 120.0) -> 
     from noria.frontend.client import Client
     from noria.protocol.errors import NoriaError
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"noria serve exited early with code {proc.returncode}")
+    def answers() -> bool:
         try:
             with Client(address, timeout=2.0) as c:
                 c.hello()
-                return
+                return True
         except NoriaError:
-            continue
-    raise TimeoutError(f"noria serve did not answer hello on {address} within {timeout:.0f}s")
+            return False
+
+    _poll(answers, proc, timeout, f"noria serve did not answer hello on {address}")
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
     """Wait until the bridge at `url` answers GET /health with 200, or fail if `proc` exits first."""
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    _poll(healthy, proc, timeout, f"{url}/health did not answer 200")
+
+
+def _poll(check: Callable[[], bool], proc: subprocess.Popen, timeout: float, failure: str) -> None:
+    """Call `check` until it holds; fail at once if `proc` exits, or after `timeout` s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"noria exited early with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
+        if check():
+            return
         time.sleep(0.1)  # poll interval, not synchronisation: the deadline bounds the wait
-    raise TimeoutError(f"{url}/health did not answer 200 within {timeout:.0f}s")
+    raise TimeoutError(f"{failure} within {timeout:.0f}s")
 
 
 class LocalServer:
@@ -81,15 +88,7 @@ class LocalServer:
 
     def stop(self, timeout: float = 30.0) -> int:
         """Ctrl-C the server, as a user would; kill it if it is not gone in `timeout` s."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise
-        return self.proc.returncode
+        return stop_child(self.proc, signal.SIGINT, timeout)
 
     def __enter__(self) -> LocalServer:
         return self

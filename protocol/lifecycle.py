@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -25,3 +26,14 @@ def become_child() -> None:
                 os._exit(3)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def stop_child(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 5.0) -> int:
+    """Ask a child to stop with `sig`; kill it if it is still there after `timeout` s."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

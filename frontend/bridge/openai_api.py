@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -17,7 +19,7 @@ from noria.frontend.bridge.errors import BadRequest, error_body, from_decode, fr
 from noria.frontend.bridge.fanout import Fanout
 from noria.frontend.bridge.gateway import Gateway
 from noria.frontend.bridge.openai_builders import ChatBuilder, CompletionBuilder
-from noria.frontend.bridge.openai_requests import chat_generate, completion_generates, read_body
+from noria.frontend.bridge.openai_requests import R, chat_generate, completion_generates, read_body
 from noria.frontend.bridge.openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -26,6 +28,7 @@ from noria.frontend.bridge.openai_schema import (
     SamplingFields,
 )
 from noria.frontend.bridge.state import GATEWAY, STARTED
+from noria.protocol.client import Generate
 from noria.protocol.errors import NoriaError
 
 _encode = msgspec.json.Encoder().encode
@@ -66,33 +69,36 @@ def _error_response(e: Exception) -> web.Response:
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
-    gateway = request.app[GATEWAY]
-    try:
-        req = await read_body(request, CompletionRequest)
-        messages = completion_generates(req, gateway.new_id)
-        model = await _served_model(gateway, req.model)
-    except _INPUT_ERRORS as e:
-        return _error_response(e)
-    builder = CompletionBuilder(
-        f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), len(messages), req.n,
-        logprobs=req.logprobs is not None, stream=req.stream, include_usage=_include_usage(req),
-    )
-    return await _run(request, Fanout(gateway, messages), builder)
+    def builder(req: CompletionRequest, model: str, num: int) -> CompletionBuilder:
+        return CompletionBuilder(
+            f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), num, req.n,
+            logprobs=req.logprobs is not None, stream=req.stream, include_usage=_include_usage(req),
+        )
+
+    return await _serve(request, CompletionRequest, completion_generates, builder)
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:
+    def builder(req: ChatRequest, model: str, num: int) -> ChatBuilder:
+        return ChatBuilder(
+            f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), req.n,
+            logprobs=req.logprobs, stream=req.stream, include_usage=_include_usage(req),
+        )
+
+    return await _serve(request, ChatRequest, lambda req, new_id: [chat_generate(req, new_id)], builder)
+
+
+async def _serve(request: web.Request, kind: type[R], to_messages: Callable[[R, Callable[[], str]], list[Generate]],
+                 make_builder: Callable[[R, str, int], Any]) -> web.StreamResponse:
+    """Read and check the body, then fan its generate messages out and build OpenAI's answer."""
     gateway = request.app[GATEWAY]
     try:
-        req = await read_body(request, ChatRequest)
-        message = chat_generate(req, gateway.new_id)
+        req = await read_body(request, kind)
+        messages = to_messages(req, gateway.new_id)
         model = await _served_model(gateway, req.model)
     except _INPUT_ERRORS as e:
         return _error_response(e)
-    builder = ChatBuilder(
-        f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), req.n,
-        logprobs=req.logprobs, stream=req.stream, include_usage=_include_usage(req),
-    )
-    return await _run(request, Fanout(gateway, [message]), builder)
+    return await _run(request, Fanout(gateway, messages), make_builder(req, model, len(messages)))
 
 
 def _include_usage(req: SamplingFields) -> bool:

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 
 from noria.frontend.api_key import child_env
+from noria.protocol.lifecycle import stop_child
 
 log = logging.getLogger("noria.bridge")
 
@@ -51,10 +52,4 @@ class BridgeProcess:
 
     def stop(self, timeout: float = 5.0) -> None:
         self.stopping = True
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_child(self.proc, signal.SIGTERM, timeout)
