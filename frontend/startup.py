@@ -37,6 +37,10 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None) -> Fr
     tokenizer = load_tokenizer(config.tokenizer or model_path)
     engine = EngineClient(config, link=link)
     ready = engine.ready
-    log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", ready.num_kv_blocks, ready.block_size, ready.max_model_len)
+    if ready.num_kv_blocks:
+        log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", ready.num_kv_blocks, ready.block_size,
+                 ready.max_model_len)
+    else:  # remote workers only: requests wait until one has registered
+        log.info("engine ready, waiting for workers to register; max_model_len %d", ready.max_model_len)
     processor = InputProcessor(tokenizer, eos_token_ids(model_path, tokenizer), ready.vocab_size, ready.max_model_len)
     return FrontendCore(engine, processor)
