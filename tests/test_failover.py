@@ -22,7 +22,8 @@ from tests.workers import health, local_workers, stats, stream_all, wait_for, wa
 PROMPTS = [f"Request {i} asks the water wheel about the river" for i in range(32)]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 # 16 blocks of 16 tokens hold about 5 of the 32 requests: preemption all along.
-FLAGS = ("--num-kv-blocks", "16", "--max-num-seqs", "32", "--max-model-len", "256", "--worker-timeout", "2")
+# The default --worker-timeout (5 s): a SIGKILL is seen at the next heartbeat's failed send.
+FLAGS = ("--num-kv-blocks", "16", "--max-num-seqs", "32", "--max-model-len", "256")
 
 
 def _kill_during(address: str, server_pid: int, progress: list[int], marks: list[int],
@@ -77,7 +78,7 @@ def test_sigkilled_worker_under_load_loses_nothing(demo_path):
 
 
 def test_a_worker_past_its_restart_bound_stays_down_and_requests_fail_cleanly(demo_path):
-    flags = ("--num-kv-blocks", "16", "--max-worker-restarts", "0", "--worker-timeout", "1", "--worker-wait", "2")
+    flags = ("--num-kv-blocks", "16", "--max-worker-restarts", "0", "--worker-wait", "2")
     with serve_http(*flags) as served:
         (worker,) = local_workers(served.proc.pid)
         os.kill(worker, signal.SIGKILL)

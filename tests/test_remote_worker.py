@@ -36,7 +36,7 @@ def remote(demo_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("remote") / "serve.log"
     link = f"tcp://127.0.0.1:{free_tcp_port()}"
     with log.open("w") as err, serve_http(
-        "--worker-listen", link, "--num-local-workers", "0", *ENGINE, "--worker-timeout", "1",
+        "--worker-listen", link, "--num-local-workers", "0", *ENGINE, "--worker-timeout", "2",
         "--worker-wait", str(WORKER_WAIT), wait_bridge=False, stderr=err,
     ) as served:
         wait_for("the bridge", lambda: health(served.http)[0], 60)

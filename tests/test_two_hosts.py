@@ -62,7 +62,7 @@ def cluster(hosts, demo_path, tmp_path_factory):
     log = tmp / "serve.log"
     with log.open("w") as err, serve_http(
         "--worker-listen", link, "--num-local-workers", "0", "--curve-keys", str(keys), *ENGINE,
-        "--worker-timeout", "1", "--worker-wait", "60", wait_bridge=False, stderr=err,
+        "--worker-timeout", "2", "--worker-wait", "60", wait_bridge=False, stderr=err,
     ) as served:
         wait_for("the bridge", lambda: health(served.http)[0], 60)
         yield served, link, keys, log, tmp
@@ -89,7 +89,7 @@ def test_a_cut_network_loses_the_worker_and_mending_it_brings_it_back(cluster, h
         hosts.cut()
         try:
             lost = await asyncio.to_thread(
-                wait_stats, served.address, lambda s: not s.stats.workers_live, "the worker to be lost", 5)
+                wait_stats, served.address, lambda s: not s.stats.workers_live, "the worker to be lost", 8)
             assert "silent" in lost.stats.worker_status
             during_cut.append(deltas[0])
             await asyncio.sleep(1.0)  # a window in which no delta may arrive, not a synchronisation
