@@ -138,7 +138,8 @@ class SchedulerProcess:
                 self._group_ready(ev)
             elif isinstance(ev, GroupLost):
                 self._group_lost(ev.reason)
-        self.stats_due = self.stats_due or bool(events and not all(isinstance(e, StepResult) for e in events))
+        if any(not isinstance(e, StepResult) for e in events):
+            self.stats_due = True  # the worker status changed: say so at once (/health reads it)
 
     def _group_ready(self, ev: GroupReady) -> None:
         self.sched.install_kv(ev.num_kv_blocks, ev.num_cpu_blocks, ev.max_model_len)
