@@ -30,7 +30,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logging.getLogger("noria").setLevel(logging.INFO)
     opts = WorkerOptions(connect=args.connect, rank=args.rank, model=args.model, device=args.device,
                          curve_keys=args.curve_keys, scheduler_wait=args.scheduler_wait)
-    return run(opts)
+    try:
+        return run(opts)
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C: the scheduler sees the connection close and re-queues this rank's work
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
