@@ -92,7 +92,7 @@ class WorkerLink:
                 state.dealer.close(linger=1000)
             pipe.close(linger=0)
 
-    def _new_dealer(self) -> zmq.Socket:
+    def make_dealer(self) -> zmq.Socket:
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, 0)
@@ -113,12 +113,12 @@ class _State:
         self.dealer: zmq.Socket | None = None
         self.poller = zmq.Poller()
         self.poller.register(pipe, zmq.POLLIN)
-        self.decoder: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
+        self.codec: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
         self.epoch, self.interval, self.timeout = 0, REGISTER_BEAT, REGISTER_TIMEOUT
         self.last_heard = self.next_beat = time.monotonic()
         self.down = False
         self.alive = True
-        self.beat_bytes = self.decoder.encode(Heartbeat(0))
+        self.beat_bytes = self.codec.encode(Heartbeat(0))
 
     def step(self, link: WorkerLink) -> None:
         wait = None  # nothing but commands to wait for until the first connect
@@ -140,15 +140,15 @@ class _State:
             if self.dealer is not None:
                 self.poller.unregister(self.dealer)
                 self.dealer.close(linger=0)
-            self.dealer = link._new_dealer()
+            self.dealer = link.make_dealer()
             self.poller.register(self.dealer, zmq.POLLIN)
             self.epoch, self.interval, self.timeout = 0, REGISTER_BEAT, msgspec.json.decode(frames[1])
-            self.beat_bytes = self.decoder.encode(Heartbeat(0))
+            self.beat_bytes = self.codec.encode(Heartbeat(0))
             self.last_heard = self.next_beat = time.monotonic()
             self.down = False
         elif kind == b"beat":
             self.epoch, self.interval, self.timeout = msgspec.json.decode(frames[1])
-            self.beat_bytes = self.decoder.encode(Heartbeat(self.epoch))
+            self.beat_bytes = self.codec.encode(Heartbeat(self.epoch))
             self.last_heard = time.monotonic()
         elif kind == b"stop":
             self.alive = False
@@ -172,7 +172,7 @@ class _State:
             self.last_heard = time.monotonic()
             self.down = False
             try:
-                msg = self.decoder.decode(payload)
+                msg = self.codec.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 msg = Refused(f"cannot read the scheduler's message ({e}): run the same noria version on both hosts")
             if not isinstance(msg, Heartbeat):
@@ -187,5 +187,7 @@ class _State:
             self.next_beat = now + self.interval
         if not self.down and now - self.last_heard > self.timeout:
             self.down = True
-            link.inbox.put(LinkDown(f"the scheduler at {link.address} has been silent for "
-                                    f"{now - self.last_heard:.1f}s"))
+            quiet = now - self.last_heard
+            why = (f"no answer from the scheduler at {link.address} for {quiet:.1f}s" if self.epoch == 0 else
+                   f"the scheduler at {link.address} has been silent for {quiet:.1f}s")
+            link.inbox.put(LinkDown(why))
