@@ -23,6 +23,7 @@ from noria.protocol.worker_link import (
     WorkerReady,
 )
 from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
+from tests.workers import wait_for
 
 MODEL = ModelIdentity("aa" * 32, [WeightFile("model.safetensors", 1000, "bb" * 32)])
 CODEC: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
@@ -69,6 +70,23 @@ class Rig:
             if not isinstance(msg, Heartbeat):
                 out.append(msg)
         return out
+
+    def hang_up(self, dealer: zmq.Socket, rank: int) -> None:
+        """Close a rank's socket, as its process dying would, and wait until the ROUTER knows
+        (a closing inproc peer is noticed asynchronously: probe until the send fails)."""
+        identity = self.group.members[rank].identity
+        dealer.close(linger=0)
+        self.dealers.remove(dealer)
+        beat = CODEC.encode(Heartbeat(0))
+
+        def gone() -> bool:
+            try:
+                self.router.send_multipart([identity, beat])
+                return False
+            except zmq.ZMQError as e:
+                return e.errno == zmq.EHOSTUNREACH
+
+        wait_for("the ROUTER to notice the closed socket", gone, 10)
 
     def events(self) -> list[object]:
         ev, self.group.events = self.group.events, []
@@ -163,8 +181,7 @@ def test_a_live_rank_is_not_taken_but_a_dead_one_is(rig):
     assert isinstance(refused, Refused) and "taken by a live worker rank 0 (host-a pid 10)" in refused.reason
     assert rig.events() == []
     # Its socket closes (the process died): the probe's send fails and the rank is free.
-    first.close(linger=0)
-    rig.dealers.remove(first)
+    rig.hang_up(first, 0)
     replacement = rig.dealer()
     rig.send(replacement, hello(pid=12))
     assert [type(e) for e in rig.events()] == [GroupLost]
@@ -185,8 +202,7 @@ def test_a_tensor_parallel_group_forms_from_every_rank_and_falls_with_any():
         assert rig.events() == []
         rig.send(r1, WorkerReady(w0.epoch, 1, 48, 4, 1000, 1024))
         assert rig.events() == [GroupReady(w0.epoch, 48, 4, 1024, 1000)], "capacity is the minimum over ranks"
-        r1.close(linger=0)
-        rig.dealers.remove(r1)
+        rig.hang_up(r1, 1)
         assert not rig.group.send_plan(StepPlan(1, [(0, 1)]))
         assert [type(e) for e in rig.events()] == [GroupLost]
         assert [type(m) for m in rig.recv(r0)] == [StepPlan, Disband]
