@@ -18,7 +18,8 @@ from noria.protocol.codec import Codec
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest
 from noria.protocol.sampling import SamplingParams
-from noria.protocol.step import SchedulerToWorker, StepResult
+from noria.protocol.step import StepResult
+from noria.protocol.worker_link import SchedulerToWorker
 from noria.scheduler.scheduler import Scheduler
 
 

@@ -1,4 +1,4 @@
-"""The frontend's `noria` subcommands: serve, generate, bridge (noria/cli.py adds the rest)."""
+"""The frontend's `noria` subcommands: serve, generate, bridge, keygen (noria/cli.py adds the rest)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import typing
 from typing import Any
 
 from noria.frontend.api_key import add_api_key_args, resolve_api_key
-from noria.protocol.config import BlockSize, Device, Dtype, EngineConfig, PreemptionMode
+from noria.protocol.config import (
+    RESTART_WINDOW,
+    BlockSize,
+    Device,
+    Dtype,
+    EngineConfig,
+    PreemptionMode,
+    WorkerLinkConfig,
+)
 
 
 def _choices(literal: Any) -> list[Any]:
@@ -42,6 +50,35 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
+def add_worker_link_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("worker link")
+    g.add_argument("--worker-listen", default=None, metavar="tcp://HOST:PORT",
+                   help="bind the worker link here for `noria worker --connect` (default: a private ipc path)")
+    g.add_argument("--num-local-workers", type=int, default=None,
+                   help="worker ranks this command starts itself (default: --tensor-parallel-size, 0 with --worker-listen)")
+    g.add_argument("--worker-timeout", type=float, default=None, metavar="S",
+                   help="a worker silent this long is lost (heartbeats; default 5)")
+    g.add_argument("--worker-wait", type=float, default=None, metavar="S",
+                   help="without a live worker this long, waiting requests fail with engine_unavailable (default 30)")
+    g.add_argument("--max-worker-restarts", type=int, default=None,
+                   help=f"restarts of a local worker rank per {RESTART_WINDOW:g} s before giving up (default 5)")
+    g.add_argument("--curve-keys", default=None, metavar="DIR",
+                   help="encrypt and authenticate the worker link with CURVE keys from `noria keygen DIR`")
+    g.add_argument("--insecure", action="store_true",
+                   help="allow --worker-listen on a network address without --curve-keys")
+
+
+def worker_link_config(args: argparse.Namespace) -> WorkerLinkConfig:
+    from noria.protocol.security import check_exposure
+    from noria.protocol.validation import convert
+
+    names = set(WorkerLinkConfig.__struct_fields__)
+    link = convert({k: v for k, v in vars(args).items() if k in names and v is not None}, WorkerLinkConfig)
+    if link.worker_listen:
+        check_exposure(link.worker_listen, link.curve_keys, link.insecure)
+    return link
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
@@ -51,7 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     api_key = resolve_api_key(args)  # before any child starts: none of them may inherit it
     config = make_config(args.model, **engine_flags(args))
-    core = start_core(config)
+    link = worker_link_config(args)  # refuses a clear-text network bind before anything starts
+    core = start_core(config, link)
     address = f"tcp://{args.host}:{args.zmq_port}"
     server = FrontendServer(core, address, args.model)
     server.install_signal_handlers()
@@ -92,9 +130,24 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     return run(args.engine, args.host, args.port, resolve_api_key(args), parent_pid=args.parent_pid)
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from noria.protocol.security import generate_keys
+
+    written = generate_keys(args.dir, args.name)
+    for path in written:
+        print(f"wrote {path}")
+    folder = Path(args.dir)
+    print(f"the scheduler's host keeps {folder}; copy to the worker's host: "
+          f"{folder / 'scheduler.key'} {folder / (args.name + '.key')} {folder / (args.name + '.key_secret')}")
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="start frontend, scheduler, workers (and the bridge)")
     add_engine_args(s)
+    add_worker_link_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="HTTP/websocket port")
     s.add_argument("--zmq-port", type=int, default=5555, help="ZMQ client API port")
@@ -116,6 +169,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_api_key_args(br)
     br.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # set by `noria serve`
     br.set_defaults(fn=cmd_bridge)
+
+    k = sub.add_parser("keygen", help="write ZMQ CURVE key pairs for --curve-keys / --zmq-curve-keys")
+    k.add_argument("dir", help="key folder (created; the scheduler's pair is kept if it exists)")
+    k.add_argument("--name", default="worker", help="name of the worker key pair to add (default: worker)")
+    k.set_defaults(fn=cmd_keygen)
 
 
 def parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:

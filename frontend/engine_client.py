@@ -9,7 +9,7 @@ import zmq
 
 from noria.frontend.launcher import EngineProcesses
 from noria.protocol.codec import Codec
-from noria.protocol.config import EngineAddresses, EngineConfig
+from noria.protocol.config import EngineAddresses, EngineConfig, WorkerLinkConfig
 from noria.protocol.engine import (
     EngineAbort,
     EngineDead,
@@ -25,11 +25,13 @@ from noria.protocol.sockets import make_socket
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, addrs: EngineAddresses | None = None) -> None:
-        """Launch the engine processes locally, or connect to `addrs` if given."""
+    def __init__(self, config: EngineConfig, addrs: EngineAddresses | None = None,
+                 link: WorkerLinkConfig | None = None) -> None:
+        """Launch the engine processes locally (their worker link as `link` says), or
+        connect to `addrs` if given."""
         self.procs: EngineProcesses | None = None
         if addrs is None:
-            self.procs = EngineProcesses(config)
+            self.procs = EngineProcesses(config, link)
             addrs = self.procs.addrs
         self.ctx = zmq.Context()
         self.push = make_socket(self.ctx, zmq.PUSH, addrs.requests, bind=False)
@@ -42,11 +44,13 @@ class EngineClient:
         except BaseException:
             self.close()
             raise
+        if self.procs:
+            self.procs.watch()  # from now on a local worker that exits is restarted
 
     def _wait_ready(self, timeout: float) -> EngineReady:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            dead = self.procs.dead() if self.procs else None
+            dead = self.procs.startup_failure() if self.procs else None
             if dead:
                 raise NoriaError(ErrorCode.ENGINE_DEAD, f"start-up failed: {dead}")
             if self.pull.poll(200):
@@ -58,6 +62,7 @@ class EngineClient:
         raise NoriaError(ErrorCode.ENGINE_DEAD, f"the engine did not become ready in {timeout:.0f}s")
 
     def dead(self) -> str | None:
+        """Why the engine is dead (its scheduler exited), or None; a worker's exit is not."""
         return self.procs.dead() if self.procs else None
 
     def add(self, req: EngineRequest) -> None:

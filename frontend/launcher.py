@@ -1,79 +1,151 @@
-"""Starts the scheduler and worker processes on this host and watches them.
+"""Starts the scheduler and the local worker ranks on this host and watches them.
 
 Children are started as `python -m noria.scheduler` / `python -m noria.worker` (the same
-commands a multi-host deployment runs by hand), so the frontend never imports
-engine code. A child that exits is reported by name.
+code a multi-host deployment runs as `noria worker`), so the frontend never imports engine
+code. Local ranks register on the scheduler's worker link like remote ones; their config
+comes in the scheduler's Welcome.
+
+While the engine starts, any child that exits is reported by name (start-up fails). Once
+it is up, only the scheduler's exit is an engine death: a worker rank that exits is
+restarted, at most `max_worker_restarts` times per rank within `RESTART_WINDOW` seconds;
+past that it stays down, and the scheduler fails waiting requests after `worker_wait`.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from urllib.parse import urlsplit
 
 import msgspec
 
 from noria.frontend.api_key import child_env
-from noria.protocol.config import EngineAddresses, EngineConfig
+from noria.protocol.config import RESTART_WINDOW, EngineAddresses, EngineConfig, WorkerLinkConfig
+
+log = logging.getLogger("noria.launcher")
+
+WATCH_INTERVAL = 0.1
 
 
-def local_addresses(tensor_parallel_size: int, folder: str) -> EngineAddresses:
-    """ipc:// addresses inside `folder`, a private directory removed at shutdown."""
+def local_addresses(folder: str, worker_listen: str | None) -> EngineAddresses:
+    """ipc:// addresses inside `folder`, a private directory removed at shutdown; the
+    worker link is `worker_listen` when remote workers are to reach it."""
     return EngineAddresses(
         requests=f"ipc://{folder}/requests",
         outputs=f"ipc://{folder}/outputs",
-        plans=[f"ipc://{folder}/plans{r}" for r in range(tensor_parallel_size)],
-        results=f"ipc://{folder}/results",
+        workers=worker_listen or f"ipc://{folder}/workers",
     )
 
 
-def free_tcp_address() -> str:
-    """tcp://127.0.0.1:PORT on a port free right now: the tensor-parallel
-    ranks' torch.distributed rendezvous, which rank 0 binds."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+def connect_address(bound: str) -> str:
+    """Where a local rank connects to a link bound at `bound` (a wildcard host is not an address)."""
+    parts = urlsplit(bound)
+    if parts.scheme == "tcp" and parts.hostname in ("*", "0.0.0.0", "::"):
+        return f"tcp://127.0.0.1:{parts.port}"
+    return bound
 
 
 class EngineProcesses:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, link: WorkerLinkConfig | None = None) -> None:
+        link = link or WorkerLinkConfig()
+        self.link = link
         self.folder = tempfile.mkdtemp(prefix="noria-")
-        self.addrs = addrs = local_addresses(config.tensor_parallel_size, self.folder)
-        common = [
-            "--config", msgspec.json.encode(config).decode(),
-            "--addresses", msgspec.json.encode(addrs).decode(),
-        ]
+        self.addrs = addrs = local_addresses(self.folder, link.worker_listen)
+        self.num_local = link.local_workers(config.tensor_parallel_size)
+        self.link_json = msgspec.json.encode(msgspec.structs.replace(link, num_local_workers=self.num_local)).decode()
+        self.env = child_env()  # the engine never needs the API key
+        self.lock = threading.Lock()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        env = child_env()  # the engine never needs the API key
-        self.procs["scheduler"] = subprocess.Popen([sys.executable, "-m", "noria.scheduler", *common], env=env)
-        dist = ["--dist-init-method", free_tcp_address()] if config.tensor_parallel_size > 1 else []
-        for rank in range(config.tensor_parallel_size):
-            self.procs[f"worker rank {rank}"] = subprocess.Popen(
-                [sys.executable, "-m", "noria.worker", *common, "--rank", str(rank), *dist], env=env
-            )
+        self.procs["scheduler"] = subprocess.Popen(
+            [sys.executable, "-m", "noria.scheduler", "--config", msgspec.json.encode(config).decode(),
+             "--addresses", msgspec.json.encode(addrs).decode(), "--link", self.link_json], env=self.env,
+        )
+        self.worker_argv = [sys.executable, "-m", "noria.worker", "--connect", connect_address(addrs.workers),
+                            "--model", config.model, "--device", config.device]
+        if link.curve_keys:
+            self.worker_argv += ["--curve-keys", link.curve_keys]
+        for rank in range(self.num_local):
+            self.procs[_worker_name(rank)] = self._start_worker(rank)
+        self.restarts: dict[int, collections.deque[float]] = {r: collections.deque() for r in range(self.num_local)}
+        self.given_up: set[int] = set()
+        self.stopping = threading.Event()
+        self.watcher: threading.Thread | None = None
 
-    def dead(self) -> str | None:
-        """A sentence naming the first child that has exited, or None."""
-        for name, p in self.procs.items():
-            rc = p.poll()
-            if rc is not None:
-                return f"the {name} process exited with code {rc}"
+    def _start_worker(self, rank: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([*self.worker_argv, "--rank", str(rank)], env=self.env)
+
+    def startup_failure(self) -> str | None:
+        """While the engine starts: a sentence naming the first child that has exited, or None."""
+        with self.lock:
+            for name, p in self.procs.items():
+                rc = p.poll()
+                if rc is not None:
+                    return f"the {name} process exited with code {rc}"
         return None
 
+    def dead(self) -> str | None:
+        """Once the engine is up: why it is dead (its scheduler exited), or None. Worker
+        ranks that exit are restarted by `watch`, not reported here."""
+        rc = self.procs["scheduler"].poll()
+        return None if rc is None else f"the scheduler process exited with code {rc}"
+
+    def watch(self) -> None:
+        """From now on, restart local ranks that exit (the engine is up)."""
+        if self.num_local and self.watcher is None:
+            self.watcher = threading.Thread(target=self._watch, name="worker-watch", daemon=True)
+            self.watcher.start()
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(WATCH_INTERVAL):
+            for rank in range(self.num_local):
+                if rank in self.given_up:
+                    continue
+                with self.lock:
+                    rc = self.procs[_worker_name(rank)].poll()
+                if rc is not None and not self.stopping.is_set():
+                    self._restart(rank, rc)
+
+    def _restart(self, rank: int, rc: int) -> None:
+        now = time.monotonic()
+        recent = self.restarts[rank]
+        while recent and now - recent[0] > RESTART_WINDOW:
+            recent.popleft()
+        if len(recent) >= self.link.max_worker_restarts:
+            self.given_up.add(rank)
+            log.error("worker rank %d exited with code %d; not restarting it: %d restart(s) in the last %gs "
+                      "(--max-worker-restarts %d)", rank, rc, len(recent), RESTART_WINDOW,
+                      self.link.max_worker_restarts)
+            return
+        recent.append(now)
+        log.warning("worker rank %d exited with code %d; restarting it", rank, rc)
+        with self.lock:
+            self.procs[_worker_name(rank)] = self._start_worker(rank)
+
     def shutdown(self, timeout: float = 5.0) -> None:
+        self.stopping.set()
+        if self.watcher is not None:
+            self.watcher.join()
         deadline = time.monotonic() + timeout
-        for p in self.procs.values():
+        procs = list(self.procs.values())
+        for p in procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.terminate()
-        for p in self.procs.values():
+        for p in procs:
             try:
                 p.wait(2.0)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _worker_name(rank: int) -> str:
+    return f"worker rank {rank}"

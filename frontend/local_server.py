@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
+from typing import IO, Any
 
 from noria.protocol.lifecycle import stop_child
 from noria.protocol.sockets import free_tcp_port
@@ -60,19 +61,20 @@ def _poll(check: Callable[[], bool], proc: subprocess.Popen, timeout: float, fai
 class LocalServer:
     """`noria serve FLAGS` on free ZMQ and HTTP ports (unless FLAGS name them).
 
-    `cmd` replaces the `noria` command (default: this interpreter's `-m noria.frontend.cli`).
+    `cmd` replaces the `noria` command (default: this interpreter's `-m noria.frontend.cli`);
+    `stderr` takes the server's log (default: this process's stderr).
     """
 
     def __init__(
         self, *flags: str, cmd: list[str] | None = None, cwd: str | None = None,
-        env: Mapping[str, str] | None = None, zmq_port: int | None = None,
+        env: Mapping[str, str] | None = None, zmq_port: int | None = None, stderr: IO[Any] | None = None,
     ) -> None:
         zmq_port = zmq_port or free_tcp_port()
         extra = [] if "--port" in flags else ["--port", str(free_tcp_port())]
         argv = [*(cmd or [sys.executable, "-m", "noria.frontend.cli"]), "serve", "--zmq-port", str(zmq_port), *extra, *flags]
         self.address = f"tcp://127.0.0.1:{zmq_port}"
         self.http = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
-        self.proc = subprocess.Popen(argv, cwd=cwd, env=None if env is None else dict(env))
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=None if env is None else dict(env), stderr=stderr)
 
     def wait(self, timeout: float = 120.0, *, http: bool = False) -> None:
         """Wait until the ZMQ API (and with `http`, the bridge too) answers."""

@@ -12,7 +12,8 @@ from noria.frontend.core import FrontendCore
 from noria.frontend.demo_model import resolve_model
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.processor import InputProcessor, eos_token_ids, load_tokenizer
-from noria.protocol.config import EngineConfig
+from noria.protocol.config import EngineConfig, WorkerLinkConfig
+from noria.protocol.model_identity import model_facts
 from noria.protocol.model_shapes import check_tensor_parallel
 from noria.protocol.validation import convert
 
@@ -29,13 +30,29 @@ def make_config(model: str | os.PathLike[str] = "demo", **flags: Any) -> EngineC
     return convert({"model": os.fspath(model), **{k: v for k, v in flags.items() if v is not None}}, EngineConfig)
 
 
-def start_core(config: EngineConfig) -> FrontendCore:
+def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None) -> FrontendCore:
+    """Start the engine (its worker link as `link` says: local ranks over ipc by default)."""
     model_path = resolve_model(config.model)
     check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
+    _check_length(model_path, config.max_model_len)
     config = msgspec.structs.replace(config, model=model_path)
     tokenizer = load_tokenizer(config.tokenizer or model_path)
-    engine = EngineClient(config)
+    engine = EngineClient(config, link=link)
     ready = engine.ready
-    log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", ready.num_kv_blocks, ready.block_size, ready.max_model_len)
+    if ready.num_kv_blocks:
+        log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", ready.num_kv_blocks, ready.block_size,
+                 ready.max_model_len)
+    else:  # remote workers only: requests wait until one has registered
+        log.info("engine ready, waiting for workers to register; max_model_len %d", ready.max_model_len)
     processor = InputProcessor(tokenizer, eos_token_ids(model_path, tokenizer), ready.vocab_size, ready.max_model_len)
     return FrontendCore(engine, processor)
+
+
+def _check_length(model_path: str, max_model_len: int | None) -> None:
+    """The worker's own check, made here too: with remote workers the engine is up before
+    any worker has loaded the model, and a length no worker accepts must fail now."""
+    if max_model_len is None or not os.path.isfile(os.path.join(model_path, "config.json")):
+        return  # nothing to check, or the engine reports the missing file by name
+    limit = model_facts(model_path).max_position_embeddings
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")

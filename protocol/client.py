@@ -115,6 +115,13 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     generation_tokens: int = 0
     num_steps: int = 0
     blocks_consistent: bool = True
+    # The worker link (docs/protocol.md, "Workers"): is a worker group serving, and if not, why.
+    workers_live: bool = True
+    worker_status: str = ""
+    worker_restarts: int = 0  # worker groups formed again after a loss
+    requests_requeued: int = 0  # running or swapped requests sent back to wait by a worker loss
+    tokens_recomputed: int = 0  # computed tokens whose KV a worker loss threw away
+    seconds_without_worker: float = 0.0  # in all, since the scheduler started
 
 
 class GetStats(msgspec.Struct, kw_only=True, tag="get_stats", tag_field="type"):

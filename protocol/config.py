@@ -53,9 +53,37 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
 
 class EngineAddresses(msgspec.Struct, kw_only=True):
-    """Where each link lives; the scheduler binds all four, the others connect."""
+    """Where each link lives; the scheduler binds all three, the others connect."""
 
     requests: str  # frontend -> scheduler (PUSH -> PULL)
     outputs: str  # scheduler -> frontend (PUSH -> PULL)
-    plans: list[str]  # scheduler -> worker rank i (PUSH -> PULL), one per rank
-    results: str  # workers -> scheduler (PUSH -> PULL)
+    workers: str  # every worker rank's DEALER -> the scheduler's one ROUTER (protocol/worker_link.py)
+
+
+Seconds = Annotated[float, Meta(gt=0.0)]
+
+
+class WorkerLinkConfig(msgspec.Struct, kw_only=True):
+    """How `noria serve` runs its worker link: `noria serve`'s worker flags in snake_case.
+
+    The scheduler gets it as JSON on its command line (it uses `worker_timeout`,
+    `worker_wait`, `curve_keys` and whether local workers start with it); the launcher
+    uses the rest. No secret is in it: `curve_keys` is a folder name.
+    """
+
+    worker_listen: str | None = None  # tcp://HOST:PORT for remote workers; None: ipc:// in a private folder
+    num_local_workers: Annotated[int, Meta(ge=0)] | None = None  # None: tensor_parallel_size, or 0 with worker_listen
+    worker_timeout: Seconds = 5.0  # a worker (or the scheduler) silent this long is lost
+    worker_wait: Seconds = 30.0  # without a live worker group this long, waiting requests fail
+    max_worker_restarts: Annotated[int, Meta(ge=0)] = 5  # per rank per RESTART_WINDOW seconds
+    curve_keys: str | None = None  # CURVE key folder (`noria keygen`); None: no encryption
+    insecure: bool = False  # allow worker_listen on a network address without curve_keys
+
+    def local_workers(self, tensor_parallel_size: int) -> int:
+        if self.num_local_workers is not None:
+            return self.num_local_workers
+        return 0 if self.worker_listen else tensor_parallel_size
+
+
+RESTART_WINDOW = 60.0
+"""Seconds over which `max_worker_restarts` counts a local rank's restarts."""

@@ -68,7 +68,8 @@ class EngineReady(msgspec.Struct, array_like=True, gc=False, tag="ready"):
 
 
 class EngineDead(msgspec.Struct, array_like=True, gc=False, tag="dead"):
-    """Sent by the scheduler when it or a worker fails; every request is lost."""
+    """Sent by the scheduler when it cannot go on (its workers never came up at start-up);
+    every request is lost. A worker lost later is not this: its requests wait for another."""
 
     reason: str
 

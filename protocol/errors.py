@@ -8,7 +8,8 @@ class ErrorCode:
     INVALID_REQUEST = "invalid_request"  # decodable but semantically wrong (empty prompt, bad values)
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt (+ max_tokens) exceeds max_model_len
     DUPLICATE_REQUEST = "duplicate_request"  # request_id already in flight on this connection
-    ENGINE_DEAD = "engine_dead"  # the scheduler or a worker died
+    ENGINE_DEAD = "engine_dead"  # the scheduler died
+    ENGINE_UNAVAILABLE = "engine_unavailable"  # no worker for --worker-wait seconds; the server keeps running
     TIMEOUT = "timeout"  # client-side: no answer in time
     ENGINE_UNREACHABLE = "engine_unreachable"  # client-side: connection lost or server silent
     INTERNAL = "internal_error"

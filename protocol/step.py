@@ -1,4 +1,7 @@
-"""Scheduler <-> worker messages: one StepPlan per iteration, one StepResult back.
+"""Scheduler <-> worker step messages: one StepPlan per iteration, one StepResult back.
+
+The rest of the worker link (registration, heartbeats, the unions each direction
+is typed by) is in protocol/worker_link.py.
 
 The worker keeps per-request state (token ids, block table, sampling params)
 across steps, so a plan carries only what changed: full data for requests the
@@ -57,13 +60,7 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     copies: list[tuple[int, int]] = []
     swap_out: list[tuple[int, int]] = []
     swap_in: list[tuple[int, int]] = []
-
-
-class WorkerShutdown(msgspec.Struct, array_like=True, gc=False, tag="shutdown"):
-    pass
-
-
-SchedulerToWorker = StepPlan | WorkerShutdown
+    epoch: int = 0  # the worker group's incarnation (set by the scheduler process when it sends)
 
 
 class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
@@ -74,19 +71,4 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     token_ids: list[int]
     logprobs: list[Logprob | None] | None = None
     error: str | None = None
-
-
-class WorkerReady(msgspec.Struct, array_like=True, gc=False, tag="ready"):
-    rank: int
-    num_kv_blocks: int
-    num_cpu_blocks: int
-    vocab_size: int
-    max_model_len: int
-
-
-class WorkerFailed(msgspec.Struct, array_like=True, gc=False, tag="failed"):
-    rank: int
-    reason: str
-
-
-WorkerToScheduler = StepResult | WorkerReady | WorkerFailed
+    epoch: int = 0  # copied from the plan: a result of a lost incarnation is never applied

@@ -1,4 +1,4 @@
-"""`python -m noria.scheduler --config JSON --addresses JSON`: run the scheduler process."""
+"""`python -m noria.scheduler --config JSON --addresses JSON --link JSON`: run the scheduler process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import msgspec
 
-from noria.protocol.config import EngineAddresses, EngineConfig
+from noria.protocol.config import EngineAddresses, EngineConfig, WorkerLinkConfig
 from noria.protocol.lifecycle import become_child
 
 
@@ -16,6 +16,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m noria.scheduler")
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")
     ap.add_argument("--addresses", required=True, help="EngineAddresses as JSON")
+    ap.add_argument("--link", default="{}", help="WorkerLinkConfig as JSON")
     ap.add_argument("--standalone", action="store_true", help="do not exit when the parent exits")
     args = ap.parse_args()
     if not args.standalone:
@@ -25,7 +26,8 @@ def main() -> int:
 
     config = msgspec.json.decode(args.config, type=EngineConfig)
     addrs = msgspec.json.decode(args.addresses, type=EngineAddresses)
-    return run(config, addrs)
+    link = msgspec.json.decode(args.link, type=WorkerLinkConfig)
+    return run(config, addrs, link)
 
 
 if __name__ == "__main__":

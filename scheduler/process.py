@@ -1,9 +1,14 @@
 """The scheduler process: owns the step loop between the frontend and the workers.
 
-Binds all four links (so remote frontends and workers connect to it), waits
-for every worker's READY, tells the frontend it is READY, then loops: drain
-requests and aborts, plan a step, send it to every rank, apply rank 0's
-result, publish the updates. Blocks when idle instead of spinning.
+Binds the three links (so remote frontends and workers connect to it) and loops over
+the frontend's requests and the worker ROUTER with deadlines: drain requests and aborts,
+let the worker group handle registrations, heartbeats and results, plan a step when a group
+is live and none is in flight, publish the updates. Nothing here blocks without a timeout,
+so registrations and heartbeats are served while a step runs.
+
+A lost worker group is not an engine death: its requests wait for recompute
+(`Scheduler.reset_after_worker_loss`) until a group is live again, and fail with
+`engine_unavailable` if none is within `worker_wait` seconds.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import time
 import zmq
 
 from noria.protocol.codec import Codec
-from noria.protocol.config import EngineAddresses, EngineConfig
+from noria.protocol.config import EngineAddresses, EngineConfig, WorkerLinkConfig
 from noria.protocol.engine import (
     EngineAbort,
     EngineDead,
@@ -26,99 +31,171 @@ from noria.protocol.engine import (
     SchedulerToFrontend,
     StatsQuery,
 )
+from noria.protocol.errors import ErrorCode
+from noria.protocol.model_identity import model_facts, model_identity
+from noria.protocol.security import CurveServer
 from noria.protocol.sockets import make_socket
-from noria.protocol.step import (
-    SchedulerToWorker,
-    StepResult,
-    WorkerFailed,
-    WorkerReady,
-    WorkerShutdown,
-    WorkerToScheduler,
-)
+from noria.protocol.step import StepResult
 from noria.scheduler.scheduler import Scheduler
+from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
 
 log = logging.getLogger("noria.scheduler")
 
 STATS_INTERVAL = 0.5
+MAX_MESSAGE = 256 << 20  # a plan is far smaller; a larger message is an attack or a bug
 
 
-class WorkerLost(Exception):
+class StartupFailed(Exception):
     pass
 
 
+def bind_worker_router(ctx: zmq.Context, address: str, curve: CurveServer | None) -> zmq.Socket:
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.setsockopt(zmq.RCVHWM, 0)
+    router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+    # A send to a rank whose connection has closed (its process died) fails at once
+    # instead of vanishing: that rank is lost now, not a heartbeat timeout later.
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if curve is not None:
+        curve.apply(router)
+    router.bind(address)
+    return router
+
+
 class SchedulerProcess:
-    def __init__(self, config: EngineConfig, addrs: EngineAddresses) -> None:
+    def __init__(self, config: EngineConfig, addrs: EngineAddresses, link: WorkerLinkConfig) -> None:
         self.config = config
+        self.link = link
         self.ctx = zmq.Context()
+        self.curve = CurveServer(self.ctx, link.curve_keys) if link.curve_keys else None
         self.from_frontend = make_socket(self.ctx, zmq.PULL, addrs.requests, bind=True)
         self.to_frontend = make_socket(self.ctx, zmq.PUSH, addrs.outputs, bind=True)
-        self.to_workers = [make_socket(self.ctx, zmq.PUSH, a, bind=True) for a in addrs.plans]
-        self.from_workers = make_socket(self.ctx, zmq.PULL, addrs.results, bind=True)
+        self.router = bind_worker_router(self.ctx, addrs.workers, self.curve)
         self.in_codec: Codec[FrontendToScheduler] = Codec(FrontendToScheduler)
         self.out_codec: Codec[SchedulerToFrontend] = Codec(SchedulerToFrontend)
-        self.plan_codec: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
-        self.result_codec: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
+        self.group = WorkerGroup(self.router, config, link, model_identity(config.model), addrs.workers)
+        self.facts = model_facts(config.model)
+        max_len = config.max_model_len or self.facts.max_position_embeddings
+        self.sched = Scheduler(config, 0, max_len)  # no KV until a worker group is live
+        self.poller = zmq.Poller()
+        self.poller.register(self.from_frontend, zmq.POLLIN)
+        self.poller.register(self.router, zmq.POLLIN)
         self.running = True
         self.stats_due = True
         self.last_stats = 0.0
+        self.in_flight: int | None = None  # step id sent to the live group, result not yet applied
+        self.was_busy = False
+        self.started = time.monotonic()
+        # Local workers start with the engine: its READY waits for them, as before. With
+        # remote workers only, the engine is READY at once and requests wait for a worker.
+        self.ready_sent = link.local_workers(config.tensor_parallel_size) == 0
+        self.no_worker_since: float | None = self.started if self.ready_sent else None
+        self.no_worker_total = 0.0
+        self.unavailable = False  # worker_wait passed with no group: requests fail at once
+        self.groups_formed = 0
 
-    def wait_for_workers(self) -> tuple[int, int, int, int]:
-        readies: dict[int, WorkerReady] = {}
-        deadline = time.monotonic() + self.config.startup_timeout
-        while len(readies) < len(self.to_workers):
-            if not self.from_workers.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
-                missing = sorted(set(range(len(self.to_workers))) - set(readies))
-                raise WorkerLost(f"worker rank(s) {missing} did not become ready in {self.config.startup_timeout}s")
-            msg = self.result_codec.decode(self.from_workers.recv())
-            if isinstance(msg, WorkerFailed):
-                raise WorkerLost(f"worker rank {msg.rank} failed during start-up: {msg.reason}")
-            if isinstance(msg, WorkerReady):
-                readies[msg.rank] = msg
-        num_blocks = min(r.num_kv_blocks for r in readies.values())
-        max_len = min(r.max_model_len for r in readies.values())
-        cpu_blocks = min(r.num_cpu_blocks for r in readies.values())
-        return num_blocks, max_len, readies[0].vocab_size, cpu_blocks
+    # ---- the loop ---------------------------------------------------------
 
     def serve(self) -> None:
+        if self.ready_sent:
+            self._send_ready(0, self.sched.max_model_len, self.facts.vocab_size)
         try:
-            num_blocks, max_len, vocab, cpu_blocks = self.wait_for_workers()
-        except WorkerLost as e:
-            self.to_frontend.send(self.out_codec.encode(EngineDead(str(e))))
-            raise
-        self.sched = Scheduler(self.config, num_blocks, max_len, cpu_blocks)
-        self.to_frontend.send(
-            self.out_codec.encode(EngineReady(num_blocks, self.config.block_size, self.sched.max_model_len, vocab))
-        )
-        try:
-            self.loop()
-        except WorkerLost as e:
-            self.to_frontend.send(self.out_codec.encode(EngineDead(str(e))))
-            raise
-        finally:
-            for s in self.to_workers:
-                s.send(self.plan_codec.encode(WorkerShutdown()))
-
-    def loop(self) -> None:
-        sched = self.sched
-        was_busy = False
-        while self.running:
-            busy = sched.has_work()
-            # Idle: block on the frontend (waking now and then for stats); busy: just drain.
-            if not busy and not self.from_frontend.poll(1000 if not was_busy else 0):
-                if was_busy:
-                    self._idle_check()
-                was_busy = False
+            while self.running:
+                self._poll()
+                self._tick()
+                self._maybe_step()
                 self._publish()
-                continue
+        finally:
+            self.group.shutdown()
+
+    def _poll(self) -> None:
+        can_step = self.group.live and self.in_flight is None and self.sched.has_work()
+        timeout = 0 if can_step else int(min(self.group.interval, STATS_INTERVAL) * 1000)
+        events = dict(self.poller.poll(timeout))
+        if self.from_frontend in events:
             self._drain_frontend()
-            if sched.has_work():
-                plan = sched.schedule()
-                payload = self.plan_codec.encode(plan)
-                for s in self.to_workers:
-                    s.send(payload)
-                sched.update_from_result(self._wait_result(plan.step_id))
-                was_busy = True
-            self._publish()
+        if self.router in events:
+            for _ in range(1024):  # bounded, so the frontend is never starved
+                try:
+                    identity, payload = self.router.recv_multipart(zmq.NOBLOCK)[:2]
+                except zmq.Again:
+                    break
+                except ValueError:
+                    continue
+                self.group.on_message(identity, payload)
+        self._handle_events()
+
+    def _handle_events(self) -> None:
+        events, self.group.events = self.group.events, []
+        for ev in events:
+            if isinstance(ev, StepResult):
+                if ev.step_id == self.in_flight:
+                    self.in_flight = None
+                    self.sched.update_from_result(ev)
+            elif isinstance(ev, GroupReady):
+                self._group_ready(ev)
+            elif isinstance(ev, GroupLost):
+                self._group_lost(ev.reason)
+        if any(not isinstance(e, StepResult) for e in events):
+            self.stats_due = True  # the worker status changed: say so at once (/health reads it)
+
+    def _group_ready(self, ev: GroupReady) -> None:
+        self.sched.install_kv(ev.num_kv_blocks, ev.num_cpu_blocks, ev.max_model_len)
+        self.groups_formed += 1
+        if self.no_worker_since is not None:
+            self.no_worker_total += time.monotonic() - self.no_worker_since
+        self.no_worker_since = None
+        if self.unavailable:
+            log.warning("a worker group is live again: requests are accepted")
+        self.unavailable = False
+        if not self.ready_sent:
+            self.ready_sent = True
+            self._send_ready(ev.num_kv_blocks, self.sched.max_model_len, ev.vocab_size)
+
+    def _group_lost(self, reason: str) -> None:
+        if not self.ready_sent:
+            # A local worker that fails while the engine starts would fail again: say why now.
+            raise StartupFailed(f"worker failed during start-up: {reason}")
+        self.in_flight = None
+        requeued = len(self.sched.running) + len(self.sched.swapped)
+        self.sched.reset_after_worker_loss()
+        if self.no_worker_since is None:
+            self.no_worker_since = time.monotonic()
+        log.warning("worker lost (%s): %d request(s) wait for recompute", reason, requeued)
+
+    def _tick(self) -> None:
+        self.group.tick()
+        self._handle_events()
+        now = time.monotonic()
+        if not self.ready_sent and now - self.started > self.config.startup_timeout:
+            raise StartupFailed(f"no worker group became ready in {self.config.startup_timeout:g}s: "
+                                f"{self.group.status()}")
+        since = self.no_worker_since
+        if since is not None and not self.unavailable and now - since > self.link.worker_wait:
+            self.unavailable = True
+            n = self.sched.fail_all(ErrorCode.ENGINE_UNAVAILABLE, self._unavailable_message())
+            log.error("no worker for %.0fs: %d waiting request(s) failed (%s)", now - since, n, self.group.status())
+            self.stats_due = True
+
+    def _unavailable_message(self) -> str:
+        return f"no worker has been serving for {self.link.worker_wait:g}s: {self.group.status()}"
+
+    def _maybe_step(self) -> None:
+        sched = self.sched
+        if not self.group.live or self.in_flight is not None:
+            return
+        if not sched.has_work():
+            if self.was_busy:
+                self._idle_check()
+            self.was_busy = False
+            return
+        plan = sched.schedule()
+        self.was_busy = True
+        if self.group.send_plan(plan):
+            self.in_flight = plan.step_id
+        self._handle_events()
 
     def _drain_frontend(self) -> None:
         while True:
@@ -128,7 +205,10 @@ class SchedulerProcess:
                 return
             msg = self.in_codec.decode(data)
             if isinstance(msg, EngineRequest):
-                self.sched.add_request(msg)
+                if self.unavailable:
+                    self.sched.reject(msg.req_id, ErrorCode.ENGINE_UNAVAILABLE, self._unavailable_message())
+                else:
+                    self.sched.add_request(msg)
             elif isinstance(msg, EngineAbort):
                 self.sched.abort(msg.req_ids)
             elif isinstance(msg, StatsQuery):
@@ -137,15 +217,10 @@ class SchedulerProcess:
                 self.running = False
                 return
 
-    def _wait_result(self, step_id: int) -> StepResult:
-        while True:
-            msg = self.result_codec.decode(self.from_workers.recv())
-            if isinstance(msg, WorkerFailed):
-                raise WorkerLost(f"worker rank {msg.rank} failed: {msg.reason}")
-            if isinstance(msg, StepResult) and msg.step_id == step_id:
-                if msg.error:
-                    raise WorkerLost(f"worker step failed: {msg.error}")
-                return msg
+    # ---- output -----------------------------------------------------------
+
+    def _send_ready(self, num_blocks: int, max_len: int, vocab: int) -> None:
+        self.to_frontend.send(self.out_codec.encode(EngineReady(num_blocks, self.config.block_size, max_len, vocab)))
 
     def _idle_check(self) -> None:
         problem = self.sched.check_blocks()
@@ -157,32 +232,39 @@ class SchedulerProcess:
     def _publish(self) -> None:
         updates = self.sched.take_updates()
         now = time.monotonic()
-        due = self.stats_due or (
-            (updates or self.sched.has_work()) and now - self.last_stats > STATS_INTERVAL
-        )
+        due = self.stats_due or ((updates or self.sched.has_work()) and now - self.last_stats > STATS_INTERVAL)
         stats = None
         if due:
             stats = self.sched.snapshot_stats()
+            stats.workers_live = self.group.live
+            stats.worker_status = self.group.status()
+            stats.worker_restarts = max(0, self.groups_formed - 1)
+            gap = now - self.no_worker_since if self.no_worker_since is not None else 0.0
+            stats.seconds_without_worker = self.no_worker_total + gap
             self.last_stats = now
             self.stats_due = False
         if updates or stats is not None:
             self.to_frontend.send(self.out_codec.encode(EngineOutputs(updates, stats)))
 
+    def fail(self, reason: str) -> None:
+        self.to_frontend.send(self.out_codec.encode(EngineDead(reason)))
+
     def close(self) -> None:
-        for s in (self.from_frontend, self.to_frontend, self.from_workers, *self.to_workers):
+        for s in (self.from_frontend, self.to_frontend, self.router):
             s.close(linger=100)
+        if self.curve is not None:
+            self.curve.stop()
         self.ctx.term()
 
 
-def run(config: EngineConfig, addrs: EngineAddresses) -> int:
-    proc = SchedulerProcess(config, addrs)
+def run(config: EngineConfig, addrs: EngineAddresses, link: WorkerLinkConfig) -> int:
+    proc = SchedulerProcess(config, addrs, link)
     try:
         proc.serve()
         return 0
-    except WorkerLost as e:
+    except StartupFailed as e:
         log.error("%s", e)
+        proc.fail(str(e))
         return 1
     finally:
         proc.close()
-
-

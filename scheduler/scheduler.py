@@ -37,16 +37,14 @@ _NO_BLOCKS: list[int] = []
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, num_cpu_blocks: int = 0) -> None:
+        """`num_kv_blocks` 0: no worker group yet (requests queue until `install_kv`)."""
         self.config = config
         self.block_size = config.block_size
-        # No request can outgrow the whole cache, or it would preempt itself forever.
-        self.max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
+        self.model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
-        self.token_budget = config.resolved_max_num_batched_tokens(self.max_model_len)
         self.chunked_prefill = config.enable_chunked_prefill
         self.swap = config.preemption_mode == "swap"
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                 num_cpu_blocks if self.swap else 0)
+        self.stats = SchedulerStats()
         self.requests: dict[int, Request] = {}
         self.waiting: list[tuple[tuple[int, int], int]] = []  # heap of (sort_key, req_id)
         self.running: list[Request] = []  # sorted by sort_key
@@ -56,28 +54,77 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self._arrivals = 0
         self.step_id = 0
-        self.stats = SchedulerStats(num_kv_blocks=num_kv_blocks)
+        self.install_kv(num_kv_blocks, num_cpu_blocks)
+
+    # ---- worker groups ---------------------------------------------------
+
+    def install_kv(self, num_kv_blocks: int, num_cpu_blocks: int, max_model_len: int | None = None) -> None:
+        """A fresh, empty KV pool of a worker group's size (nothing may hold blocks: a new
+        group starts after `reset_after_worker_loss`). Waiting requests that the new
+        capacity cannot hold end with `prompt_too_long`."""
+        self.model_len = max_model_len or self.model_len
+        # No request can outgrow the whole cache, or it would preempt itself forever.
+        bound = num_kv_blocks * self.block_size if num_kv_blocks else self.model_len
+        self.max_model_len = min(self.model_len, bound)
+        self.token_budget = self.config.resolved_max_num_batched_tokens(self.max_model_len)
+        self.kv = KVCacheManager(num_kv_blocks, self.block_size, self.config.enable_prefix_caching,
+                                 num_cpu_blocks if self.swap else 0)
+        self.stats.num_kv_blocks = num_kv_blocks
+        for req in [r for r in self.requests.values() if r.num_tokens >= self.max_model_len]:
+            self._finish(req)
+            self.reject(req.req_id, ErrorCode.PROMPT_TOO_LONG,
+                         f"{req.num_tokens} tokens do not fit the new worker group's KV cache "
+                         f"({self.max_model_len} tokens at most)")
+
+    def reset_after_worker_loss(self) -> None:
+        """The worker group is gone with every KV block it held. Running and swapped requests
+        wait again for recompute, keeping every token they have (their outputs included), in
+        their priority/arrival order; the KV pool, prefix cache and swap area are dropped, and
+        with them the advance of the step in flight (its result is never applied, so no token
+        is emitted twice or skipped). Capacity stays as it was until the next group's."""
+        for req in self.running + self.swapped:
+            self.stats.requests_requeued += 1
+            self.stats.tokens_recomputed += req.num_computed_tokens
+            req.num_preemptions += 1  # so that re-admission does not count its prompt twice
+            req.status = Status.WAITING
+            heapq.heappush(self.waiting, (req.sort_key, req.req_id))
+        for req in self.requests.values():
+            req.num_computed_tokens = 0
+            req.block_ids, req.num_cached_blocks, req.swapped_blocks = [], 0, []
+            req.in_worker = False
+        self.running, self.swapped = [], []
+        self._worker_drop, self._swap_out = [], []
+        self.install_kv(self.kv.pool.num_blocks, self.kv.num_cpu_blocks)
+
+    def fail_all(self, code: str, message: str) -> int:
+        """End every request with an error (no worker came back in time); how many ended."""
+        reqs = list(self.requests.values())
+        for req in reqs:
+            self._finish(req)
+            self.reject(req.req_id, code, message)
+        self.running, self.swapped, self.waiting = [], [], []
+        return len(reqs)
 
     # ---- input -----------------------------------------------------------
 
     def add_request(self, msg: EngineRequest) -> None:
         n_prompt = len(msg.prompt_token_ids)
         if msg.req_id in self.requests:
-            return self._reject(msg.req_id, ErrorCode.DUPLICATE_REQUEST, f"request {msg.req_id} is already in flight")
+            return self.reject(msg.req_id, ErrorCode.DUPLICATE_REQUEST, f"request {msg.req_id} is already in flight")
         if msg.params.n != 1:
-            return self._reject(msg.req_id, ErrorCode.INVALID_REQUEST,
+            return self.reject(msg.req_id, ErrorCode.INVALID_REQUEST,
                                 f"n={msg.params.n}: each sample must be an engine request of its own")
         if n_prompt == 0:
-            return self._reject(msg.req_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
+            return self.reject(msg.req_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
         if n_prompt >= self.max_model_len:
-            return self._reject(
+            return self.reject(
                 msg.req_id,
                 ErrorCode.PROMPT_TOO_LONG,
                 f"prompt has {n_prompt} tokens but this engine accepts at most {self.max_model_len - 1} "
                 f"(max_model_len {self.max_model_len} leaves room for at least one output token)",
             )
         if not self.chunked_prefill and n_prompt > self.token_budget:
-            return self._reject(
+            return self.reject(
                 msg.req_id, ErrorCode.PROMPT_TOO_LONG,
                 f"prompt has {n_prompt} tokens, more than max_num_batched_tokens {self.token_budget} "
                 "with chunked prefill disabled",
@@ -98,7 +145,7 @@ class Scheduler:
         self.running = [r for r in self.running if r.status == Status.RUNNING]
         self.swapped = [r for r in self.swapped if r.status == Status.SWAPPED]
 
-    def _reject(self, req_id: int, code: str, message: str) -> None:
+    def reject(self, req_id: int, code: str, message: str) -> None:
         self.updates.append(
             RequestUpdate(req_id, [], finish_reason="error", error_code=code, error_message=message)
         )

@@ -72,4 +72,4 @@ class FakeWorker:
                 st["tokens"].append(tok)
                 out_ids.append(rid)
                 out_toks.append(tok)
-        return StepResult(plan.step_id, out_ids, out_toks)
+        return StepResult(plan.step_id, out_ids, out_toks, epoch=plan.epoch)

@@ -8,7 +8,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import IO, Any, NamedTuple
 
 from noria.frontend.local_server import LocalServer, wait_http, wait_ready
 
@@ -65,11 +65,11 @@ def serve(*args: str, cmd: list[str] | None = None, cwd: str | None = None) -> I
 @contextlib.contextmanager
 def serve_http(
     *args: str, cmd: list[str] | None = None, cwd: str | None = None, zmq_port: int | None = None,
-    wait_bridge: bool = True, env: dict[str, str] | None = None,
+    wait_bridge: bool = True, env: dict[str, str] | None = None, stderr: IO[Any] | None = None,
 ) -> Iterator[Served]:
     """`noria serve` on free ZMQ and HTTP ports (unless `args` name them), ready on both;
     on exit it is Ctrl-C'd and must exit 0 leaving no child process behind."""
-    server = LocalServer(*args, cmd=cmd, cwd=cwd, zmq_port=zmq_port, env=env)
+    server = LocalServer(*args, cmd=cmd, cwd=cwd, zmq_port=zmq_port, env=env, stderr=stderr)
     try:
         server.wait(http=wait_bridge)
         kids = children_of(server.proc.pid)

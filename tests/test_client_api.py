@@ -142,7 +142,9 @@ def test_hello_and_get_stats(raw):
                   "num_free_blocks": int, "kv_cache_usage": float, "prefix_cache_queries": int,
                   "prefix_cache_hits": int, "num_preemptions": int, "num_swap_outs": int,
                   "num_swap_ins": int, "prompt_tokens": int, "computed_prompt_tokens": int,
-                  "generation_tokens": int, "num_steps": int, "blocks_consistent": bool}
+                  "generation_tokens": int, "num_steps": int, "blocks_consistent": bool,
+                  "workers_live": bool, "worker_status": str, "worker_restarts": int,
+                  "requests_requeued": int, "tokens_recomputed": int, "seconds_without_worker": float}
     assert set(stats["stats"]) == set(documented)
     for name, kind in documented.items():
         assert isinstance(stats["stats"][name], kind), name

@@ -36,13 +36,16 @@ from noria.protocol.engine import (
     StatsQuery,
 )
 from noria.protocol.errors import ParamError
+from noria.protocol.model_identity import ModelIdentity, WeightFile
 from noria.protocol.sampling import SamplingParams, check_sampling
-from noria.protocol.step import (
-    CachedRequestData,
-    NewRequestData,
+from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
+from noria.protocol.worker_link import (
+    Disband,
+    Heartbeat,
+    Refused,
+    Register,
     SchedulerToWorker,
-    StepPlan,
-    StepResult,
+    Welcome,
     WorkerFailed,
     WorkerReady,
     WorkerShutdown,
@@ -122,6 +125,8 @@ def test_bad_client_messages_name_the_problem(raw, words):
         Codec(ClientToServer).decode(msgspec.msgpack.encode(raw))
 
 
+IDENTITY = ModelIdentity("ab" * 32, [WeightFile("model.safetensors", 1234, "cd" * 32)])
+
 INTERNAL = [
     (FrontendToScheduler, EngineRequest(1, [1, 2], PARAMS, [0], 2)),
     (FrontendToScheduler, EngineAbort([1, 2])),
@@ -131,11 +136,19 @@ INTERNAL = [
     (SchedulerToFrontend, EngineReady(10, 16, 2048, 706)),
     (SchedulerToFrontend, EngineDead("boom")),
     (SchedulerToWorker, StepPlan(3, [(1, 5)], [NewRequestData(1, [1, 2], [0], 0, PARAMS, 2, [0])],
-                                 [CachedRequestData(2, [4])], [7], [(1, 2)], [(3, 0)], [(0, 3)])),
+                                 [CachedRequestData(2, [4])], [7], [(1, 2)], [(3, 0)], [(0, 3)], epoch=4)),
     (SchedulerToWorker, WorkerShutdown()),
-    (WorkerToScheduler, StepResult(3, [1], [9], [LP])),
-    (WorkerToScheduler, WorkerReady(0, 10, 4, 706, 2048)),
-    (WorkerToScheduler, WorkerFailed(0, "oom")),
+    (SchedulerToWorker, Welcome(2, EngineConfig(model="/m", tensor_parallel_size=2), IDENTITY, 1.0, 5.0,
+                                "tcp://10.0.0.2:29500")),
+    (SchedulerToWorker, Refused("protocol version 9 != 1")),
+    (SchedulerToWorker, Heartbeat(2)),
+    (SchedulerToWorker, Disband(2, "rank 1 lost")),
+    (WorkerToScheduler, StepResult(3, [1], [9], [LP], epoch=2)),
+    (WorkerToScheduler, Register(1, 0, "cpu", "host-a", 123, 2**30, IDENTITY, "10.0.0.2:29500")),
+    (WorkerToScheduler, Register(1, 1, "cuda", "host-b", 7, 0, None)),
+    (WorkerToScheduler, WorkerReady(2, 0, 10, 4, 706, 2048)),
+    (WorkerToScheduler, WorkerFailed(2, 0, "oom")),
+    (WorkerToScheduler, Heartbeat(2)),
 ]
 
 
@@ -147,7 +160,7 @@ def test_internal_messages_round_trip(union, msg):
 
 def test_config_round_trips_as_json():
     cfg = EngineConfig(model="/m", num_kv_blocks=24, preemption_mode="swap")
-    addrs = EngineAddresses(requests="ipc://a", outputs="ipc://b", plans=["ipc://c"], results="ipc://d")
+    addrs = EngineAddresses(requests="ipc://a", outputs="ipc://b", workers="tcp://10.0.0.1:7000")
     assert msgspec.json.decode(msgspec.json.encode(cfg), type=EngineConfig) == cfg
     assert msgspec.json.decode(msgspec.json.encode(addrs), type=EngineAddresses) == addrs
 

@@ -177,7 +177,8 @@ def test_children_exit_when_the_server_is_killed(demo_path):
     assert not any(alive(k) for k in kids), "engine processes outlived a killed server"
 
 
-def test_a_dead_worker_fails_requests_and_the_server_exits_non_zero(demo_path):
+def test_a_dead_scheduler_fails_requests_and_the_server_exits_non_zero(demo_path):
+    """A worker's death is survived (tests/test_failover.py); the scheduler's is the engine's."""
     import os
     import signal
     import subprocess
@@ -192,15 +193,16 @@ def test_a_dead_worker_fails_requests_and_the_server_exits_non_zero(demo_path):
                              "--port", str(free_tcp_port()), "--num-kv-blocks", "64"])
     try:
         wait_ready(address, proc)
-        worker = next(k for k in children_of(proc.pid) if b"worker" in Path(f"/proc/{k}/cmdline").read_bytes())
+        scheduler = next(k for k in children_of(proc.pid)
+                         if b"noria.scheduler" in Path(f"/proc/{k}/cmdline").read_bytes())
         with Client(address, timeout=30) as c:
             stream = c.stream("go", SamplingParams(max_tokens=2000, ignore_eos=True))
             next(stream)
-            os.kill(worker, signal.SIGKILL)
+            os.kill(scheduler, signal.SIGKILL)
             with pytest.raises(NoriaError) as e:
                 for _ in stream:
                     pass
-            assert e.value.code == "engine_dead" and "worker" in e.value.message
+            assert e.value.code == "engine_dead" and "scheduler" in e.value.message
         assert proc.wait(30) != 0
     finally:
         if proc.poll() is None:

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from noria.frontend.launcher import free_tcp_address
 from noria.protocol.config import EngineConfig
 from noria.protocol.model_shapes import ShardedShapes, kv_heads_per_rank, tensor_parallel_error
+from noria.protocol.sockets import free_tcp_port
 from noria.worker.model_runner import ModelRunner
 from tests.test_worker_parity import Driver, Req
 from tests.tiny_models import load_reference, make_checkpoint, reference_greedy
@@ -107,7 +107,7 @@ def _rank_main(rank: int, size: int, path: str, init: str, vocab_size: int, out:
 
 def _run_ranks(path: Path, size: int, vocab_size: int, tmp_path: Path) -> list[dict[str, Any]]:
     ctx = multiprocessing.get_context("spawn")  # gloo and torch threads do not survive fork
-    init = free_tcp_address()
+    init = f"tcp://127.0.0.1:{free_tcp_port()}"
     files = [tmp_path / f"rank{r}.pt" for r in range(size)]
     procs = [ctx.Process(target=_rank_main, args=(r, size, str(path), init, vocab_size, str(files[r])))
              for r in range(size)]

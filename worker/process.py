@@ -1,8 +1,17 @@
-"""The worker process: receives StepPlans, runs the model, answers with StepResults.
+"""One worker rank: register with the scheduler, load the model it names, run its plans.
 
-Every rank executes every plan; only rank 0 answers. A failure is reported to
-the scheduler (WorkerFailed) before the process exits non-zero, so the engine
-can fail cleanly instead of hanging.
+The same code runs a local rank (`noria serve` starts `python -m noria.worker --connect
+ipc://...`) and a remote one (`noria worker --connect tcp://HOST:PORT`). The life of a rank:
+
+* register (`Register`): refused -> log the reason, exit 1; no scheduler for
+  `scheduler_wait` seconds -> exit 1;
+* `Welcome`: load the model (kept from an earlier group when the config is the same and
+  no process group is involved), answer `WorkerReady`, then run every plan of that epoch;
+  rank 0 answers each with its `StepResult`;
+* `Disband` (another rank was lost) or a scheduler silent for its timeout: drop every
+  request and register again; `WorkerShutdown`: exit 0;
+* an exception (loading, a step): `WorkerFailed`, then exit 1. `noria serve` restarts
+  its local ranks; the scheduler re-queues the requests either way.
 """
 
 from __future__ import annotations
@@ -10,60 +19,173 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-import zmq
+import msgspec
 
-from noria.protocol.codec import Codec
-from noria.protocol.config import EngineAddresses, EngineConfig
-from noria.protocol.sockets import make_socket
-from noria.protocol.step import (
-    SchedulerToWorker,
-    StepPlan,
+from noria.protocol.config import EngineConfig
+from noria.protocol.model_identity import ModelIdentity, identity_difference, model_identity
+from noria.protocol.step import StepPlan
+from noria.protocol.worker_link import (
+    Disband,
+    Refused,
+    Welcome,
     WorkerFailed,
     WorkerReady,
     WorkerShutdown,
-    WorkerToScheduler,
 )
+from noria.worker.link import LinkDown, WorkerLink
+from noria.worker.registration import hello, use_route_for_gloo
 
 log = logging.getLogger("noria.worker")
 
 
-def run(config: EngineConfig, addrs: EngineAddresses, rank: int, dist_init_method: str | None = None) -> int:
-    """`dist_init_method`: the tensor-parallel ranks' torch.distributed rendezvous."""
-    ctx = zmq.Context()
-    plans = make_socket(ctx, zmq.PULL, addrs.plans[rank], bind=False)
-    results = make_socket(ctx, zmq.PUSH, addrs.results, bind=False)
-    plan_codec: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
-    out_codec: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
-    runner = None
-    try:
-        from noria.worker.model_runner import ModelRunner
+@dataclass(frozen=True)
+class WorkerOptions:
+    connect: str  # the scheduler's worker link
+    rank: int = 0
+    model: str | None = None  # this host's path to the checkpoint; None: the Welcome's path
+    device: str | None = None  # None: the engine's --device
+    curve_keys: str | None = None
+    scheduler_wait: float = 60.0  # give up after this long without a scheduler
 
-        t0 = time.monotonic()
-        runner = ModelRunner(config, rank, dist_init_method)
-        log.info("rank %d loaded %s in %.1fs: %d KV blocks", rank, config.model, time.monotonic() - t0, runner.num_kv_blocks)
-        results.send(
-            out_codec.encode(
-                WorkerReady(rank, runner.num_kv_blocks, runner.num_cpu_blocks, runner.vocab_size, runner.max_model_len)
-            )
-        )
+
+class WorkerFatal(Exception):
+    """The rank cannot serve this engine (the message says why); it reports and exits."""
+
+
+class WorkerSession:
+    def __init__(self, opts: WorkerOptions, link: WorkerLink) -> None:
+        self.opts = opts
+        self.link = link
+        # Known before registering when this host names its own path, so a wrong model is refused at once.
+        self.identity: ModelIdentity | None = model_identity(opts.model) if opts.model else None
+        self.runner: Any = None  # ModelRunner, imported late: torch loads after the OpenMP settings
+        self.runner_key: tuple[EngineConfig, str | None] | None = None
+
+    def run(self) -> int:
         while True:
-            msg = plan_codec.decode(plans.recv())
-            if isinstance(msg, WorkerShutdown):
+            welcome = self._register()
+            if welcome is None:
+                return 1
+            try:
+                self._start(welcome)
+                outcome = self._serve(welcome.epoch)
+            except Exception as e:
+                reason = str(e) if isinstance(e, WorkerFatal) else traceback.format_exc()
+                log.error("rank %d failed: %s", self.opts.rank, reason)
+                self.link.send(WorkerFailed(welcome.epoch, self.opts.rank, reason[-4000:]))
+                return 1
+            if outcome is None:
                 return 0
-            assert isinstance(msg, StepPlan)
-            result = runner.execute(msg)
-            if rank == 0:
-                results.send(out_codec.encode(result))
-    except Exception:
-        reason = traceback.format_exc()
-        log.error("rank %d failed:\n%s", rank, reason)
-        results.send(out_codec.encode(WorkerFailed(rank, reason[-4000:])))
-        time.sleep(0.2)  # let the message leave before the context goes
-        return 1
+            log.warning("rank %d leaves the group of epoch %d (%s) and registers again", self.opts.rank,
+                        welcome.epoch, outcome)
+            self._forget()
+
+    def _register(self) -> Welcome | None:
+        opts = self.opts
+        give_up = time.monotonic() + opts.scheduler_wait
+        while True:
+            self.link.connect(timeout=opts.scheduler_wait)
+            self.link.send(hello(opts.rank, opts.device, self.identity, opts.connect))
+            while True:
+                msg = self.link.recv()
+                if isinstance(msg, Welcome):
+                    return msg
+                if isinstance(msg, Refused):
+                    log.error("the scheduler at %s refused rank %d: %s", opts.connect, opts.rank, msg.reason)
+                    return None
+                if isinstance(msg, LinkDown):
+                    break  # plans or disbands of an older incarnation are ignored
+            if time.monotonic() > give_up:
+                hint = (" (with --curve-keys: is this worker's public key in the scheduler's authorized/ "
+                        "folder, and scheduler.key the scheduler's?)") if opts.curve_keys else ""
+                log.error("no scheduler answered at %s for %gs (--scheduler-wait): giving up%s", opts.connect,
+                          opts.scheduler_wait, hint)
+                return None
+            log.warning("%s; registering again", msg.reason)
+
+    def _start(self, welcome: Welcome) -> None:
+        config = welcome.config
+        if self.opts.model:
+            config = msgspec.structs.replace(config, model=self.opts.model)
+        if self.opts.device:
+            config = msgspec.structs.replace(config, device=self.opts.device)
+        self.link.beat(welcome.epoch, welcome.heartbeat_interval, welcome.worker_timeout)
+        if self.identity is None:
+            self.identity = _check_model(config.model, welcome.model)
+        key = (config, welcome.dist_init_method)
+        if self.runner is None or key != self.runner_key:
+            self._close_runner()
+            from noria.worker.model_runner import ModelRunner
+
+            if welcome.dist_init_method:
+                use_route_for_gloo(self.opts.connect)
+            t0 = time.monotonic()
+            self.runner = ModelRunner(config, self.opts.rank, welcome.dist_init_method)
+            self.runner_key = key
+            log.info("rank %d loaded %s in %.1fs: %d KV blocks", self.opts.rank, config.model,
+                     time.monotonic() - t0, self.runner.num_kv_blocks)
+        r = self.runner
+        self.link.send(WorkerReady(welcome.epoch, self.opts.rank, r.num_kv_blocks, r.num_cpu_blocks, r.vocab_size,
+                                   r.max_model_len))
+
+    def _serve(self, epoch: int) -> str | None:
+        """Run the epoch's plans; why it ended (None: shut down)."""
+        runner, rank, link = self.runner, self.opts.rank, self.link
+        while True:
+            msg = link.recv()
+            if isinstance(msg, StepPlan):
+                if msg.epoch != epoch:
+                    continue
+                result = runner.execute(msg)
+                if rank == 0:
+                    result.epoch = epoch
+                    link.send(result)
+            elif isinstance(msg, Disband) and msg.epoch == epoch:
+                return f"disbanded: {msg.reason}"
+            elif isinstance(msg, WorkerShutdown):
+                return None
+            elif isinstance(msg, LinkDown):
+                return msg.reason
+
+    def _forget(self) -> None:
+        """Drop every request; the weights stay unless a process group must be formed anew."""
+        if self.runner is None:
+            return
+        if self.runner.tp.size > 1:
+            self._close_runner()  # its torch.distributed group is gone with the other ranks
+            return
+        # The plan that finishes every request the runner knows, and does nothing else.
+        self.runner.execute(StepPlan(0, [], finished_req_ids=list(self.runner.requests)))
+
+    def _close_runner(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+        self.runner = self.runner_key = None
+
+    def close(self) -> None:
+        self._close_runner()
+
+
+def _check_model(path: str, engine: ModelIdentity) -> ModelIdentity:
+    if not Path(path).exists():
+        raise WorkerFatal(f"the engine's model {path} does not exist on this host: pass --model PATH "
+                          "(this host's copy of the same checkpoint)")
+    mine = model_identity(path)
+    diff = identity_difference(engine, mine)
+    if diff:
+        raise WorkerFatal(f"the model at {path} is not the engine's: {diff}")
+    return mine
+
+
+def run(opts: WorkerOptions) -> int:
+    link = WorkerLink(opts.connect, opts.curve_keys)
+    session = WorkerSession(opts, link)
+    try:
+        return session.run()
     finally:
-        if runner is not None:
-            runner.close()
-        plans.close(linger=0)
-        results.close(linger=500)
-        ctx.term()
+        session.close()
+        link.close()

@@ -59,12 +59,20 @@ def make_app(engine: str, api_key: str | None = None) -> web.Application:
 
 
 async def handle_health(request: web.Request) -> web.Response:
+    """200 while the engine answers and a worker group serves it; 503 with the reason otherwise."""
     gateway = request.app[GATEWAY]
+    address = gateway.client.address
     try:
         ready = await gateway.ready()
+        stats = await asyncio.wait_for(gateway.client.stats(), STATS_TIMEOUT)
     except NoriaError as e:
-        return json_response(Health(status="unavailable", engine=f"{e.code}: {e.message}"), status=503)
-    return json_response(Health(status="ok", engine=gateway.client.address, model=ready.model))
+        return json_response(Health(status="unavailable", engine=address, reason=f"{e.code}: {e.message}"), status=503)
+    except TimeoutError:
+        return json_response(Health(status="unavailable", engine=address, reason="no stats from the engine"), status=503)
+    if not stats.stats.workers_live:
+        reason = f"no worker: {stats.stats.worker_status}"
+        return json_response(Health(status="unavailable", engine=address, model=ready.model, reason=reason), status=503)
+    return json_response(Health(status="ok", engine=address, model=ready.model))
 
 
 async def handle_metrics(request: web.Request) -> web.Response:

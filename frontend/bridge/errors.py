@@ -16,6 +16,7 @@ _BY_CODE: dict[str, tuple[int, str]] = {
     ErrorCode.PROMPT_TOO_LONG: (400, "invalid_request_error"),
     ErrorCode.DUPLICATE_REQUEST: (409, "invalid_request_error"),
     ErrorCode.ENGINE_DEAD: (503, "service_unavailable_error"),
+    ErrorCode.ENGINE_UNAVAILABLE: (503, "service_unavailable_error"),
     ENGINE_UNREACHABLE: (503, "service_unavailable_error"),
     ErrorCode.TIMEOUT: (503, "service_unavailable_error"),
 }

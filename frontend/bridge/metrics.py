@@ -30,6 +30,8 @@ _GAUGES = (
     ("noria_kv_cache_usage_ratio", "kv_cache_usage", "Fraction of device KV cache blocks in use (0..1)."),
     ("noria_kv_cache_blocks", "num_kv_blocks", "Device KV cache blocks in all."),
     ("noria_kv_cache_free_blocks", "num_free_blocks", "Device KV cache blocks not owned by a request."),
+    ("noria_workers_live", "workers_live", "1 while a worker group serves the engine."),
+    ("noria_seconds_without_worker", "seconds_without_worker", "Seconds in all without a live worker group."),
 )
 _COUNTERS = (
     ("noria_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -40,6 +42,9 @@ _COUNTERS = (
     ("noria_prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),
     ("noria_generation_tokens", "generation_tokens", "Tokens generated."),
     ("noria_engine_steps", "num_steps", "Engine steps run."),
+    ("noria_worker_restarts", "worker_restarts", "Worker groups formed again after a loss."),
+    ("noria_requests_requeued", "requests_requeued", "Running or swapped requests re-queued by a worker loss."),
+    ("noria_tokens_recomputed", "tokens_recomputed", "Computed tokens whose KV a worker loss threw away."),
 )
 
 

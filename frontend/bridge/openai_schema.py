@@ -192,3 +192,4 @@ class Health(msgspec.Struct, kw_only=True):
     status: str
     engine: str
     model: str | None = None
+    reason: str | None = None  # why the status is not "ok"

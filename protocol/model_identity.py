@@ -1,0 +1,87 @@
+"""What identifies a checkpoint, computed without torch: the scheduler compares every
+registering worker's model with its own and refuses one that differs.
+
+The identity is the sha256 of config.json and, for each *.safetensors file, its size and the
+sha256 of its JSON header (which names every tensor's dtype, shape and byte offsets). Two
+copies of one checkpoint on two hosts agree; a different model, a re-quantised copy or a
+truncated download does not. Reading headers only keeps it instant on multi-GB checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import msgspec
+
+
+class WeightFile(msgspec.Struct, array_like=True, gc=False):
+    name: str
+    size: int
+    header_sha256: str
+
+
+class ModelIdentity(msgspec.Struct, array_like=True, gc=False):
+    config_sha256: str
+    weights: list[WeightFile]
+
+
+class ModelFacts(msgspec.Struct, frozen=True):
+    """What the scheduler needs from config.json before any worker has loaded the model."""
+
+    vocab_size: int
+    max_position_embeddings: int
+
+
+def _header_sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is not a safetensors file (shorter than its header length)")
+        (length,) = struct.unpack("<Q", raw)
+        if length > path.stat().st_size:
+            raise ValueError(f"{path} is not a safetensors file (header longer than the file)")
+        return hashlib.sha256(f.read(length)).hexdigest()
+
+
+def model_identity(folder: str | Path) -> ModelIdentity:
+    """The identity of the checkpoint folder; FileNotFoundError names what is missing."""
+    folder = Path(folder)
+    config = folder / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{config} does not exist")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no *.safetensors file")
+    weights = [WeightFile(p.name, p.stat().st_size, _header_sha256(p)) for p in files]
+    return ModelIdentity(hashlib.sha256(config.read_bytes()).hexdigest(), weights)
+
+
+def identity_difference(engine: ModelIdentity, worker: ModelIdentity) -> str | None:
+    """The first way the worker's model differs from the engine's, in words; None if equal."""
+    if engine.config_sha256 != worker.config_sha256:
+        return (f"config.json differs (sha256 {worker.config_sha256[:12]}… on the worker, "
+                f"{engine.config_sha256[:12]}… on the scheduler)")
+    mine = {w.name: w for w in engine.weights}
+    theirs = {w.name: w for w in worker.weights}
+    for name in sorted(mine.keys() | theirs.keys()):
+        a, b = mine.get(name), theirs.get(name)
+        if b is None:
+            return f"{name} is missing on the worker"
+        if a is None:
+            return f"{name} is on the worker but not in the engine's checkpoint"
+        if a.size != b.size:
+            return f"{name}: size {b.size} on the worker != {a.size} on the scheduler"
+        if a.header_sha256 != b.header_sha256:
+            return f"{name}: its tensor header differs (names, dtypes, shapes or offsets)"
+    return None
+
+
+def model_facts(folder: str | Path) -> ModelFacts:
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    if not cfg.get("vocab_size"):
+        raise ValueError(f"{folder}/config.json names no vocab_size")
+    # The worker's default too (worker/models/spec.py) when the config names none.
+    return ModelFacts(int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings") or 2048))
