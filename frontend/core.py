@@ -202,5 +202,11 @@ class FrontendCore:
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.n == 1:
         return params
-    # Sample i of a seeded request uses seed + i, as vLLM does.
-    return msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+    # Sample i of a seeded request uses seed + i, as vLLM does; past 2**64 - 1 it wraps
+    # (a seed is 64 bits on the wire and in torch).
+    seed = params.seed
+    if seed is not None:
+        seed += index
+        if seed >= 2**64:
+            seed -= 2**64
+    return msgspec.structs.replace(params, n=1, seed=seed)

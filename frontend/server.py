@@ -64,11 +64,20 @@ class FrontendServer:
     def handle_client(self, identity: bytes, payload: bytes) -> None:
         try:
             msg = self.codec.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError) as e:
+            # ValueError: msgspec raises UnicodeDecodeError for a str that is not UTF-8.
             self._sink(identity)(
-                Error(request_id=_request_id_of(payload), code=ErrorCode.INVALID_MESSAGE, message=str(e))
+                Error(request_id=_request_id_of(payload), code=ErrorCode.INVALID_MESSAGE, message=str(e)[:500])
             )
             return
+        try:
+            self._dispatch(identity, msg)
+        except Exception as e:  # a bug must cost one request, not the server
+            log.exception("internal error on a client message")
+            rid = getattr(msg, "request_id", None)
+            self._sink(identity)(Error(request_id=rid, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}"[:500]))
+
+    def _dispatch(self, identity: bytes, msg: ClientToServer) -> None:
         if isinstance(msg, Generate):
             self.core.submit((identity, msg.request_id), msg, self._sink(identity))
         elif isinstance(msg, Abort):
@@ -137,7 +146,7 @@ class FrontendServer:
 def _request_id_of(payload: bytes) -> str | None:
     try:
         raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, ValueError, RecursionError):
         return None
     rid = raw.get("request_id") if isinstance(raw, dict) else None
     return rid if isinstance(rid, str) else None

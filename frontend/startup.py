@@ -12,6 +12,7 @@ from noria.frontend.core import FrontendCore
 from noria.frontend.demo_model import resolve_model
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.processor import InputProcessor, eos_token_ids, load_tokenizer
+from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig
 from noria.protocol.model_shapes import check_tensor_parallel
 from noria.protocol.validation import convert
@@ -31,11 +32,26 @@ def make_config(model: str | os.PathLike[str] = "demo", **flags: Any) -> EngineC
 
 def start_core(config: EngineConfig) -> FrontendCore:
     model_path = resolve_model(config.model)
+    check_checkpoint(model_path)  # a bad checkpoint is one sentence here, not a worker's traceback
     check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
     config = msgspec.structs.replace(config, model=model_path)
-    tokenizer = load_tokenizer(config.tokenizer or model_path)
+    tokenizer = _tokenizer(config.tokenizer or model_path)
     engine = EngineClient(config)
     ready = engine.ready
     log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", ready.num_kv_blocks, ready.block_size, ready.max_model_len)
     processor = InputProcessor(tokenizer, eos_token_ids(model_path, tokenizer), ready.vocab_size, ready.max_model_len)
     return FrontendCore(engine, processor)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def _tokenizer(path: str) -> Any:
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise CheckpointError(f"{path} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+                              "pass --tokenizer with a folder that has one")
+    try:
+        return load_tokenizer(path)
+    except Exception as e:  # transformers raises many kinds; the user needs the first line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load the tokenizer from {path}: {first}") from None

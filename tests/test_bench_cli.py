@@ -29,6 +29,7 @@ TINY = {
                 "TTFT p50/p90/p99 ms"),
     "throughput": (["--model", "serving", "--systems", "noria-serve", "--rounds", "1", "--num-requests", "2",
                     "--max-tokens", "4", "--num-kv-blocks", "64", "--out", "out/throughput"], "runs (s)"),
+    "fuzz": (["--inputs", "20", "--check-every", "10"], '"violations": 0'),
 }
 
 

@@ -3,18 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
 
 import uvloop
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from noria.frontend.bridge.app import make_app
 
 
+class _QuietBadRequests(logging.Filter):
+    """aiohttp logs every malformed HTTP request (already answered 400) as an error with a
+    traceback; anyone can send garbage, so those go to the debug level and nowhere else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        if record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.msg, record.args, record.exc_info = f"{record.getMessage()}: {exc!s}".replace("\n", " "), (), None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
 async def serve(engine: str, host: str, port: int, api_key: str | None, *, handle_sigint: bool = True) -> int:
     app = make_app(engine, api_key)
+    logging.getLogger("aiohttp.server").addFilter(_QuietBadRequests())
     # handler_cancellation: a client that hangs up cancels its handler, which aborts upstream.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
