@@ -212,19 +212,19 @@ def check_engine(address: str, prompt_ids: list[int], reference: list[int], time
             if time.monotonic() > deadline:
                 raise Violation(f"the engine did not come back to idle with no KV in use: {st}")
             time.sleep(0.05)  # poll interval; the deadline bounds it
-        out = c.generate(prompt_ids, greedy()).outputs[0].token_ids
+        out = c.generate(prompt_ids, greedy(len(reference))).outputs[0].token_ids
     if out != reference:
         raise Violation(f"greedy output changed: {out} != {reference}")
 
 
-def greedy() -> Any:
+def greedy(max_tokens: int = 12) -> Any:
     from noria.protocol.sampling import SamplingParams
 
-    return SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def reference_output(address: str, prompt_ids: list[int]) -> list[int]:
+def reference_output(address: str, prompt_ids: list[int], max_tokens: int = 12) -> list[int]:
     from noria.frontend.client import Client
 
     with Client(address, timeout=60.0) as c:
-        return c.generate(prompt_ids, greedy()).outputs[0].token_ids
+        return c.generate(prompt_ids, greedy(max_tokens)).outputs[0].token_ids

@@ -36,6 +36,7 @@ from noria.protocol.client import (
 )
 from noria.protocol.codec import Codec
 from noria.protocol.errors import ErrorCode, NoriaError
+from noria.protocol.sockets import CLIENT_HWM, MAX_CLIENT_MESSAGE
 
 # Client-side only, like `timeout`: the connection dropped or the server stopped
 # answering heartbeats. Never sent over the wire.
@@ -192,9 +193,12 @@ class Connection:
         assert self._loop is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        # Unbounded queues: flow is bounded by the engine's own budgets.
+        # Sending never drops: what this client queues is its caller's to bound. Receiving is
+        # bounded like the server's side (a reader that stops reading is dropped by the
+        # server), and no frame from the server may exceed the client-facing maximum.
         sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, CLIENT_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)

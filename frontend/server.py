@@ -32,7 +32,7 @@ from noria.protocol.client import (
 )
 from noria.protocol.codec import Codec
 from noria.protocol.errors import ErrorCode
-from noria.protocol.sockets import make_socket
+from noria.protocol.sockets import CLIENT_HWM, MAX_CLIENT_MESSAGE, make_socket
 
 log = logging.getLogger("noria.frontend")
 
@@ -42,7 +42,10 @@ class FrontendServer:
         self.core = core
         self.model_name = model_name
         self.ctx = zmq.Context()
-        self.router = make_socket(self.ctx, zmq.ROUTER, address, bind=True)
+        # Clients are untrusted: bounded queues per peer and a largest frame (a bigger one
+        # drops that peer's connection), see protocol/sockets.py.
+        self.router = make_socket(self.ctx, zmq.ROUTER, address, bind=True, hwm=CLIENT_HWM,
+                                  max_msg_size=MAX_CLIENT_MESSAGE)
         # Sending to a client that has gone raises EHOSTUNREACH instead of being
         # dropped silently: that is how a vanished client's requests get aborted.
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -55,7 +58,9 @@ class FrontendServer:
 
         def send(msg: Delta | Done | Error | Ready | Stats) -> None:
             try:
-                router.send_multipart([identity, encode(msg)])
+                # NOBLOCK: a client that has let CLIENT_HWM replies pile up unread (zmq.Again)
+                # is treated as gone, rather than stalling everyone else's replies.
+                router.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
             except zmq.ZMQError:
                 self.gone.add(identity)
 
@@ -79,7 +84,7 @@ class FrontendServer:
 
     def _dispatch(self, identity: bytes, msg: ClientToServer) -> None:
         if isinstance(msg, Generate):
-            self.core.submit((identity, msg.request_id), msg, self._sink(identity))
+            self.core.submit((identity, msg.request_id), msg, self._sink(identity), client=identity)
         elif isinstance(msg, Abort):
             self.core.abort((identity, msg.request_id))
         elif isinstance(msg, Hello):

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from noria.frontend.core import FrontendCore
+from noria.frontend.core import FrontendCore, Limits
 from noria.frontend.demo_model import resolve_model
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.processor import InputProcessor, eos_token_ids, load_tokenizer
@@ -30,7 +30,7 @@ def make_config(model: str | os.PathLike[str] = "demo", **flags: Any) -> EngineC
     return convert({"model": os.fspath(model), **{k: v for k, v in flags.items() if v is not None}}, EngineConfig)
 
 
-def start_core(config: EngineConfig) -> FrontendCore:
+def start_core(config: EngineConfig, limits: Limits | None = None) -> FrontendCore:
     model_path = resolve_model(config.model)
     check_checkpoint(model_path)  # a bad checkpoint is one sentence here, not a worker's traceback
     check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
@@ -40,7 +40,7 @@ def start_core(config: EngineConfig) -> FrontendCore:
     ready = engine.ready
     log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", ready.num_kv_blocks, ready.block_size, ready.max_model_len)
     processor = InputProcessor(tokenizer, eos_token_ids(model_path, tokenizer), ready.vocab_size, ready.max_model_len)
-    return FrontendCore(engine, processor)
+    return FrontendCore(engine, processor, limits)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")

@@ -30,6 +30,7 @@ TINY = {
     "throughput": (["--model", "serving", "--systems", "noria-serve", "--rounds", "1", "--num-requests", "2",
                     "--max-tokens", "4", "--num-kv-blocks", "64", "--out", "out/throughput"], "runs (s)"),
     "fuzz": (["--inputs", "20", "--check-every", "10"], '"violations": 0'),
+    "disconnects": (["--clients", "6", "--keepers", "1"], "every orphan aborted"),
 }
 
 

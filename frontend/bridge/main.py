@@ -29,8 +29,9 @@ class _QuietBadRequests(logging.Filter):
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
-async def serve(engine: str, host: str, port: int, api_key: str | None, *, handle_sigint: bool = True) -> int:
-    app = make_app(engine, api_key)
+async def serve(engine: str, host: str, port: int, api_key: str | None, *, handle_sigint: bool = True,
+                max_per_client: int | None = None) -> int:
+    app = make_app(engine, api_key, max_per_client)
     logging.getLogger("aiohttp.server").addFilter(_QuietBadRequests())
     # handler_cancellation: a client that hangs up cancels its handler, which aborts upstream.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
@@ -54,7 +55,8 @@ async def serve(engine: str, host: str, port: int, api_key: str | None, *, handl
     return 0
 
 
-def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: int | None = None) -> int:
+def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: int | None = None,
+        max_per_client: int | None = None) -> int:
     if parent_pid:
         # Started by `noria serve`: Ctrl-C is the parent's to handle (it sends SIGTERM
         # in order), and a parent that dies takes the bridge with it. The pid is
@@ -64,4 +66,4 @@ def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: i
         from noria.protocol.lifecycle import become_child
 
         become_child()
-    return uvloop.run(serve(engine, host, port, api_key, handle_sigint=not parent_pid))
+    return uvloop.run(serve(engine, host, port, api_key, handle_sigint=not parent_pid, max_per_client=max_per_client))
