@@ -70,10 +70,12 @@ class LocalServer:
         self.proc = subprocess.Popen(argv, cwd=cwd, env=None if env is None else dict(env), stdout=log,
                                      stderr=None if log is None else subprocess.STDOUT)
 
-    def wait(self, timeout: float = 120.0, *, http: bool = False) -> None:
-        """Wait until the ZMQ API (and with `http`, the bridge too) answers."""
+    def wait(self, timeout: float = 120.0, *, http: bool = False, zmq: bool = True) -> None:
+        """Wait until the ZMQ API (and with `http`, the bridge too) answers. `zmq=False` waits
+        for the bridge alone (a CURVE-protected API does not answer a plain client)."""
         try:
-            wait_ready(self.address, self.proc, timeout)
+            if zmq:
+                wait_ready(self.address, self.proc, timeout)
             if http:
                 wait_http(self.http, self.proc, timeout)
         except BaseException:

@@ -8,6 +8,7 @@ new request gets an `engine_dead` error and `serve_forever` returns non-zero.
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import threading
 
@@ -32,20 +33,26 @@ from noria.protocol.client import (
 )
 from noria.protocol.codec import Codec
 from noria.protocol.errors import ErrorCode
+from noria.protocol.security import CurveServer, bridge_key_folder
 from noria.protocol.sockets import CLIENT_HWM, MAX_CLIENT_MESSAGE, make_socket
 
 log = logging.getLogger("noria.frontend")
 
 
 class FrontendServer:
-    def __init__(self, core: FrontendCore, address: str, model_name: str) -> None:
+    def __init__(self, core: FrontendCore, address: str, model_name: str, curve_keys: str | None = None) -> None:
+        """`curve_keys`: a key folder (protocol/security.py); the API then speaks CURVE and
+        admits only the public keys in its `authorized/` folder."""
         self.core = core
         self.model_name = model_name
         self.ctx = zmq.Context()
+        # A key pair for the bridge of `noria serve`, in a private folder of its own.
+        self.bridge_keys = bridge_key_folder(curve_keys) if curve_keys else None
+        self.curve = CurveServer(self.ctx, curve_keys) if curve_keys else None
         # Clients are untrusted: bounded queues per peer and a largest frame (a bigger one
         # drops that peer's connection), see protocol/sockets.py.
         self.router = make_socket(self.ctx, zmq.ROUTER, address, bind=True, hwm=CLIENT_HWM,
-                                  max_msg_size=MAX_CLIENT_MESSAGE)
+                                  max_msg_size=MAX_CLIENT_MESSAGE, setup=self.curve.apply if self.curve else None)
         # Sending to a client that has gone raises EHOSTUNREACH instead of being
         # dropped silently: that is how a vanished client's requests get aborted.
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -145,6 +152,10 @@ class FrontendServer:
 
     def close(self) -> None:
         self.router.close(linger=200)
+        if self.curve is not None:
+            self.curve.stop()
+        if self.bridge_keys is not None:
+            shutil.rmtree(self.bridge_keys, ignore_errors=True)
         self.ctx.term()
 
 

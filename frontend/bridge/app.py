@@ -39,7 +39,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATS_TIMEOUT = 2.0
 
 
-def make_app(engine: str, api_key: str | None = None, max_per_client: int | None = None) -> web.Application:
+def make_app(engine: str, api_key: str | None = None, max_per_client: int | None = None,
+             curve_keys: str | None = None) -> web.Application:
     app = web.Application(middlewares=[_errors, _auth, _per_client_cap], client_max_size=64 * 2**20)
     app[API_KEY] = api_key or ""
     app[LIMIT] = max_per_client or 0
@@ -51,7 +52,7 @@ def make_app(engine: str, api_key: str | None = None, max_per_client: int | None
     async def upstream(app: web.Application) -> AsyncIterator[None]:
         # No per-message timeout: a request may wait long in a busy engine; the
         # heartbeat is what tells a dead engine from a slow one.
-        client = AsyncClient(engine, timeout=None)
+        client = AsyncClient(engine, timeout=None, curve_keys=curve_keys)
         app[GATEWAY] = Gateway(client, app[METRICS])
         await client.connect()
         yield

@@ -30,8 +30,8 @@ class _QuietBadRequests(logging.Filter):
 
 
 async def serve(engine: str, host: str, port: int, api_key: str | None, *, handle_sigint: bool = True,
-                max_per_client: int | None = None) -> int:
-    app = make_app(engine, api_key, max_per_client)
+                max_per_client: int | None = None, curve_keys: str | None = None) -> int:
+    app = make_app(engine, api_key, max_per_client, curve_keys)
     logging.getLogger("aiohttp.server").addFilter(_QuietBadRequests())
     # handler_cancellation: a client that hangs up cancels its handler, which aborts upstream.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
@@ -56,7 +56,7 @@ async def serve(engine: str, host: str, port: int, api_key: str | None, *, handl
 
 
 def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: int | None = None,
-        max_per_client: int | None = None) -> int:
+        max_per_client: int | None = None, curve_keys: str | None = None) -> int:
     if parent_pid:
         # Started by `noria serve`: Ctrl-C is the parent's to handle (it sends SIGTERM
         # in order), and a parent that dies takes the bridge with it. The pid is
@@ -66,4 +66,5 @@ def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: i
         from noria.protocol.lifecycle import become_child
 
         become_child()
-    return uvloop.run(serve(engine, host, port, api_key, handle_sigint=not parent_pid, max_per_client=max_per_client))
+    return uvloop.run(serve(engine, host, port, api_key, handle_sigint=not parent_pid, max_per_client=max_per_client,
+                            curve_keys=curve_keys))
