@@ -111,6 +111,14 @@ def cmd_bridge(args: argparse.Namespace) -> int:
                max_per_client=args.max_requests_per_connection or None, curve_keys=args.zmq_curve_keys)
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from noria.protocol.security import generate_keys
+
+    for path in generate_keys(args.dir, args.name):
+        print(path)
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="start frontend, scheduler, workers (and the bridge)")
     add_engine_args(s)
@@ -147,6 +155,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_api_key_args(br)
     br.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # set by `noria serve`
     br.set_defaults(fn=cmd_bridge)
+
+    k = sub.add_parser("keygen", help="CURVE keys: the server's pair (once) and an authorised pair for NAME")
+    k.add_argument("dir", help="the key folder (--zmq-curve-keys DIR)")
+    k.add_argument("--name", default="worker", help="whose pair to make and authorise (a client, a worker)")
+    k.set_defaults(fn=cmd_keygen)
 
 
 def parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:

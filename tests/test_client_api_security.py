@@ -49,6 +49,17 @@ def _client_folder(keys: Path, name: str, dest: Path) -> Path:
     return dest
 
 
+def test_keygen_writes_an_authorised_pair(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "noria.frontend.cli", "keygen", str(tmp_path / "k"), "--name", "bob"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "k" / "scheduler.key_secret").exists() and (tmp_path / "k" / "authorized" / "bob.key").exists()
+    assert zmq.auth.load_certificate(str(tmp_path / "k" / "bob.key_secret"))[1] is not None
+
+
 def test_curve_admits_authorised_clients_only(demo_path, tmp_path):
     keys = tmp_path / "keys"
     generate_keys(keys, "alice")
