@@ -86,7 +86,9 @@ class WsProbe:
         from websockets.sync.client import connect
 
         self.url, self.timeout, self.zmq = url, timeout, zmq_probe
-        self._connection = connect(url, max_size=None, open_timeout=timeout)
+        # No keepalive pings: their random payload, drawn in a background thread, would disturb
+        # hypothesis's control of the global random state (and each exchange is bounded anyway).
+        self._connection = connect(url, max_size=None, open_timeout=timeout, ping_interval=None)
         self.ws = self._connection.__enter__()
         self.count = 0
 
