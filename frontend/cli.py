@@ -45,6 +45,16 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
 
 
+DEFAULT_MAX_QUEUED = 4096
+DEFAULT_MAX_PER_CONNECTION = 1024
+
+
+def add_limit_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--max-requests-per-connection", type=int, default=DEFAULT_MAX_PER_CONNECTION, metavar="N",
+                    help="requests in flight per ZMQ client, websocket or HTTP client address; more are refused as "
+                         "`overloaded` (HTTP 429); 0: no cap")
+
+
 def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     names = set(EngineConfig.__struct_fields__) - {"model"}
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
@@ -83,19 +93,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
     from noria.frontend.bridge.process import BridgeProcess, engine_address
+    from noria.frontend.core import Limits
     from noria.frontend.server import FrontendServer
     from noria.frontend.startup import make_config, start_core
+    from noria.protocol.security import is_loopback
 
     api_key = resolve_api_key(args)  # before any child starts: none of them may inherit it
     config = make_config(args.model, **engine_flags(args))
     link = worker_link_config(args)  # refuses a clear-text network bind before anything starts
-    core = start_core(config, link)
-    address = f"tcp://{args.host}:{args.zmq_port}"
-    server = FrontendServer(core, address, args.model)
+    core = start_core(config, link, Limits(args.max_queued_requests or None, args.max_requests_per_connection or None))
+    address = f"tcp://{args.zmq_host}:{args.zmq_port}"
+    if not args.zmq_curve_keys and not is_loopback(address):
+        print(f"noria: warning: the ZMQ client API on {address} is open to the network without authentication "
+              "or encryption; pass --zmq-curve-keys DIR", file=sys.stderr, flush=True)
+    server = FrontendServer(core, address, args.model, curve_keys=args.zmq_curve_keys)
     server.install_signal_handlers()
     # The bridge is a separate process and a ZMQ client like any other; if it
     # dies (say its port is taken), the whole server goes down non-zero.
-    bridge = BridgeProcess(engine_address(args.host, args.zmq_port), args.host, args.port, api_key)
+    extra = ["--max-requests-per-connection", str(args.max_requests_per_connection)]
+    if server.bridge_keys is not None:
+        extra += ["--zmq-curve-keys", server.bridge_keys]
+    bridge = BridgeProcess(engine_address(args.zmq_host, args.zmq_port), args.host, args.port, api_key, extra=extra)
     bridge_failed = threading.Event()
 
     def on_bridge_exit(rc: int) -> None:
@@ -127,7 +145,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bridge(args: argparse.Namespace) -> int:
     from noria.frontend.bridge.main import run
 
-    return run(args.engine, args.host, args.port, resolve_api_key(args), parent_pid=args.parent_pid)
+    return run(args.engine, args.host, args.port, resolve_api_key(args), parent_pid=args.parent_pid,
+               max_per_client=args.max_requests_per_connection or None, curve_keys=args.zmq_curve_keys)
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -150,7 +169,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_worker_link_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="HTTP/websocket port")
+    s.add_argument("--zmq-host", default="127.0.0.1",
+                   help="interface of the ZMQ client API (default loopback, whatever --host says: the API has no "
+                        "API key; expose it with --zmq-curve-keys)")
     s.add_argument("--zmq-port", type=int, default=5555, help="ZMQ client API port")
+    s.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
+                   help="CURVE-encrypt the ZMQ client API and admit only the public keys in DIR/authorized "
+                        "(protocol/security.py's key folder)")
+    s.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED, metavar="N",
+                   help="requests waiting to start, at most; more are refused as `overloaded` (HTTP 429); 0: no cap")
+    add_limit_args(s)
     add_api_key_args(s)
     s.set_defaults(fn=cmd_serve)
 
@@ -166,13 +194,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     br.add_argument("--engine", default="tcp://127.0.0.1:5555", help="the engine's ZMQ client API address")
     br.add_argument("--host", default="127.0.0.1")
     br.add_argument("--port", type=int, default=8000)
+    br.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
+                    help="connect to the engine with CURVE: DIR holds the server's public key and one client pair")
+    add_limit_args(br)
     add_api_key_args(br)
     br.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # set by `noria serve`
     br.set_defaults(fn=cmd_bridge)
 
     k = sub.add_parser("keygen", help="write ZMQ CURVE key pairs for --curve-keys / --zmq-curve-keys")
     k.add_argument("dir", help="key folder (created; the scheduler's pair is kept if it exists)")
-    k.add_argument("--name", default="worker", help="name of the worker key pair to add (default: worker)")
+    k.add_argument("--name", default="worker", help="whose pair to make and authorise: a worker or a client (default: worker)")
     k.set_defaults(fn=cmd_keygen)
 
 

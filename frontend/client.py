@@ -37,13 +37,17 @@ class AsyncClient:
         timeout: float | None = 60.0,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
+        curve_keys: str | os.PathLike[str] | None = None,
     ) -> None:
         """`timeout`: seconds to wait for each message of a request before raising
         NoriaError("timeout"); None waits as long as the heartbeat says the engine
         is alive. `heartbeat_timeout`: seconds of silence (despite probes) after
-        which the engine counts as unreachable."""
+        which the engine counts as unreachable. `curve_keys`: a folder with the server's
+        public key (`scheduler.key`) and this client's pair, for a server started with
+        `--zmq-curve-keys` (docs/protocol.md)."""
         self.timeout = timeout
-        self._conn = Connection(address, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout)
+        self._conn = Connection(address, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
+                                curve_keys=curve_keys)
         self._ids = itertools.count()
         self._prefix = f"c{os.getpid():x}{id(self) & 0xFFFF:x}-"
 
@@ -186,12 +190,14 @@ class Client:
         timeout: float | None = 60.0,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
+        curve_keys: str | os.PathLike[str] | None = None,
     ) -> None:
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="noria-client", daemon=True)
         self._thread.start()
         self._async = AsyncClient(
-            address, timeout=timeout, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout
+            address, timeout=timeout, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
+            curve_keys=curve_keys,
         )
 
     @property

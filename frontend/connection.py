@@ -16,6 +16,7 @@ until the server answers again.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import deque
 
 import msgspec
@@ -36,6 +37,8 @@ from noria.protocol.client import (
 )
 from noria.protocol.codec import Codec
 from noria.protocol.errors import ErrorCode, NoriaError
+from noria.protocol.security import apply_curve_client
+from noria.protocol.sockets import CLIENT_HWM, MAX_CLIENT_MESSAGE
 
 # Client-side only, like `timeout`: the connection dropped or the server stopped
 # answering heartbeats. Never sent over the wire.
@@ -85,8 +88,10 @@ def _expire(fut: asyncio.Future[None]) -> None:
 class Connection:
     """Bound to the event loop it is first started on; every method runs on that loop."""
 
-    def __init__(self, address: str, *, heartbeat_interval: float, heartbeat_timeout: float) -> None:
+    def __init__(self, address: str, *, heartbeat_interval: float, heartbeat_timeout: float,
+                 curve_keys: str | os.PathLike[str] | None = None) -> None:
         self.address = address
+        self.curve_keys = curve_keys
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.ready: Ready | None = None  # the latest `ready`, once the server answered
@@ -192,11 +197,16 @@ class Connection:
         assert self._loop is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        # Unbounded queues: flow is bounded by the engine's own budgets.
+        # Sending never drops: what this client queues is its caller's to bound. Receiving is
+        # bounded like the server's side (a reader that stops reading is dropped by the
+        # server), and no frame from the server may exceed the client-facing maximum.
         sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, CLIENT_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self.curve_keys is not None:
+            apply_curve_client(sock, self.curve_keys)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.address)
         self._sock, self._monitor = sock, monitor

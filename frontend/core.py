@@ -8,6 +8,7 @@ sure every request ends with exactly one final message (done or error).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable
 
 import msgspec
@@ -38,10 +39,13 @@ class _Sample:
 
 
 class _Request:
-    __slots__ = ("key", "request_id", "sink", "prompt_ids", "samples", "open", "num_cached_tokens")
+    __slots__ = ("key", "client", "started", "request_id", "sink", "prompt_ids", "samples", "open",
+                 "num_cached_tokens")
 
-    def __init__(self, key: Hashable, request_id: str, sink: Sink, prompt_ids: list[int]) -> None:
+    def __init__(self, key: Hashable, client: Hashable, request_id: str, sink: Sink, prompt_ids: list[int]) -> None:
         self.key = key
+        self.client = client
+        self.started = False  # the engine has sent something for it: it left the waiting queue
         self.request_id = request_id
         self.sink = sink
         self.prompt_ids = prompt_ids
@@ -50,10 +54,21 @@ class _Request:
         self.num_cached_tokens = 0
 
 
+class Limits(msgspec.Struct, frozen=True):
+    """Admission caps (None: no cap). `max_queued`: client requests the engine has not
+    started yet (no output so far); `max_per_client`: open requests per connection."""
+
+    max_queued: int | None = None
+    max_per_client: int | None = None
+
+
 class FrontendCore:
-    def __init__(self, engine: EngineClient, processor: InputProcessor) -> None:
+    def __init__(self, engine: EngineClient, processor: InputProcessor, limits: Limits | None = None) -> None:
         self.engine = engine
         self.processor = processor
+        self.limits = limits or Limits()
+        self.num_queued = 0
+        self.per_client: Counter[Hashable] = Counter()
         self._next_id = 0
         self.by_rid: dict[int, tuple[_Request, _Sample]] = {}
         self.by_key: dict[Hashable, _Request] = {}
@@ -64,22 +79,20 @@ class FrontendCore:
     def num_open(self) -> int:
         return len(self.by_key)
 
-    def submit(self, key: Hashable, msg: Generate, sink: Sink, stream: bool = True) -> None:
+    def submit(self, key: Hashable, msg: Generate, sink: Sink, stream: bool = True, client: Hashable = None) -> None:
         """Start a request; `sink` gets its messages. With `stream=False` the
-        sink gets one delta per sample when it finishes (cheaper: offline use)."""
-        if self.dead_reason:
-            sink(Error(request_id=msg.request_id, code=ErrorCode.ENGINE_DEAD, message=self.dead_reason))
-            return
-        if key in self.by_key:
-            sink(Error(request_id=msg.request_id, code=ErrorCode.DUPLICATE_REQUEST,
-                       message=f"request_id {msg.request_id!r} is already in flight"))
+        sink gets one delta per sample when it finishes (cheaper: offline use).
+        `client` names the connection, for the per-connection cap."""
+        refusal = self._refusal(key, msg.request_id, client)
+        if refusal is not None:
+            sink(Error(request_id=msg.request_id, code=refusal[0], message=refusal[1]))
             return
         try:
             prompt_ids, params = self.processor.process(msg)
         except NoriaError as e:
             sink(Error(request_id=msg.request_id, code=e.code, message=e.message))
             return
-        req = _Request(key, msg.request_id, sink, prompt_ids)
+        req = _Request(key, client, msg.request_id, sink, prompt_ids)
         tok = self.processor.tokenizer
         group = self._next_id if params.n > 1 else None  # any id unique to this request
         for i in range(params.n):
@@ -94,6 +107,21 @@ class FrontendCore:
                                           msg.priority, group))
         req.open = params.n
         self.by_key[key] = req
+        self.num_queued += 1
+        self.per_client[client] += 1
+
+    def _refusal(self, key: Hashable, request_id: str, client: Hashable) -> tuple[str, str] | None:
+        if self.dead_reason:
+            return ErrorCode.ENGINE_DEAD, self.dead_reason
+        if key in self.by_key:
+            return ErrorCode.DUPLICATE_REQUEST, f"request_id {request_id!r} is already in flight"
+        cap = self.limits.max_queued
+        if cap is not None and self.num_queued >= cap:
+            return ErrorCode.OVERLOADED, f"the server is overloaded: {self.num_queued} requests wait to start; retry later"
+        cap = self.limits.max_per_client
+        if cap is not None and self.per_client[client] >= cap:
+            return ErrorCode.OVERLOADED, f"this connection already has {cap} requests in flight, its limit; retry later"
+        return None
 
     def abort(self, key: Hashable) -> None:
         """Client-side abort: the request ends now with finish_reason "abort"."""
@@ -122,6 +150,9 @@ class FrontendCore:
             if entry is None:
                 continue  # already finished here (stop string, client abort)
             req, s = entry
+            if not req.started:
+                req.started = True
+                self.num_queued -= 1
             if u.finish_reason == "error":
                 # Errors concern the whole request (all samples).
                 self._fail(req, u.error_code or ErrorCode.INTERNAL, u.error_message or "engine error")
@@ -164,7 +195,7 @@ class FrontendCore:
         del self.by_rid[s.rid]
         req.open -= 1
         if req.open == 0:
-            del self.by_key[req.key]
+            self._forget(req)
             req.sink(self._done(req))
 
     def fail_all(self, reason: str) -> None:
@@ -184,7 +215,18 @@ class FrontendCore:
     def _close(self, req: _Request) -> None:
         for s in req.samples:
             self.by_rid.pop(s.rid, None)
-        self.by_key.pop(req.key, None)
+        self._forget(req)
+
+    def _forget(self, req: _Request) -> None:
+        if self.by_key.pop(req.key, None) is None:
+            return
+        if not req.started:
+            self.num_queued -= 1
+        left = self.per_client[req.client] - 1
+        if left:
+            self.per_client[req.client] = left
+        else:
+            del self.per_client[req.client]
 
     @staticmethod
     def _done(req: _Request) -> Done:
@@ -202,5 +244,11 @@ class FrontendCore:
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.n == 1:
         return params
-    # Sample i of a seeded request uses seed + i, as vLLM does.
-    return msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+    # Sample i of a seeded request uses seed + i, as vLLM does; past 2**64 - 1 it wraps
+    # (a seed is 64 bits on the wire and in torch).
+    seed = params.seed
+    if seed is not None:
+        seed += index
+        if seed >= 2**64:
+            seed -= 2**64
+    return msgspec.structs.replace(params, n=1, seed=seed)

@@ -68,18 +68,23 @@ class LocalServer:
     def __init__(
         self, *flags: str, cmd: list[str] | None = None, cwd: str | None = None,
         env: Mapping[str, str] | None = None, zmq_port: int | None = None, stderr: IO[Any] | None = None,
+        log: IO[bytes] | None = None,
     ) -> None:
         zmq_port = zmq_port or free_tcp_port()
         extra = [] if "--port" in flags else ["--port", str(free_tcp_port())]
         argv = [*(cmd or [sys.executable, "-m", "noria.frontend.cli"]), "serve", "--zmq-port", str(zmq_port), *extra, *flags]
         self.address = f"tcp://127.0.0.1:{zmq_port}"
         self.http = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
-        self.proc = subprocess.Popen(argv, cwd=cwd, env=None if env is None else dict(env), stderr=stderr)
+        # `log`: a file for the server's stdout and stderr (a fuzzer reads it for tracebacks).
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=None if env is None else dict(env), stdout=log,
+                                     stderr=stderr if log is None else subprocess.STDOUT)
 
-    def wait(self, timeout: float = 120.0, *, http: bool = False) -> None:
-        """Wait until the ZMQ API (and with `http`, the bridge too) answers."""
+    def wait(self, timeout: float = 120.0, *, http: bool = False, zmq: bool = True) -> None:
+        """Wait until the ZMQ API (and with `http`, the bridge too) answers. `zmq=False` waits
+        for the bridge alone (a CURVE-protected API does not answer a plain client)."""
         try:
-            wait_ready(self.address, self.proc, timeout)
+            if zmq:
+                wait_ready(self.address, self.proc, timeout)
             if http:
                 wait_http(self.http, self.proc, timeout)
         except BaseException:

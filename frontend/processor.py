@@ -39,6 +39,9 @@ class InputProcessor:
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # No token spells more characters than the longest vocabulary entry, so a longer
+        # text cannot fit and is refused before the tokenizer spends seconds on it.
+        self.max_prompt_chars = max_model_len * _longest_token(tokenizer)
 
     def process(self, msg: Generate) -> tuple[list[int], SamplingParams]:
         """Tokenize and validate; raises NoriaError naming the problem."""
@@ -73,10 +76,16 @@ class InputProcessor:
         if msg.prompt is not None:
             if not msg.prompt:
                 return []
+            if len(msg.prompt) > self.max_prompt_chars:
+                raise NoriaError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(msg.prompt)} characters, more than "
+                                 f"max_model_len {self.max_model_len} tokens can spell")
             return list(self.tokenizer(msg.prompt)["input_ids"])
         assert msg.messages is not None
         if not msg.messages:
             raise NoriaError(ErrorCode.INVALID_REQUEST, "messages is empty")
+        if sum(len(c) for m in msg.messages if isinstance(m, dict) and isinstance(c := m.get("content"), str)) > self.max_prompt_chars:
+            raise NoriaError(ErrorCode.PROMPT_TOO_LONG, f"messages hold more characters than max_model_len "
+                             f"{self.max_model_len} tokens can spell")
         for m in msg.messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise NoriaError(ErrorCode.INVALID_REQUEST, "each message needs 'role' and 'content'")
@@ -90,3 +99,10 @@ class InputProcessor:
             raise NoriaError(ErrorCode.INVALID_REQUEST, f"chat template failed: {e}") from e
         # The template already holds the special tokens it wants.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _longest_token(tokenizer: Any) -> int:
+    try:
+        return max(16, max(len(t) for t in tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError):
+        return 1024  # a tokenizer without a vocabulary list: a generous bound

@@ -8,6 +8,7 @@ new request gets an `engine_dead` error and `serve_forever` returns non-zero.
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import threading
 
@@ -32,17 +33,26 @@ from noria.protocol.client import (
 )
 from noria.protocol.codec import Codec
 from noria.protocol.errors import ErrorCode
-from noria.protocol.sockets import make_socket
+from noria.protocol.security import CurveServer, bridge_key_folder
+from noria.protocol.sockets import CLIENT_HWM, MAX_CLIENT_MESSAGE, make_socket
 
 log = logging.getLogger("noria.frontend")
 
 
 class FrontendServer:
-    def __init__(self, core: FrontendCore, address: str, model_name: str) -> None:
+    def __init__(self, core: FrontendCore, address: str, model_name: str, curve_keys: str | None = None) -> None:
+        """`curve_keys`: a key folder (protocol/security.py); the API then speaks CURVE and
+        admits only the public keys in its `authorized/` folder."""
         self.core = core
         self.model_name = model_name
         self.ctx = zmq.Context()
-        self.router = make_socket(self.ctx, zmq.ROUTER, address, bind=True)
+        # A key pair for the bridge of `noria serve`, in a private folder of its own.
+        self.bridge_keys = bridge_key_folder(curve_keys) if curve_keys else None
+        self.curve = CurveServer(self.ctx, curve_keys) if curve_keys else None
+        # Clients are untrusted: bounded queues per peer and a largest frame (a bigger one
+        # drops that peer's connection), see protocol/sockets.py.
+        self.router = make_socket(self.ctx, zmq.ROUTER, address, bind=True, hwm=CLIENT_HWM,
+                                  max_msg_size=MAX_CLIENT_MESSAGE, setup=self.curve.apply if self.curve else None)
         # Sending to a client that has gone raises EHOSTUNREACH instead of being
         # dropped silently: that is how a vanished client's requests get aborted.
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -55,7 +65,9 @@ class FrontendServer:
 
         def send(msg: Delta | Done | Error | Ready | Stats) -> None:
             try:
-                router.send_multipart([identity, encode(msg)])
+                # NOBLOCK: a client that has let CLIENT_HWM replies pile up unread (zmq.Again)
+                # is treated as gone, rather than stalling everyone else's replies.
+                router.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
             except zmq.ZMQError:
                 self.gone.add(identity)
 
@@ -64,13 +76,22 @@ class FrontendServer:
     def handle_client(self, identity: bytes, payload: bytes) -> None:
         try:
             msg = self.codec.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError) as e:
+            # ValueError: msgspec raises UnicodeDecodeError for a str that is not UTF-8.
             self._sink(identity)(
-                Error(request_id=_request_id_of(payload), code=ErrorCode.INVALID_MESSAGE, message=str(e))
+                Error(request_id=_request_id_of(payload), code=ErrorCode.INVALID_MESSAGE, message=str(e)[:500])
             )
             return
+        try:
+            self._dispatch(identity, msg)
+        except Exception as e:  # a bug must cost one request, not the server
+            log.exception("internal error on a client message")
+            rid = getattr(msg, "request_id", None)
+            self._sink(identity)(Error(request_id=rid, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}"[:500]))
+
+    def _dispatch(self, identity: bytes, msg: ClientToServer) -> None:
         if isinstance(msg, Generate):
-            self.core.submit((identity, msg.request_id), msg, self._sink(identity))
+            self.core.submit((identity, msg.request_id), msg, self._sink(identity), client=identity)
         elif isinstance(msg, Abort):
             self.core.abort((identity, msg.request_id))
         elif isinstance(msg, Hello):
@@ -131,13 +152,17 @@ class FrontendServer:
 
     def close(self) -> None:
         self.router.close(linger=200)
+        if self.curve is not None:
+            self.curve.stop()
+        if self.bridge_keys is not None:
+            shutil.rmtree(self.bridge_keys, ignore_errors=True)
         self.ctx.term()
 
 
 def _request_id_of(payload: bytes) -> str | None:
     try:
         raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, ValueError, RecursionError):
         return None
     rid = raw.get("request_id") if isinstance(raw, dict) else None
     return rid if isinstance(rid, str) else None

@@ -8,10 +8,11 @@ from typing import Any
 
 import msgspec
 
-from noria.frontend.core import FrontendCore
+from noria.frontend.core import FrontendCore, Limits
 from noria.frontend.demo_model import resolve_model
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.processor import InputProcessor, eos_token_ids, load_tokenizer
+from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig, WorkerLinkConfig
 from noria.protocol.model_identity import model_facts
 from noria.protocol.model_shapes import check_tensor_parallel
@@ -30,13 +31,14 @@ def make_config(model: str | os.PathLike[str] = "demo", **flags: Any) -> EngineC
     return convert({"model": os.fspath(model), **{k: v for k, v in flags.items() if v is not None}}, EngineConfig)
 
 
-def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None) -> FrontendCore:
+def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limits: Limits | None = None) -> FrontendCore:
     """Start the engine (its worker link as `link` says: local ranks over ipc by default)."""
     model_path = resolve_model(config.model)
+    check_checkpoint(model_path)  # a bad checkpoint is one sentence here, not a worker's traceback
     check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
     _check_length(model_path, config.max_model_len)
     config = msgspec.structs.replace(config, model=model_path)
-    tokenizer = load_tokenizer(config.tokenizer or model_path)
+    tokenizer = _tokenizer(config.tokenizer or model_path)
     engine = EngineClient(config, link=link)
     ready = engine.ready
     if ready.num_kv_blocks:
@@ -45,7 +47,7 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None) -> Fr
     else:  # remote workers only: requests wait until one has registered
         log.info("engine ready, waiting for workers to register; max_model_len %d", ready.max_model_len)
     processor = InputProcessor(tokenizer, eos_token_ids(model_path, tokenizer), ready.vocab_size, ready.max_model_len)
-    return FrontendCore(engine, processor)
+    return FrontendCore(engine, processor, limits)
 
 
 def _check_length(model_path: str, max_model_len: int | None) -> None:
@@ -56,3 +58,17 @@ def _check_length(model_path: str, max_model_len: int | None) -> None:
     limit = model_facts(model_path).max_position_embeddings
     if max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def _tokenizer(path: str) -> Any:
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise CheckpointError(f"{path} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+                              "pass --tokenizer with a folder that has one")
+    try:
+        return load_tokenizer(path)
+    except Exception as e:  # transformers raises many kinds; the user needs the first line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load the tokenizer from {path}: {first}") from None

@@ -8,6 +8,7 @@ class ErrorCode:
     INVALID_REQUEST = "invalid_request"  # decodable but semantically wrong (empty prompt, bad values)
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt (+ max_tokens) exceeds max_model_len
     DUPLICATE_REQUEST = "duplicate_request"  # request_id already in flight on this connection
+    OVERLOADED = "overloaded"  # the waiting queue or this connection's in-flight requests are at their cap
     ENGINE_DEAD = "engine_dead"  # the scheduler died
     ENGINE_UNAVAILABLE = "engine_unavailable"  # no worker for --worker-wait seconds; the server keeps running
     TIMEOUT = "timeout"  # client-side: no answer in time

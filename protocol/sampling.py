@@ -6,6 +6,7 @@ see exactly what the user asked for.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, ClassVar
 
 import msgspec
@@ -75,9 +76,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
 
 
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 def check_sampling(p: SamplingParams, vocab_size: int | None = None) -> None:
     """Raise a ParamError naming the first invalid field; return when all are valid."""
     check_fields(p)
+    for name in _FLOAT_FIELDS:
+        value = getattr(p, name)
+        if not math.isfinite(value):  # inf passes `ge=0` and would turn logits into nan
+            raise ParamError(name, f"{name} must be a finite number, got {value}")
     # Rules that span fields or need the model, which a field's type cannot say.
     if p.seed is not None and p.seed >= 2**64:
         raise ParamError("seed", f"seed must be below 2**64, got {p.seed}")

@@ -55,6 +55,25 @@ def generate_keys(folder: str | Path, name: str = "worker") -> list[Path]:
     return written
 
 
+BRIDGE_NAME = "noria-bridge"
+
+
+def bridge_key_folder(folder: str | Path) -> str:
+    """A private folder that lets `noria serve`'s own bridge through a CURVE-protected client API.
+
+    The bridge's pair is made once in `folder` (and authorised there, like any client's);
+    the returned temporary folder holds the server's public key and that pair, the layout
+    `apply_curve_client` reads. The caller removes it."""
+    import tempfile
+
+    generate_keys(folder, BRIDGE_NAME)
+    private = Path(tempfile.mkdtemp(prefix="noria-bridge-keys-"))  # mode 0700
+    for name in (f"{SERVER_NAME}.key", f"{BRIDGE_NAME}.key", f"{BRIDGE_NAME}.key_secret"):
+        shutil.copyfile(Path(folder) / name, private / name)
+    (private / f"{BRIDGE_NAME}.key_secret").chmod(0o600)
+    return str(private)
+
+
 def _load(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
     if not path.exists():
         raise KeyFolderError(f"{path} is missing (make keys with `noria keygen {path.parent}`)")

@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import zmq
 
+# Client-facing sockets (the frontend's ROUTER, client DEALERs): a peer's queue holds at
+# most this many messages, and a bigger frame than this drops the peer's connection.
+CLIENT_HWM = 100_000
+MAX_CLIENT_MESSAGE = 64 * 2**20  # as the bridge's largest HTTP body
 
-def make_socket(ctx: zmq.Context, kind: int, address: str, *, bind: bool) -> zmq.Socket:
+
+def make_socket(
+    ctx: zmq.Context, kind: int, address: str, *, bind: bool, hwm: int = 0, max_msg_size: int = -1,
+    setup: Callable[[zmq.Socket], None] | None = None,
+) -> zmq.Socket:
+    """`hwm` 0 (the default): unbounded queues, so a slow peer never makes us drop or block
+    on messages, for links whose flow the scheduler's own budgets bound. `max_msg_size` -1:
+    no limit. Sockets that face untrusted peers set both. `setup` runs before the bind or
+    connect (CURVE keys must be set by then)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    # Unbounded queues: a slow peer must not make us drop or block on messages;
-    # flow is bounded by the scheduler's own budgets.
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
+    if setup is not None:
+        setup(sock)
     if bind:
         sock.bind(address)
     else:

@@ -66,12 +66,13 @@ def serve(*args: str, cmd: list[str] | None = None, cwd: str | None = None) -> I
 def serve_http(
     *args: str, cmd: list[str] | None = None, cwd: str | None = None, zmq_port: int | None = None,
     wait_bridge: bool = True, env: dict[str, str] | None = None, stderr: IO[Any] | None = None,
+    wait_zmq: bool = True,
 ) -> Iterator[Served]:
     """`noria serve` on free ZMQ and HTTP ports (unless `args` name them), ready on both;
     on exit it is Ctrl-C'd and must exit 0 leaving no child process behind."""
     server = LocalServer(*args, cmd=cmd, cwd=cwd, zmq_port=zmq_port, env=env, stderr=stderr)
     try:
-        server.wait(http=wait_bridge)
+        server.wait(http=wait_bridge, zmq=wait_zmq)
         kids = children_of(server.proc.pid)
         yield Served(server.address, server.http, server.proc)
     finally:

@@ -29,6 +29,10 @@ TINY = {
                 "TTFT p50/p90/p99 ms"),
     "throughput": (["--model", "serving", "--systems", "noria-serve", "--rounds", "1", "--num-requests", "2",
                     "--max-tokens", "4", "--num-kv-blocks", "64", "--out", "out/throughput"], "runs (s)"),
+    "fuzz": (["--inputs", "20", "--check-every", "10"], '"violations": 0'),
+    "disconnects": (["--clients", "6", "--keepers", "1"], "every orphan aborted"),
+    "overload": (["--seconds", "8", "--factor", "4", "--max-num-seqs", "4", "--max-queued-requests", "4"],
+                 "RSS within bound: True"),
 }
 
 

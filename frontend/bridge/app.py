@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import time
 import weakref
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import WSCloseCode, web
@@ -21,18 +22,29 @@ from noria.frontend.bridge.openai_api import (
 )
 from noria.frontend.bridge.openai_schema import Health
 from noria.frontend.bridge.playground import handle_playground
-from noria.frontend.bridge.state import API_KEY, GATEWAY, METRICS, STARTED, WEBSOCKETS
+from noria.frontend.bridge.state import (
+    API_KEY,
+    GATEWAY,
+    IN_FLIGHT,
+    LIMIT,
+    METRICS,
+    STARTED,
+    WEBSOCKETS,
+)
 from noria.frontend.bridge.websocket import handle_stream
 from noria.frontend.client import AsyncClient
-from noria.protocol.errors import NoriaError
+from noria.protocol.errors import ErrorCode, NoriaError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATS_TIMEOUT = 2.0
 
 
-def make_app(engine: str, api_key: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=64 * 2**20)
+def make_app(engine: str, api_key: str | None = None, max_per_client: int | None = None,
+             curve_keys: str | None = None) -> web.Application:
+    app = web.Application(middlewares=[_errors, _auth, _per_client_cap], client_max_size=64 * 2**20)
     app[API_KEY] = api_key or ""
+    app[LIMIT] = max_per_client or 0
+    app[IN_FLIGHT] = Counter()
     app[METRICS] = BridgeMetrics()
     app[WEBSOCKETS] = weakref.WeakSet()
     app[STARTED] = int(time.time())
@@ -40,7 +52,7 @@ def make_app(engine: str, api_key: str | None = None) -> web.Application:
     async def upstream(app: web.Application) -> AsyncIterator[None]:
         # No per-message timeout: a request may wait long in a busy engine; the
         # heartbeat is what tells a dead engine from a slow one.
-        client = AsyncClient(engine, timeout=None)
+        client = AsyncClient(engine, timeout=None, curve_keys=curve_keys)
         app[GATEWAY] = Gateway(client, app[METRICS])
         await client.connect()
         yield
@@ -101,6 +113,28 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
             why = "missing" if not given else "incorrect"
             return error_response(401, f"{why} API key: send `Authorization: Bearer KEY`", "invalid_api_key")
     return await handler(request)
+
+
+@web.middleware
+async def _per_client_cap(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """At most LIMIT generation requests in flight per client address; more get 429."""
+    limit, in_flight = request.app[LIMIT], request.app[IN_FLIGHT]
+    if not limit or request.method != "POST" or request.path not in _GENERATION_PATHS:
+        return await handler(request)
+    who = request.remote or ""
+    if in_flight[who] >= limit:
+        return error_response(429, f"{who} already has {limit} requests in flight, the limit per client; retry later",
+                              ErrorCode.OVERLOADED)
+    in_flight[who] += 1
+    try:
+        return await handler(request)
+    finally:
+        in_flight[who] -= 1
+        if not in_flight[who]:
+            del in_flight[who]
+
+
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @web.middleware

@@ -15,6 +15,7 @@ _BY_CODE: dict[str, tuple[int, str]] = {
     ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
     ErrorCode.PROMPT_TOO_LONG: (400, "invalid_request_error"),
     ErrorCode.DUPLICATE_REQUEST: (409, "invalid_request_error"),
+    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
     ErrorCode.ENGINE_DEAD: (503, "service_unavailable_error"),
     ErrorCode.ENGINE_UNAVAILABLE: (503, "service_unavailable_error"),
     ENGINE_UNREACHABLE: (503, "service_unavailable_error"),
@@ -26,6 +27,7 @@ _TYPE_BY_STATUS = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     503: "service_unavailable_error",
 }
 
@@ -35,8 +37,14 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
     return msgspec.json.encode(ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=code)))
 
 
+# Seconds an overloaded client is asked to wait (HTTP 429's Retry-After).
+RETRY_AFTER = 1
+
+
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> web.Response:
-    return web.Response(status=status, body=error_body(status, message, code, param), content_type="application/json")
+    headers = {"Retry-After": str(RETRY_AFTER)} if status == 429 else None
+    return web.Response(status=status, body=error_body(status, message, code, param), content_type="application/json",
+                        headers=headers)
 
 
 def status_of(code: str) -> int:

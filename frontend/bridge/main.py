@@ -3,18 +3,36 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
 
 import uvloop
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from noria.frontend.bridge.app import make_app
 
 
-async def serve(engine: str, host: str, port: int, api_key: str | None, *, handle_sigint: bool = True) -> int:
-    app = make_app(engine, api_key)
+class _QuietBadRequests(logging.Filter):
+    """aiohttp logs every malformed HTTP request (already answered 400) as an error with a
+    traceback; anyone can send garbage, so those go to the debug level and nowhere else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        if record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.msg, record.args, record.exc_info = f"{record.getMessage()}: {exc!s}".replace("\n", " "), (), None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+async def serve(engine: str, host: str, port: int, api_key: str | None, *, handle_sigint: bool = True,
+                max_per_client: int | None = None, curve_keys: str | None = None) -> int:
+    app = make_app(engine, api_key, max_per_client, curve_keys)
+    logging.getLogger("aiohttp.server").addFilter(_QuietBadRequests())
     # handler_cancellation: a client that hangs up cancels its handler, which aborts upstream.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
@@ -37,7 +55,8 @@ async def serve(engine: str, host: str, port: int, api_key: str | None, *, handl
     return 0
 
 
-def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: int | None = None) -> int:
+def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: int | None = None,
+        max_per_client: int | None = None, curve_keys: str | None = None) -> int:
     if parent_pid:
         # Started by `noria serve`: Ctrl-C is the parent's to handle (it sends SIGTERM
         # in order), and a parent that dies takes the bridge with it. The pid is
@@ -47,4 +66,5 @@ def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: i
         from noria.protocol.lifecycle import become_child
 
         become_child()
-    return uvloop.run(serve(engine, host, port, api_key, handle_sigint=not parent_pid))
+    return uvloop.run(serve(engine, host, port, api_key, handle_sigint=not parent_pid, max_per_client=max_per_client,
+                            curve_keys=curve_keys))

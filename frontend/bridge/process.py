@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from noria.frontend.api_key import child_env
 from noria.protocol.lifecycle import stop_child
@@ -24,9 +24,9 @@ def engine_address(host: str, zmq_port: int) -> str:
 
 
 class BridgeProcess:
-    def __init__(self, engine: str, host: str, port: int, api_key: str | None) -> None:
+    def __init__(self, engine: str, host: str, port: int, api_key: str | None, extra: Sequence[str] = ()) -> None:
         argv = [sys.executable, "-m", "noria.frontend.cli", "bridge", "--engine", engine,
-                "--host", host, "--port", str(port), "--parent-pid", str(os.getpid())]
+                "--host", host, "--port", str(port), "--parent-pid", str(os.getpid()), *extra]
         if api_key:
             argv += ["--api-key-file", "-"]  # the key comes through a pipe: see frontend/api_key.py
         self.stopping = False

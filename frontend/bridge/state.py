@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 
 from aiohttp import web
 
@@ -14,3 +15,5 @@ METRICS = web.AppKey("metrics", BridgeMetrics)
 API_KEY = web.AppKey("api_key", str)  # "" when no key is required
 WEBSOCKETS = web.AppKey("websockets", weakref.WeakSet)  # open sockets, closed at shutdown
 STARTED = web.AppKey("started", int)  # unix time the bridge started (OpenAI's `created` for models)
+LIMIT = web.AppKey("limit", int)  # requests in flight per websocket or HTTP client address; 0: no cap
+IN_FLIGHT = web.AppKey("in_flight", Counter)  # HTTP requests in flight per client address

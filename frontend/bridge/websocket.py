@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import WSMsgType, web
 
 from noria.frontend.bridge.gateway import Gateway
-from noria.frontend.bridge.state import GATEWAY, WEBSOCKETS
+from noria.frontend.bridge.state import GATEWAY, LIMIT, WEBSOCKETS
 from noria.protocol.client import Abort, Delta, Done, Error, Generate
 from noria.protocol.errors import ErrorCode, NoriaError
 
@@ -26,9 +26,10 @@ _rid_of = msgspec.json.Decoder(dict)
 
 
 class StreamSession:
-    def __init__(self, ws: web.WebSocketResponse, gateway: Gateway) -> None:
+    def __init__(self, ws: web.WebSocketResponse, gateway: Gateway, limit: int = 0) -> None:
         self.ws = ws
         self.gateway = gateway
+        self.limit = limit  # requests in flight on this socket, at most (0: no cap)
         self.relays: dict[str, tuple[str, asyncio.Task[None]]] = {}  # client id -> (upstream id, task)
 
     async def send(self, msg: Delta | Done | Error) -> None:
@@ -63,6 +64,9 @@ class StreamSession:
         elif rid in self.relays:
             await self.send(Error(request_id=rid, code=ErrorCode.DUPLICATE_REQUEST,
                                   message=f"request_id {rid!r} is already in flight on this socket"))
+        elif self.limit and len(self.relays) >= self.limit:
+            await self.send(Error(request_id=rid, code=ErrorCode.OVERLOADED, message=f"this socket already has "
+                                  f"{self.limit} requests in flight, its limit; retry later"))
         else:
             upstream = msgspec.structs.replace(msg, request_id=self.gateway.new_id())
             task = asyncio.get_running_loop().create_task(self.relay(rid, upstream))
@@ -106,7 +110,7 @@ async def handle_stream(request: web.Request) -> web.WebSocketResponse:
     sockets = request.app[WEBSOCKETS]
     sockets.add(ws)
     try:
-        await StreamSession(ws, request.app[GATEWAY]).run()
+        await StreamSession(ws, request.app[GATEWAY], request.app[LIMIT]).run()
     finally:
         sockets.discard(ws)
     return ws

@@ -1,0 +1,112 @@
+"""A checkpoint's pre-flight check, torch-free: one clear sentence before any process starts.
+
+A worker that meets a bad checkpoint fails deep in torch or safetensors with a
+traceback; the frontend checks the cheap things first: config.json readable,
+the architecture one the worker implements, every safetensors file whole
+(header readable, every tensor's bytes inside the file), and the shapes of the
+Llama-family tensors against config.json. It reads headers only, never weights.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+# Mirrors worker/models/spec.py SUPPORTED_ARCHITECTURES (a test keeps them equal):
+# the worker imports torch, which the frontend must not.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+)
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit
+
+
+class CheckpointError(ValueError):
+    """A checkpoint the engine cannot load; the message is one sentence naming what is wrong."""
+
+
+def check_checkpoint(folder: str | Path) -> None:
+    """Raise CheckpointError naming the first problem found, or return."""
+    folder = Path(folder)
+    cfg = _config(folder)
+    archs = cfg.get("architectures") or []
+    known = [a for a in archs if a in SUPPORTED_ARCHITECTURES] if archs else \
+        [_BY_MODEL_TYPE[t] for t in [cfg.get("model_type")] if t in _BY_MODEL_TYPE]
+    if not known:
+        raise CheckpointError(f"{folder} holds a model of architecture {archs or cfg.get('model_type')}, which noria "
+                              f"does not implement (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    expected = _expected_shapes(cfg)
+    for file in sorted(folder.glob("*.safetensors")):
+        for name, shape in _header_shapes(file).items():
+            want = expected.get(_generic(name))
+            if want is not None and tuple(shape) != want:
+                raise CheckpointError(f"{file}: tensor {name} has shape {tuple(shape)} but config.json implies "
+                                      f"{want}: the weights do not belong to this config")
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read as JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return cfg
+
+
+def _header_shapes(file: Path) -> dict[str, list[int]]:
+    """Each tensor's shape from a safetensors header, after checking the file is whole."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if n < 2 or n > _MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"{file} is truncated or not a safetensors file (its header does not fit in it)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise CheckpointError(f"{file} has an unreadable safetensors header (a truncated or corrupt file)") from None
+    data = size - 8 - n
+    shapes: dict[str, list[int]] = {}
+    for name, info in header.items():
+        if name == "__metadata__" or not isinstance(info, dict):
+            continue
+        end = (info.get("data_offsets") or [0, 0])[1]
+        if not isinstance(end, int) or end > data:
+            raise CheckpointError(f"{file} is truncated: tensor {name} ends at byte {end} of {data} data bytes")
+        shapes[name] = list(info.get("shape") or [])
+    return shapes
+
+
+def _generic(name: str) -> str:
+    """`model.layers.7.mlp.up_proj.weight` -> `layers.N.mlp.up_proj.weight`."""
+    parts = name.removeprefix("model.").split(".")
+    return ".".join("N" if p.isdigit() else p for p in parts)
+
+
+def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The Llama-family tensors whose shapes config.json fixes (others are not checked here)."""
+    try:
+        hidden, inter, vocab = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["vocab_size"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise CheckpointError(f"config.json lacks a usable {e} for a Llama-family model") from None
+    layer = "layers.N."
+    return {
+        "embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "norm.weight": (hidden,),
+        layer + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+        layer + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        layer + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        layer + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+        layer + "mlp.gate_proj.weight": (inter, hidden), layer + "mlp.up_proj.weight": (inter, hidden),
+        layer + "mlp.down_proj.weight": (hidden, inter),
+        layer + "input_layernorm.weight": (hidden,), layer + "post_attention_layernorm.weight": (hidden,),
+    }

@@ -1,0 +1,74 @@
+"""Wrong checkpoints fail at start-up with one sentence, before any engine process starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from noria.protocol.checkpoint import CheckpointError
+
+
+def _broken(demo_path: Path, tmp_path: Path, kind: str) -> Path:
+    folder = tmp_path / kind
+    shutil.copytree(demo_path, folder)
+    cfg_file = folder / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    if kind == "no_tokenizer":
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / f).unlink()
+    elif kind == "architecture":
+        cfg["architectures"], cfg["model_type"] = ["GPTBigCodeForCausalLM"], "gpt_bigcode"
+    elif kind == "truncated":
+        weights = folder / "model.safetensors"
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+    elif kind == "shape":
+        cfg["intermediate_size"] = cfg["intermediate_size"] // 2
+    cfg_file.write_text(json.dumps(cfg))
+    return folder
+
+
+EXPECTED = {"no_tokenizer": "has no tokenizer", "architecture": "does not implement", "truncated": "is truncated",
+            "shape": "do not belong to this config"}
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_llm_refuses_a_wrong_checkpoint_in_one_sentence(demo_path, tmp_path, kind):
+    from noria import LLM
+
+    with pytest.raises(CheckpointError) as e:
+        LLM(str(_broken(demo_path, tmp_path, kind)))
+    message = str(e.value)
+    assert EXPECTED[kind] in message and "\n" not in message
+    assert e.value.__suppress_context__ or e.value.__context__ is None  # no chained traceback
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_prints_one_line_and_no_traceback(demo_path, tmp_path, command):
+    folder = _broken(demo_path, tmp_path, "truncated" if command == "generate" else "shape")
+    argv = [sys.executable, "-m", "noria.frontend.cli", command]
+    argv += ["hi", "--model", str(folder)] if command == "generate" else ["--model", str(folder), "--zmq-port", "0"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("noria: error: "), r.stderr
+
+
+def test_the_architecture_list_matches_the_worker():
+    from noria.protocol import checkpoint
+    from noria.worker.models import spec
+
+    assert checkpoint.SUPPORTED_ARCHITECTURES == spec.SUPPORTED_ARCHITECTURES
+    assert checkpoint._BY_MODEL_TYPE == spec._BY_MODEL_TYPE
+
+
+def test_the_demo_checkpoint_passes(demo_path):
+    from noria.protocol.checkpoint import check_checkpoint
+
+    check_checkpoint(demo_path)
