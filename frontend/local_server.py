@@ -6,16 +6,34 @@ answers GET /health); a server that exits while starting is reported at once.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import IO, Any
 
 from noria.protocol.lifecycle import stop_child
 from noria.protocol.sockets import free_tcp_port
+
+
+def child_pids(pid: int, marker: bytes | None = None) -> list[int]:
+    """The processes whose parent is `pid` (and whose command line holds `marker`, if given)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent == pid and (marker is None or marker in Path(f"/proc/{entry}/cmdline").read_bytes()):
+                out.append(int(entry))
+        except OSError:
+            continue  # gone while we looked
+    return out
 
 
 def wait_ready(address: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:

@@ -122,6 +122,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     requests_requeued: int = 0  # running or swapped requests sent back to wait by a worker loss
     tokens_recomputed: int = 0  # computed tokens whose KV a worker loss threw away
     seconds_without_worker: float = 0.0  # in all, since the scheduler started
+    plan_bytes: int = 0  # encoded step plans sent (one copy per plan, whatever the number of ranks)
+    result_bytes: int = 0  # encoded step results received from rank 0
 
 
 class GetStats(msgspec.Struct, kw_only=True, tag="get_stats", tag_field="type"):

@@ -241,6 +241,7 @@ class SchedulerProcess:
             stats.worker_restarts = max(0, self.groups_formed - 1)
             gap = now - self.no_worker_since if self.no_worker_since is not None else 0.0
             stats.seconds_without_worker = self.no_worker_total + gap
+            stats.plan_bytes, stats.result_bytes = self.group.plan_bytes, self.group.result_bytes
             self.last_stats = now
             self.stats_due = False
         if updates or stats is not None:

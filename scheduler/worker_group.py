@@ -85,6 +85,8 @@ class WorkerGroup:
         self.codec: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
         self.members: dict[int, Member] = {}  # by rank
         self.epoch = 0
+        self.plan_bytes = 0  # the link's traffic, for `noria bench failover`
+        self.result_bytes = 0
         self.welcomed = False  # the members were sent Welcome with `epoch`
         self.welcomed_at = 0.0
         self.live = False  # ... and every one answered WorkerReady
@@ -125,6 +127,7 @@ class WorkerGroup:
             if msg.error:
                 self._lose(member, f"{member.name} failed a step: {msg.error}")
             elif member.hello.rank == 0:
+                self.result_bytes += len(payload)
                 self.events.append(msg)
         elif isinstance(msg, WorkerFailed):
             self._lose(member, f"{member.name} failed: {msg.reason.strip().splitlines()[-1] if msg.reason else ''}")
@@ -221,12 +224,14 @@ class WorkerGroup:
     def send_plan(self, plan: StepPlan) -> bool:
         """Send one plan to every rank of the live group; False if that lost the group."""
         plan.epoch = self.epoch
-        ok = self._broadcast(plan)
+        payload = self.codec.encode(plan)
+        self.plan_bytes += len(payload)
+        ok = self._broadcast(payload)
         self.next_beat = self.clock() + self.interval  # a plan says "alive" as well as a beat
         return ok
 
-    def _broadcast(self, msg: msgspec.Struct) -> bool:
-        payload = self.codec.encode(msg)
+    def _broadcast(self, msg: msgspec.Struct | bytes) -> bool:
+        payload = msg if isinstance(msg, bytes) else self.codec.encode(msg)
         for m in [self.members[r] for r in sorted(self.members)]:
             if not self._send(m.identity, payload):
                 self._lose(m, f"the connection to {m.name} closed")

@@ -3,32 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
 from typing import IO, Any, NamedTuple
 
-from noria.frontend.local_server import LocalServer, wait_http, wait_ready
+from noria.frontend.local_server import LocalServer, child_pids, wait_http, wait_ready
 
 __all__ = ["alive", "children_of", "engine_idle", "scrape_metrics", "serve", "serve_http", "wait_gone",
            "wait_http", "wait_metrics", "wait_ready"]
 
 
 def children_of(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(entry))
-    return out
+    return child_pids(pid)
 
 
 def alive(pid: int) -> bool:

@@ -33,6 +33,8 @@ TINY = {
     "disconnects": (["--clients", "6", "--keepers", "1"], "every orphan aborted"),
     "overload": (["--seconds", "8", "--factor", "4", "--max-num-seqs", "4", "--max-queued-requests", "4"],
                  "RSS within bound: True"),
+    "failover": (["--num-requests", "4", "--max-tokens", "8", "--kills", "1", "--out", "out/failover"],
+                 "SIGKILL->next token s"),
 }
 
 
