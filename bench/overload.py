@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from noria.frontend.client import AsyncClient
-from noria.frontend.local_server import LocalServer
+from noria.frontend.local_server import LocalServer, child_pids
 from noria.protocol.errors import NoriaError
 from noria.protocol.sampling import SamplingParams
 
@@ -42,21 +42,14 @@ def rss_mib(pid: int) -> float:
 def process_tree(pid: int) -> dict[str, int]:
     """The serve process and its children, named by their command line."""
     out = {"frontend": pid}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for child in child_pids(pid):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != pid:
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
-            continue
+            continue  # gone while we looked
         name = "scheduler" if "noria.scheduler" in cmd else "worker" if "noria.worker" in cmd else \
-            "bridge" if " bridge " in cmd else f"child {entry}"
-        out[name] = int(entry)
+            "bridge" if " bridge " in cmd else f"child {child}"
+        out[name] = child
     return out
 
 

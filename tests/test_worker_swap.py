@@ -28,7 +28,12 @@ def _filled_cache(dtype: torch.dtype) -> KVCache:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_copy_and_swap_preserve_blocks_exactly(dtype: torch.dtype) -> None:
-    cache = _filled_cache(dtype)
+    check_copies_exact(_filled_cache(dtype))
+
+
+def check_copies_exact(cache: KVCache) -> None:
+    """Swap out, copy, swap back into other blocks: every block's bytes land where planned
+    (also run on the kernel path: tests/kernels/test_kv_cache_copies.py)."""
     dev0, cpu0 = cache.device_cache.clone(), cache.cpu_cache.clone()
 
     cache.swap_out([(1, 0), (3, 5)])

@@ -20,6 +20,7 @@ from noria.worker import model_runner
 from noria.worker.attention import TorchAttentionBackend
 from noria.worker.kv_cache import KVCache
 from noria.worker.model_runner import ModelRunner
+from tests.test_worker_swap import check_copies_exact
 from tests.tiny_models import make_checkpoint
 
 # head_dim 64 (hidden 256 over 4 heads): attention runs on the kernels too.
@@ -55,19 +56,7 @@ def _cache(emu: Callable[[str], Any], dtype: torch.dtype) -> tuple[KVCache, Coun
 def test_kernel_copies_preserve_blocks_exactly(emu: Any, dtype: torch.dtype) -> None:
     """The same exact-content checks as the torch path's test, through the kernel."""
     cache, copier = _cache(emu, dtype)
-    dev0, cpu0 = cache.device_cache.clone(), cache.cpu_cache.clone()
-    cache.swap_out([(1, 0), (3, 5)])
-    assert torch.equal(cache.cpu_cache[:, :, 0], dev0[:, :, 1])  # every layer, K and V
-    assert torch.equal(cache.cpu_cache[:, :, 5], dev0[:, :, 3])
-    assert torch.equal(cache.cpu_cache[:, :, 1:5], cpu0[:, :, 1:5])
-    assert torch.equal(cache.device_cache, dev0)
-    cache.copy_blocks([(2, 7), (4, 8)])
-    expected = dev0.clone()
-    expected[:, :, 7], expected[:, :, 8] = dev0[:, :, 2], dev0[:, :, 4]
-    assert torch.equal(cache.device_cache, expected)
-    cache.swap_in([(9, 0), (6, 5)])
-    expected[:, :, 9], expected[:, :, 6] = dev0[:, :, 1], dev0[:, :, 3]
-    assert torch.equal(cache.device_cache, expected)
+    check_copies_exact(cache)
     # One launch per call, over 3 layers x (K, V); swap-in maps CPU block -> device block.
     assert copier.calls == [(6, [[1, 0], [3, 5]]), (6, [[2, 7], [4, 8]]), (6, [[0, 9], [5, 6]])]
 
