@@ -34,7 +34,7 @@ from noria.protocol.client import (
 from noria.protocol.codec import Codec
 from noria.protocol.errors import ErrorCode
 from noria.protocol.security import CurveServer, bridge_key_folder
-from noria.protocol.sockets import CLIENT_HWM, MAX_CLIENT_MESSAGE, make_socket
+from noria.protocol.sockets import CLIENT_HWM, MAX_CLIENT_MESSAGE, drain_router, make_socket
 
 log = logging.getLogger("noria.frontend")
 
@@ -127,13 +127,7 @@ class FrontendServer:
         return 0
 
     def _read_clients(self) -> None:
-        for _ in range(256):  # bounded so engine outputs are never starved
-            try:
-                identity, payload = self.router.recv_multipart(zmq.NOBLOCK)[:2]
-            except zmq.Again:
-                return
-            except ValueError:
-                continue
+        for identity, payload in drain_router(self.router, 256):  # bounded: engine outputs are never starved
             self.handle_client(identity, payload)
 
     def _abort_gone(self) -> None:

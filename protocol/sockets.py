@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -40,3 +40,16 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def drain_router(sock: zmq.Socket, limit: int) -> Iterator[tuple[bytes, bytes]]:
+    """(identity, payload) of the messages waiting on a ROUTER, at most `limit`, so that a
+    busy peer never starves the other sockets of its reader's loop. A frame with no
+    payload (a peer that speaks some other protocol) is skipped."""
+    for _ in range(limit):
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if len(frames) >= 2:
+            yield frames[0], frames[1]

@@ -34,7 +34,7 @@ from noria.protocol.engine import (
 from noria.protocol.errors import ErrorCode
 from noria.protocol.model_identity import model_facts, model_identity
 from noria.protocol.security import CurveServer
-from noria.protocol.sockets import make_socket
+from noria.protocol.sockets import drain_router, make_socket
 from noria.protocol.step import StepResult
 from noria.scheduler.scheduler import Scheduler
 from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
@@ -117,13 +117,7 @@ class SchedulerProcess:
         if self.from_frontend in events:
             self._drain_frontend()
         if self.router in events:
-            for _ in range(1024):  # bounded, so the frontend is never starved
-                try:
-                    identity, payload = self.router.recv_multipart(zmq.NOBLOCK)[:2]
-                except zmq.Again:
-                    break
-                except ValueError:
-                    continue
+            for identity, payload in drain_router(self.router, 1024):  # bounded: the frontend is never starved
                 self.group.on_message(identity, payload)
         self._handle_events()
 
