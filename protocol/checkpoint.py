@@ -3,8 +3,9 @@
 A worker that meets a bad checkpoint fails deep in torch or safetensors with a
 traceback; the frontend checks the cheap things first: config.json readable,
 the architecture one the worker implements, every safetensors file whole
-(header readable, every tensor's bytes inside the file), and the shapes of the
-Llama-family tensors against config.json. It reads headers only, never weights.
+(header readable, every tensor's bytes inside the file), every shard an index
+names present, and the Llama-family tensors both present and shaped as config.json
+says. It reads headers only, never weights.
 """
 
 from __future__ import annotations
@@ -39,12 +40,51 @@ def check_checkpoint(folder: str | Path) -> None:
         raise CheckpointError(f"{folder} holds a model of architecture {archs or cfg.get('model_type')}, which noria "
                               f"does not implement (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     expected = _expected_shapes(cfg)
-    for file in sorted(folder.glob("*.safetensors")):
+    present: set[str] = set()
+    for file in _weight_files(folder):
         for name, shape in _header_shapes(file).items():
+            present.add(name.removeprefix("model."))
             want = expected.get(_generic(name))
             if want is not None and tuple(shape) != want:
                 raise CheckpointError(f"{file}: tensor {name} has shape {tuple(shape)} but config.json implies "
                                       f"{want}: the weights do not belong to this config")
+    missing = sorted(_required(cfg, expected) - present)
+    if missing:
+        raise CheckpointError(f"{folder} lacks {len(missing)} weight tensor(s) config.json requires (first: "
+                              f"{missing[0]}): the weights are incomplete or belong to another config")
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The files the worker will read, in the worker's order of preference (worker/loader.py)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index} is not a readable safetensors index (no weight_map)") from None
+        absent = [n for n in names if not (folder / n).is_file()]
+        if absent:
+            raise CheckpointError(f"{index} names shard(s) that are not in the folder: {', '.join(absent[:4])}")
+        return [folder / n for n in names]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} has no *.safetensors weights (PyTorch .bin checkpoints are not supported)")
+    return files
+
+
+def _required(cfg: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> set[str]:
+    """Every Llama-family tensor name (layer index kept) the worker cannot run without."""
+    try:
+        layers = int(cfg["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError("config.json lacks a usable num_hidden_layers for a Llama-family model") from None
+    names = {n for n in expected if not n.startswith("layers.N.")}
+    if cfg.get("tie_word_embeddings"):
+        names.discard("lm_head.weight")
+    per_layer = [n for n in expected if n.startswith("layers.N.")]
+    return names | {n.replace(".N.", f".{i}.", 1) for n in per_layer for i in range(layers)}
 
 
 def _config(folder: Path) -> dict[str, Any]:

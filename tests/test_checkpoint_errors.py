@@ -29,12 +29,20 @@ def _broken(demo_path: Path, tmp_path: Path, kind: str) -> Path:
         weights.write_bytes(data[: len(data) // 2])
     elif kind == "shape":
         cfg["intermediate_size"] = cfg["intermediate_size"] // 2
+    elif kind == "missing_tensor":  # the config has one layer more than the weights
+        cfg["num_hidden_layers"] += 1
+    elif kind == "no_weights":
+        (folder / "model.safetensors").rename(folder / "model.bin")
+    elif kind == "missing_shard":
+        index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     cfg_file.write_text(json.dumps(cfg))
     return folder
 
 
 EXPECTED = {"no_tokenizer": "has no tokenizer", "architecture": "does not implement", "truncated": "is truncated",
-            "shape": "do not belong to this config"}
+            "shape": "do not belong to this config", "missing_tensor": "lacks 9 weight tensor(s)",
+            "no_weights": "has no *.safetensors weights", "missing_shard": "that are not in the folder"}
 
 
 @pytest.mark.parametrize("kind", sorted(EXPECTED))
