@@ -151,9 +151,11 @@ class EngineProcesses:
         self.stopping.set()
         if self.watcher is not None:
             self.watcher.join()
-        deadline = time.monotonic() + timeout
         with self.lock:
             procs = list(self.procs.values())
+            if self.procs["scheduler"].poll() is not None:
+                timeout = 0.0  # no scheduler to tell the workers to stop: they are terminated now
+        deadline = time.monotonic() + timeout
         for p in procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
