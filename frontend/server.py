@@ -157,8 +157,8 @@ class FrontendServer:
         (an earlier deadline stands)."""
         deadline = time.monotonic() + timeout
         if self.drain_deadline is None:
-            log.warning("draining: %d open request(s) may finish for %gs; new ones are refused",
-                        self.core.num_open, timeout)
+            log.log(logging.WARNING if self.core.num_open else logging.INFO,
+                    "draining: %d open request(s) may finish for %gs; new ones are refused", self.core.num_open, timeout)
             self.core.refusing = (ErrorCode.SHUTTING_DOWN, "the server is shutting down and takes no new requests")
         if self.drain_deadline is None or deadline < self.drain_deadline:
             self.drain_deadline = deadline
