@@ -36,8 +36,10 @@ PARAMS = [
                    frequency_penalty=0.4, presence_penalty=0.2, repetition_penalty=1.1)
     for i in range(N)
 ]
-# Six at a time: the load lasts long enough for the kill to land in the middle of it.
-FLAGS = ("--num-kv-blocks", "64", "--max-num-seqs", "6", "--max-model-len", "256")
+# Six at a time: the load lasts long enough for the kill to land in the middle of it. A
+# generous --worker-wait: on a busy machine the new worker may take long to load the model.
+FLAGS = ("--num-kv-blocks", "64", "--max-num-seqs", "6", "--max-model-len", "256", "--worker-wait", "120")
+LATE = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def _watch_health(http: str, seen: list[tuple[int, str]], stop: threading.Event) -> threading.Thread:
@@ -57,20 +59,29 @@ def test_sigkilled_scheduler_under_load_loses_nothing(demo_path):
     with serve_http(*FLAGS) as served:
         calm = mixed_load(served.address, served.http, PROMPTS, PARAMS)
         assert all(s.error is None and s.finals == 1 for s in calm), calm
+        with Client(served.address, timeout=60) as c:
+            late_calm = c.generate("a late arrival", LATE).outputs[0].token_ids
 
-        progress, killed_at, seen, stop = [0], [], [], threading.Event()
+        progress, killed_at, seen, stop, late = [0], [], [], threading.Event(), []
         total = sum(len(s.token_ids) or MAX_TOKENS for s in calm)
 
         def killer() -> None:
             wait_for("a third of the deltas", lambda: progress[0] >= total // 3, 120)
             killed_at.append(progress[0])
             kill_named(served.proc.pid, SCHEDULER)
+            # A request that arrives while the new scheduler starts waits for it.
+            wait_for("/health 503", lambda: any(code == 503 for code, _ in seen), 30)
+            with Client(served.address, timeout=120) as c:
+                late.append(c.generate("a late arrival", LATE).outputs[0].token_ids)
 
-        threading.Thread(target=killer, daemon=True).start()
+        kill = threading.Thread(target=killer, daemon=True)
+        kill.start()
         watcher = _watch_health(served.http, seen, stop)
         hurt = mixed_load(served.address, served.http, PROMPTS, PARAMS, progress)
+        kill.join(120)
         stop.set()
         watcher.join(15)
+        assert late == [late_calm]
 
         assert killed_at and killed_at[0] < total * 0.6, "the kill must land in the middle of the load"
         assert [(s.error, s.finals, s.late) for s in hurt] == [(None, 1, 0)] * N
