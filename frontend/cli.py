@@ -46,6 +46,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 
 
 DEFAULT_MAX_QUEUED = 4096
+DEFAULT_SCHEDULER_RESTARTS = 3
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
 DEFAULT_MAX_PER_CONNECTION = 1024
 
 
@@ -96,6 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from noria.frontend.core import Limits
     from noria.frontend.server import FrontendServer
     from noria.frontend.startup import make_config, start_core
+    from noria.frontend.supervisor import Supervisor
     from noria.protocol.security import is_loopback
 
     api_key = resolve_api_key(args)  # before any child starts: none of them may inherit it
@@ -106,10 +115,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.zmq_curve_keys and not is_loopback(address):
         print(f"noria: warning: the ZMQ client API on {address} is open to the network without authentication "
               "or encryption; pass --zmq-curve-keys DIR", file=sys.stderr, flush=True)
-    server = FrontendServer(core, address, args.model, curve_keys=args.zmq_curve_keys)
+    supervisor = Supervisor(core, args.max_scheduler_restarts, link.worker_wait, config.startup_timeout)
+    server = FrontendServer(core, address, args.model, curve_keys=args.zmq_curve_keys, supervisor=supervisor,
+                            drain_timeout=args.drain_timeout)
     server.install_signal_handlers()
-    # The bridge is a separate process and a ZMQ client like any other; if it
-    # dies (say its port is taken), the whole server goes down non-zero.
+    # The bridge is a separate process and a ZMQ client like any other; if it dies it
+    # is restarted (bounded), and if it cannot start (say its port is taken), the whole
+    # server goes down non-zero.
     extra = ["--max-requests-per-connection", str(args.max_requests_per_connection)]
     if server.bridge_keys is not None:
         extra += ["--zmq-curve-keys", server.bridge_keys]
@@ -178,6 +190,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "(protocol/security.py's key folder)")
     s.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED, metavar="N",
                    help="requests waiting to start, at most; more are refused as `overloaded` (HTTP 429); 0: no cap")
+    s.add_argument("--drain-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="on SIGTERM, take no new requests and let open ones finish this long, then end the rest "
+                        "(default 30)")
+    s.add_argument("--max-scheduler-restarts", type=int, default=DEFAULT_SCHEDULER_RESTARTS, metavar="N",
+                   help=f"a scheduler that dies is started again (with the local workers) and open requests go on, "
+                        f"at most N times per {RESTART_WINDOW:g} s; past that the server exits non-zero "
+                        f"(default {DEFAULT_SCHEDULER_RESTARTS}; 0: never)")
     add_limit_args(s)
     add_api_key_args(s)
     s.set_defaults(fn=cmd_serve)

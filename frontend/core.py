@@ -25,7 +25,7 @@ Sink = Callable[[Delta | Done | Error], None]
 
 
 class _Sample:
-    __slots__ = ("rid", "index", "detok", "num_tokens", "finish_reason", "held_ids", "held_logprobs")
+    __slots__ = ("rid", "index", "detok", "num_tokens", "finish_reason", "stream", "ids", "held_logprobs")
 
     def __init__(self, rid: int, index: int, detok: IncrementalDetokenizer, stream: bool) -> None:
         self.rid = rid
@@ -33,16 +33,19 @@ class _Sample:
         self.detok = detok
         self.num_tokens = 0
         self.finish_reason: str | None = None
-        # Final-only samples collect ids and detokenize once, when they finish.
-        self.held_ids: list[int] | None = None if stream else []
+        # Final-only samples detokenize once, when they finish.
+        self.stream = stream
+        # Every output id so far: a request resubmitted after a scheduler restart goes on from them.
+        self.ids: list[int] = []
         self.held_logprobs: list[Logprob] | None = None
 
 
 class _Request:
     __slots__ = ("key", "client", "started", "request_id", "sink", "prompt_ids", "samples", "open",
-                 "num_cached_tokens")
+                 "num_cached_tokens", "params", "priority", "group", "resumed")
 
-    def __init__(self, key: Hashable, client: Hashable, request_id: str, sink: Sink, prompt_ids: list[int]) -> None:
+    def __init__(self, key: Hashable, client: Hashable, request_id: str, sink: Sink, prompt_ids: list[int],
+                 params: SamplingParams, priority: int, group: int | None) -> None:
         self.key = key
         self.client = client
         self.started = False  # the engine has sent something for it: it left the waiting queue
@@ -52,6 +55,11 @@ class _Request:
         self.samples: list[_Sample] = []
         self.open = 0
         self.num_cached_tokens = 0
+        # What its engine requests are made of, to send them again to a restarted scheduler.
+        self.params = params
+        self.priority = priority
+        self.group = group
+        self.resumed = False
 
 
 class Limits(msgspec.Struct, frozen=True):
@@ -74,6 +82,9 @@ class FrontendCore:
         self.by_key: dict[Hashable, _Request] = {}
         self.stats: SchedulerStats | None = None
         self.dead_reason: str | None = None
+        # (code, message) that new requests get while the server is not taking any (draining,
+        # or its restarting engine has been gone past --worker-wait); None: they are taken.
+        self.refusing: tuple[str, str] | None = None
 
     @property
     def num_open(self) -> int:
@@ -92,9 +103,9 @@ class FrontendCore:
         except NoriaError as e:
             sink(Error(request_id=msg.request_id, code=e.code, message=e.message))
             return
-        req = _Request(key, client, msg.request_id, sink, prompt_ids)
-        tok = self.processor.tokenizer
         group = self._next_id if params.n > 1 else None  # any id unique to this request
+        req = _Request(key, client, msg.request_id, sink, prompt_ids, params, msg.priority, group)
+        tok = self.processor.tokenizer
         for i in range(params.n):
             rid = self._next_id
             self._next_id += 1
@@ -113,6 +124,8 @@ class FrontendCore:
     def _refusal(self, key: Hashable, request_id: str, client: Hashable) -> tuple[str, str] | None:
         if self.dead_reason:
             return ErrorCode.ENGINE_DEAD, self.dead_reason
+        if self.refusing:
+            return self.refusing
         if key in self.by_key:
             return ErrorCode.DUPLICATE_REQUEST, f"request_id {request_id!r} is already in flight"
         cap = self.limits.max_queued
@@ -157,12 +170,13 @@ class FrontendCore:
                 # Errors concern the whole request (all samples).
                 self._fail(req, u.error_code or ErrorCode.INTERNAL, u.error_message or "engine error")
                 continue
-            if s.index == 0:
+            if s.index == 0 and not req.resumed:
                 # The prompt counts once, as sample 0 found it: the other samples'
                 # hits on sample 0's blocks are no cached tokens for the client.
                 req.num_cached_tokens = u.num_cached_tokens
             s.num_tokens += len(u.new_token_ids)
-            if s.held_ids is not None:
+            s.ids += u.new_token_ids
+            if not s.stream:
                 self._hold(req, s, u)
                 continue
             s.detok.add(u.new_token_ids)
@@ -179,14 +193,12 @@ class FrontendCore:
                 self._finish_sample(req, s, finish)
 
     def _hold(self, req: _Request, s: _Sample, u: RequestUpdate) -> None:
-        assert s.held_ids is not None
-        s.held_ids.extend(u.new_token_ids)
         if u.logprobs:
             s.held_logprobs = (s.held_logprobs or []) + u.logprobs
         if u.finish_reason is not None:
-            s.detok.add(s.held_ids)
+            s.detok.add(s.ids)
             text = s.detok.take(final=True)
-            req.sink(Delta(request_id=req.request_id, text=text, token_ids=s.held_ids, index=s.index,
+            req.sink(Delta(request_id=req.request_id, text=text, token_ids=s.ids, index=s.index,
                            logprobs=s.held_logprobs))
             self._finish_sample(req, s, u.finish_reason)
 
@@ -200,8 +212,25 @@ class FrontendCore:
 
     def fail_all(self, reason: str) -> None:
         self.dead_reason = reason
-        for req in list(self.by_key.values()):
-            self._fail(req, ErrorCode.ENGINE_DEAD, reason)
+        self.end_all(ErrorCode.ENGINE_DEAD, reason)
+
+    def end_all(self, code: str, message: str) -> int:
+        """End every open request with one error (`code`); how many ended."""
+        reqs = list(self.by_key.values())
+        for req in reqs:
+            self._fail(req, code, message)
+        return len(reqs)
+
+    def resubmit_all(self) -> int:
+        """Send every open sample to a restarted scheduler, which has none of them: the same
+        engine id, prompt and parameters, with the outputs the client already has as
+        `output_token_ids`, so the sample goes on where it stopped. Returns how many."""
+        eos = self.processor.eos_ids
+        for rid, (req, s) in self.by_rid.items():
+            req.resumed = req.resumed or bool(s.ids)
+            self.engine.add(EngineRequest(rid, req.prompt_ids, _sample_params(req.params, s.index), eos, req.priority,
+                                          req.group, output_token_ids=s.ids))
+        return len(self.by_rid)
 
     def _fail(self, req: _Request, code: str, message: str) -> None:
         open_rids = [s.rid for s in req.samples if s.finish_reason is None]

@@ -1,4 +1,9 @@
-"""The frontend's link to the scheduler: send requests and aborts, receive outputs."""
+"""The frontend's link to the scheduler: send requests and aborts, receive outputs.
+
+After a scheduler dies, `restart` starts a new one (with new local ranks) on fresh
+sockets; until its `EngineReady` arrives (`restarting` is true), requests and aborts are
+not sent: the frontend resubmits every open request once the new engine is ready.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from noria.protocol.engine import (
     StatsQuery,
 )
 from noria.protocol.errors import ErrorCode, NoriaError
-from noria.protocol.sockets import make_socket
+from noria.protocol.sockets import MAX_ENGINE_MESSAGE, make_socket
 
 
 class EngineClient:
@@ -33,9 +38,11 @@ class EngineClient:
         if addrs is None:
             self.procs = EngineProcesses(config, link)
             addrs = self.procs.addrs
+        self.addrs = addrs
         self.ctx = zmq.Context()
-        self.push = make_socket(self.ctx, zmq.PUSH, addrs.requests, bind=False)
-        self.pull = make_socket(self.ctx, zmq.PULL, addrs.outputs, bind=False)
+        self.push, self.pull = engine_sockets(self.ctx, addrs)
+        self.restarting = False
+        self.restarted_at = 0.0
         self.out_codec: Codec[FrontendToScheduler] = Codec(FrontendToScheduler)
         self.in_codec: Codec[SchedulerToFrontend] = Codec(SchedulerToFrontend)
         self.closed = False
@@ -65,15 +72,33 @@ class EngineClient:
         """Why the engine is dead (its scheduler exited), or None; a worker's exit is not."""
         return self.procs.dead() if self.procs else None
 
+    def restart(self) -> None:
+        """Start a new scheduler and local ranks (the old ones are killed) and reconnect on
+        fresh sockets, so nothing queued for or from the dead scheduler is ever delivered.
+        `on_ready` ends the restart when the new engine's `EngineReady` arrives."""
+        assert self.procs is not None, "only an engine this process launched can be restarted"
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        self.procs.restart_engine()
+        self.push, self.pull = engine_sockets(self.ctx, self.addrs)
+        self.restarting = True
+        self.restarted_at = time.monotonic()
+
+    def on_ready(self, ready: EngineReady) -> None:
+        self.ready = ready
+        self.restarting = False
+
     def add(self, req: EngineRequest) -> None:
-        self.push.send(self.out_codec.encode(req))
+        if not self.restarting:
+            self.push.send(self.out_codec.encode(req))
 
     def abort(self, req_ids: list[int]) -> None:
-        if req_ids:
+        if req_ids and not self.restarting:
             self.push.send(self.out_codec.encode(EngineAbort(req_ids)))
 
     def query_stats(self) -> None:
-        self.push.send(self.out_codec.encode(StatsQuery()))
+        if not self.restarting:
+            self.push.send(self.out_codec.encode(StatsQuery()))
 
     def recv(self, timeout_ms: int) -> list[SchedulerToFrontend]:
         """Every message available now, waiting up to `timeout_ms` for the first."""
@@ -90,10 +115,19 @@ class EngineClient:
         if self.closed:
             return
         self.closed = True
-        with contextlib.suppress(zmq.ZMQError):
+        with contextlib.suppress(zmq.ZMQError):  # a restarting scheduler gets it too: it stops
             self.push.send(self.out_codec.encode(EngineShutdown()), zmq.NOBLOCK)
         if self.procs:
             self.procs.shutdown()
         self.push.close(linger=0)
         self.pull.close(linger=0)
         self.ctx.term()
+
+
+def engine_sockets(ctx: zmq.Context, addrs: EngineAddresses) -> tuple[zmq.Socket, zmq.Socket]:
+    """The frontend's two engine sockets, PUSH to `requests` and PULL from `outputs`: unbounded
+    queues (a PUSH at its high-water mark would block the frontend), the engine links'
+    largest frame (protocol/sockets.py)."""
+    push = make_socket(ctx, zmq.PUSH, addrs.requests, bind=False, max_msg_size=MAX_ENGINE_MESSAGE)
+    pull = make_socket(ctx, zmq.PULL, addrs.outputs, bind=False, max_msg_size=MAX_ENGINE_MESSAGE)
+    return push, pull

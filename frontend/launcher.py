@@ -9,6 +9,8 @@ While the engine starts, any child that exits is reported by name (start-up fail
 it is up, only the scheduler's exit is an engine death: a worker rank that exits is
 restarted, at most `max_worker_restarts` times per rank within `RESTART_WINDOW` seconds;
 past that it stays down, and the scheduler fails waiting requests after `worker_wait`.
+A dead scheduler is the frontend's to handle (frontend/supervisor.py): `restart_engine`
+starts a new scheduler with new local ranks.
 """
 
 from __future__ import annotations
@@ -62,20 +64,37 @@ class EngineProcesses:
         self.env = child_env()  # the engine never needs the API key
         self.lock = threading.Lock()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.procs["scheduler"] = subprocess.Popen(
-            [sys.executable, "-m", "noria.scheduler", "--config", msgspec.json.encode(config).decode(),
-             "--addresses", msgspec.json.encode(addrs).decode(), "--link", self.link_json], env=self.env,
-        )
+        self.scheduler_argv = [sys.executable, "-m", "noria.scheduler", "--config", msgspec.json.encode(config).decode(),
+                               "--addresses", msgspec.json.encode(addrs).decode(), "--link", self.link_json]
         self.worker_argv = [sys.executable, "-m", "noria.worker", "--connect", connect_address(addrs.workers),
                             "--model", config.model, "--device", config.device]
         if link.curve_keys:
             self.worker_argv += ["--curve-keys", link.curve_keys]
-        for rank in range(self.num_local):
-            self.procs[_worker_name(rank)] = self._start_worker(rank)
+        self._start_all()
         self.restarts: dict[int, collections.deque[float]] = {r: collections.deque() for r in range(self.num_local)}
         self.given_up: set[int] = set()
         self.stopping = threading.Event()
         self.watcher: threading.Thread | None = None
+
+    def _start_all(self) -> None:
+        self.procs["scheduler"] = subprocess.Popen(self.scheduler_argv, env=self.env)
+        for rank in range(self.num_local):
+            self.procs[_worker_name(rank)] = self._start_worker(rank)
+
+    def restart_engine(self) -> None:
+        """A new scheduler and new local ranks, on the same addresses (remote ranks find the
+        new scheduler by themselves: theirs went silent, so they register again). The old
+        ranks are killed: they hold only the dead scheduler's KV and requests."""
+        with self.lock:  # the watcher restarts no rank meanwhile
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.kill()
+            for p in self.procs.values():
+                p.wait()
+            self._start_all()
+            self.given_up.clear()
+            for recent in self.restarts.values():
+                recent.clear()
 
     def _start_worker(self, rank: int) -> subprocess.Popen[bytes]:
         return subprocess.Popen([*self.worker_argv, "--rank", str(rank)], env=self.env)
@@ -92,7 +111,8 @@ class EngineProcesses:
     def dead(self) -> str | None:
         """Once the engine is up: why it is dead (its scheduler exited), or None. Worker
         ranks that exit are restarted by `watch`, not reported here."""
-        rc = self.procs["scheduler"].poll()
+        with self.lock:
+            rc = self.procs["scheduler"].poll()
         return None if rc is None else f"the scheduler process exited with code {rc}"
 
     def watch(self) -> None:
@@ -104,14 +124,15 @@ class EngineProcesses:
     def _watch(self) -> None:
         while not self.stopping.wait(WATCH_INTERVAL):
             for rank in range(self.num_local):
-                if rank in self.given_up:
-                    continue
                 with self.lock:
+                    if rank in self.given_up:
+                        continue
                     rc = self.procs[_worker_name(rank)].poll()
-                if rc is not None and not self.stopping.is_set():
-                    self._restart(rank, rc)
+                    if rc is not None and not self.stopping.is_set():
+                        self._restart(rank, rc)
 
     def _restart(self, rank: int, rc: int) -> None:
+        """Called with the lock held."""
         now = time.monotonic()
         recent = self.restarts[rank]
         while recent and now - recent[0] > RESTART_WINDOW:
@@ -124,15 +145,17 @@ class EngineProcesses:
             return
         recent.append(now)
         log.warning("worker rank %d exited with code %d; restarting it", rank, rc)
-        with self.lock:
-            self.procs[_worker_name(rank)] = self._start_worker(rank)
+        self.procs[_worker_name(rank)] = self._start_worker(rank)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self.stopping.set()
         if self.watcher is not None:
             self.watcher.join()
+        with self.lock:
+            procs = list(self.procs.values())
+            if self.procs["scheduler"].poll() is not None:
+                timeout = 0.0  # no scheduler to tell the workers to stop: they are terminated now
         deadline = time.monotonic() + timeout
-        procs = list(self.procs.values())
         for p in procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))

@@ -1,8 +1,12 @@
 """The frontend's ZMQ ROUTER API: clients (DEALER) send msgpack maps, get deltas back.
 
 One thread polls the client socket and the scheduler's output socket; it
-blocks when there is nothing to do. If the engine dies, every in-flight and
-new request gets an `engine_dead` error and `serve_forever` returns non-zero.
+blocks when there is nothing to do. A scheduler that dies is restarted and its
+requests resubmitted (frontend/supervisor.py); past `--max-scheduler-restarts`,
+every in-flight and new request gets an `engine_dead` error and `serve_forever`
+returns non-zero. SIGTERM drains: new requests get `shutting_down`, open ones
+may finish for `drain_timeout` seconds, the rest then end with `shutting_down`,
+and `serve_forever` returns 0. Ctrl-C is a drain with no wait.
 """
 
 from __future__ import annotations
@@ -11,12 +15,13 @@ import logging
 import shutil
 import signal
 import threading
+import time
 
 import msgspec
 import zmq
 
 from noria.frontend.core import FrontendCore
-from noria.frontend.pump import pump_engine
+from noria.frontend.supervisor import Supervisor
 from noria.protocol import PROTOCOL_VERSION
 from noria.protocol.client import (
     Abort,
@@ -40,10 +45,15 @@ log = logging.getLogger("noria.frontend")
 
 
 class FrontendServer:
-    def __init__(self, core: FrontendCore, address: str, model_name: str, curve_keys: str | None = None) -> None:
+    def __init__(self, core: FrontendCore, address: str, model_name: str, curve_keys: str | None = None,
+                 supervisor: Supervisor | None = None, drain_timeout: float = 30.0) -> None:
         """`curve_keys`: a key folder (protocol/security.py); the API then speaks CURVE and
-        admits only the public keys in its `authorized/` folder."""
+        admits only the public keys in its `authorized/` folder. `supervisor`: how a dead
+        scheduler is restarted (default: it is not)."""
         self.core = core
+        self.supervisor = supervisor or Supervisor(core)
+        self.drain_timeout = drain_timeout
+        self.drain_deadline: float | None = None  # set by SIGTERM / Ctrl-C / stop_event
         self.model_name = model_name
         self.ctx = zmq.Context()
         # A key pair for the bridge of `noria serve`, in a private folder of its own.
@@ -104,27 +114,62 @@ class FrontendServer:
             # The latest published stats answer at once; the query makes the next ones fresh.
             self.core.engine.query_stats()
             stats = self.core.stats or SchedulerStats()
-            self._sink(identity)(Stats(stats=stats, num_open_requests=self.core.num_open))
+            status, reason = self.status()
+            self._sink(identity)(Stats(stats=stats, num_open_requests=self.core.num_open, status=status, reason=reason,
+                                       scheduler_restarts=self.supervisor.restarts))
+
+    def status(self) -> tuple[str, str]:
+        """("ok" | "draining" | "restarting", why) for `stats` and the bridge's /health."""
+        if self.drain_deadline is not None:
+            return "draining", "draining"
+        if self.supervisor.restarting:
+            return "restarting", f"the scheduler is restarting after {self.supervisor.reason}"
+        return "ok", ""
 
     def serve_forever(self) -> int:
-        """Serve until stopped (0) or until the engine dies (1)."""
-        engine = self.core.engine
-        poller = zmq.Poller()
+        """Serve until drained (0) or until the engine dies for good (1)."""
+        poller, pull = zmq.Poller(), None
         poller.register(self.router, zmq.POLLIN)
-        poller.register(engine.pull, zmq.POLLIN)
-        while not self.stop_event.is_set():
-            events = dict(poller.poll(500))
+        while True:
+            if self.stop_event.is_set():
+                self.drain(0.0)
+            if self.drain_deadline is not None and self._drained():
+                return 0
+            engine = self.core.engine
+            if pull is not engine.pull:  # a restarted scheduler comes with fresh sockets
+                if pull is not None:
+                    poller.unregister(pull)
+                pull = engine.pull
+                poller.register(pull, zmq.POLLIN)
+            # A quarter second at most: a scheduler's exit or a drain deadline is noticed soon.
+            events = dict(poller.poll(250))
             if self.router in events:
                 self._read_clients()
-            # With no event at all, the pump looks whether the engine processes still live.
-            if engine.pull in events or not events:
-                dead = pump_engine(self.core, 0)
-                if dead:
-                    log.error("engine died: %s", dead)
-                    return 1
+            dead = self.supervisor.pump(0)
+            if dead:
+                log.error("engine died: %s", dead)
+                return 1
             if self.gone:
                 self._abort_gone()
-        return 0
+
+    def drain(self, timeout: float) -> None:
+        """Take no new request from now on; end the open ones in `timeout` s at the latest
+        (an earlier deadline stands)."""
+        deadline = time.monotonic() + timeout
+        if self.drain_deadline is None:
+            log.log(logging.WARNING if self.core.num_open else logging.INFO,
+                    "draining: %d open request(s) may finish for %gs; new ones are refused", self.core.num_open, timeout)
+            self.core.refusing = (ErrorCode.SHUTTING_DOWN, "the server is shutting down and takes no new requests")
+        if self.drain_deadline is None or deadline < self.drain_deadline:
+            self.drain_deadline = deadline
+
+    def _drained(self) -> bool:
+        assert self.drain_deadline is not None
+        if self.core.num_open and time.monotonic() >= self.drain_deadline:
+            n = self.core.end_all(ErrorCode.SHUTTING_DOWN, "the server is shutting down: the request was still "
+                                  "open at the drain deadline")
+            log.warning("drain deadline: %d request(s) ended with shutting_down", n)
+        return self.core.num_open == 0
 
     def _read_clients(self) -> None:
         for identity, payload in drain_router(self.router, 256):  # bounded: engine outputs are never starved
@@ -138,11 +183,19 @@ class FrontendServer:
         self.gone -= gone  # the abort's own `done` also fails to send
 
     def install_signal_handlers(self) -> None:
-        def stop(signum: int, _frame: object) -> None:
-            self.stop_event.set()
+        """SIGTERM drains for `drain_timeout` seconds; Ctrl-C (or a second SIGTERM) ends the
+        open requests now. Both exit 0 once every request has had its final message."""
+        terms = [0]
 
-        signal.signal(signal.SIGINT, stop)
-        signal.signal(signal.SIGTERM, stop)
+        def term(signum: int, _frame: object) -> None:
+            terms[0] += 1
+            self.drain(self.drain_timeout if terms[0] == 1 else 0.0)
+
+        def interrupt(signum: int, _frame: object) -> None:
+            self.drain(0.0)
+
+        signal.signal(signal.SIGINT, interrupt)
+        signal.signal(signal.SIGTERM, term)
 
     def close(self) -> None:
         self.router.close(linger=200)

@@ -133,6 +133,11 @@ class GetStats(msgspec.Struct, kw_only=True, tag="get_stats", tag_field="type"):
 class Stats(msgspec.Struct, kw_only=True, tag="stats", tag_field="type"):
     stats: SchedulerStats
     num_open_requests: int = 0
+    # The server's own state: "ok", "restarting" (its scheduler died and a new one is
+    # starting; requests wait) or "draining" (SIGTERM: no new requests); `reason` says why.
+    status: str = "ok"
+    reason: str = ""
+    scheduler_restarts: int = 0  # schedulers started again after one died
 
 
 ClientToServer = Generate | Abort | Hello | GetStats

@@ -22,6 +22,11 @@ class EngineRequest(msgspec.Struct, array_like=True, gc=False, tag="req"):
     # The samples of one client request carry the same group (the frontend's
     # choice): they share prompt blocks even with prefix caching disabled.
     sample_group: int | None = None
+    # Output tokens already generated (and delivered) by an earlier scheduler: a request
+    # resubmitted after a scheduler restart continues from them. The scheduler counts them
+    # as outputs (max_tokens, min_tokens, penalties, the seeded noise's position), so the
+    # rest is what an undisturbed run would have produced.
+    output_token_ids: list[int] = []
 
 
 class EngineAbort(msgspec.Struct, array_like=True, gc=False, tag="abort"):

@@ -11,6 +11,7 @@ class ErrorCode:
     OVERLOADED = "overloaded"  # the waiting queue or this connection's in-flight requests are at their cap
     ENGINE_DEAD = "engine_dead"  # the scheduler died
     ENGINE_UNAVAILABLE = "engine_unavailable"  # no worker for --worker-wait seconds; the server keeps running
+    SHUTTING_DOWN = "shutting_down"  # the server is draining (SIGTERM): no new requests; at the drain timeout, the rest
     TIMEOUT = "timeout"  # client-side: no answer in time
     ENGINE_UNREACHABLE = "engine_unreachable"  # client-side: connection lost or server silent
     INTERNAL = "internal_error"

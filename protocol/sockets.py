@@ -10,6 +10,11 @@ import zmq
 # most this many messages, and a bigger frame than this drops the peer's connection.
 CLIENT_HWM = 100_000
 MAX_CLIENT_MESSAGE = 64 * 2**20  # as the bridge's largest HTTP body
+# Engine links (frontend <-> scheduler, scheduler <-> workers): trusted peers, queues bounded
+# by the scheduler's budgets and --max-queued-requests rather than by a high-water mark (a
+# PUSH at its mark would block or drop a message), but a frame larger than this is a bug or
+# an attack and closes the sender's connection. A request is at most MAX_CLIENT_MESSAGE.
+MAX_ENGINE_MESSAGE = 256 * 2**20
 
 
 def make_socket(

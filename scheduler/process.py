@@ -34,7 +34,7 @@ from noria.protocol.engine import (
 from noria.protocol.errors import ErrorCode
 from noria.protocol.model_identity import model_facts, model_identity
 from noria.protocol.security import CurveServer
-from noria.protocol.sockets import drain_router, make_socket
+from noria.protocol.sockets import MAX_ENGINE_MESSAGE, drain_router, make_socket
 from noria.protocol.step import StepResult
 from noria.scheduler.scheduler import Scheduler
 from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
@@ -42,7 +42,6 @@ from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
 log = logging.getLogger("noria.scheduler")
 
 STATS_INTERVAL = 0.5
-MAX_MESSAGE = 256 << 20  # a plan is far smaller; a larger message is an attack or a bug
 
 
 class StartupFailed(Exception):
@@ -54,7 +53,7 @@ def bind_worker_router(ctx: zmq.Context, address: str, curve: CurveServer | None
     router.setsockopt(zmq.LINGER, 0)
     router.setsockopt(zmq.SNDHWM, 0)
     router.setsockopt(zmq.RCVHWM, 0)
-    router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+    router.setsockopt(zmq.MAXMSGSIZE, MAX_ENGINE_MESSAGE)
     # A send to a rank whose connection has closed (its process died) fails at once
     # instead of vanishing: that rank is lost now, not a heartbeat timeout later.
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -70,8 +69,8 @@ class SchedulerProcess:
         self.link = link
         self.ctx = zmq.Context()
         self.curve = CurveServer(self.ctx, link.curve_keys) if link.curve_keys else None
-        self.from_frontend = make_socket(self.ctx, zmq.PULL, addrs.requests, bind=True)
-        self.to_frontend = make_socket(self.ctx, zmq.PUSH, addrs.outputs, bind=True)
+        self.from_frontend = make_socket(self.ctx, zmq.PULL, addrs.requests, bind=True, max_msg_size=MAX_ENGINE_MESSAGE)
+        self.to_frontend = make_socket(self.ctx, zmq.PUSH, addrs.outputs, bind=True, max_msg_size=MAX_ENGINE_MESSAGE)
         self.router = bind_worker_router(self.ctx, addrs.workers, self.curve)
         self.in_codec: Codec[FrontendToScheduler] = Codec(FrontendToScheduler)
         self.out_codec: Codec[SchedulerToFrontend] = Codec(SchedulerToFrontend)

@@ -30,6 +30,7 @@ class Request:
         self.req_id = msg.req_id
         self.token_ids: list[int] = list(msg.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        self.token_ids += msg.output_token_ids  # resumed after a scheduler restart: outputs so far
         self.params: SamplingParams = msg.params
         self.eos_token_ids = frozenset(() if self.params.ignore_eos else msg.eos_token_ids)
         self.stop_ids = frozenset(self.params.stop_token_ids or ())

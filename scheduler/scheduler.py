@@ -129,6 +129,9 @@ class Scheduler:
                 f"prompt has {n_prompt} tokens, more than max_num_batched_tokens {self.token_budget} "
                 "with chunked prefill disabled",
             )
+        if msg.output_token_ids and n_prompt + len(msg.output_token_ids) >= self.max_model_len:
+            return self.reject(msg.req_id, ErrorCode.INVALID_REQUEST,
+                               "a resumed request's prompt and outputs fill max_model_len")
         max_tokens = msg.params.max_tokens or self.max_model_len - n_prompt
         req = Request(msg, self._arrivals, max_tokens, self.kv.hash_root(msg.sample_group))
         self._arrivals += 1

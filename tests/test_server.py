@@ -177,39 +177,6 @@ def test_children_exit_when_the_server_is_killed(demo_path):
     assert not any(alive(k) for k in kids), "engine processes outlived a killed server"
 
 
-def test_a_dead_scheduler_fails_requests_and_the_server_exits_non_zero(demo_path):
-    """A worker's death is survived (tests/test_failover.py); the scheduler's is the engine's."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from noria.protocol.sockets import free_tcp_port
-    from tests.procs import children_of, wait_ready
-
-    port = free_tcp_port()
-    address = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "noria.frontend.cli", "serve", "--zmq-port", str(port),
-                             "--port", str(free_tcp_port()), "--num-kv-blocks", "64"])
-    try:
-        wait_ready(address, proc)
-        scheduler = next(k for k in children_of(proc.pid)
-                         if b"noria.scheduler" in Path(f"/proc/{k}/cmdline").read_bytes())
-        with Client(address, timeout=30) as c:
-            stream = c.stream("go", SamplingParams(max_tokens=2000, ignore_eos=True))
-            next(stream)
-            os.kill(scheduler, signal.SIGKILL)
-            with pytest.raises(NoriaError) as e:
-                for _ in stream:
-                    pass
-            assert e.value.code == "engine_dead" and "scheduler" in e.value.message
-        assert proc.wait(30) != 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 def _poll_stats(address: str, ok, timeout: float = 10.0):
     """Ask for stats until `ok(stats)` holds; returns the last answer either way."""
     import time

@@ -24,6 +24,7 @@ import zmq
 
 from noria.protocol.codec import Codec
 from noria.protocol.security import apply_curve_client
+from noria.protocol.sockets import MAX_ENGINE_MESSAGE
 from noria.protocol.worker_link import Heartbeat, Refused, SchedulerToWorker, WorkerToScheduler
 
 log = logging.getLogger("noria.worker.link")
@@ -97,6 +98,7 @@ class WorkerLink:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_ENGINE_MESSAGE)
         dealer.setsockopt(zmq.RECONNECT_IVL, 100)
         dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         if self.curve_keys:

@@ -71,7 +71,8 @@ def make_app(engine: str, api_key: str | None = None, max_per_client: int | None
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    """200 while the engine answers and a worker group serves it; 503 with the reason otherwise."""
+    """200 while the engine answers and a worker group serves it; 503 with the reason otherwise
+    ("draining" once the server got SIGTERM)."""
     gateway = request.app[GATEWAY]
     address = gateway.client.address
     try:
@@ -81,6 +82,9 @@ async def handle_health(request: web.Request) -> web.Response:
         return json_response(Health(status="unavailable", engine=address, reason=f"{e.code}: {e.message}"), status=503)
     except TimeoutError:
         return json_response(Health(status="unavailable", engine=address, reason="no stats from the engine"), status=503)
+    if stats.status != "ok":  # "draining" (SIGTERM) or "restarting" (a new scheduler is starting)
+        return json_response(Health(status="unavailable", engine=address, model=ready.model, reason=stats.reason),
+                             status=503)
     if not stats.stats.workers_live:
         reason = f"no worker: {stats.stats.worker_status}"
         return json_response(Health(status="unavailable", engine=address, model=ready.model, reason=reason), status=503)

@@ -20,6 +20,7 @@ _BY_CODE: dict[str, tuple[int, str]] = {
     ErrorCode.ENGINE_UNAVAILABLE: (503, "service_unavailable_error"),
     ENGINE_UNREACHABLE: (503, "service_unavailable_error"),
     ErrorCode.TIMEOUT: (503, "service_unavailable_error"),
+    ErrorCode.SHUTTING_DOWN: (503, "service_unavailable_error"),
 }
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",

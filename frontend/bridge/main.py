@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from noria.frontend.bridge.app import make_app
+from noria.frontend.bridge.process import EXIT_CANNOT_LISTEN
 
 
 class _QuietBadRequests(logging.Filter):
@@ -41,7 +42,8 @@ async def serve(engine: str, host: str, port: int, api_key: str | None, *, handl
     except OSError as e:
         print(f"noria bridge: cannot listen on {host}:{port}: {e}", file=sys.stderr, flush=True)
         await runner.cleanup()
-        return 1
+        # Under `noria serve` a code of its own: a taken port is not worth a restart.
+        return 1 if handle_sigint else EXIT_CANNOT_LISTEN
     print(f"noria bridge: http://{host}:{port} (ws /v1/stream, OpenAI /v1, /metrics) -> {engine}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

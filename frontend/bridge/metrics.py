@@ -67,6 +67,10 @@ class EngineCollector(Collector):
             "noria_num_open_requests", "Client requests open in the frontend.",
             value=self.stats.num_open_requests if self.stats else 0,
         )
+        yield CounterMetricFamily(
+            "noria_scheduler_restarts", "Schedulers started again after one died.",
+            value=self.stats.scheduler_restarts if self.stats else 0,
+        )
         for name, field, doc in _GAUGES:
             yield GaugeMetricFamily(name, doc, value=float(getattr(s, field)))
         for name, field, doc in _COUNTERS:

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from noria.frontend.api_key import child_env
+from noria.protocol.config import RESTART_WINDOW
 from noria.protocol.lifecycle import stop_child
 
 log = logging.getLogger("noria.bridge")
+
+MAX_RESTARTS = 5  # bridge restarts within RESTART_WINDOW seconds before `noria serve` gives up
+EXIT_CANNOT_LISTEN = 4  # the exit code of a bridge started by `noria serve` whose port is taken
 
 
 def engine_address(host: str, zmq_port: int) -> str:
@@ -24,32 +30,67 @@ def engine_address(host: str, zmq_port: int) -> str:
 
 
 class BridgeProcess:
+    """The bridge child of `noria serve`. One that dies on its own is started again (its HTTP
+    and websocket clients saw their connections close; the frontend aborts their requests
+    when a send to the old bridge's ZMQ connection fails), at most `MAX_RESTARTS` times
+    within `RESTART_WINDOW` seconds; one that cannot listen on its port is not."""
+
     def __init__(self, engine: str, host: str, port: int, api_key: str | None, extra: Sequence[str] = ()) -> None:
-        argv = [sys.executable, "-m", "noria.frontend.cli", "bridge", "--engine", engine,
-                "--host", host, "--port", str(port), "--parent-pid", str(os.getpid()), *extra]
+        self.argv = [sys.executable, "-m", "noria.frontend.cli", "bridge", "--engine", engine,
+                     "--host", host, "--port", str(port), "--parent-pid", str(os.getpid()), *extra]
         if api_key:
-            argv += ["--api-key-file", "-"]  # the key comes through a pipe: see frontend/api_key.py
+            self.argv += ["--api-key-file", "-"]  # the key comes through a pipe: see frontend/api_key.py
+        self.api_key = api_key
+        self.lock = threading.Lock()
         self.stopping = False
-        self.proc = subprocess.Popen(argv, env=child_env(), stdin=subprocess.PIPE if api_key else subprocess.DEVNULL)
-        if api_key:
-            assert self.proc.stdin is not None
+        self.restarts = 0
+        self.recent: collections.deque[float] = collections.deque()
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        key = self.api_key
+        proc = subprocess.Popen(self.argv, env=child_env(), stdin=subprocess.PIPE if key else subprocess.DEVNULL)
+        if key:
+            assert proc.stdin is not None
             try:
-                self.proc.stdin.write(api_key.encode() + b"\n")
-                self.proc.stdin.close()
+                proc.stdin.write(key.encode() + b"\n")
+                proc.stdin.close()
             except BrokenPipeError:
                 pass  # the bridge is already gone; `watch` reports its exit
+        return proc
 
     def watch(self, on_unexpected_exit: Callable[[int], None]) -> None:
-        """Call `on_unexpected_exit(returncode)` (from a thread) if the bridge dies on its own."""
+        """Restart the bridge when it dies on its own; call `on_unexpected_exit(returncode)`
+        (from a thread) when it dies and is not restarted."""
 
         def wait() -> None:
-            rc = self.proc.wait()
-            if not self.stopping:
+            while True:
+                rc = self.proc.wait()
+                with self.lock:
+                    if self.stopping:
+                        return
+                    if rc != EXIT_CANNOT_LISTEN and self._may_restart():
+                        log.error("the bridge process exited with code %d; restarting it", rc)
+                        self.restarts += 1
+                        self.proc = self._spawn()
+                        continue
                 log.error("the bridge process exited with code %d", rc)
                 on_unexpected_exit(rc)
+                return
 
         threading.Thread(target=wait, name="bridge-watch", daemon=True).start()
 
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        while self.recent and now - self.recent[0] > RESTART_WINDOW:
+            self.recent.popleft()
+        if len(self.recent) >= MAX_RESTARTS:
+            return False
+        self.recent.append(now)
+        return True
+
     def stop(self, timeout: float = 5.0) -> None:
-        self.stopping = True
-        stop_child(self.proc, signal.SIGTERM, timeout)
+        with self.lock:
+            self.stopping = True
+            proc = self.proc
+        stop_child(proc, signal.SIGTERM, timeout)

@@ -1,0 +1,123 @@
+"""A scheduler SIGKILLed under load: `noria serve` starts a new one (and its worker) and
+resubmits every open request from the tokens its client already has. ZMQ, websocket and
+OpenAI SSE clients see no error, no delta twice or missing, and the undisturbed run's
+outputs: greedy ones, and seeded ones with penalties and min_tokens too (the scheduler
+counts the resubmitted outputs as outputs, and a seeded request's noise depends on its
+output position only). Past --max-scheduler-restarts the server ends every request with
+`engine_dead` and exits non-zero.
+
+The undisturbed run is the same server's first round; the text check is independent of
+the engine: the tokenizer's decode of each stream's token ids.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import pytest
+
+from noria import Client, NoriaError, SamplingParams
+from noria.frontend.local_server import LocalServer
+from noria.frontend.processor import load_tokenizer
+from tests.faults import children_named, kill_named, mixed_load
+from tests.procs import engine_idle, serve_http, wait_metrics
+from tests.workers import health, stats, wait_for, wait_stats
+
+SCHEDULER = b"noria.scheduler"
+MAX_TOKENS = 40
+N = 18
+PROMPTS = [f"Request {i} asks the water wheel about the river" for i in range(N)]
+# Even requests greedy; odd ones seeded, with penalties and min_tokens (EOS may end them, the same way twice).
+PARAMS = [
+    SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
+    SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=100 + i, min_tokens=MAX_TOKENS // 2,
+                   frequency_penalty=0.4, presence_penalty=0.2, repetition_penalty=1.1)
+    for i in range(N)
+]
+# Six at a time: the load lasts long enough for the kill to land in the middle of it. A
+# generous --worker-wait: on a busy machine the new worker may take long to load the model.
+FLAGS = ("--num-kv-blocks", "64", "--max-num-seqs", "6", "--max-model-len", "256", "--worker-wait", "120")
+LATE = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _watch_health(http: str, seen: list[tuple[int, str]], stop: threading.Event) -> threading.Thread:
+    def run() -> None:
+        while not stop.is_set():
+            status, body = health(http)
+            seen.append((status, body.get("reason") or ""))
+            time.sleep(0.05)  # poll interval
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_sigkilled_scheduler_under_load_loses_nothing(demo_path):
+    tok = load_tokenizer(str(demo_path))
+    with serve_http(*FLAGS) as served:
+        calm = mixed_load(served.address, served.http, PROMPTS, PARAMS)
+        assert all(s.error is None and s.finals == 1 for s in calm), calm
+        with Client(served.address, timeout=60) as c:
+            late_calm = c.generate("a late arrival", LATE).outputs[0].token_ids
+
+        progress, killed_at, seen, stop, late = [0], [], [], threading.Event(), []
+        total = sum(len(s.token_ids) or MAX_TOKENS for s in calm)
+
+        def killer() -> None:
+            wait_for("a third of the deltas", lambda: progress[0] >= total // 3, 120)
+            killed_at.append(progress[0])
+            kill_named(served.proc.pid, SCHEDULER)
+            # A request that arrives while the new scheduler starts waits for it.
+            wait_for("/health 503", lambda: any(code == 503 for code, _ in seen), 30)
+            with Client(served.address, timeout=120) as c:
+                late.append(c.generate("a late arrival", LATE).outputs[0].token_ids)
+
+        kill = threading.Thread(target=killer, daemon=True)
+        kill.start()
+        watcher = _watch_health(served.http, seen, stop)
+        hurt = mixed_load(served.address, served.http, PROMPTS, PARAMS, progress)
+        kill.join(120)
+        stop.set()
+        watcher.join(15)
+        assert late == [late_calm]
+
+        assert killed_at and killed_at[0] < total * 0.6, "the kill must land in the middle of the load"
+        assert [(s.error, s.finals, s.late) for s in hurt] == [(None, 1, 0)] * N
+        assert [s.finish_reason for s in hurt] == [s.finish_reason for s in calm]
+        assert [s.text for s in hurt] == [s.text for s in calm]
+        assert [s.token_ids for s in hurt] == [s.token_ids for s in calm]
+        for s in hurt:  # no delta lost or doubled: the pieces make the whole
+            if s.kind != "sse":
+                assert s.text == tok.decode(s.token_ids, skip_special_tokens=True)
+        assert any(s.finish_reason == "length" for s in hurt)
+
+        restarting = [r for code, r in seen if code == 503]
+        assert restarting and all("the scheduler is restarting after the scheduler process exited with code -9" in r
+                                  for r in restarting), seen
+        after = wait_stats(served.address, lambda st: st.stats.workers_live and st.num_open_requests == 0
+                           and st.stats.num_running == 0, "the restarted engine to be idle").stats
+        assert after.kv_cache_usage == 0 and after.num_free_blocks == after.num_kv_blocks and after.blocks_consistent
+        assert stats(served.address).scheduler_restarts == 1
+        m = wait_metrics(served.http, lambda m: engine_idle(m) and m["noria_scheduler_restarts_total"] == 1)
+        assert engine_idle(m) and m["noria_scheduler_restarts_total"] == 1
+        assert health(served.http)[0] == 200
+        assert len(children_named(served.proc.pid, SCHEDULER)) == 1
+
+
+def test_past_the_restart_bound_every_request_gets_engine_dead_and_the_server_exits_non_zero(demo_path):
+    server = LocalServer("--max-scheduler-restarts", "0", "--num-kv-blocks", "64", stderr=subprocess.DEVNULL)
+    try:
+        server.wait()
+        with Client(server.address, timeout=60) as c:
+            stream = c.stream("a long story", SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+            next(iter(stream))  # it runs
+            kill_named(server.proc.pid, SCHEDULER)
+            with pytest.raises(NoriaError) as e:
+                for _ in stream:
+                    pass
+            assert e.value.code == "engine_dead" and "scheduler process exited with code -9" in e.value.message
+        assert server.proc.wait(30) == 1
+    finally:
+        server.stop()
