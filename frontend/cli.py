@@ -18,6 +18,7 @@ from noria.protocol.config import (
     PreemptionMode,
     WorkerLinkConfig,
 )
+from noria.protocol.errors import NoriaError
 
 
 def _choices(literal: Any) -> list[Any]:
@@ -239,6 +240,9 @@ def run(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"noria: error: {e}", file=sys.stderr)
         return 2
+    except NoriaError as e:  # the engine could not start: its reason in one line, not a traceback
+        print(f"noria: error: {e.message}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

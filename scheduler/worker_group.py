@@ -131,7 +131,8 @@ class WorkerGroup:
                 self.events.append(msg)
         elif isinstance(msg, WorkerFailed):
             self._lose(member, f"{member.name} failed: {msg.reason.strip().splitlines()[-1] if msg.reason else ''}")
-            log.warning("%s reported:\n%s", member.name, msg.reason)
+            if "\n" in msg.reason.strip():  # a traceback: the only copy of a remote rank's is this one
+                log.warning("%s reported:\n%s", member.name, msg.reason)
 
     def _register(self, identity: bytes, msg: Register, now: float) -> None:
         reason = self._check(msg)

@@ -68,6 +68,22 @@ def test_cli_prints_one_line_and_no_traceback(demo_path, tmp_path, command):
     assert len(lines) == 1 and lines[0].startswith("noria: error: "), r.stderr
 
 
+def test_an_engine_that_cannot_start_is_one_final_line_and_exit_1(demo_path):
+    """The worker fails after the pre-checks (here: --device cuda where torch has no CUDA):
+    the log says why without a traceback, and the command ends with the reason, not a traceback."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA, so --device cuda starts")
+    argv = [sys.executable, "-m", "noria.frontend.cli", "generate", "hi", "--model", str(demo_path),
+            "--device", "cuda", "--max-tokens", "2"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("noria: error: start-up failed") and "no CUDA device" in last, r.stderr
+
+
 def test_the_architecture_list_matches_the_worker():
     from noria.protocol import checkpoint
     from noria.worker.models import spec

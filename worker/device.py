@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from noria.worker.errors import WorkerFatal
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -20,7 +22,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was requested but torch sees no CUDA device")
+        raise WorkerFatal("device 'cuda' was requested but torch on this host sees no CUDA device "
+                          "(a CPU-only torch build, or no driver): use --device cpu or auto")
     if name not in ("cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
     return torch.device(name)

@@ -36,6 +36,7 @@ from noria.protocol.worker_link import (
     WorkerReady,
     WorkerShutdown,
 )
+from noria.worker.errors import WorkerFatal
 from noria.worker.link import LinkDown, WorkerLink
 from noria.worker.registration import hello, use_route_for_gloo
 
@@ -50,10 +51,6 @@ class WorkerOptions:
     device: str | None = None  # None: the engine's --device
     curve_keys: str | None = None
     scheduler_wait: float = 60.0  # give up after this long without a scheduler
-
-
-class WorkerFatal(Exception):
-    """The rank cannot serve this engine (the message says why); it reports and exits."""
 
 
 class WorkerSession:
