@@ -3,9 +3,13 @@
 noria and vLLM are compared through the same door: OpenAI `POST /v1/completions`
 with token-id prompts, `stream: true`, greedy, `ignore_eos` and `logprobs: 1`
 (every token then comes with a logprob entry in both servers, so a chunk's
-token count is exact even where a token's text is empty). Servers: `noria
-serve` (LocalServer) and `vllm serve` from vLLM's own venv (VllmServer), each
-on the same checkpoint folder in float32 with the same engine knobs.
+token count is exact even where a token's text is empty; vLLM is also asked
+for `return_token_ids`, which noria ignores). Servers: `noria serve`
+(LocalServer) and `vllm serve` from vLLM's own venv (VllmServer), each on the
+same checkpoint folder in float32 with the same engine knobs. vLLM runs with
+--skip-tokenizer-init (the benchmark models' tokenizer is smaller than their
+vocabulary, as in the offline runs): it does not detokenize, noria does, so
+any difference this makes is in vLLM's favour.
 """
 
 from __future__ import annotations
@@ -106,7 +110,8 @@ async def drive(base: str, reqs: list[Req]) -> list[dict]:
         async def one(prompt: list[int], max_tokens: int, offset: float) -> dict:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "logprobs": 1}
+                    "ignore_eos": True, "stream": True, "logprobs": 1,
+                    "return_token_ids": True, "return_tokens_as_token_ids": True}
             sent = time.perf_counter()
             times: list[float] = []
             async with http.post(f"{base}/v1/completions", json=body) as r:
@@ -116,8 +121,15 @@ async def drive(base: str, reqs: list[Req]) -> list[dict]:
                         continue
                     now = time.perf_counter()
                     for c in json.loads(line[6:]).get("choices", []):
-                        lp = c.get("logprobs") or {}
-                        times.extend([now] * len(lp.get("tokens") or ([1] if c.get("text") else [])))
+                        times.extend([now] * _tokens_in(c))
             return {"sent": sent, "times": times, "prompt_len": len(prompt)}
 
         return await asyncio.gather(*(one(*r) for r in reqs))
+
+
+def _tokens_in(choice: dict) -> int:
+    """How many tokens a streamed choice carries: its token ids, else its logprob entries."""
+    if choice.get("token_ids") is not None:
+        return len(choice["token_ids"])
+    lp = choice.get("logprobs") or {}
+    return len(lp.get("tokens") or ([1] if choice.get("text") else []))

