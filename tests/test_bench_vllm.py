@@ -44,7 +44,7 @@ def test_commands_run_vllms_own_interpreter(tmp_path):
     assert cmd[0] == str(tmp_path / "bin" / "python")
     assert Path(cmd[1]).name == "vllm_offline.py" and Path(cmd[1]).exists()
     serve = vllm_cpu.serve_command(Path("/m"), 8123, ["--max-num-seqs", "8"], venv=tmp_path)
-    assert serve[:3] == [str(tmp_path / "bin" / "vllm"), "serve", "/m"]
+    assert serve[:5] == [str(tmp_path / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
     assert serve[serve.index("--dtype") + 1] == "float32" and serve[serve.index("--port") + 1] == "8123"
     assert serve[-2:] == ["--max-num-seqs", "8"]
 
@@ -120,3 +120,10 @@ def test_profile_reduction_gives_each_operator_its_self_time():
     assert s["components"]["GEMM"] == pytest.approx(0.060)
     assert component("_C::cpu_attention_with_kv_cache") == "attention"
     assert component("noria::paged_decode (native C)") == "attention"
+
+
+def test_stream_chunks_are_counted_in_tokens():
+    count = serving_http._tokens_in
+    assert count({"text": "", "token_ids": [4, 5]}) == 2  # vLLM with return_token_ids
+    assert count({"text": "", "logprobs": {"tokens": ["token_id:4"]}}) == 1  # noria: a token with no text
+    assert count({"text": "", "finish_reason": "length"}) == 0
