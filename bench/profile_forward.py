@@ -102,7 +102,8 @@ def summarize(ops: dict[str, dict[str, list[float]]]) -> dict:
         for name, (us, _) in table.items():
             comps["Python, around operators" if name.startswith(RANGE_OWN) else component(name)] += us / 1000
         top = sorted(((n, us / 1000, c) for n, (us, c) in table.items()), key=lambda x: -x[1])[:15]
-        result[phase] = {"ms": sum(comps.values()), "components": dict(comps),
+        result[phase] = {"ms": sum(comps.values()), "calls": int(table.get(f"{RANGE_OWN} [{phase}]", [0, 0])[1]),
+                         "components": dict(comps),
                          "top": [{"op": n, "ms": ms, "calls": c} for n, ms, c in top]}
     return result
 
@@ -152,17 +153,20 @@ def profile_vllm(system: str, path: Path, work: list, tmp: Path) -> dict:
 
 
 def table(noria: dict, vllm: dict | None, steps: int, vllm_name: str) -> str:
-    nf = noria.get("noria: forward", {"ms": 0.0, "components": {}})
-    nl = noria.get("noria: logits", {"ms": 0.0, "components": {}})
-    vf = (vllm or {}).get("gpu_model_runner: forward", {"ms": 0.0, "components": {}})
-    lines = [f"Forward of the same {steps} batches (noria: replayed; {vllm_name}: in its worker), ms in total:", "",
-             f"| component | {vllm_name} forward | noria forward | noria logits |", "|---|---:|---:|---:|"]
-    names = sorted(set(nf["components"]) | set(vf["components"]) | set(nl["components"]),
-                   key=lambda c: -(nf["components"].get(c, 0) + vf["components"].get(c, 0)))
+    empty = {"ms": 0.0, "calls": 0, "components": {}}
+    nf, nl = noria.get("noria: forward", empty), noria.get("noria: logits", empty)
+    vf = (vllm or {}).get("gpu_model_runner: forward", empty)
+    vl = (vllm or {}).get("gpu_model_runner: postprocess", empty)  # vLLM computes the logits here
+    cols = [(f"{vllm_name} forward", vf), ("noria forward", nf), (f"{vllm_name} logits (postprocess)", vl),
+            ("noria logits", nl)]
+    lines = [f"The same requests: noria's {steps} recorded steps replayed; {vllm_name}: "
+             f"{vf.get('calls', 0)} forward calls in its worker. Self time, ms in total:", "",
+             "| component | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---:|" * len(cols)]
+    names = sorted({c for _, v in cols for c in v["components"]},
+                   key=lambda c: -sum(v["components"].get(c, 0) for _, v in cols))
     for c in names:
-        lines.append(f"| {c} | {vf['components'].get(c, 0):.1f} | {nf['components'].get(c, 0):.1f} "
-                     f"| {nl['components'].get(c, 0):.1f} |")
-    lines.append(f"| **total** | **{vf['ms']:.1f}** | **{nf['ms']:.1f}** | **{nl['ms']:.1f}** |")
+        lines.append(f"| {c} | " + " | ".join(f"{v['components'].get(c, 0):.1f}" for _, v in cols) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{v['ms']:.1f}**" for _, v in cols) + " |")
     if vllm:
         lines += ["", f"{vllm_name}'s phases (ms): " + ", ".join(f"{p} {v['ms']:.1f}" for p, v in sorted(vllm.items()))]
     for who, phases in (("noria", noria), (vllm_name, vllm or {})):

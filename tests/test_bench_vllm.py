@@ -116,7 +116,7 @@ def test_profile_reduction_gives_each_operator_its_self_time():
         "aten::linear": (10.0, 1), "aten::addmm": (30.0, 1), "aten::mm": (20.0, 1),
         f"{RANGE_OWN} [fwd]": (100 - 40 - 20 + 10.0, 2)}
     s = summarize(got)["fwd"]
-    assert s["ms"] == pytest.approx(0.110)
+    assert s["ms"] == pytest.approx(0.110) and s["calls"] == 2
     assert s["components"]["GEMM"] == pytest.approx(0.060)
     assert component("_C::cpu_attention_with_kv_cache") == "attention"
     assert component("noria::paged_decode (native C)") == "attention"
