@@ -10,8 +10,8 @@ replayed as bare forward passes), vllm and vllm-tuned (vLLM's CPU backend
 in its own venv, its defaults and with every core; see bench/vllm_cpu.py;
 skipped with a message where it cannot be installed). The noria and vLLM
 rows run --rounds times, interleaved, and the best of each is reported next
-to every run's time; vLLM's greedy tokens are compared with noria-llm's. Prints a table of output tokens/s and ratios, writes JSON and a PNG
-bar chart.
+to every run's time; vLLM's greedy tokens are compared with noria-llm's.
+Prints a table of output tokens/s and ratios, writes JSON and a PNG bar chart.
 """
 
 from __future__ import annotations
@@ -279,6 +279,7 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> dict[str, list[
             row["tok_s"] = row["output_tokens"] / row["seconds"]
             runs.setdefault(row["system"], []).append(row)
             extra = f", model {row['model_seconds']:.1f} s of {row['seconds']:.1f} s" if "model_seconds" in row else ""
+            extra += f" (start-up, not timed: {row['startup_seconds']:.0f} s)" if "startup_seconds" in row else ""
             print(f"  {row['system']}: {row['tok_s']:.1f} tok/s{extra}", flush=True)
 
         for name in systems:
