@@ -65,8 +65,9 @@ class VllmServer:
         self.proc = subprocess.Popen(vllm_cpu.serve_command(model, port, vllm_flags(noria_flags)), env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
 
-    def wait(self, timeout: float = 600.0) -> None:
-        # Start-up compiles the model (about a minute on 2 cores) before /health answers.
+    def wait(self, timeout: float = 1200.0) -> None:
+        # Start-up compiles the model before /health answers: about a minute and a half on 2 quiet
+        # cores, over 10 minutes on 2 cores shared with other jobs.
         try:
             wait_http(self.http, self.proc, timeout)
         except RuntimeError as e:  # wait_http names noria in its message
