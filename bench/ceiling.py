@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from itertools import accumulate
 from pathlib import Path
 
@@ -67,7 +69,8 @@ def _metadata(runner: ModelRunner, query_lens: list[int], seq_lens: list[int]) -
 
 
 @torch.inference_mode()
-def replay(config: EngineConfig, steps: list[Step]) -> float:
+def replay(config: EngineConfig, steps: list[Step], around: Callable[[], AbstractContextManager] = nullcontext) -> float:
+    """Seconds of forward + logits over `steps`; `around()` wraps the replay loop alone (e.g. a profiler)."""
     runner = ModelRunner(config)
     model = runner.model
     # The replayed contexts were never written here. Untouched pages of the
@@ -76,12 +79,16 @@ def replay(config: EngineConfig, steps: list[Step]) -> float:
     # first makes every context read hit real memory, as in the worker.
     runner.kv_cache.device_cache.uniform_(-1, 1)
     total = 0.0
-    for query_lens, seq_lens, num_sampled, _ in steps:
-        ids, meta = _metadata(runner, query_lens, seq_lens)
-        sample_index = torch.tensor([i - 1 for i in meta.query_start_host[1:]][:num_sampled], dtype=torch.long)
-        t0 = time.perf_counter()
-        hidden = model(ids, meta.positions, meta, runner.attention, runner._kv_layers)
-        if num_sampled:
-            model.compute_logits(hidden[sample_index])
-        total += time.perf_counter() - t0
+    with around():
+        for query_lens, seq_lens, num_sampled, _ in steps:
+            ids, meta = _metadata(runner, query_lens, seq_lens)
+            sample_index = torch.tensor([i - 1 for i in meta.query_start_host[1:]][:num_sampled], dtype=torch.long)
+            t0 = time.perf_counter()
+            # Named ranges for profiles (bench/profile_forward.py); nearly free when no profiler runs.
+            with torch.profiler.record_function("noria: forward"):
+                hidden = model(ids, meta.positions, meta, runner.attention, runner._kv_layers)
+            if num_sampled:
+                with torch.profiler.record_function("noria: logits"):
+                    model.compute_logits(hidden[sample_index])
+            total += time.perf_counter() - t0
     return total

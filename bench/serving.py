@@ -7,6 +7,10 @@ Three experiments, each against a fresh server on the "serving" model:
   chunked  16 streams decoding while 4,000-token prompts arrive, chunked
            prefill on vs off: the decoders' ITL (p99 should halve or better);
   prefix   a shared 1,024-token system prompt, prefix caching on vs off: TTFT.
+--systems noria,vllm-tuned runs every experiment on each server in turn (vLLM
+in its own venv, bench/vllm_cpu.py; skipped with a message where it cannot be
+installed), all through one HTTP client (bench/serving_http.py) with the same
+engine knobs; noria alone is driven through its ZMQ client library.
 Prints tables, writes JSON and a PNG.
 """
 
@@ -20,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from noria.bench import serving_http, vllm_cpu
 from noria.bench.plots import pyplot
 from noria.bench.workloads import serving_checkpoint
 from noria.frontend.local_server import LocalServer
@@ -42,6 +47,17 @@ def start_server(model: Path, flags: list[str]) -> LocalServer:
     server = LocalServer("--model", str(model), *flags)
     server.wait(timeout=300)
     return server
+
+
+def run_on(system: str, model: Path, flags: list[str], batches: list[list[Req]], http: bool) -> list[list[dict]]:
+    """Each batch of requests in turn against one fresh server of `system`."""
+    server = serving_http.start(system, model, flags) if http else start_server(model, flags)
+    try:
+        if http:
+            return [asyncio.run(serving_http.drive(server.http, b)) for b in batches]
+        return [asyncio.run(drive(server.address, b)) for b in batches]  # type: ignore[union-attr]
+    finally:
+        server.stop()
 
 
 async def drive(address: str, reqs: list[Req]) -> list[dict]:
@@ -83,54 +99,58 @@ def poisson(rng: random.Random, rate: float, n: int) -> list[float]:
     return out
 
 
-def exp_rates(model: Path, rates: list[float], n: int) -> list[dict]:
-    rows = []
-    server = start_server(model, ["--num-kv-blocks", "2048"])
-    try:
-        for rate in rates:
-            rng = random.Random(int(rate * 1000))
-            reqs = [([rng.randrange(3, 32000) for _ in range(rng.randint(32, 256))], rng.randint(32, 128), t)
-                    for t in poisson(rng, rate, n)]
-            res = asyncio.run(drive(server.address, reqs))
-            rows.append({"rate": rate, **latencies(res)})
-    finally:
-        server.stop()
-    return rows
+# The engine knobs of the rate runs, spelled out so that vLLM gets the same ones (noria's defaults).
+RATE_FLAGS = ["--num-kv-blocks", "2048", "--max-num-seqs", "256", "--max-num-batched-tokens", "2048",
+              "--enable-chunked-prefill", "--enable-prefix-caching"]
 
 
-def exp_chunked(model: Path, long_len: int, num_long: int, num_decoders: int, decode_len: int) -> list[dict]:
+def exp_rates(model: Path, rates: list[float], n: int, system: str = "noria", http: bool = False) -> list[dict]:
+    batches = []
+    for rate in rates:
+        rng = random.Random(int(rate * 1000))
+        batches.append([([rng.randrange(3, 32000) for _ in range(rng.randint(32, 256))], rng.randint(32, 128), t)
+                        for t in poisson(rng, rate, n)])
+    results = run_on(system, model, RATE_FLAGS, batches, http)
+    return [{"system": system, "rate": rate, **latencies(res), **throughput(res)}
+            for rate, res in zip(rates, results, strict=True)]
+
+
+def throughput(results: list[dict]) -> dict[str, float]:
+    """Output tokens per second from the first send to the last token."""
+    times = [t for r in results for t in r["times"]]
+    span = max(times, default=0.0) - min((r["sent"] for r in results), default=0.0)
+    return {"output_tok_s": len(times) / span if span > 0 else float("nan")}
+
+
+def exp_chunked(model: Path, long_len: int, num_long: int, num_decoders: int, decode_len: int,
+                system: str = "noria", http: bool = False) -> list[dict]:
     rows = []
     rng = random.Random(1)
     decoders = [([rng.randrange(3, 32000) for _ in range(64)], decode_len, 0.0) for _ in range(num_decoders)]
     longs = [([rng.randrange(3, 32000) for _ in range(long_len)], 8, 2.0 + 1.5 * i) for i in range(num_long)]
     for chunked in (True, False):
-        flags = ["--num-kv-blocks", "4096", "--max-num-batched-tokens", "512" if chunked else str(long_len + 64)]
+        # max-model-len = the unchunked budget: vLLM insists on it without chunked prefill.
+        flags = ["--num-kv-blocks", "4096", "--max-num-batched-tokens", "512" if chunked else str(long_len + 64),
+                 "--max-model-len", str(long_len + 64)]
         flags.append("--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill")
         flags.append("--no-enable-prefix-caching")
-        server = start_server(model, flags)
-        try:
-            res = asyncio.run(drive(server.address, decoders + longs))
-        finally:
-            server.stop()
-        rows.append({"chunked_prefill": chunked, "decoders": latencies(res, max_prompt=100),
+        [res] = run_on(system, model, flags, [decoders + longs], http)
+        rows.append({"system": system, "chunked_prefill": chunked, "decoders": latencies(res, max_prompt=100),
                      "long_prompts": latencies(res, min_prompt=long_len)})
     return rows
 
 
-def exp_prefix(model: Path, n: int, rate: float, system_len: int) -> list[dict]:
+def exp_prefix(model: Path, n: int, rate: float, system_len: int, system: str = "noria",
+               http: bool = False) -> list[dict]:
     rows = []
     rng = random.Random(2)
-    system = [rng.randrange(3, 32000) for _ in range(system_len)]
+    shared = [rng.randrange(3, 32000) for _ in range(system_len)]
     offsets = poisson(rng, rate, n)
-    reqs = [(system + [rng.randrange(3, 32000) for _ in range(rng.randint(8, 64))], 32, t) for t in offsets]
+    reqs = [(shared + [rng.randrange(3, 32000) for _ in range(rng.randint(8, 64))], 32, t) for t in offsets]
     for caching in (True, False):
         flags = ["--num-kv-blocks", "4096", "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
-        server = start_server(model, flags)
-        try:
-            res = asyncio.run(drive(server.address, reqs))
-        finally:
-            server.stop()
-        rows.append({"prefix_caching": caching, **latencies(res)})
+        [res] = run_on(system, model, flags, [reqs], http)
+        rows.append({"system": system, "prefix_caching": caching, **latencies(res)})
     return rows
 
 
@@ -144,32 +164,75 @@ def _percentile_bars(ax: Any, labels: list[str], summaries: list[dict[str, float
     ax.set_title(title)
 
 
+def _label(r: dict, what: str, many: bool) -> str:
+    return f"{r['system']}\n{what}" if many else what
+
+
 def plot(result: dict, out: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     rates = result.get("rates", [])
-    if rates:
-        x = [r["rate"] for r in rates]
+    systems = list(dict.fromkeys(r["system"] for r in rates))
+    for system in systems:
+        mine = [r for r in rates if r["system"] == system]
+        x = [r["rate"] for r in mine]
         for key, style in (("ttft_ms", "o-"), ("itl_ms", "s-"), ("e2e_ms", "^-")):
-            axes[0].plot(x, [r[key]["p99"] for r in rates], style, label=f"{key[:-3]} p99")
+            axes[0].plot(x, [r[key]["p99"] for r in mine], style, label=f"{system} {key[:-3]} p99")
+    if rates:
         axes[0].set_xlabel("request rate (req/s)")
         axes[0].set_ylabel("ms")
         axes[0].set_yscale("log")
-        axes[0].legend()
+        axes[0].legend(fontsize="small")
         axes[0].set_title("latency vs rate")
     ch = result.get("chunked", [])
+    many = len({r["system"] for r in ch + result.get("prefix", [])}) > 1
     if ch:
-        _percentile_bars(axes[1], ["chunked" if r["chunked_prefill"] else "unchunked" for r in ch],
+        _percentile_bars(axes[1], [_label(r, "chunked" if r["chunked_prefill"] else "unchunked", many) for r in ch],
                          [r["decoders"]["itl_ms"] for r in ch],
                          "decoders' inter-token latency (ms)", "4,000-token prompts arriving")
     px = result.get("prefix", [])
     if px:
-        _percentile_bars(axes[2], ["cache on" if r["prefix_caching"] else "cache off" for r in px],
+        _percentile_bars(axes[2], [_label(r, "cache on" if r["prefix_caching"] else "cache off", many) for r in px],
                          [r["ttft_ms"] for r in px], "TTFT (ms)", "shared 1,024-token system prompt")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+
+
+def _print(result: dict) -> None:
+    f = lambda d: "/".join(f"{d[p]:.0f}" for p in ("p50", "p90", "p99"))  # noqa: E731
+    if "rates" in result:
+        print(f"\n{'system':<11} {'rate':>5} {'TTFT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>20} "
+              f"{'E2E p50/p90/p99 ms':>22} {'out tok/s':>9}")
+        for r in result["rates"]:
+            print(f"{r['system']:<11} {r['rate']:>5} {f(r['ttft_ms']):>22} {f(r['itl_ms']):>20} "
+                  f"{f(r['e2e_ms']):>22} {r['output_tok_s']:>9.1f}")
+    if "chunked" in result:
+        print(f"\n{'system':<11} {'chunked prefill':<16} {'decoder ITL p50/p90/p99 ms':>28} {'long TTFT p50 ms':>18}")
+        for r in result["chunked"]:
+            print(f"{r['system']:<11} {str(r['chunked_prefill']):<16} {f(r['decoders']['itl_ms']):>28}"
+                  f"{r['long_prompts']['ttft_ms']['p50']:>18.0f}")
+        for system in dict.fromkeys(r["system"] for r in result["chunked"]):
+            on, off = (r["decoders"]["itl_ms"]["p99"] for r in result["chunked"] if r["system"] == system)
+            print(f"{system}: p99 ITL, chunked / unchunked: {on / off:.2f}")
+    if "prefix" in result:
+        print(f"\n{'system':<11} {'prefix caching':<16} {'TTFT p50/p90/p99 ms':>22}")
+        for r in result["prefix"]:
+            print(f"{r['system']:<11} {str(r['prefix_caching']):<16} {f(r['ttft_ms']):>22}")
+
+
+def _systems(names: str, install: bool) -> list[str]:
+    systems = names.split(",")
+    unknown = [s for s in systems if s != "noria" and s not in vllm_cpu.SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown system(s) {unknown}: pick from noria, {', '.join(vllm_cpu.SYSTEMS)}")
+    wanted = [s for s in systems if s in vllm_cpu.SYSTEMS]
+    why = vllm_cpu.setup(install=install) if wanted else None
+    if why:
+        print(f"skipping {', '.join(wanted)}: {why}", flush=True)
+        systems = [s for s in systems if s not in wanted]
+    return systems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,35 +245,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-decoders", type=int, default=16, help="chunked: streams decoding meanwhile")
     ap.add_argument("--decode-len", type=int, default=400, help="chunked: tokens each decoder generates")
     ap.add_argument("--system-prompt", type=int, default=1024, help="prefix: tokens of the shared prompt")
+    ap.add_argument("--systems", default="noria",
+                    help="servers to run, in turn: noria, vllm, vllm-tuned (vLLM's CPU backend, bench/vllm_cpu.py)")
+    ap.add_argument("--http", action="store_true",
+                    help="drive noria over HTTP too (always so when a vLLM system runs: one client for all)")
+    ap.add_argument("--no-vllm-install", action="store_true", help="skip vLLM unless its venv is already made")
     ap.add_argument("--out", default="bench/results/serving")
     args = ap.parse_args(argv)
     model = serving_checkpoint()
+    systems = _systems(args.systems, install=not args.no_vllm_install)
+    http = args.http or any(s != "noria" for s in systems)
     result: dict = {}
     exps = args.experiments.split(",")
-    if "rates" in exps:
-        result["rates"] = exp_rates(model, [float(r) for r in args.rates.split(",")], args.num_requests)
-        print(f"\n{'rate':>6} {'TTFT p50/p90/p99 ms':>26} {'ITL p50/p90/p99 ms':>26} {'E2E p50/p90/p99 ms':>28}")
-        for r in result["rates"]:
-            f = lambda d: "/".join(f"{d[p]:.0f}" for p in ("p50", "p90", "p99"))  # noqa: E731
-            print(f"{r['rate']:>6} {f(r['ttft_ms']):>26} {f(r['itl_ms']):>26} {f(r['e2e_ms']):>28}")
-    if "chunked" in exps:
-        result["chunked"] = exp_chunked(model, args.long_prompt, args.num_long, args.num_decoders, args.decode_len)
-        print(f"\n{'chunked prefill':<16} {'decoder ITL p50/p90/p99 ms':>30} {'long TTFT p50 ms':>18}")
-        for r in result["chunked"]:
-            d = r["decoders"]["itl_ms"]
-            print(f"{str(r['chunked_prefill']):<16} {d['p50']:>10.0f}/{d['p90']:.0f}/{d['p99']:.0f}"
-                  f"{r['long_prompts']['ttft_ms']['p50']:>18.0f}")
-        on, off = (r["decoders"]["itl_ms"]["p99"] for r in result["chunked"])
-        print(f"p99 ITL, chunked / unchunked: {on / off:.2f}")
-    if "prefix" in exps:
-        result["prefix"] = exp_prefix(model, args.num_requests, 2.0, args.system_prompt)
-        print(f"\n{'prefix caching':<16} {'TTFT p50/p90/p99 ms':>26}")
-        for r in result["prefix"]:
-            t = r["ttft_ms"]
-            print(f"{str(r['prefix_caching']):<16} {t['p50']:>12.0f}/{t['p90']:.0f}/{t['p99']:.0f}")
+    for system in systems:
+        if "rates" in exps:
+            rates = [float(r) for r in args.rates.split(",")]
+            result.setdefault("rates", []).extend(exp_rates(model, rates, args.num_requests, system, http))
+        if "chunked" in exps:
+            result.setdefault("chunked", []).extend(exp_chunked(
+                model, args.long_prompt, args.num_long, args.num_decoders, args.decode_len, system, http))
+        if "prefix" in exps:
+            result.setdefault("prefix", []).extend(
+                exp_prefix(model, args.num_requests, 2.0, args.system_prompt, system, http))
+    _print(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    out.with_suffix(".json").write_text(json.dumps({"systems": systems, "http": http, **result}, indent=2))
     plot(result, out.with_suffix(".png"))
     return 0
 

