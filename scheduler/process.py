@@ -130,7 +130,7 @@ class SchedulerProcess:
             elif isinstance(ev, GroupReady):
                 self._group_ready(ev)
             elif isinstance(ev, GroupLost):
-                self._group_lost(ev.reason)
+                self._group_lost(ev.reason, ev.rejoining)
         if any(not isinstance(e, StepResult) for e in events):
             self.stats_due = True  # the worker status changed: say so at once (/health reads it)
 
@@ -147,8 +147,11 @@ class SchedulerProcess:
             self.ready_sent = True
             self._send_ready(ev.num_kv_blocks, self.sched.max_model_len, ev.vocab_size)
 
-    def _group_lost(self, reason: str) -> None:
+    def _group_lost(self, reason: str, rejoining: bool = False) -> None:
         if not self.ready_sent:
+            if rejoining:  # a rank too slow to hear its Welcome (a loaded host) registered again: wait for it
+                log.warning("%s; the engine keeps waiting for it", reason)
+                return
             # A local worker that fails while the engine starts would fail again: say why now.
             raise StartupFailed(f"worker failed during start-up: {reason}")
         self.in_flight = None

@@ -66,6 +66,7 @@ class GroupReady:
 @dataclass(frozen=True)
 class GroupLost:
     reason: str
+    rejoining: bool = False  # the lost rank's own process registered again (it is alive)
 
 
 Event = GroupReady | GroupLost | StepResult
@@ -144,7 +145,8 @@ class WorkerGroup:
             if not self._replaceable(old, identity, msg, now):
                 self._refuse(identity, msg, f"rank {msg.rank} is taken by a live {old.name}")
                 return
-            self._lose(old, f"{old.name} was replaced by a new registration of rank {msg.rank}")
+            same = old.identity == identity or (old.hello.hostname, old.hello.pid) == (msg.hostname, msg.pid)
+            self._lose(old, f"{old.name} was replaced by a new registration of rank {msg.rank}", rejoining=same)
         member = Member(identity, msg, now)
         self.members[msg.rank] = member
         log.info("%s registered: device %s, %.2f GiB for its KV cache", member.name, msg.device,
@@ -202,7 +204,7 @@ class WorkerGroup:
         log.info("worker group of epoch %d is live: %d KV blocks", self.epoch, ready.num_kv_blocks)
         self.events.append(ready)
 
-    def _lose(self, member: Member, reason: str) -> None:
+    def _lose(self, member: Member, reason: str, *, rejoining: bool = False) -> None:
         """Drop `member`; before Welcome only it, after Welcome the whole group."""
         if self.members.get(member.hello.rank) is not member:
             return
@@ -218,7 +220,7 @@ class WorkerGroup:
         log.error("worker group of epoch %d lost: %s", lost_epoch, reason)
         for m in others:
             self._send(m.identity, Disband(lost_epoch, reason))
-        self.events.append(GroupLost(reason))
+        self.events.append(GroupLost(reason, rejoining))
 
     # ---- outbound and time ------------------------------------------------
 

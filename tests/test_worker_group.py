@@ -184,9 +184,24 @@ def test_a_live_rank_is_not_taken_but_a_dead_one_is(rig):
     rig.hang_up(first, 0)
     replacement = rig.dealer()
     rig.send(replacement, hello(pid=12))
-    assert [type(e) for e in rig.events()] == [GroupLost]
+    (lost,) = rig.events()
+    assert isinstance(lost, GroupLost) and not lost.rejoining  # another process: the old one failed
     (welcome,) = rig.recv(replacement)
     assert isinstance(welcome, Welcome) and welcome.epoch == w1.epoch + 1
+
+
+def test_a_rank_that_registers_again_from_a_fresh_socket_is_rejoining(rig):
+    """A worker on a loaded host that heard nothing for its registration timeout reconnects
+    and registers again: the same process, so the loss says it is rejoining (start-up waits)."""
+    first = rig.dealer()
+    rig.send(first, hello(pid=10))
+    (w1,) = rig.recv(first)
+    again = rig.dealer()
+    rig.send(again, hello(pid=10))
+    (lost,) = rig.events()
+    assert isinstance(lost, GroupLost) and lost.rejoining and "replaced by a new registration" in lost.reason
+    (w2,) = rig.recv(again)
+    assert isinstance(w2, Welcome) and w2.epoch == w1.epoch + 1
 
 
 def test_a_tensor_parallel_group_forms_from_every_rank_and_falls_with_any():
