@@ -88,12 +88,12 @@ def _compile_demo_offline() -> str:
     except ImportError:
         return "skipped: CuPy is not installed (pip install -r kernels/requirements-test.txt)"
     from noria.kernels import nvrtc_check
-    from noria.kernels.device_info import _compile_every_time
+    from noria.kernels.device_info import compile_every_time
     from noria.kernels.options import PTXAS_VERBOSE, compile_options, read_source
 
     cfg = QUICK_CONFIGS[0]
     count = 0
-    with _compile_every_time():
+    with compile_every_time():
         for arch in ("80", "90"):
             for spec in (decode_module(cfg), prefill_module(cfg)):
                 with nvrtc_check.offline_nvrtc(arch) as calls:
