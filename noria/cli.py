@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from noria import bench
+from noria.bench import doctor
 from noria.frontend import cli as frontend_cli
 from noria.worker import cli as worker_cli
 
@@ -14,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     frontend_cli.add_commands(sub)
     worker_cli.add_command(sub)
     bench.add_command(sub)
+    doctor.add_command(sub)
     return frontend_cli.run(ap, argv)
 
 

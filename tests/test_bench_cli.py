@@ -35,6 +35,7 @@ TINY = {
                  "RSS within bound: True"),
     "failover": (["--num-requests", "4", "--max-tokens", "8", "--kills", "1", "--out", "out/failover"],
                  "SIGKILL->next token s"),
+    "kernels": (["--decode", "1x64,2x128"], "GB/s"),
 }
 
 

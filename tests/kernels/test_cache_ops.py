@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 import torch
-from kernel_scenes import TORCH_DTYPES
 
 from noria.kernels import instances, ops, reference
 from noria.kernels.instances import ModuleSpec
+from noria.kernels.scenes import TORCH_DTYPES
 
 DTYPES = list(TORCH_DTYPES)
 

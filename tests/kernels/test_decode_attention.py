@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 from kernel_matrix import EMU_CONFIGS, cfg_id, configs_param, schedules_param
-from kernel_scenes import TORCH_DTYPES, Scene, assert_matches, edge_lengths, make_scene
 
 from noria.kernels import ops, reference
 from noria.kernels.instances import AttentionConfig, ModuleSpec, decode_module
+from noria.kernels.scenes import TORCH_DTYPES, Scene, assert_matches, edge_lengths, make_scene
 
 SCALE = 0.37  # deliberately not 1/sqrt(head_dim): a kernel that drops or redoes it fails
 LONG = 2100  # a few thousand tokens, not a multiple of 32: >128 one-block partitions

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_scenes import TORCH_DTYPES, Scene, assert_matches, edge_lengths, make_scene
 
 from noria.kernels import ops, reference
 from noria.kernels.instances import AttentionConfig, all_configs
+from noria.kernels.scenes import TORCH_DTYPES, Scene, assert_matches, edge_lengths, make_scene
 
 CUDA = torch.device("cuda")
 SCALE = 0.37

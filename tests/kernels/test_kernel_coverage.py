@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 from kernel_matrix import cfg_id
-from kernel_scenes import assert_matches
 from test_decode_attention import decode_case, run_decode
 from test_prefill_attention import prefill_case, run_prefill
 
 from noria.kernels import instances
 from noria.kernels.instances import AttentionConfig, ModuleSpec, decode_module, prefill_module
+from noria.kernels.scenes import assert_matches
 from noria.protocol.config import BlockSize
 
 COVERAGE_CONFIGS: list[AttentionConfig] = [

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 
 import torch
-from kernel_scenes import make_scene
 
 from noria.kernels import reference
 from noria.kernels.instances import AttentionConfig
+from noria.kernels.scenes import make_scene
 
 
 def naive_prefill(

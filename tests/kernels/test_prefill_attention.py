@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 from kernel_matrix import EMU_CONFIGS, cfg_id, configs_param, schedules_param
-from kernel_scenes import TORCH_DTYPES, Scene, assert_matches, make_scene
 
 from noria.kernels import ops, reference
 from noria.kernels.instances import AttentionConfig, ModuleSpec, prefill_module
+from noria.kernels.scenes import TORCH_DTYPES, Scene, assert_matches, make_scene
 
 SCALE = 0.37
 

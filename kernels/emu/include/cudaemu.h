@@ -7,5 +7,6 @@
 #include "cudaemu/types.h"
 #include "cudaemu/half.h"
 #include "cudaemu/runtime.h"
+#include "cudaemu/collectives.h"
 #include "cudaemu/intrinsics.h"
 #include "cudaemu/memcheck.h"

@@ -6,7 +6,7 @@
 
 #include <type_traits>
 
-#include "runtime.h"
+#include "collectives.h"
 
 CUDAEMU_RUNTIME inline void __syncthreads() { cudaemu::block_barrier(cudaemu::BarrierKind::Plain, 0); }
 CUDAEMU_RUNTIME inline int __syncthreads_count(int pred) {

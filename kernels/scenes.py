@@ -1,4 +1,4 @@
-"""Random paged-KV scenes for the kernel tests.
+"""Random paged-KV scenes for the kernel contracts (tests and `noria doctor`).
 
 A scene is a KV cache plus block tables for a batch of sequences, built to catch indexing
 bugs: physical blocks are shuffled, some sequences share their prefix blocks, every cache
