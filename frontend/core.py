@@ -25,7 +25,8 @@ Sink = Callable[[Delta | Done | Error], None]
 
 
 class _Sample:
-    __slots__ = ("rid", "index", "detok", "num_tokens", "finish_reason", "held_ids", "held_logprobs")
+    __slots__ = ("rid", "index", "detok", "num_tokens", "finish_reason", "held_ids", "held_logprobs",
+                 "prompt_logprobs")
 
     def __init__(self, rid: int, index: int, detok: IncrementalDetokenizer, stream: bool) -> None:
         self.rid = rid
@@ -36,6 +37,7 @@ class _Sample:
         # Final-only samples collect ids and detokenize once, when they finish.
         self.held_ids: list[int] | None = None if stream else []
         self.held_logprobs: list[Logprob] | None = None
+        self.prompt_logprobs: list[Logprob | None] | None = None  # until a delta carries them
 
 
 class _Request:
@@ -162,6 +164,8 @@ class FrontendCore:
                 # hits on sample 0's blocks are no cached tokens for the client.
                 req.num_cached_tokens = u.num_cached_tokens
             s.num_tokens += len(u.new_token_ids)
+            if u.prompt_logprobs is not None:
+                s.prompt_logprobs = u.prompt_logprobs
             if s.held_ids is not None:
                 self._hold(req, s, u)
                 continue
@@ -174,7 +178,8 @@ class FrontendCore:
             text = s.detok.take(final=finish is not None)
             if text or u.new_token_ids:
                 req.sink(Delta(request_id=req.request_id, text=text, token_ids=list(u.new_token_ids),
-                               index=s.index, logprobs=u.logprobs))
+                               index=s.index, logprobs=u.logprobs, prompt_logprobs=s.prompt_logprobs))
+                s.prompt_logprobs = None
             if finish is not None:
                 self._finish_sample(req, s, finish)
 
@@ -187,7 +192,7 @@ class FrontendCore:
             s.detok.add(s.held_ids)
             text = s.detok.take(final=True)
             req.sink(Delta(request_id=req.request_id, text=text, token_ids=s.held_ids, index=s.index,
-                           logprobs=s.held_logprobs))
+                           logprobs=s.held_logprobs, prompt_logprobs=s.prompt_logprobs))
             self._finish_sample(req, s, u.finish_reason)
 
     def _finish_sample(self, req: _Request, s: _Sample, finish: str) -> None:
@@ -251,4 +256,7 @@ def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
         seed += index
         if seed >= 2**64:
             seed -= 2**64
-    return msgspec.structs.replace(params, n=1, seed=seed)
+    # The prompt is the same for every sample: sample 0 alone computes its logprobs, so
+    # the others may still share its blocks through the prefix cache.
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
