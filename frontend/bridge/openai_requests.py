@@ -91,7 +91,7 @@ def completion_generates(req: CompletionRequest, new_id: Callable[[], str]) -> l
     prompts = prompts_of(req.prompt)
     max_tokens = req.max_tokens
     if req.echo:
-        echoprompts_of(req, prompts)
+        echo_prompts(req, prompts)
         if max_tokens == 0:  # the prompt alone (scoring): one token is drawn and dropped, as vLLM does
             max_tokens = 1
     prompt_logprobs = req.logprobs if req.echo else None
@@ -99,7 +99,7 @@ def completion_generates(req: CompletionRequest, new_id: Callable[[], str]) -> l
     return [make_generate(new_id(), p, params, priority=req.priority) for p in prompts]
 
 
-def echoprompts_of(req: CompletionRequest, prompts: list[str | list[int]]) -> list[str] | None:
+def echo_prompts(req: CompletionRequest, prompts: list[str | list[int]]) -> list[str] | None:
     """The texts `echo` puts before each completion (None without echo); raises for what
     the bridge cannot echo."""
     if not req.echo:
