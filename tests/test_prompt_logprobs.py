@@ -89,3 +89,21 @@ def test_text_prompt_and_sampled_logprobs_together(llm, ref):
 def test_a_one_token_prompt_has_one_none_entry(llm):
     out = llm.generate([[0]], SamplingParams(max_tokens=2, prompt_logprobs=5), use_tqdm=False)[0]
     assert out.prompt_logprobs == [None]
+
+
+def test_tensor_parallel_ranks_score_the_prompt_together(tmp_path, demo_path):
+    # Every rank takes part in each logits gather, also for the prompt positions: a rank that
+    # skipped one would hang the group or misalign the next.
+    from tests.test_engine_parity import _with_tokenizer
+    from tests.tiny_models import make_checkpoint
+
+    ckpt = _with_tokenizer(make_checkpoint("llama", tmp_path / "llama", num_key_value_heads=4), demo_path)
+    model = load_reference(ckpt)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 37, 20, 61)]
+    params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=i % 2 * 3) for i in range(4)]
+    with LLM(str(ckpt), dtype="float32", max_num_batched_tokens=16, num_kv_blocks=64, tensor_parallel_size=2) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for p, sp, out in zip(prompts, params, outs, strict=True):
+        check_prompt_logprobs(out.prompt_logprobs, p, prompt_logprobs(model, p), sp.prompt_logprobs, ATOL)
+        assert out.outputs[0].token_ids == reference_greedy(model, p, 4)
