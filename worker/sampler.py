@@ -2,7 +2,8 @@
 
 Order of operations per row (vLLM V1):
 raw logprobs (log_softmax of the model's logits) -> allowed_token_ids, bad_words,
-logit_bias (worker/logits_processors.py) -> penalties -> min_tokens mask -> greedy argmax, or temperature -> min_p -> top_k -> top_p -> exponential race.
+logit_bias (worker/logits_processors.py) -> penalties -> min_tokens mask -> greedy
+argmax, or temperature -> min_p -> top_k -> top_p -> exponential race.
 
 Seeded requests draw their noise from a generator reseeded for every output
 position from (seed, position): the same seed gives the same tokens whatever
