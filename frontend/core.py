@@ -25,7 +25,8 @@ Sink = Callable[[Delta | Done | Error], None]
 
 
 class _Sample:
-    __slots__ = ("rid", "index", "detok", "num_tokens", "finish_reason", "stream", "ids", "held_logprobs")
+    __slots__ = ("rid", "index", "detok", "num_tokens", "finish_reason", "stream", "ids", "held_logprobs",
+                 "prompt_logprobs")
 
     def __init__(self, rid: int, index: int, detok: IncrementalDetokenizer, stream: bool) -> None:
         self.rid = rid
@@ -38,6 +39,7 @@ class _Sample:
         # Every output id so far: a request resubmitted after a scheduler restart goes on from them.
         self.ids: list[int] = []
         self.held_logprobs: list[Logprob] | None = None
+        self.prompt_logprobs: list[Logprob | None] | None = None  # until a delta carries them
 
 
 class _Request:
@@ -176,6 +178,8 @@ class FrontendCore:
                 req.num_cached_tokens = u.num_cached_tokens
             s.num_tokens += len(u.new_token_ids)
             s.ids += u.new_token_ids
+            if u.prompt_logprobs is not None:
+                s.prompt_logprobs = u.prompt_logprobs
             if not s.stream:
                 self._hold(req, s, u)
                 continue
@@ -188,7 +192,8 @@ class FrontendCore:
             text = s.detok.take(final=finish is not None)
             if text or u.new_token_ids:
                 req.sink(Delta(request_id=req.request_id, text=text, token_ids=list(u.new_token_ids),
-                               index=s.index, logprobs=u.logprobs))
+                               index=s.index, logprobs=u.logprobs, prompt_logprobs=s.prompt_logprobs))
+                s.prompt_logprobs = None
             if finish is not None:
                 self._finish_sample(req, s, finish)
 
@@ -199,7 +204,7 @@ class FrontendCore:
             s.detok.add(s.ids)
             text = s.detok.take(final=True)
             req.sink(Delta(request_id=req.request_id, text=text, token_ids=s.ids, index=s.index,
-                           logprobs=s.held_logprobs))
+                           logprobs=s.held_logprobs, prompt_logprobs=s.prompt_logprobs))
             self._finish_sample(req, s, u.finish_reason)
 
     def _finish_sample(self, req: _Request, s: _Sample, finish: str) -> None:
@@ -228,8 +233,11 @@ class FrontendCore:
         eos = self.processor.eos_ids
         for rid, (req, s) in self.by_rid.items():
             req.resumed = req.resumed or bool(s.ids)
-            self.engine.add(EngineRequest(rid, req.prompt_ids, _sample_params(req.params, s.index), eos, req.priority,
-                                          req.group, output_token_ids=s.ids))
+            params = _sample_params(req.params, s.index)
+            if s.ids:  # its prompt logprobs came with its first token: the frontend has them already
+                params = msgspec.structs.replace(params, prompt_logprobs=None)
+            self.engine.add(EngineRequest(rid, req.prompt_ids, params, eos, req.priority, req.group,
+                                          output_token_ids=s.ids))
         return len(self.by_rid)
 
     def _fail(self, req: _Request, code: str, message: str) -> None:
@@ -280,4 +288,7 @@ def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
         seed += index
         if seed >= 2**64:
             seed -= 2**64
-    return msgspec.structs.replace(params, n=1, seed=seed)
+    # The prompt is the same for every sample: sample 0 alone computes its logprobs, so
+    # the others may still share its blocks through the prefix cache.
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)

@@ -23,6 +23,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With `prompt_logprobs`: per prompt token, its Logprob (the first is None).
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class OutputBuilder:
@@ -32,7 +34,7 @@ class OutputBuilder:
     Callable, so that it can be the sink a FrontendCore request reports to.
     """
 
-    __slots__ = ("request_id", "prompt", "_texts", "_ids", "_logprobs", "final")
+    __slots__ = ("request_id", "prompt", "_texts", "_ids", "_logprobs", "final", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt: str | None, n: int) -> None:
         self.request_id = request_id
@@ -42,12 +44,15 @@ class OutputBuilder:
         self._ids: list[list[int]] = [[] for _ in range(n)]
         self._logprobs: list[list[Logprob] | None] = [None] * n
         self.final: Done | Error | None = None
+        self.prompt_logprobs: list[Logprob | None] | None = None
 
     def add(self, msg: Delta | Done | Error) -> None:
         if isinstance(msg, Delta):
             i = msg.index
             self._texts[i].append(msg.text)
             self._ids[i].extend(msg.token_ids)
+            if msg.prompt_logprobs is not None:
+                self.prompt_logprobs = msg.prompt_logprobs
             if msg.logprobs:
                 lps = self._logprobs[i]
                 if lps is None:
@@ -69,4 +74,4 @@ class OutputBuilder:
         ]
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=done.prompt_token_ids or [], outputs=outs,
-                             num_cached_tokens=done.usage.cached_tokens)
+                             num_cached_tokens=done.usage.cached_tokens, prompt_logprobs=self.prompt_logprobs)

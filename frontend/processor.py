@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+from noria.frontend.bad_words import bad_words_token_ids
 from noria.protocol.client import Generate
 from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.sampling import SamplingParams, check_sampling
@@ -54,6 +55,9 @@ class InputProcessor:
             raise NoriaError(ErrorCode.INVALID_REQUEST, "request_id must be a non-empty string")
         params = msg.sampling_params()
         check_sampling(params, self.vocab_size)
+        params.bad_words_token_ids = (
+            bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) if params.bad_words else None
+        )
         ids = self.tokenize(msg)
         if not ids:
             raise NoriaError(ErrorCode.INVALID_REQUEST, "prompt is empty")

@@ -57,6 +57,9 @@ class Delta(msgspec.Struct, kw_only=True, tag="delta", tag_field="type"):
     token_ids: list[int]
     index: int = 0
     logprobs: list[Logprob] | None = None
+    # Sample 0's first delta, when the request asked for `prompt_logprobs`: one entry
+    # per prompt token, the first None (nothing precedes it).
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True):

@@ -58,6 +58,7 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
     error_code: str | None = None
     error_message: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprob | None] | None = None  # with the first token, when asked for
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, gc=False, tag="out"):

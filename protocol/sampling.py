@@ -17,7 +17,9 @@ from noria.protocol.validation import check_fields
 
 MAX_LOGPROBS = 20
 MAX_N = 64
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias, [-100, 100]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, Meta(ge=0)]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -39,6 +41,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # Added to the logits of the named token ids before penalties and sampling.
+    logit_bias: dict[int, float] | None = None
+    # Per prompt token: its logprob and the top-k alternatives (the first is None).
+    prompt_logprobs: int | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never to generate (vLLM's meaning: see worker/logits_processors.py).
+    bad_words: list[str] | None = None
+    # Set by the frontend from `bad_words` with the model's tokenizer (whatever a
+    # client sends here is replaced): the token-id sequences the worker bans.
+    bad_words_token_ids: list[list[int]] | None = None
 
     # The range each field must fall in, checked through msgspec by `check_sampling`
     # (`check_fields` reads this ClassVar).
@@ -60,6 +73,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         "presence_penalty": Penalty,
         "frequency_penalty": Penalty,
         "repetition_penalty": Annotated[float, Meta(gt=0.0)],
+        "logit_bias": dict[TokenId, Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None,
+        "prompt_logprobs": Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None,
+        "allowed_token_ids": Annotated[list[TokenId], Meta(min_length=1)] | None,
+        "bad_words": list[Annotated[str, Meta(min_length=1)]] | None,
     }
 
     def __post_init__(self) -> None:
@@ -91,7 +108,16 @@ def check_sampling(p: SamplingParams, vocab_size: int | None = None) -> None:
         raise ParamError("seed", f"seed must be below 2**64, got {p.seed}")
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:
         raise ParamError("min_tokens", f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")
-    if vocab_size is not None and p.stop_token_ids:
-        bad = [t for t in p.stop_token_ids if t >= vocab_size]
+    if p.bad_words and any(not w.strip() for w in p.bad_words):
+        raise ParamError("bad_words", "bad_words must not hold empty or blank words")
+    if vocab_size is None:
+        return
+    token_lists = {
+        "stop_token_ids": p.stop_token_ids,
+        "logit_bias": list(p.logit_bias or ()),
+        "allowed_token_ids": p.allowed_token_ids,
+    }
+    for name, ids in token_lists.items():
+        bad = [t for t in ids or () if t >= vocab_size]
         if bad:
-            raise ParamError("stop_token_ids", f"stop_token_ids out of vocabulary range [0, {vocab_size}): {bad}")
+            raise ParamError(name, f"{name} out of vocabulary range [0, {vocab_size}): {bad[:8]}")

@@ -72,3 +72,6 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     logprobs: list[Logprob | None] | None = None
     error: str | None = None
     epoch: int = 0  # copied from the plan: a result of a lost incarnation is never applied
+    # Parallel to req_ids: a request's whole prompt logprobs (first entry None), sent with its
+    # first sampled token when it asked for them (worker/prompt_logprobs.py), else None.
+    prompt_logprobs: list[list[Logprob | None] | None] | None = None

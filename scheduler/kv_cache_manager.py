@@ -58,7 +58,7 @@ class KVCacheManager:
 
         The last token is never served from cache: its logits are needed.
         """
-        if req.hash_root is None:
+        if req.hash_root is None or req.needs_prompt_logits:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._ensure_hashes(req, max_blocks)

@@ -58,6 +58,12 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Its prompt logprobs are still due (they come with the first token): every prompt
+        position must be computed, so no prefix-cache hits and no swap (worker/prompt_logprobs.py)."""
+        return self.params.prompt_logprobs is not None and len(self.token_ids) == self.num_prompt_tokens
+
     def __repr__(self) -> str:
         return (
             f"Request({self.req_id}, {self.status.name}, tokens={self.num_tokens}, "

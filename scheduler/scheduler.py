@@ -274,7 +274,7 @@ class Scheduler:
     # ---- reconciling -----------------------------------------------------
 
     def update_from_result(self, result: StepResult) -> None:
-        logprobs = result.logprobs
+        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
         requests, updates, running_status = self.requests, self.updates, Status.RUNNING
         finished = False
         for j, (rid, tok) in enumerate(zip(result.req_ids, result.token_ids, strict=True)):
@@ -285,7 +285,8 @@ class Scheduler:
             lp = logprobs[j] if logprobs is not None else None
             reason = self._stop_reason(req, tok)
             updates.append(
-                RequestUpdate(rid, [tok], reason, None if lp is None else [lp], None, None, req.num_cached_tokens)
+                RequestUpdate(rid, [tok], reason, None if lp is None else [lp], None, None, req.num_cached_tokens,
+                              None if prompt_logprobs is None else prompt_logprobs[j])
             )
             if reason is not None:
                 self._finish(req)
@@ -315,7 +316,7 @@ class Scheduler:
         self.stats.num_preemptions += 1
         req.num_preemptions += 1
         self._forget_in_worker(req)
-        pairs = self.kv.swap_out(req) if self.swap and req.block_ids else None
+        pairs = self.kv.swap_out(req) if self.swap and req.block_ids and not req.needs_prompt_logits else None
         if pairs is not None:
             self._swap_out.extend(pairs)
             req.status = Status.SWAPPED

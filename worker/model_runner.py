@@ -33,6 +33,7 @@ from noria.worker.device import resolve_device, resolve_dtype
 from noria.worker.kv_cache import KVCache, KVLayout, num_device_blocks, num_swap_blocks
 from noria.worker.loader import load_model, load_spec
 from noria.worker.models.parallel import destroy_tensor_parallel, init_tensor_parallel
+from noria.worker.prompt_logprobs import PromptLogprobs, Span, collect, take_complete
 from noria.worker.sampler import Sampler, SamplingState
 
 
@@ -43,6 +44,7 @@ class RequestState:
     num_computed_tokens: int
     row: int  # row in BlockTables
     sampling: SamplingState | None  # rank 0 only: the other ranks do not sample
+    prompt_logprobs: PromptLogprobs | None = None  # until they are sent with the first token
 
 
 @dataclass(slots=True)
@@ -52,6 +54,7 @@ class _Batch:
     states: list[RequestState]
     sample_requests: list[RequestState]
     sample_token_index: torch.Tensor  # flat index of each sampling request's last token
+    prompt_spans: list[Span]  # positions whose logits give prompt logprobs
 
 
 class ModelRunner:
@@ -148,6 +151,8 @@ class ModelRunner:
             state.num_computed_tokens = seq_len
         # Every rank takes part (the logits are gathered); only rank 0 gets them.
         logits = self.model.compute_logits(hidden[batch.sample_token_index]) if batch.sample_requests else None
+        if batch.prompt_spans:
+            collect(self.model, hidden, batch.prompt_spans)
         if self._record is not None:
             self._write_record(batch, time.perf_counter() - t_model)
         if not batch.sample_requests:
@@ -160,6 +165,7 @@ class ModelRunner:
             req_ids=[r.req_id for r in batch.sample_requests],
             token_ids=tokens,
             logprobs=logprobs,
+            prompt_logprobs=take_complete(batch.sample_requests),
         )
 
     def _sample(self, logits: torch.Tensor | None, requests: list[RequestState]
@@ -199,6 +205,7 @@ class ModelRunner:
         bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{what}: token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
+        tracker = PromptLogprobs.for_request(new)
         self.kv_cache.check_blocks(new.block_ids, what)
         self.kv_cache.zero_new_blocks(new.block_ids)
         sampling = None
@@ -211,6 +218,7 @@ class ModelRunner:
             num_computed_tokens=new.num_computed_tokens,
             row=self.block_tables.add(new.block_ids),
             sampling=sampling,
+            prompt_logprobs=tracker,
         )
 
     def _update(self, cached: CachedRequestData, step_id: int) -> None:
@@ -283,6 +291,12 @@ class ModelRunner:
             if seq_lens[i] == len(state.token_ids):
                 sample_requests.append(state)
                 sample_index.append(query_start[i + 1] - 1)
+        spans: list[Span] = []
+        for i, state in enumerate(states):
+            if state.prompt_logprobs is not None:
+                first, count = state.prompt_logprobs.span(context_lens[i], query_lens[i])
+                if count:
+                    spans.append((state.prompt_logprobs, query_start[i] + first - context_lens[i], first, count))
 
         dev = self.device
         meta = AttentionMetadata(
@@ -303,4 +317,5 @@ class ModelRunner:
             states=states,
             sample_requests=sample_requests,
             sample_token_index=torch.tensor(sample_index, dtype=torch.long, device=dev),
+            prompt_spans=spans,
         )

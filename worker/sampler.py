@@ -1,8 +1,9 @@
 """Batched token sampling with vLLM semantics.
 
 Order of operations per row (vLLM V1):
-raw logprobs (log_softmax of the model's logits) -> penalties -> min_tokens
-mask -> greedy argmax, or temperature -> min_p -> top_k -> top_p -> exponential race.
+raw logprobs (log_softmax of the model's logits) -> allowed_token_ids, bad_words,
+logit_bias (worker/logits_processors.py) -> penalties -> min_tokens mask -> greedy
+argmax, or temperature -> min_p -> top_k -> top_p -> exponential race.
 
 Seeded requests draw their noise from a generator reseeded for every output
 position from (seed, position): the same seed gives the same tokens whatever
@@ -15,6 +16,7 @@ import torch
 
 from noria.protocol.client import Logprob
 from noria.protocol.sampling import SamplingParams
+from noria.worker.logits_processors import apply_processors, make_processors
 
 _MASK64 = (1 << 64) - 1
 
@@ -63,6 +65,7 @@ class SamplingState:
             self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
             for t in token_ids[num_prompt_tokens:]:
                 self.output_counts[t] += 1
+        self.processors = make_processors(params, token_ids[num_prompt_tokens:], vocab_size, device)
 
     @property
     def min_tokens_active(self) -> bool:
@@ -72,6 +75,8 @@ class SamplingState:
         self.num_outputs += 1
         if self.output_counts is not None:
             self.output_counts[token_id] += 1
+        if self.processors is not None:
+            self.processors.record(token_id)
 
 
 class Sampler:
@@ -94,6 +99,8 @@ class Sampler:
         raw_logprobs = None
         if logprob_rows:
             raw_logprobs = torch.log_softmax(logits[logprob_rows].float(), dim=-1)
+        if any(s.processors is not None for s in states):
+            apply_processors(logits, [s.processors for s in states])
         if all(s.greedy and s.output_counts is None and not s.min_tokens_active for s in states):
             tokens = logits.argmax(dim=-1)
         else:

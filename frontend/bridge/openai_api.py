@@ -19,7 +19,14 @@ from noria.frontend.bridge.errors import BadRequest, error_body, from_decode, fr
 from noria.frontend.bridge.fanout import Fanout
 from noria.frontend.bridge.gateway import Gateway
 from noria.frontend.bridge.openai_builders import ChatBuilder, CompletionBuilder
-from noria.frontend.bridge.openai_requests import R, chat_generate, completion_generates, read_body
+from noria.frontend.bridge.openai_requests import (
+    R,
+    chat_generate,
+    completion_generates,
+    echo_prompts,
+    prompts_of,
+    read_body,
+)
 from noria.frontend.bridge.openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -73,6 +80,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         return CompletionBuilder(
             f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), num, req.n,
             logprobs=req.logprobs is not None, stream=req.stream, include_usage=_include_usage(req),
+            echo=echo_prompts(req, prompts_of(req.prompt)), echo_only=req.echo and req.max_tokens == 0,
         )
 
     return await _serve(request, CompletionRequest, completion_generates, builder)

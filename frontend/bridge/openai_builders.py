@@ -45,6 +45,8 @@ class _Choices:
         self.logprobs: list[list[Logprob]] = [[] for _ in range(size)]
         self.offsets: list[list[int]] = [[] for _ in range(size)]
         self.finish: list[str | None] = [None] * size
+        self.prompt_ids: list[list[int]] = [[] for _ in range(num_prompts)]
+        self.prompt_logprobs: list[list[Logprob | None] | None] = [None] * num_prompts
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -56,6 +58,8 @@ class _Choices:
         start = self.lengths[i]
         self.texts[i].append(d.text)
         self.lengths[i] += len(d.text)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt] = d.prompt_logprobs
         if d.logprobs:
             self.logprobs[i].extend(d.logprobs)
             self.offsets[i].extend([start] * len(d.logprobs))
@@ -67,6 +71,7 @@ class _Choices:
         self.prompt_tokens += done.usage.prompt_tokens
         self.completion_tokens += done.usage.completion_tokens
         self.cached_tokens += done.usage.cached_tokens
+        self.prompt_ids[prompt] = done.prompt_token_ids or []
         first = prompt * self.n
         for k, r in enumerate(reasons[: self.n]):
             self.finish[first + k] = r
@@ -95,6 +100,18 @@ def _completion_logprobs(lps: list[Logprob], offsets: list[int]) -> CompletionLo
     )
 
 
+def _echo_logprobs(ids: list[int], lps: list[Logprob | None] | None) -> CompletionLogprobs:
+    """The echoed prompt's part: the first token has no logprob. Without a tokenizer the
+    bridge cannot place prompt tokens in the text, so their text_offset is 0."""
+    entries = lps or [None] * len(ids)
+    return CompletionLogprobs(
+        tokens=[token_str(t) for t in ids],
+        token_logprobs=[None if lp is None else lp.logprob for lp in entries],
+        top_logprobs=[None if lp is None else _completion_logprobs([lp], [0]).top_logprobs[0] for lp in entries],
+        text_offset=[0] * len(ids),
+    )
+
+
 def _chat_logprobs(lps: list[Logprob]) -> ChatLogprobs:
     return ChatLogprobs(content=[
         ChatTokenLogprob(
@@ -119,13 +136,20 @@ class _Usage:
 
 
 class CompletionBuilder(_Usage):
+    """`echo`: per prompt, the text put before its choices' completions (then with
+    `logprobs` the prompt's logprobs come first, not when streaming); `echo_only`
+    (max_tokens 0): the echo without the completion."""
+
     def __init__(self, rid: str, model: str, created: int, num_prompts: int, n: int,
-                 *, logprobs: bool, stream: bool, include_usage: bool = False) -> None:
+                 *, logprobs: bool, stream: bool, include_usage: bool = False,
+                 echo: list[str] | None = None, echo_only: bool = False) -> None:
         self.rid, self.model, self.created = rid, model, created
         self.choices = _Choices(num_prompts, n)
         self.want_logprobs = logprobs
         self.stream = stream
         self.include_usage = include_usage
+        self.echo, self.echo_only = echo, echo_only
+        self.echoed: set[int] = set()
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
         return _encode(Completion(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage))
@@ -136,10 +160,18 @@ class CompletionBuilder(_Usage):
     def add(self, prompt: int, ev: Delta | Done) -> list[bytes]:
         if isinstance(ev, Delta):
             i, start = self.choices.add_delta(prompt, ev)
-            if not self.stream or not (ev.text or ev.logprobs):
+            if not self.stream:
                 return []
-            lp = _completion_logprobs(ev.logprobs, [start] * len(ev.logprobs)) if self.want_logprobs and ev.logprobs else None
-            return [self._chunk([CompletionChoice(index=i, text=ev.text, logprobs=lp)])]
+            echo = ""
+            if self.echo is not None and i not in self.echoed:
+                self.echoed.add(i)
+                echo = self.echo[prompt]
+            if self.echo_only:
+                return [self._chunk([CompletionChoice(index=i, text=echo)])] if echo else []
+            if not (echo or ev.text or ev.logprobs):
+                return []
+            lp = _completion_logprobs(ev.logprobs, [start + len(echo)] * len(ev.logprobs)) if self.want_logprobs and ev.logprobs else None
+            return [self._chunk([CompletionChoice(index=i, text=echo + ev.text, logprobs=lp)])]
         finished = self.choices.add_done(prompt, ev)
         if not self.stream:
             return []
@@ -151,16 +183,25 @@ class CompletionBuilder(_Usage):
 
     def response(self) -> Completion:
         c = self.choices
-        return Completion(
-            id=self.rid, created=self.created, model=self.model, usage=c.usage(),
-            choices=[
-                CompletionChoice(
-                    index=i, text="".join(c.texts[i]), finish_reason=c.finish[i],
-                    logprobs=_completion_logprobs(c.logprobs[i], c.offsets[i]) if self.want_logprobs else None,
-                )
-                for i in range(len(c.texts))
-            ],
-        )
+        return Completion(id=self.rid, created=self.created, model=self.model, usage=c.usage(),
+                          choices=[self._choice(i) for i in range(len(c.texts))])
+
+    def _choice(self, i: int) -> CompletionChoice:
+        c = self.choices
+        prompt = i // c.n
+        echo = "" if self.echo is None else self.echo[prompt]
+        text = "" if self.echo_only else "".join(c.texts[i])
+        if not self.want_logprobs:
+            return CompletionChoice(index=i, text=echo + text, finish_reason=c.finish[i])
+        lps = _completion_logprobs([] if self.echo_only else c.logprobs[i],
+                                   [] if self.echo_only else [o + len(echo) for o in c.offsets[i]])
+        if self.echo is not None:
+            head = _echo_logprobs(c.prompt_ids[prompt], c.prompt_logprobs[prompt])
+            lps = CompletionLogprobs(tokens=head.tokens + lps.tokens,
+                                     token_logprobs=head.token_logprobs + lps.token_logprobs,
+                                     top_logprobs=head.top_logprobs + lps.top_logprobs,
+                                     text_offset=head.text_offset + lps.text_offset)
+        return CompletionChoice(index=i, text=echo + text, finish_reason=c.finish[i], logprobs=lps)
 
 
 class ChatBuilder(_Usage):

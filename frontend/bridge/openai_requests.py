@@ -9,6 +9,7 @@ import msgspec
 from aiohttp import web
 
 from noria.frontend.bridge.errors import BadRequest
+from noria.frontend.bridge.openai_refused import unsupported_field
 from noria.frontend.bridge.openai_schema import ChatRequest, CompletionRequest, SamplingFields
 from noria.frontend.inputs import make_generate
 from noria.protocol.client import Generate
@@ -32,12 +33,23 @@ async def read_body(request: web.Request, kind: type[R]) -> R:
                          code=ErrorCode.INVALID_MESSAGE) from None
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's keys are token ids written as strings."""
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise BadRequest("logit_bias keys must be token ids (integers written as strings)", "logit_bias") from None
+
+
 def _sampling(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-              names: dict[str, str] | None = None) -> SamplingParams:
+              names: dict[str, str] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from a request; `names` maps a SamplingParams field to the request
     field it came from where the two differ, so that an error names what the client sent."""
-    if req.logit_bias:
-        raise BadRequest("logit_bias is not supported", "logit_bias")
+    refused = unsupported_field(req)
+    if refused:
+        raise BadRequest(refused[1], refused[0])
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or None)
     params = SamplingParams(
         n=req.n,
@@ -56,6 +68,10 @@ def _sampling(req: SamplingFields, *, max_tokens: int | None, logprobs: int | No
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         skip_special_tokens=req.skip_special_tokens,
+        logit_bias=_logit_bias(req.logit_bias),
+        prompt_logprobs=prompt_logprobs,
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
     )
     # Checked here, before anything goes upstream, so that a batch fails as a whole
     # with 400 and the error names the parameter.
@@ -68,17 +84,35 @@ def _sampling(req: SamplingFields, *, max_tokens: int | None, logprobs: int | No
 
 
 def completion_generates(req: CompletionRequest, new_id: Callable[[], str]) -> list[Generate]:
-    if req.echo:
-        raise BadRequest("echo is not supported", "echo")
     if req.suffix:
         raise BadRequest("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise BadRequest("best_of must equal n (noria returns every sample it draws)", "best_of")
-    params = _sampling(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-    return [make_generate(new_id(), p, params, priority=req.priority) for p in _prompts(req.prompt)]
+    prompts = prompts_of(req.prompt)
+    max_tokens = req.max_tokens
+    if req.echo:
+        echo_prompts(req, prompts)
+        if max_tokens == 0:  # the prompt alone (scoring): one token is drawn and dropped, as vLLM does
+            max_tokens = 1
+    prompt_logprobs = req.logprobs if req.echo else None
+    params = _sampling(req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+    return [make_generate(new_id(), p, params, priority=req.priority) for p in prompts]
 
 
-def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+def echo_prompts(req: CompletionRequest, prompts: list[str | list[int]]) -> list[str] | None:
+    """The texts `echo` puts before each completion (None without echo); raises for what
+    the bridge cannot echo."""
+    if not req.echo:
+        return None
+    texts = [p for p in prompts if isinstance(p, str)]
+    if len(texts) != len(prompts):
+        raise BadRequest("echo needs text prompts (the bridge has no tokenizer to spell token ids)", "echo")
+    if req.stream and req.logprobs is not None:
+        raise BadRequest("echo with logprobs is not supported when streaming", "echo")
+    return texts
+
+
+def prompts_of(prompt: str | list[Any]) -> list[str | list[int]]:
     """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
     if isinstance(prompt, str):
         return [prompt]
@@ -105,6 +139,8 @@ def chat_generate(req: ChatRequest, new_id: Callable[[], str]) -> Generate:
     names = {"logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
+    if req.echo:
+        raise BadRequest("echo is not supported on chat completions", "echo")
     params = _sampling(req, max_tokens=max_tokens, logprobs=logprobs, names=names)
     return make_generate(new_id(), None, params, messages=[_message(m) for m in req.messages],
                          priority=req.priority, add_generation_prompt=req.add_generation_prompt)

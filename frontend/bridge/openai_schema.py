@@ -2,7 +2,8 @@
 
 Unknown request fields are ignored, as OpenAI-compatible servers do, so that
 clients sending newer fields keep working; fields that would change the
-meaning of a request and are not supported are rejected in `openai_api`.
+meaning of a request and are not supported are declared in `openai_refused`
+and rejected there.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from typing import Any
 
 import msgspec
 
+from noria.frontend.bridge.openai_refused import RefusedFields
+
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+class SamplingFields(RefusedFields, kw_only=True):
     """Fields shared by both endpoints; the vLLM extras (top_k ... priority) too."""
 
     model: str | None = None
@@ -39,6 +42,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     priority: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -58,6 +63,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    echo: bool = False  # vLLM's: refused (see chat_generate)
 
 
 class PromptTokensDetails(msgspec.Struct, kw_only=True):
