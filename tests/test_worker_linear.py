@@ -8,11 +8,17 @@ import pytest
 import torch
 
 from noria.worker.loader import load_model, load_spec
-from noria.worker.models.layers import PACKED_MIN_ROWS, linear, pack_linear_weight
+from noria.worker.models.layers import (
+    PACKED_MAX_ROWS,
+    PACKED_MIN_ROWS,
+    linear,
+    pack_linear_weight,
+    packed_rows,
+)
 from tests.tiny_models import make_checkpoint
 
 
-@pytest.mark.parametrize("rows", [0, 1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 17, 130])
+@pytest.mark.parametrize("rows", [0, 1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 17, 64, 65, 130, 256, 257, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_float64_reference(rows: int, with_bias: bool) -> None:
     torch.manual_seed(rows)
@@ -25,6 +31,17 @@ def test_linear_matches_float64_reference(rows: int, with_bias: bool) -> None:
     for got in (linear(x, weight, bias, packed), linear(x, weight, bias, None)):
         assert got.shape == (rows, 96) and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_packed_path_meets_few_row_counts() -> None:
+    """oneDNN keeps a primitive per row count: a server that meets every batch size up to
+    its token budget must reach it with a bounded set of them, each at least the batch."""
+    counts = {packed_rows(m) for m in range(0, 4097)} - {None}
+    assert len(counts) <= 80
+    for m in range(0, 4097):
+        r = packed_rows(m)
+        assert r is None or m <= r <= max(m, 64) + 15
+    assert packed_rows(PACKED_MAX_ROWS + 1) is None and packed_rows(PACKED_MIN_ROWS) == PACKED_MIN_ROWS
 
 
 def test_packing_applies_only_to_cpu_float32() -> None:
