@@ -51,6 +51,8 @@ from noria.bench.soak_surfaces import (
 )
 from noria.frontend.client import AsyncClient
 from noria.frontend.local_server import LocalServer
+from noria.protocol.client import SchedulerStats
+from noria.protocol.errors import NoriaError
 
 CONNECTIONS = 2  # raw DEALERs and websockets, each carrying many requests
 REQUEST_TIMEOUT = 600.0  # s without a final message before a request counts as lost (a shared machine stalls)
@@ -163,7 +165,10 @@ class Sampler:
             while True:
                 t = time.monotonic() - self.t0
                 procs = process_tree(self.pid)  # again each time: a restarted process is followed
-                st = (await ac.stats()).stats
+                try:
+                    st = (await ac.stats()).stats
+                except NoriaError:  # a stalled answer costs one load sample, never the RSS series
+                    st = SchedulerStats(num_running=-1, num_waiting=-1, kv_cache_usage=-1.0)
                 s = self.s
                 n = len(s["t"])
                 s["t"].append(round(t, 2))
@@ -231,7 +236,7 @@ async def soak(server: LocalServer, args: argparse.Namespace) -> dict[str, Any]:
     window = max(0.05 * paced_s, 3 * args.sample_interval)
     s = sampler.s
     rss = {name: rss_drift(s["t"], series, settled, end_s, window) for name, series in s["rss_mib"].items()}
-    rss_flat = all(abs(d["drift"]) <= args.rss_tolerance for d in rss.values())
+    rss_flat = all(d["drift"] is not None and abs(d["drift"]) <= args.rss_tolerance for d in rss.values())
     engine = {"blocks_consistent": st.blocks_consistent, "kv_cache_usage": st.kv_cache_usage,
               "num_free_blocks": st.num_free_blocks, "num_kv_blocks": st.num_kv_blocks,
               "num_preemptions": st.num_preemptions, "generation_tokens": st.generation_tokens,

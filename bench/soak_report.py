@@ -16,8 +16,8 @@ def rss_drift(times: list[float], series: list[float], settled: float, end: floa
     first = [v for t, v in zip(times, series, strict=True) if settled <= t <= settled + window and v > 0]
     last = [v for t, v in zip(times, series, strict=True) if end - window <= t <= end and v > 0]
     after = [v for t, v in zip(times, series, strict=True) if settled <= t <= end and v > 0]
-    if not first or not last:
-        return {"after_warmup_mib": 0.0, "end_mib": 0.0, "peak_mib": 0.0, "drift": 0.0, "peak_drift": 0.0}
+    if not first or not last:  # no samples to judge by: never called flat
+        return {"after_warmup_mib": 0.0, "end_mib": 0.0, "peak_mib": 0.0, "drift": None, "peak_drift": None}
     base, tail = statistics.median(first), statistics.median(last)
     return {"after_warmup_mib": round(base, 1), "end_mib": round(tail, 1), "peak_mib": round(max(after), 1),
             "drift": round(tail / base - 1, 4), "peak_drift": round(max(after) / base - 1, 4)}
@@ -39,8 +39,9 @@ def print_report(r: dict[str, Any]) -> None:
           f"free blocks {e['num_free_blocks']}/{e['num_kv_blocks']}, idle after {e['idle_after_s']} s")
     print(f"{'process':<10} {'RSS after warm-up MiB':>22} {'end MiB':>8} {'peak MiB':>9} {'drift':>7} {'peak drift':>11}")
     for name, d in r["rss"].items():
+        drift, peak = (f"{d[k]:.2%}" if d[k] is not None else "no data" for k in ("drift", "peak_drift"))
         print(f"{name:<10} {d['after_warmup_mib']:>22.1f} {d['end_mib']:>8.1f} {d['peak_mib']:>9.1f} "
-              f"{d['drift']:>7.2%} {d['peak_drift']:>11.2%}")
+              f"{drift:>7} {peak:>11}")
     for ex in r["examples"][:10]:
         print("  problem:", ex)
     print(f"RSS flat within {r['rss_tolerance']:.0%}: {r['rss_flat']}; "

@@ -119,3 +119,8 @@ def test_rss_drift_uses_medians_after_the_warm_up():
     assert d["after_warmup_mib"] == 200.0 and d["end_mib"] == 210.0 and d["drift"] == 0.05
     flat = rss_drift(times, [50.0] * 100, settled=10, end=99, window=9)
     assert flat["drift"] == 0.0 and flat["peak_drift"] == 0.0
+
+
+def test_rss_drift_without_samples_is_not_flat():
+    d = rss_drift([0.0, 1.0], [10.0, 10.0], settled=5, end=9, window=1)
+    assert d["drift"] is None
