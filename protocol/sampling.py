@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from noria.protocol.errors import ParamError
+from noria.protocol.structured import StructuredOutput, check_structured
 from noria.protocol.validation import check_fields
 
 MAX_LOGPROBS = 20
@@ -39,6 +40,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # guided decoding (protocol/structured.py)
 
     # The range each field must fall in, checked through msgspec by `check_sampling`
     # (`check_fields` reads this ClassVar).
@@ -91,6 +93,8 @@ def check_sampling(p: SamplingParams, vocab_size: int | None = None) -> None:
         raise ParamError("seed", f"seed must be below 2**64, got {p.seed}")
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:
         raise ParamError("min_tokens", f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")
+    if p.structured_output is not None:
+        check_structured(p.structured_output)
     if vocab_size is not None and p.stop_token_ids:
         bad = [t for t in p.stop_token_ids if t >= vocab_size]
         if bad:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import insort
+from operator import attrgetter
 
 from noria.protocol.client import SchedulerStats
 from noria.protocol.config import EngineConfig
@@ -30,6 +31,7 @@ from noria.protocol.errors import ErrorCode
 from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
 from noria.scheduler.kv_cache_manager import KVCacheManager
 from noria.scheduler.request import Request, Status
+from noria.scheduler.structured_output import StructuredOutputManager, advance
 
 Batch = list[tuple[Request, int, list[int]]]  # (request, tokens this step, blocks appended)
 _NO_BLOCKS: list[int] = []
@@ -38,6 +40,7 @@ _NO_BLOCKS: list[int] = []
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, num_cpu_blocks: int = 0) -> None:
         """`num_kv_blocks` 0: no worker group yet (requests queue until `install_kv`)."""
+        self.grammars = StructuredOutputManager(config.tokenizer or config.model)  # costs nothing until used
         self.config = config
         self.block_size = config.block_size
         self.model_len = max_model_len
@@ -133,8 +136,25 @@ class Scheduler:
         req = Request(msg, self._arrivals, max_tokens, self.kv.hash_root(msg.sample_group))
         self._arrivals += 1
         self.requests[req.req_id] = req
-        heapq.heappush(self.waiting, (req.sort_key, req.req_id))
         self.stats.prompt_tokens += n_prompt
+        if msg.params.structured_output is not None:
+            req.matcher = self.grammars.submit(req.req_id, msg.params.structured_output, msg.eos_token_ids)
+            if req.matcher is None:  # queues in `grammars_ready` once its grammar has compiled
+                req.status = Status.WAITING_GRAMMAR
+                return
+        heapq.heappush(self.waiting, (req.sort_key, req.req_id))
+
+    def grammars_ready(self) -> None:  # queue requests whose grammar compiled, fail those whose did not
+        for rid, matcher, error in self.grammars.take_ready():
+            req = self.requests.get(rid)
+            if req is None or req.status != Status.WAITING_GRAMMAR:
+                continue  # aborted while compiling
+            if error is None:
+                req.matcher, req.status = matcher, Status.WAITING
+                heapq.heappush(self.waiting, (req.sort_key, rid))
+            else:
+                self._finish(req)
+                self.reject(rid, ErrorCode.INVALID_GRAMMAR, f"structured_output does not compile: {error}")
 
     def abort(self, req_ids: list[int]) -> None:
         for rid in req_ids:
@@ -247,6 +267,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         scheduled: list[tuple[int, int]] = []
+        masked = []
         for req, num_new, added in batch:
             if not req.in_worker:
                 new_reqs.append(
@@ -263,10 +284,13 @@ class Scheduler:
                 self.stats.computed_prompt_tokens += min(num_new, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += num_new
             scheduled.append((req.req_id, num_new))
+            if req.matcher is not None and req.num_computed_tokens == req.num_tokens:
+                masked.append((req.req_id, req.matcher))  # its mask goes with this step
         self.step_id += 1
         drop, self._worker_drop = self._worker_drop, []
         swap_out, self._swap_out = self._swap_out, []
-        return StepPlan(self.step_id, scheduled, new_reqs, cached, drop, swap_out=swap_out, swap_in=swap_in)
+        return StepPlan(self.step_id, scheduled, new_reqs, cached, drop, swap_out=swap_out, swap_in=swap_in,
+                        grammar=self.grammars.fill_bitmask(masked) if masked else None)
 
     # ---- reconciling -----------------------------------------------------
 
@@ -281,9 +305,8 @@ class Scheduler:
             req.token_ids.append(tok)
             lp = logprobs[j] if logprobs is not None else None
             reason = self._stop_reason(req, tok)
-            updates.append(
-                RequestUpdate(rid, [tok], reason, None if lp is None else [lp], None, None, req.num_cached_tokens)
-            )
+            err = (ErrorCode.INTERNAL, f"token {tok} breaks the grammar") if reason == "error" else (None, None)
+            updates.append(RequestUpdate(rid, [tok], reason, None if lp is None else [lp], *err, req.num_cached_tokens))
             if reason is not None:
                 self._finish(req)
                 finished = True
@@ -296,8 +319,11 @@ class Scheduler:
         # vLLM's order: length caps first, then stop tokens once min_tokens is met.
         n = len(req.token_ids)
         n_out = n - req.num_prompt_tokens
+        grammar = advance(req.matcher, tok) if req.matcher is not None else None
         if n_out >= req.max_tokens or n >= self.max_model_len:
             return "length"
+        if grammar is not None:
+            return grammar  # a complete grammar ends it ("stop") even before min_tokens
         if n_out < req.params.min_tokens:
             return None
         if tok in req.eos_token_ids or tok in req.stop_ids:
@@ -371,5 +397,4 @@ class Scheduler:
         return None
 
 
-def _sort_key(req: Request) -> tuple[int, int]:
-    return req.sort_key
+_sort_key = attrgetter("sort_key")  # (priority, arrival)
