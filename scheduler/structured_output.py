@@ -183,10 +183,10 @@ def _grammar(so: StructuredOutput) -> str:
         # Lark string literals take JSON's escapes, so json.dumps quotes any choice safely.
         return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
     assert so.grammar is not None
-    text = so.grammar
-    if "::=" in text:  # GBNF (llama.cpp, xgrammar): llguidance reads Lark
-        text = llg.gbnf_to_lark(text)
-    return M.grammar_from_lark(text)
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    # Lark as llguidance reads it; GBNF (llama.cpp's, xgrammar's EBNF) is converted.
+    return M.grammar_from_lark(any_to_lark(so.grammar))
 
 
 def _error_of(fut: Future[Matcher]) -> str | None:

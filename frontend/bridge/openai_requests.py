@@ -10,6 +10,7 @@ from aiohttp import web
 
 from noria.frontend.bridge.errors import BadRequest
 from noria.frontend.bridge.openai_schema import ChatRequest, CompletionRequest, SamplingFields
+from noria.frontend.bridge.openai_structured import structured_output
 from noria.frontend.inputs import make_generate
 from noria.protocol.client import Generate
 from noria.protocol.errors import ErrorCode, ParamError
@@ -56,6 +57,7 @@ def _sampling(req: SamplingFields, *, max_tokens: int | None, logprobs: int | No
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         skip_special_tokens=req.skip_special_tokens,
+        structured_output=structured_output(req),
     )
     # Checked here, before anything goes upstream, so that a batch fails as a whole
     # with 400 and the error names the parameter.
