@@ -81,7 +81,7 @@ def _one(llm: LLM, so: StructuredOutput, prompt: str = "Write JSON:", **kw):
     return out.outputs[0]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(schema=SCHEMAS, sampling=SAMPLING)
 def test_json_schemas_drawn_by_hypothesis(llm, schema, sampling):
