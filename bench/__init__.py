@@ -6,7 +6,8 @@ import argparse
 import importlib
 
 # The modules that are benchmarks; the others (workloads, ceiling, plots) are their helpers.
-BENCHMARKS = ("generate", "scheduler", "serving", "throughput", "fuzz", "disconnects", "overload", "failover")
+BENCHMARKS = ("generate", "scheduler", "serving", "throughput", "fuzz", "disconnects", "overload", "failover",
+              "structured")
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:

@@ -35,6 +35,8 @@ TINY = {
                  "RSS within bound: True"),
     "failover": (["--num-requests", "4", "--max-tokens", "8", "--kills", "1", "--out", "out/failover"],
                  "SIGKILL->next token s"),
+    "structured": (["--model", "demo", "--num-requests", "2", "--rounds", "1", "--sizes", "2", "--repeats", "2",
+                    "--num-kv-blocks", "64"], "constrained / unconstrained tok/s"),
 }
 
 

@@ -31,8 +31,9 @@ def _leaf() -> st.SearchStrategy[dict]:
         st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 5)),
         st.builds(lambda lo, w: {"type": "integer", "minimum": lo, "maximum": lo + w},
                   st.integers(-1000, 1000), st.integers(0, 5000)),
-        st.builds(lambda lo, w: {"type": "number", "minimum": lo, "maximum": lo + w},
-                  st.integers(-50, 50), st.integers(1, 100)),
+        # multipleOf bounds the fraction's digits, which a random model never stops writing.
+        st.builds(lambda lo, w, q: {"type": "number", "minimum": lo, "maximum": lo + w, "multipleOf": q},
+                  st.integers(-50, 50), st.integers(1, 100), st.sampled_from([0.5, 0.25, 0.125])),
         st.just({"type": "boolean"}),
         st.just({"type": "null"}),
         st.builds(lambda vs: {"enum": vs}, st.lists(st.one_of(NAME, st.integers(-9, 99), st.booleans()),

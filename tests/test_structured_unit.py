@@ -139,3 +139,8 @@ def test_worker_mask_matches_a_python_reference():
     with pytest.raises(ValueError, match="samples no token"):
         apply_grammar_bitmask(logits, GrammarBitmask([99], data[:12]), [10])
     assert StepPlan(1, []).grammar is None
+    # The accelerator's unpacking (torch shifts) gives the same mask as the CPU's (numpy).
+    from noria.worker.grammar_mask import _unpack_numpy, _unpack_torch
+
+    assert torch.equal(_unpack_torch(data, 2, vocab, torch.device("cpu")), _unpack_numpy(data, 2, vocab))
+    assert torch.equal(_unpack_numpy(data, 2, vocab), expect[[3, 0]] == float("-inf"))
