@@ -54,7 +54,7 @@ def step_costs(model: Path, tokenizer: str | None, sizes: list[int], repeats: in
     from noria.worker.grammar_mask import apply_grammar_bitmask
 
     vocab = model_facts(str(model)).vocab_size
-    mgr = StructuredOutputManager(tokenizer or str(model), vocab)
+    mgr = StructuredOutputManager(tokenizer or str(model), str(model), vocab)
     so = StructuredOutput(json=SCHEMA)
     mgr.submit(0, so, [])
     while not (ready := mgr.take_ready()):

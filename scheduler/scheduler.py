@@ -40,7 +40,7 @@ _NO_BLOCKS: list[int] = []
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, num_cpu_blocks: int = 0) -> None:
         """`num_kv_blocks` 0: no worker group yet (requests queue until `install_kv`)."""
-        self.grammars = StructuredOutputManager(config.tokenizer or config.model)  # costs nothing until used
+        self.grammars = StructuredOutputManager(config.tokenizer or config.model, config.model)  # free until used
         self.config = config
         self.block_size = config.block_size
         self.model_len = max_model_len

@@ -40,8 +40,11 @@ Matcher = Any  # llguidance.LLMatcher (imported lazily: most engines never need 
 class StructuredOutputManager:
     """Compiles grammars off the step loop and computes per-step token bitmasks."""
 
-    def __init__(self, model_path: str, vocab_size: int | None = None) -> None:
-        self.model_path = model_path
+    def __init__(self, tokenizer_path: str, model_path: str | None = None, vocab_size: int | None = None) -> None:
+        """The tokenizer.json in `tokenizer_path`; the mask width is `vocab_size`, else the
+        vocabulary size in `model_path`'s config.json (the model's, which may exceed the tokenizer's)."""
+        self.tokenizer_path = tokenizer_path
+        self.model_path = model_path or tokenizer_path
         self.vocab_size = vocab_size
         self._pool: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[str, Future[Matcher]] = OrderedDict()
@@ -121,9 +124,9 @@ class StructuredOutputManager:
             if self._tokenizer is None:
                 import llguidance as llg
 
-                path = os.path.join(self.model_path, "tokenizer.json")
+                path = os.path.join(self.tokenizer_path, "tokenizer.json")
                 if not os.path.isfile(path):
-                    raise ValueError(f"structured output needs a fast tokenizer (tokenizer.json) in {self.model_path}")
+                    raise ValueError(f"structured output needs a fast tokenizer (tokenizer.json) in {self.tokenizer_path}")
                 with open(path) as f:
                     text = f.read()
                 vocab = self.vocab_size or model_facts(self.model_path).vocab_size

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import select
+import threading
 
 import msgspec
 import pytest
@@ -51,6 +52,13 @@ def _ready(mgr: StructuredOutputManager, timeout: float = 30.0) -> list:
     return mgr.take_ready()
 
 
+def _gate(mgr: StructuredOutputManager) -> threading.Event:
+    """Hold every compile until the event is set, so that a test sees requests wait."""
+    gate, compile_ = threading.Event(), mgr._compile
+    mgr._compile = lambda so, eos: (gate.wait(30), compile_(so, eos))[1]
+    return gate
+
+
 def _allowed_reference(matcher, vocab: int) -> set[int]:
     # Token by token, on copies: which tokens the matcher would accept next.
     return {t for t in range(vocab) if matcher.deep_copy().try_consume_tokens([t]) == 1}
@@ -60,7 +68,10 @@ def test_manager_compiles_off_thread_caches_and_reports_errors(demo_path):
     mgr = StructuredOutputManager(str(demo_path))
     so = StructuredOutput(regex=r"[0-9]{2}x")
     fd = mgr.wake_fd
+    gate = _gate(mgr)
     assert mgr.submit(1, so, [2]) is None  # not compiled yet: the request must wait
+    assert not select.select([fd], [], [], 0.2)[0]
+    gate.set()
     (rid, m1, err), = _ready(mgr)
     assert (rid, err) == (1, None) and m1 is not None
     m2 = mgr.submit(2, StructuredOutput(regex=r"[0-9]{2}x"), [2])  # cached: at once, a copy of its own
@@ -95,6 +106,7 @@ def test_scheduler_waits_for_the_grammar_and_masks_only_sampling_steps(demo_path
     config = EngineConfig(model=str(demo_path), max_num_batched_tokens=16, enable_chunked_prefill=True)
     sched = Scheduler(config, 64, 512)
     so = StructuredOutput(choice=["ab", "ba"])
+    gate = _gate(sched.grammars)
     sched.add_request(_request(1, 40, so))  # three chunks of prefill
     sched.add_request(_request(2, 4, None))
     sched.add_request(_request(3, 4, StructuredOutput(regex="q+")))
@@ -102,6 +114,7 @@ def test_scheduler_waits_for_the_grammar_and_masks_only_sampling_steps(demo_path
     assert sched.requests[1].status == Status.WAITING_GRAMMAR
     plan = sched.schedule()
     assert [r for r, _ in plan.scheduled] == [2] and plan.grammar is None
+    gate.set()
     while sched.requests[1].status == Status.WAITING_GRAMMAR:  # the wake-up may be request 3's
         assert select.select([sched.grammars.wake_fd], [], [], 30)[0]
         sched.grammars_ready()
