@@ -6,6 +6,7 @@ from __future__ import annotations
 class ErrorCode:
     INVALID_MESSAGE = "invalid_message"  # not decodable, unknown type, wrong field types
     INVALID_REQUEST = "invalid_request"  # decodable but semantically wrong (empty prompt, bad values)
+    INVALID_GRAMMAR = "invalid_grammar"  # a structured_output schema, regex or grammar that does not compile
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt (+ max_tokens) exceeds max_model_len
     DUPLICATE_REQUEST = "duplicate_request"  # request_id already in flight on this connection
     OVERLOADED = "overloaded"  # the waiting queue or this connection's in-flight requests are at their cap

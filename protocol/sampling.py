@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from noria.protocol.errors import ParamError
+from noria.protocol.structured import StructuredOutput, check_structured
 from noria.protocol.validation import check_fields
 
 MAX_LOGPROBS = 20
@@ -52,6 +53,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Set by the frontend from `bad_words` with the model's tokenizer (whatever a
     # client sends here is replaced): the token-id sequences the worker bans.
     bad_words_token_ids: list[list[int]] | None = None
+    structured_output: StructuredOutput | None = None  # guided decoding (protocol/structured.py)
 
     # The range each field must fall in, checked through msgspec by `check_sampling`
     # (`check_fields` reads this ClassVar).
@@ -108,6 +110,8 @@ def check_sampling(p: SamplingParams, vocab_size: int | None = None) -> None:
         raise ParamError("seed", f"seed must be below 2**64, got {p.seed}")
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:
         raise ParamError("min_tokens", f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})")
+    if p.structured_output is not None:
+        check_structured(p.structured_output)
     if p.bad_words and any(not w.strip() for w in p.bad_words):
         raise ParamError("bad_words", "bad_words must not hold empty or blank words")
     if vocab_size is None:

@@ -41,6 +41,18 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
     replaced: list[tuple[int, int]] = []
 
 
+class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
+    """The tokens each constrained request may sample in this step (structured output).
+
+    Row r is for `req_ids[r]`: ceil(vocab_size / 32) little-endian int32 words, and
+    bit t % 32 of word t // 32 set means token t is allowed. Only the requests that
+    sample in this step and have a grammar get a row.
+    """
+
+    req_ids: list[int]
+    data: bytes
+
+
 class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     """One iteration.
 
@@ -61,6 +73,7 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     swap_out: list[tuple[int, int]] = []
     swap_in: list[tuple[int, int]] = []
     epoch: int = 0  # the worker group's incarnation (set by the scheduler process when it sends)
+    grammar: GrammarBitmask | None = None  # masks for this step's constrained samples
 
 
 class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):

@@ -81,6 +81,8 @@ class SchedulerProcess:
         self.poller = zmq.Poller()
         self.poller.register(self.from_frontend, zmq.POLLIN)
         self.poller.register(self.router, zmq.POLLIN)
+        self.grammar_fd = self.sched.grammars.wake_fd  # structured output: a grammar has compiled
+        self.poller.register(self.grammar_fd, zmq.POLLIN)
         self.running = True
         self.stats_due = True
         self.last_stats = 0.0
@@ -115,6 +117,8 @@ class SchedulerProcess:
         events = dict(self.poller.poll(timeout))
         if self.from_frontend in events:
             self._drain_frontend()
+        if self.grammar_fd in events:
+            self.sched.grammars_ready()
         if self.router in events:
             for identity, payload in drain_router(self.router, 1024):  # bounded: the frontend is never starved
                 self.group.on_message(identity, payload)
@@ -251,6 +255,7 @@ class SchedulerProcess:
             s.close(linger=100)
         if self.curve is not None:
             self.curve.stop()
+        self.sched.grammars.close()
         self.ctx.term()
 
 

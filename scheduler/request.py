@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from noria.protocol.engine import EngineRequest
 from noria.protocol.sampling import SamplingParams
@@ -13,6 +14,7 @@ class Status(enum.IntEnum):
     RUNNING = 1
     SWAPPED = 2
     FINISHED = 3
+    WAITING_GRAMMAR = 4  # waits for its structured-output grammar to compile
 
 
 class Request:
@@ -23,7 +25,7 @@ class Request:
         "req_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids",
         "stop_ids", "priority", "arrival_seq", "max_tokens", "status", "num_computed_tokens",
         "block_ids", "block_hashes", "num_cached_blocks", "in_worker", "num_cached_tokens",
-        "swapped_blocks", "num_preemptions", "sort_key", "hash_root",
+        "swapped_blocks", "num_preemptions", "sort_key", "hash_root", "matcher",
     )
 
     def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: int | None) -> None:
@@ -47,6 +49,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.swapped_blocks: list[int] = []  # CPU blocks while swapped out
         self.num_preemptions = 0
+        self.matcher: Any = None  # llguidance matcher of a structured-output request
         # Lower runs first; later arrivals are preempted first within a priority.
         self.sort_key = (self.priority, self.arrival_seq)
 

@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import heapq
 from bisect import insort
+from operator import attrgetter
+from typing import Any
 
 from noria.protocol.client import SchedulerStats
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest, RequestUpdate
 from noria.protocol.errors import ErrorCode
 from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
+from noria.scheduler.block_check import check_blocks
 from noria.scheduler.kv_cache_manager import KVCacheManager
 from noria.scheduler.request import Request, Status
+from noria.scheduler.structured_output import StructuredOutputManager, advance, resume
 
 Batch = list[tuple[Request, int, list[int]]]  # (request, tokens this step, blocks appended)
 _NO_BLOCKS: list[int] = []
@@ -38,6 +42,7 @@ _NO_BLOCKS: list[int] = []
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, num_cpu_blocks: int = 0) -> None:
         """`num_kv_blocks` 0: no worker group yet (requests queue until `install_kv`)."""
+        self.grammars = StructuredOutputManager(config.tokenizer or config.model, config.model)  # free until used
         self.config = config
         self.block_size = config.block_size
         self.model_len = max_model_len
@@ -136,8 +141,34 @@ class Scheduler:
         req = Request(msg, self._arrivals, max_tokens, self.kv.hash_root(msg.sample_group))
         self._arrivals += 1
         self.requests[req.req_id] = req
-        heapq.heappush(self.waiting, (req.sort_key, req.req_id))
         self.stats.prompt_tokens += n_prompt
+        if msg.params.structured_output is not None:
+            matcher = self.grammars.submit(req.req_id, msg.params.structured_output, msg.eos_token_ids)
+            if matcher is None:  # queues in `grammars_ready` once its grammar has compiled
+                req.status = Status.WAITING_GRAMMAR
+                return
+            self._with_grammar(req, matcher)
+            return
+        heapq.heappush(self.waiting, (req.sort_key, req.req_id))
+
+    def grammars_ready(self) -> None:  # queue requests whose grammar compiled, fail those whose did not
+        for rid, matcher, error in self.grammars.take_ready():
+            req = self.requests.get(rid)
+            if req is None or req.status != Status.WAITING_GRAMMAR:
+                continue  # aborted while compiling
+            if error is None:
+                self._with_grammar(req, matcher)
+            else:
+                self._finish(req)
+                self.reject(rid, ErrorCode.INVALID_GRAMMAR, f"structured_output does not compile: {error}")
+
+    def _with_grammar(self, req: Request, matcher: Any) -> None:
+        # A request resumed after a scheduler restart brings outputs its new matcher has not seen.
+        if not resume(matcher, req.token_ids[req.num_prompt_tokens:]):
+            self._finish(req)
+            return self.reject(req.req_id, ErrorCode.INTERNAL, "a resumed request's outputs break its grammar")
+        req.matcher, req.status = matcher, Status.WAITING
+        heapq.heappush(self.waiting, (req.sort_key, req.req_id))
 
     def abort(self, req_ids: list[int]) -> None:
         for rid in req_ids:
@@ -250,6 +281,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         scheduled: list[tuple[int, int]] = []
+        masked = []
         for req, num_new, added in batch:
             if not req.in_worker:
                 new_reqs.append(
@@ -266,10 +298,13 @@ class Scheduler:
                 self.stats.computed_prompt_tokens += min(num_new, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += num_new
             scheduled.append((req.req_id, num_new))
+            if req.matcher is not None and req.num_computed_tokens == req.num_tokens:
+                masked.append((req.req_id, req.matcher))  # its mask goes with this step
         self.step_id += 1
         drop, self._worker_drop = self._worker_drop, []
         swap_out, self._swap_out = self._swap_out, []
-        return StepPlan(self.step_id, scheduled, new_reqs, cached, drop, swap_out=swap_out, swap_in=swap_in)
+        return StepPlan(self.step_id, scheduled, new_reqs, cached, drop, swap_out=swap_out, swap_in=swap_in,
+                        grammar=self.grammars.fill_bitmask(masked) if masked else None)
 
     # ---- reconciling -----------------------------------------------------
 
@@ -284,10 +319,9 @@ class Scheduler:
             req.token_ids.append(tok)
             lp = logprobs[j] if logprobs is not None else None
             reason = self._stop_reason(req, tok)
-            updates.append(
-                RequestUpdate(rid, [tok], reason, None if lp is None else [lp], None, None, req.num_cached_tokens,
-                              None if prompt_logprobs is None else prompt_logprobs[j])
-            )
+            err = (ErrorCode.INTERNAL, f"token {tok} breaks the grammar") if reason == "error" else (None, None)
+            updates.append(RequestUpdate(rid, [tok], reason, None if lp is None else [lp], *err, req.num_cached_tokens,
+                                         None if prompt_logprobs is None else prompt_logprobs[j]))
             if reason is not None:
                 self._finish(req)
                 finished = True
@@ -300,8 +334,11 @@ class Scheduler:
         # vLLM's order: length caps first, then stop tokens once min_tokens is met.
         n = len(req.token_ids)
         n_out = n - req.num_prompt_tokens
+        grammar = advance(req.matcher, tok) if req.matcher is not None else None
         if n_out >= req.max_tokens or n >= self.max_model_len:
             return "length"
+        if grammar is not None:
+            return grammar  # a complete grammar ends it ("stop") even before min_tokens
         if n_out < req.params.min_tokens:
             return None
         if tok in req.eos_token_ids or tok in req.stop_ids:
@@ -357,23 +394,7 @@ class Scheduler:
         return s
 
     def check_blocks(self) -> str | None:
-        """Free + owned blocks add up, and each block's references equal its owners."""
-        problem = self.kv.pool.check()
-        if problem:
-            return problem
-        owners = [0] * self.kv.pool.num_blocks
-        cpu_owned = 0
-        for req in self.requests.values():
-            for b in req.block_ids:
-                owners[b] += 1
-            cpu_owned += len(req.swapped_blocks)
-        for b, (refs, own) in enumerate(zip(self.kv.pool.ref_cnt, owners, strict=True)):
-            if refs != own:
-                return f"block {b} has {refs} references but {own} owners"
-        if cpu_owned + len(self.kv.cpu_free) != self.kv.num_cpu_blocks:
-            return f"CPU blocks: {cpu_owned} owned + {len(self.kv.cpu_free)} free != {self.kv.num_cpu_blocks}"
-        return None
+        return check_blocks(self.kv, self.requests.values())
 
 
-def _sort_key(req: Request) -> tuple[int, int]:
-    return req.sort_key
+_sort_key = attrgetter("sort_key")  # (priority, arrival)

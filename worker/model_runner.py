@@ -30,6 +30,7 @@ from noria.worker.attention import AttentionMetadata
 from noria.worker.attention_select import attention_layers, get_attention_backend
 from noria.worker.block_table import BlockTables
 from noria.worker.device import resolve_device, resolve_dtype
+from noria.worker.grammar_mask import apply_grammar_bitmask
 from noria.worker.kv_cache import KVCache, KVLayout, num_device_blocks, num_swap_blocks
 from noria.worker.loader import load_model, load_spec
 from noria.worker.models.parallel import destroy_tensor_parallel, init_tensor_parallel
@@ -157,6 +158,8 @@ class ModelRunner:
             self._write_record(batch, time.perf_counter() - t_model)
         if not batch.sample_requests:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
+        if plan.grammar is not None and logits is not None:  # structured output (rank 0 has the logits)
+            apply_grammar_bitmask(logits, plan.grammar, [r.req_id for r in batch.sample_requests])
         tokens, logprobs = self._sample(logits, batch.sample_requests)
         for state, token in zip(batch.sample_requests, tokens, strict=True):
             state.token_ids.append(token)

@@ -13,6 +13,7 @@ from noria.protocol.errors import ErrorCode, NoriaError
 _BY_CODE: dict[str, tuple[int, str]] = {
     ErrorCode.INVALID_MESSAGE: (400, "invalid_request_error"),
     ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.INVALID_GRAMMAR: (400, "invalid_request_error"),
     ErrorCode.PROMPT_TOO_LONG: (400, "invalid_request_error"),
     ErrorCode.DUPLICATE_REQUEST: (409, "invalid_request_error"),
     ErrorCode.OVERLOADED: (429, "rate_limit_error"),

@@ -11,6 +11,7 @@ from aiohttp import web
 from noria.frontend.bridge.errors import BadRequest
 from noria.frontend.bridge.openai_refused import unsupported_field
 from noria.frontend.bridge.openai_schema import ChatRequest, CompletionRequest, SamplingFields
+from noria.frontend.bridge.openai_structured import structured_output
 from noria.frontend.inputs import make_generate
 from noria.protocol.client import Generate
 from noria.protocol.errors import ErrorCode, ParamError
@@ -72,6 +73,7 @@ def _sampling(req: SamplingFields, *, max_tokens: int | None, logprobs: int | No
         prompt_logprobs=prompt_logprobs,
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
+        structured_output=structured_output(req),
     )
     # Checked here, before anything goes upstream, so that a batch fails as a whole
     # with 400 and the error names the parameter.

@@ -12,14 +12,14 @@ from typing import Any
 
 import msgspec
 
-from noria.frontend.bridge.openai_refused import RefusedFields
+from noria.frontend.bridge.openai_structured import StructuredFields
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class SamplingFields(RefusedFields, kw_only=True):
+class SamplingFields(StructuredFields, kw_only=True):  # response_format, guided_*: openai_structured.py
     """Fields shared by both endpoints; the vLLM extras (top_k ... priority) too."""
 
     model: str | None = None
