@@ -19,8 +19,10 @@ _PUBLIC = {
     "RequestOutput": "noria.frontend.outputs",
     "NoriaError": "noria.protocol.errors",
     "SamplingParams": "noria.protocol.sampling",
+    "StructuredOutput": "noria.protocol.structured",
 }
-__all__ = ["LLM", "AsyncClient", "Client", "CompletionOutput", "NoriaError", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncClient", "Client", "CompletionOutput", "NoriaError", "RequestOutput", "SamplingParams",
+           "StructuredOutput"]
 
 if TYPE_CHECKING:
     from noria.frontend.client import AsyncClient, Client
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from noria.frontend.outputs import CompletionOutput, RequestOutput
     from noria.protocol.errors import NoriaError
     from noria.protocol.sampling import SamplingParams
+    from noria.protocol.structured import StructuredOutput
 
 
 def __getattr__(name: str) -> Any:
