@@ -41,6 +41,9 @@ from noria.protocol.worker_link import (
 log = logging.getLogger("noria.scheduler.workers")
 
 
+LOADING_SILENCE = 4  # a loading rank may be silent this many worker timeouts
+
+
 @dataclass
 class Member:
     identity: bytes
@@ -255,9 +258,14 @@ class WorkerGroup:
         """Heartbeats due, silent ranks lost, a group that never became ready lost."""
         now = self.clock()
         for m in list(self.members.values()):
-            if now - m.last_seen > self.timeout:
+            # A rank loading its model on a busy host can starve its I/O thread for seconds
+            # (safetensors and weight packing hold the GIL); it gets LOADING_SILENCE timeouts,
+            # still bounded by startup_timeout. A dead local rank is seen at once anyway: the
+            # heartbeat's send to its closed socket fails.
+            allowed = self.timeout * (LOADING_SILENCE if self.welcomed and m.ready is None else 1)
+            if now - m.last_seen > allowed:
                 self._lose(m, f"{m.name} has been silent for {now - m.last_seen:.1f}s "
-                              f"(worker timeout {self.timeout:g}s)")
+                              f"(worker timeout {allowed:g}s)")
         if self.welcomed and not self.live and now - self.welcomed_at > self.config.startup_timeout:
             slow = next(m for m in self.members.values() if m.ready is None)
             self._lose(slow, f"{slow.name} did not become ready in {self.config.startup_timeout:g}s")

@@ -22,7 +22,7 @@ from noria.protocol.worker_link import (
     WorkerFailed,
     WorkerReady,
 )
-from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
+from noria.scheduler.worker_group import LOADING_SILENCE, GroupLost, GroupReady, WorkerGroup
 from tests.workers import wait_for
 
 MODEL = ModelIdentity("aa" * 32, [WeightFile("model.safetensors", 1000, "bb" * 32)])
@@ -251,6 +251,19 @@ def test_heartbeats_go_out_and_silence_is_counted_from_the_last_word(rig):
     rig.group.tick()
     (lost,) = rig.events()
     assert isinstance(lost, GroupLost) and "silent for 5.5s" in lost.reason
+
+
+def test_a_loading_rank_may_be_silent_longer_but_not_for_ever(rig):
+    d = rig.dealer()
+    rig.send(d, hello())
+    (w,) = rig.recv(d)  # welcomed; loading the model (no WorkerReady yet)
+    rig.clock.now += 5.0 * LOADING_SILENCE - 0.5
+    rig.group.tick()
+    assert rig.events() == [] and 0 in rig.group.members
+    rig.clock.now += 1.0
+    rig.group.tick()
+    (lost,) = rig.events()
+    assert isinstance(lost, GroupLost) and f"worker timeout {5.0 * LOADING_SILENCE:g}s" in lost.reason
 
 
 def test_a_rank_that_reports_a_failure_loses_the_group_and_a_stale_report_does_not(rig):
