@@ -21,6 +21,11 @@ class Gateway:
     def __init__(self, client: AsyncClient, metrics: BridgeMetrics) -> None:
         self.client = client
         self.metrics = metrics
+        # Streams whose consumer has not yet finished with them: at shutdown the bridge waits
+        # for these, or the finals the engine already sent would die with the sockets.
+        self.active = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     def new_id(self) -> str:
         return self.client.new_request_id()
@@ -39,6 +44,8 @@ class Gateway:
         t0 = time.perf_counter()
         first, ended = True, False
         last: dict[int, float] = {}
+        self.active += 1
+        self.idle.clear()
         try:
             # aclosing: leaving early must close the upstream stream now (it aborts the request).
             async with aclosing(self.client.stream_request(msg)) as upstream:
@@ -65,3 +72,6 @@ class Gateway:
         finally:
             if not ended:  # the client went away: the request was aborted upstream
                 m.success.labels("abort").inc()
+            self.active -= 1
+            if not self.active:
+                self.idle.set()

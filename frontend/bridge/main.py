@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from noria.frontend.bridge.app import make_app
 from noria.frontend.bridge.process import EXIT_CANNOT_LISTEN
+from noria.frontend.bridge.state import GATEWAY
 
 
 class _QuietBadRequests(logging.Filter):
@@ -52,9 +54,22 @@ async def serve(engine: str, host: str, port: int, api_key: str | None, *, handl
         loop.add_signal_handler(signal.SIGINT, stop.set)
     try:
         await stop.wait()
+        await _finish_streams(app)
     finally:
         await runner.cleanup()
     return 0
+
+
+# `noria serve` stops the bridge once the engine has sent every final message; those may still
+# be on their way through this process to the clients' sockets, which `cleanup` closes.
+FLUSH_GRACE = 3.0
+
+
+async def _finish_streams(app: web.Application) -> None:
+    gateway = app.get(GATEWAY)
+    if gateway is not None and gateway.active:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gateway.idle.wait(), FLUSH_GRACE)
 
 
 def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: int | None = None,

@@ -89,7 +89,7 @@ class BridgeProcess:
         self.recent.append(now)
         return True
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 10.0) -> None:  # the bridge may take FLUSH_GRACE + its 2 s shutdown
         with self.lock:
             self.stopping = True
             proc = self.proc
