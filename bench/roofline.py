@@ -185,6 +185,12 @@ def report(machine: Machine, analyses: dict[str, dict]) -> str:
                    f"{a['floor_seconds_read_bw']:.1f} s: {a['floor_seconds_read_bw'] / a['wall_seconds']:.0%} "
                    "of its wall time)")
     if detail:
+        a = analyses[detail]
+        flops = a["compute_seconds"] * machine.gemm_gflops * 1e9
+        at_peak = f", {flops / machine.fma_peak_gflops / 1e9:.1f} s at the theoretical FMA peak" if (
+            machine.fma_peak_gflops) else ""
+        out.append(f"{detail}: {flops / 1e12:.2f} TFLOP in all: {a['compute_seconds']:.1f} s at the measured "
+                   f"GEMM peak{at_peak}; {a['memory_seconds'] * machine.copy_gbs:.0f} GB moved")
         out += ["", f"by row count, {detail} (measured = the worker's recorded forward + logits time per step; "
                 "wall time adds scheduling, IPC, sampling):", format_table(analyses[detail])]
     return "\n".join(out)

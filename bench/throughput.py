@@ -12,6 +12,10 @@ skipped with a message where it cannot be installed). The noria and vLLM
 rows run --rounds times, interleaved, and the best of each is reported next
 to every run's time; vLLM's greedy tokens are compared with noria-llm's.
 Prints a table of output tokens/s and ratios, writes JSON and a PNG bar chart.
+With any noria system, the machine's copy_ bandwidth and float32 GEMM peak are
+measured once per round, and every recorded noria run gets its roofline: each
+step's floor, summed, against the run's wall and forward time, a table by row
+count and a scatter of step time against roofline (OUT-roofline.png; bench/roofline.py).
 """
 
 from __future__ import annotations

@@ -102,3 +102,24 @@ def test_best_of_several_measurements():
     a, b = _machine(10.0, 50.0), _machine(12.0, 40.0)
     best = Machine.best([a, b])
     assert (best.copy_gbs, best.gemm_gflops) == (12.0, 50.0)
+
+
+def test_report_and_plot_of_recorded_runs(tmp_path):
+    from noria.bench.roofline import best_per_system, from_runs, plot, report
+
+    steps = [([1, 1], [4, 9], 2, 0.02), ([3, 1], [3, 5], 2, 0.03)]
+    runs = {"noria-llm": [{"seconds": 0.2, "_steps": steps}, {"seconds": 0.1, "_steps": steps}],
+            "ceiling": [{"seconds": 0.04, "_steps": steps}], "hf-cb": [{"seconds": 1.0}]}
+    machine = Machine(threads=2, copy_gbs=1e-6, read_gbs=2e-6, gemm_gflops=1e-5, gemm_n=64, stream_mib=1,
+                      fma_peak_gflops=2e-5, fma_peak_how="test")
+    analyses = from_runs(TINY, machine, runs)
+    assert list(analyses) == ["noria-llm #1", "noria-llm #2", "ceiling #1"]
+    assert analyses["ceiling #1"]["forward_seconds"] == 0.0
+    assert list(best_per_system(analyses)) == ["noria-llm #2"]
+    text = report(machine, analyses)
+    floor = analyses["noria-llm #2"]["floor_seconds"]
+    assert "noria-llm #2" in text and f"{floor / 0.1:.0%}" in text and "by row count, noria-llm #2" in text
+    assert "decode" in text and "prefill" in text
+    plot(best_per_system(analyses), tmp_path / "r.png", "test")
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "r.png").stat().st_size > 0
