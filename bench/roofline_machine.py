@@ -12,7 +12,9 @@ worker's thread count), so that it measures what the worker could reach:
   counted, as in STREAM: this is the rate a program moves its own bytes.
 * read bandwidth: `src.sum()` of the same tensor (read only, the weights'
   access pattern), for reference.
-* GEMM peak: a large square float32 `torch.mm` (2 n^3 FLOPs).
+* GEMM peak: the faster of a large square float32 `torch.mm` (2 n^3 FLOPs)
+  and an `F.linear` of n rows through a weight the shape of an MLP's
+  (2n x n/2), as the worker's prefill chunks run them.
 Each is the best of several repetitions (a shared machine's slow spells
 only ever lower a measurement). The theoretical FMA peak comes from
 /proc/cpuinfo: threads x clock x FLOPs per cycle of the widest FMA.
@@ -114,7 +116,11 @@ def measure(threads: int, stream_mib: int = 256, gemm_n: int = 2048, repeats: in
     a = torch.randn(gemm_n, gemm_n)
     b = torch.randn(gemm_n, gemm_n)
     c = torch.empty(gemm_n, gemm_n)
-    gemm_s = _best_seconds(lambda: torch.mm(a, b, out=c), max(3, repeats // 2))
+    x = torch.randn(gemm_n, gemm_n // 2)
+    w = torch.randn(2 * gemm_n, gemm_n // 2)
+    # Both shapes do 2 n^3 FLOPs.
+    gemm_s = min(_best_seconds(lambda: torch.mm(a, b, out=c), max(3, repeats // 2)),
+                 _best_seconds(lambda: torch.nn.functional.linear(x, w), max(3, repeats // 2)))
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -132,7 +138,8 @@ def describe(m: Machine, what: str = "best of the job's measurements") -> str:
     return (f"machine, measured with {m.threads} threads ({what}):\n"
             f"  stream copy_ {m.copy_gbs:.1f} GB/s (read + write, {m.stream_mib} MiB tensor), "
             f"read-only sum {m.read_gbs:.1f} GB/s\n"
-            f"  float32 GEMM {m.gemm_gflops:.1f} GFLOP/s (torch.mm {m.gemm_n}^3); {peak}")
+            f"  float32 GEMM {m.gemm_gflops:.1f} GFLOP/s (best of torch.mm {m.gemm_n}^3 and "
+            f"F.linear {m.gemm_n}x{m.gemm_n // 2} by {2 * m.gemm_n}x{m.gemm_n // 2}); {peak}")
 
 
 def measure_in_child(threads: int) -> Machine:
