@@ -12,6 +12,10 @@ skipped with a message where it cannot be installed). The noria and vLLM
 rows run --rounds times, interleaved, and the best of each is reported next
 to every run's time; vLLM's greedy tokens are compared with noria-llm's.
 Prints a table of output tokens/s and ratios, writes JSON and a PNG bar chart.
+With any noria system, the machine's copy_ bandwidth and float32 GEMM peak are
+measured once per round, and every recorded noria run gets its roofline: each
+step's floor, summed, against the run's wall and forward time, a table by row
+count and a scatter of step time against roofline (OUT-roofline.png; bench/roofline.py).
 """
 
 from __future__ import annotations
@@ -127,7 +131,7 @@ def _recorded(record: str, warm: int, output_tokens: int) -> dict:
 
     steps = read_steps(record, warm)
     return {"steps": len(steps), "avg_running_batch": output_tokens / max(len(steps), 1),
-            "model_seconds": recorded_model_seconds(steps)}
+            "model_seconds": recorded_model_seconds(steps), "record": record, "record_skip": warm}
 
 
 def run_ceiling(path: Path, record: str, flags: dict, skip: int) -> dict:
@@ -200,6 +204,7 @@ def run_isolated(name: str, argv: list[str], record: str, skip: int, args: argpa
 
 
 REPEATED = ("noria-llm", "vllm", "vllm-tuned", "noria-serve", "ceiling")
+RECORDED = ("noria-llm", "noria-serve", "noria-llm-tp2")  # their workers record each step
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -238,19 +243,39 @@ def main(argv: list[str] | None = None) -> int:
     systems = _available(args.systems.split(","), install=not args.no_vllm_install)
     if "ceiling" in systems and "noria-llm" not in systems:
         raise SystemExit("the ceiling replays noria-llm's batches: include noria-llm")
-    runs = _run_rounds(args, systems)
+    runs, machines = _run_rounds(args, systems)
     rows = [min(runs[name], key=lambda x: x["seconds"]) for name in systems]
     print(f"\nW1 ({args.model} model): {len(work)} requests, {sum(m for _, m in work)} output tokens, {os.cpu_count()} cores")
     ratios = _report(rows, runs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    limit = _roofline(args, runs, machines, out) if machines else None
     for group in runs.values():
         for x in group:
-            x.pop("record", None)
-            x.pop("token_ids", None)
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "runs": runs, "ratios": ratios}, indent=2))
+            for key in ("record", "token_ids", "_steps"):
+                x.pop(key, None)
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "runs": runs, "ratios": ratios,
+                                                    "roofline": limit}, indent=2))
     plot(rows, runs, out.with_suffix(".png"))
     return 0
+
+
+def _roofline(args: argparse.Namespace, runs: dict[str, list[dict]], machines: list, out: Path) -> dict:
+    """Print every recorded run's roofline (bench/roofline.py), plot its steps; the JSON part."""
+    from noria.bench import roofline
+    from noria.bench.roofline_machine import Machine
+
+    machine = Machine.best(machines)
+    analyses = roofline.from_runs(roofline.Shape.from_checkpoint(CHECKPOINTS[args.model]()), machine, runs)
+    print(roofline.report(machine, analyses))
+    best = roofline.best_per_system(analyses)
+    png = out.with_name(out.name + "-roofline.png")
+    roofline.plot(best, png, f"copy_ {machine.copy_gbs:.1f} GB/s, GEMM {machine.gemm_gflops:.0f} GFLOP/s")
+    print(f"plot of each step against its roofline: {png}")
+    for name, a in analyses.items():
+        if name not in best:
+            a.pop("per_step")
+    return {"machine": machine.to_json(), "machines": [m.to_json() for m in machines], "runs": analyses}
 
 
 def _available(systems: list[str], install: bool) -> list[str]:
@@ -263,12 +288,22 @@ def _available(systems: list[str], install: bool) -> list[str]:
     return systems
 
 
-def _run_rounds(args: argparse.Namespace, systems: list[str]) -> dict[str, list[dict]]:
-    """Every system once, then the repeated ones interleaved for `--rounds` rounds."""
+def _run_rounds(args: argparse.Namespace, systems: list[str]) -> tuple[dict[str, list[dict]], list]:
+    """Every system once, then the repeated ones interleaved for `--rounds` rounds; with any noria
+    system, the machine's bandwidth and GEMM peak are measured once per round (for the roofline)."""
+    from noria.bench.ceiling import read_steps
+    from noria.bench.roofline_machine import measure_in_child
+
     child_argv = ["--num-requests", str(args.num_requests), "--num-kv-blocks", str(args.num_kv_blocks),
                   "--model", args.model, *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])]
     runs: dict[str, list[dict]] = {}
+    machines: list = []
     with tempfile.TemporaryDirectory() as tmp:
+
+        def measure() -> None:
+            if any(s in RECORDED for s in systems):
+                print("measuring the machine (copy_ bandwidth, float32 GEMM) ...", flush=True)
+                machines.append(measure_in_child(os.cpu_count() or 1))  # the worker's thread count; it prints
 
         def run(name: str, tag: str, replay_of: dict | None = None) -> None:
             print(f"running {name}{tag} ...", flush=True)
@@ -277,6 +312,8 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> dict[str, list[
             skip = replay_of["record_skip"] if replay_of else 0
             row = run_isolated(name, child_argv, record, skip, args)
             row["tok_s"] = row["output_tokens"] / row["seconds"]
+            if "record" in row or replay_of:  # the steps, for the roofline (the record is a temporary file)
+                row["_steps"] = replay_of["_steps"] if replay_of else read_steps(row["record"], row["record_skip"])
             runs.setdefault(row["system"], []).append(row)
             extra = f", model {row['model_seconds']:.1f} s of {row['seconds']:.1f} s" if "model_seconds" in row else ""
             extra += f" (start-up, not timed: {row['startup_seconds']:.0f} s)" if "startup_seconds" in row else ""
@@ -287,10 +324,13 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> dict[str, list[
                 run(name, "")
         for r in range(args.rounds):
             tag = f" (round {r + 1}/{args.rounds})"
+            measure()
             for name in REPEATED:
                 if name in systems:
                     run(name, tag, runs["noria-llm"][-1] if name == "ceiling" else None)
-    return runs
+        if not machines:  # no repeated system ran (e.g. noria-llm-tp2 alone)
+            measure()
+    return runs, machines
 
 
 def _report(rows: list[dict], runs: dict[str, list[dict]]) -> dict[str, float]:
@@ -321,9 +361,11 @@ def _report(rows: list[dict], runs: dict[str, list[dict]]) -> dict[str, float]:
         for v in vllm_cpu.SYSTEMS:
             if v in by:
                 ratios.update(vllm_cpu.compare(runs["noria-llm"], runs[v]))
+        ratios.update(vllm_cpu.versus_best([by[v] for v in vllm_cpu.SYSTEMS if v in by], n))
         print(f"average running batch (noria): {n['avg_running_batch']:.1f}")
+    width = max(map(len, ratios), default=0)
     for k, v in ratios.items():
-        print(f"{k:<50} {v:6.2f}")
+        print(f"{k:<{width}} {v:6.2f}")
     return ratios
 
 

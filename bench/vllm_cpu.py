@@ -186,6 +186,15 @@ def compare(noria: list[dict], vllm: list[dict]) -> dict[str, float]:
     return out
 
 
+def versus_best(vllm_rows: list[dict], noria: dict) -> dict[str, float]:
+    """The issue's target: noria-llm against vLLM's best configuration in this job (>= 1.15x)."""
+    if not vllm_rows:
+        return {}
+    best = min(vllm_rows, key=lambda r: r["seconds"])
+    return {f"noria-llm speed-up over the best vLLM ({best['system']}): its s / noria s, target >= 1.15":
+            best["seconds"] / noria["seconds"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m noria.bench.vllm_cpu")
     ap.add_argument("action", choices=("setup", "check", "env"),

@@ -78,6 +78,13 @@ def test_compare_pairs_rounds_and_best_runs():
     assert out["vllm: tokens before the first difference"] == pytest.approx(0.5)
 
 
+def test_noria_is_measured_against_the_faster_vllm_configuration():
+    rows = [{"system": "vllm", "seconds": 150.0}, {"system": "vllm-tuned", "seconds": 90.0}]
+    out = vllm_cpu.versus_best(rows, {"system": "noria-llm", "seconds": 75.0})
+    assert list(out.values()) == [pytest.approx(1.2)] and "vllm-tuned" in next(iter(out))
+    assert vllm_cpu.versus_best([], {"seconds": 1.0}) == {}
+
+
 def test_missing_venv_is_a_reason_not_an_error(tmp_path):
     why = vllm_cpu.setup(install=False, venv=tmp_path / "none")
     assert why is not None and str(tmp_path / "none") in why

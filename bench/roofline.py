@@ -1,0 +1,245 @@
+"""The roofline of each recorded step: the least time the machine needs for it.
+
+A step's floor is the larger of
+  (a) the bytes it must move over the streaming bandwidth (bench/roofline_machine.py, copy_):
+      every linear weight once (q/k/v, o, gate/up, down per layer; the LM head
+      once when any row samples), the final and per-layer norm weights, the
+      embedding rows of its tokens, the K/V rows each sequence attends to
+      (per layer: its sequence length x kv heads x head dim x 2 (K and V) x
+      dtype bytes), the K/V rows it writes and the logits of its sampling rows;
+      other activations are left out (an ideal kernel keeps them in cache);
+  (b) its floating-point work over the measured float32 GEMM peak: 2 x the
+      layers' linear parameters x tokens, 2 x the LM head's parameters x
+      sampling rows, and attention's QK and PV products (a query token at
+      position p attends to p + 1 keys: 4 x heads x head dim FLOPs per key).
+Norms, rotary, SiLU and softmax are left out of (b): a few FLOPs per
+activation, next to the thousands per token of the matmuls.
+
+Summed over a run's steps that is the run's floor; the measured time of each
+step is what the worker records around its forward pass and logits
+(NORIA_RECORD_STEPS, perf_counter, during the real run: CPU execution is
+synchronous, so the time is the step's own).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from noria.bench.roofline_machine import Machine, describe
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+# Row-count buckets for the table: [lo, hi] sequences in the step.
+BUCKETS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 127), (128, 255), (256, 1 << 30))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of a Llama-family model that its step costs depend on."""
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype_bytes: int = 4
+
+    @staticmethod
+    def from_config(cfg: dict) -> Shape:
+        heads = cfg["num_attention_heads"]
+        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+        return Shape(hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],
+                     layers=cfg["num_hidden_layers"], heads=heads,
+                     kv_heads=cfg.get("num_key_value_heads") or heads,
+                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                     vocab=cfg["vocab_size"], dtype_bytes=DTYPE_BYTES.get(dtype, 4))
+
+    @staticmethod
+    def from_checkpoint(path: str | Path) -> Shape:
+        return Shape.from_config(json.loads((Path(path) / "config.json").read_text()))
+
+    @property
+    def layer_params(self) -> int:
+        """Linear weights of all decoder layers (q, k, v, o, gate, up, down)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+        return self.layers * per
+
+    @property
+    def head_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """One token's K and V in one layer."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def step_cost(shape: Shape, query_lens: list[int], seq_lens: list[int], num_sampled: int) -> tuple[int, int]:
+    """(bytes, FLOPs) one step must move and compute (see the module's docstring)."""
+    b = shape.dtype_bytes
+    tokens = sum(query_lens)
+    weights = shape.layer_params * b + (2 * shape.layers + 1) * shape.hidden * b
+    weights += shape.head_params * b if num_sampled else 0
+    moved = (weights + tokens * shape.hidden * b  # embedding rows
+             + shape.layers * shape.kv_row_bytes * (sum(seq_lens) + tokens)  # K/V read and written
+             + num_sampled * shape.vocab * 4)  # float32 logits out
+    # Keys attended to by the tokens of one sequence: positions s-q .. s-1 see s-q+1 .. s keys.
+    keys = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens, strict=True))
+    flops = (2 * shape.layer_params * tokens + 2 * shape.head_params * num_sampled
+             + 4 * shape.layers * shape.heads * shape.head_dim * keys)
+    return moved, flops
+
+
+def step_roofline(shape: Shape, machine: Machine, step: tuple) -> tuple[float, float, float]:
+    """(memory seconds, compute seconds, measured seconds) of one recorded step."""
+    query_lens, seq_lens, num_sampled, seconds = step
+    moved, flops = step_cost(shape, query_lens, seq_lens, num_sampled)
+    return moved / (machine.copy_gbs * 1e9), flops / (machine.gemm_gflops * 1e9), seconds
+
+
+def bucket_of(rows: int) -> tuple[int, int]:
+    return next(b for b in BUCKETS if b[0] <= rows <= b[1])
+
+
+def analyse(shape: Shape, machine: Machine, steps: list[tuple], wall_seconds: float) -> dict:
+    """Per-run totals and a table by row count (decode-only steps apart from steps with a prefill)."""
+    per = [step_roofline(shape, machine, s) for s in steps]
+    floor = sum(max(m, c) for m, c, _ in per)
+    forward = sum(t for _, _, t in per)
+    groups: dict[tuple[str, int, int], list] = {}
+    for s, (m, c, t) in zip(steps, per, strict=True):
+        kind = "decode" if all(q == 1 for q in s[0]) else "prefill"
+        groups.setdefault((kind, *bucket_of(len(s[0]))), []).append((sum(s[0]), m, c, t))
+    table = []
+    for (kind, lo, hi), xs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "decode", kv[0][1])):
+        n = len(xs)
+        mem, comp = sum(x[1] for x in xs), sum(x[2] for x in xs)
+        roof = sum(max(x[1], x[2]) for x in xs)
+        table.append({"kind": kind, "rows": f"{lo}" if lo == hi else f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+",
+                      "steps": n, "tokens_per_step": sum(x[0] for x in xs) / n,
+                      "measured_ms": 1e3 * sum(x[3] for x in xs) / n, "roofline_ms": 1e3 * roof / n,
+                      "memory_ms": 1e3 * mem / n, "compute_ms": 1e3 * comp / n,
+                      "bound": "memory" if mem > comp else "compute"})
+    return {"steps": len(steps), "floor_seconds": floor, "wall_seconds": wall_seconds,
+            "forward_seconds": forward, "floor_of_wall": floor / wall_seconds if wall_seconds else 0.0,
+            "floor_of_forward": floor / forward if forward else 0.0,
+            # The weights and the K/V are read, not copied: the floor at the read-only rate, for reference.
+            "floor_seconds_read_bw": sum(max(m * machine.copy_gbs / max(machine.read_gbs, machine.copy_gbs), c)
+                                         for m, c, _ in per),
+            "memory_bound_steps": sum(m > c for m, c, _ in per),
+            "memory_seconds": sum(m for m, _, _ in per), "compute_seconds": sum(c for _, c, _ in per),
+            "table": table,
+            "per_step": [{"roofline_ms": 1e3 * max(m, c), "measured_ms": 1e3 * t, "rows": len(s[0]),
+                          "bound": "memory" if m > c else "compute"} for s, (m, c, t) in zip(steps, per, strict=True)]}
+
+
+def from_runs(shape: Shape, machine: Machine, runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Every run that carries its recorded steps ("_steps"), by "system #round". A ceiling run
+    replays the steps of the noria-llm run before it: same floor, its replay time as the wall."""
+    out = {}
+    for system, rows in runs.items():
+        for i, row in enumerate(rows):
+            if row.get("_steps"):
+                a = analyse(shape, machine, row["_steps"], row["seconds"])
+                if system == "ceiling":
+                    a["forward_seconds"], a["floor_of_forward"] = 0.0, 0.0
+                out[f"{system} #{i + 1}"] = a
+    return out
+
+
+def format_runs(analyses: dict[str, dict]) -> str:
+    """One line per run: its floor against its wall time and its recorded forward time."""
+    lines = [f"{'run':<18} {'steps':>6} {'floor s':>8} {'wall s':>8} {'floor/wall':>11} {'forward s':>10} "
+             f"{'floor/forward':>14} {'memory-bound steps':>19}"]
+    for name, a in analyses.items():
+        fwd = (f"{a['forward_seconds']:>10.1f} {a['floor_of_forward']:>14.0%}" if a["forward_seconds"]
+               else f"{'-':>10} {'-':>14}")
+        lines.append(f"{name:<18} {a['steps']:>6} {a['floor_seconds']:>8.1f} {a['wall_seconds']:>8.1f} "
+                     f"{a['floor_of_wall']:>11.0%} {fwd} {a['memory_bound_steps']:>19}")
+    return "\n".join(lines)
+
+
+def format_table(a: dict) -> str:
+    head = (f"{'steps':<8} {'rows':>8} {'n':>5} {'tok/step':>9} {'measured ms':>12} {'roofline ms':>12} "
+            f"{'memory ms':>10} {'compute ms':>11} {'roof/meas':>10}  bound")
+    lines = [head]
+    for r in a["table"]:
+        lines.append(f"{r['kind']:<8} {r['rows']:>8} {r['steps']:>5} {r['tokens_per_step']:>9.1f} "
+                     f"{r['measured_ms']:>12.2f} {r['roofline_ms']:>12.2f} {r['memory_ms']:>10.2f} "
+                     f"{r['compute_ms']:>11.2f} {r['roofline_ms'] / r['measured_ms']:>10.0%}  {r['bound']}")
+    return "\n".join(lines)
+
+
+def report(machine: Machine, analyses: dict[str, dict]) -> str:
+    """The text `noria bench throughput` prints: the machine, every run, the table of the best noria-llm run."""
+    out = ["", "Roofline (physical limit) of each step: max(bytes it must move / copy bandwidth, "
+           "FLOPs / GEMM peak);", "summed over the run's steps it is the run's floor (target: floor / wall >= 80%)",
+           describe(machine), "", format_runs(analyses)]
+    detail = best_run(analyses)
+    if detail and machine.read_gbs > machine.copy_gbs:
+        a = analyses[detail]
+        out.append(f"(at the read-only rate, {machine.read_gbs:.1f} GB/s, {detail}'s floor would be "
+                   f"{a['floor_seconds_read_bw']:.1f} s: {a['floor_seconds_read_bw'] / a['wall_seconds']:.0%} "
+                   "of its wall time)")
+    if detail:
+        a = analyses[detail]
+        flops = a["compute_seconds"] * machine.gemm_gflops * 1e9
+        at_peak = f", {flops / machine.fma_peak_gflops / 1e9:.1f} s at the theoretical FMA peak" if (
+            machine.fma_peak_gflops) else ""
+        out.append(f"{detail}: {flops / 1e12:.2f} TFLOP in all: {a['compute_seconds']:.1f} s at the measured "
+                   f"GEMM peak{at_peak}; {a['memory_seconds'] * machine.copy_gbs:.0f} GB moved")
+        out += ["", f"by row count, {detail} (measured = the worker's recorded forward + logits time per step; "
+                "wall time adds scheduling, IPC, sampling):", format_table(analyses[detail])]
+    return "\n".join(out)
+
+
+def best_per_system(analyses: dict[str, dict]) -> dict[str, dict]:
+    """The fastest run of each noria system (the ceiling replays a noria-llm run: not a run of its own)."""
+    best: dict[str, str] = {}
+    for key, a in analyses.items():
+        system = key.rsplit(" #", 1)[0]
+        if system != "ceiling" and (system not in best or a["wall_seconds"] < analyses[best[system]]["wall_seconds"]):
+            best[system] = key
+    return {k: analyses[k] for k in best.values()}
+
+
+def best_run(analyses: dict[str, dict]) -> str | None:
+    """The fastest run of the first noria system that ran (noria-llm when it did)."""
+    for system in ("noria-llm", "noria-serve", "noria-llm-tp2"):
+        mine = {k: a for k, a in analyses.items() if k.rsplit(" #", 1)[0] == system}
+        if mine:
+            return min(mine, key=lambda k: mine[k]["wall_seconds"])
+    return None
+
+
+def plot(analyses: dict[str, dict], out: Path, machine: str = "") -> None:
+    """Measured step time against the step's roofline, log-log, with y = x (the floor)."""
+    from noria.bench.plots import pyplot
+
+    plt = pyplot()
+    if plt is None or not analyses:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    markers = {"memory": "o", "compute": "^"}
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]
+    lo, hi = float("inf"), 0.0
+    for (name, a), color in zip(analyses.items(), colors, strict=False):
+        for bound, marker in markers.items():
+            pts = [(p["roofline_ms"], p["measured_ms"]) for p in a["per_step"] if p["bound"] == bound]
+            if pts:
+                ax.scatter(*zip(*pts, strict=True), s=8, alpha=0.5, color=color, marker=marker,
+                           label=f"{name}, {bound}-bound ({len(pts)})")
+                lo, hi = min(lo, *(min(p) for p in pts)), max(hi, *(max(p) for p in pts))
+    if hi > 0:
+        ax.plot([lo, hi], [lo, hi], "k-", lw=1, label="y = x (the roofline)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("step roofline, ms")
+    ax.set_ylabel("measured forward + logits, ms")
+    ax.set_title(f"W1 steps against their roofline\n{machine}", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)

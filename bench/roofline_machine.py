@@ -1,0 +1,175 @@
+"""What this CPU can do, measured in the benchmark's own job: streaming bandwidth and float32 GEMM peak.
+
+    python -m noria.bench.roofline_machine [--threads N] [--out FILE]
+
+Runs in a process of its own with the worker's settings (its OpenMP wait
+policy and huge pages, set when noria.worker is imported before torch; the
+worker's thread count), so that it measures what the worker could reach:
+
+* copy bandwidth: `dst.copy_(src)` of a float32 tensor far larger than the
+  last-level cache, counted as STREAM counts Copy: bytes read plus bytes
+  written (2 x size). The caches' write-allocate reads of `dst` are not
+  counted, as in STREAM: this is the rate a program moves its own bytes.
+* read bandwidth: `src.sum()` of the same tensor (read only, the weights'
+  access pattern), for reference.
+* GEMM peak: the faster of a large square float32 `torch.mm` (2 n^3 FLOPs)
+  and an `F.linear` of n rows through a weight the shape of an MLP's
+  (2n x n/2), as the worker's prefill chunks run them.
+Each is the best of several repetitions (a shared machine's slow spells
+only ever lower a measurement). The theoretical FMA peak comes from
+/proc/cpuinfo: threads x clock x FLOPs per cycle of the widest FMA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Machine:
+    threads: int
+    copy_gbs: float  # STREAM Copy: (read + written) bytes / s, 1e9
+    read_gbs: float  # a reduction's bytes read / s, 1e9
+    gemm_gflops: float  # float32 torch.mm, 1e9 FLOP / s
+    gemm_n: int
+    stream_mib: int
+    fma_peak_gflops: float | None  # threads x GHz x FLOPs/cycle, None when unknown
+    fma_peak_how: str
+
+    @staticmethod
+    def best(ms: list[Machine]) -> Machine:
+        """The best of several measurements in one job, per quantity (the machine's peak)."""
+        first = ms[0]
+        return Machine(threads=first.threads, copy_gbs=max(m.copy_gbs for m in ms),
+                       read_gbs=max(m.read_gbs for m in ms), gemm_gflops=max(m.gemm_gflops for m in ms),
+                       gemm_n=first.gemm_n, stream_mib=first.stream_mib, fma_peak_gflops=first.fma_peak_gflops,
+                       fma_peak_how=first.fma_peak_how)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def flops_per_cycle(flags: set[str], vendor: str) -> tuple[int, str]:
+    """float32 FLOPs per cycle per core of the widest FMA, assuming two FMA pipes of the vector width
+    (Intel since Haswell; AMD Zen 2-4 at 256 bits; Zen 1 has half of that, not told apart here)."""
+    if "avx512f" in flags and vendor != "AuthenticAMD":
+        return 64, "AVX-512: 2 FMA x 16 lanes x 2"
+    if "avx512f" in flags:  # Zen 4 runs 512-bit FMAs as two 256-bit halves
+        return 32, "AVX-512 on AMD (2 x 256-bit halves): 2 FMA x 8 lanes x 2"
+    if "fma" in flags and "avx2" in flags:
+        return 32, "AVX2+FMA: 2 FMA x 8 lanes x 2"
+    if "avx" in flags:
+        return 16, "AVX, no FMA: 8-lane add + 8-lane mul"
+    return 8, "SSE: 4-lane add + 4-lane mul"
+
+
+def theoretical_peak(cpuinfo: str, threads: int) -> tuple[float | None, str]:
+    """threads x clock (GHz, /proc/cpuinfo's "cpu MHz" of the first core) x FLOPs/cycle."""
+    mhz, flags, vendor = None, set(), ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "cpu MHz" and mhz is None:
+            mhz = float(value)
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+        elif key == "vendor_id" and not vendor:
+            vendor = value.strip()
+    if mhz is None or not flags:
+        return None, "no clock or flags in /proc/cpuinfo"
+    per_cycle, how = flops_per_cycle(flags, vendor)
+    ghz = mhz / 1000
+    return threads * ghz * per_cycle, f"{threads} cores x {ghz:.2f} GHz x {per_cycle} FLOP/cycle ({how})"
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # first touch, page faults, thread pool start
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _stream(n: int, repeats: int) -> tuple[float, float]:
+    """Best seconds of a copy_ and of a sum of `n` float32 (the tensors are freed on return)."""
+    import torch
+
+    src = torch.empty(n, dtype=torch.float32).uniform_(-1, 1)
+    dst = torch.empty_like(src).zero_()  # touched: no page faults inside the timed copies
+    return _best_seconds(lambda: dst.copy_(src), repeats), _best_seconds(lambda: src.sum(), repeats)
+
+
+def measure(threads: int, stream_mib: int = 256, gemm_n: int = 2048, repeats: int = 8) -> Machine:
+    import torch
+
+    torch.set_num_threads(threads)
+    n = stream_mib * (1 << 20) // 4
+    copy_s, read_s = _stream(n, repeats)
+    a = torch.randn(gemm_n, gemm_n)
+    b = torch.randn(gemm_n, gemm_n)
+    c = torch.empty(gemm_n, gemm_n)
+    x = torch.randn(gemm_n, gemm_n // 2)
+    w = torch.randn(2 * gemm_n, gemm_n // 2)
+    # Both shapes do 2 n^3 FLOPs.
+    gemm_s = min(_best_seconds(lambda: torch.mm(a, b, out=c), max(3, repeats // 2)),
+                 _best_seconds(lambda: torch.nn.functional.linear(x, w), max(3, repeats // 2)))
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    peak, how = theoretical_peak(cpuinfo, threads)
+    size = n * 4
+    return Machine(threads=threads, copy_gbs=2 * size / copy_s / 1e9, read_gbs=size / read_s / 1e9,
+                   gemm_gflops=2 * gemm_n**3 / gemm_s / 1e9, gemm_n=gemm_n, stream_mib=stream_mib,
+                   fma_peak_gflops=peak, fma_peak_how=how)
+
+
+def describe(m: Machine, what: str = "best of the job's measurements") -> str:
+    peak = (f"{m.fma_peak_gflops:.0f} GFLOP/s theoretical FMA peak ({m.fma_peak_how}), "
+            f"GEMM reaches {m.gemm_gflops / m.fma_peak_gflops:.0%} of it" if m.fma_peak_gflops else m.fma_peak_how)
+    return (f"machine, measured with {m.threads} threads ({what}):\n"
+            f"  stream copy_ {m.copy_gbs:.1f} GB/s (read + write, {m.stream_mib} MiB tensor), "
+            f"read-only sum {m.read_gbs:.1f} GB/s\n"
+            f"  float32 GEMM {m.gemm_gflops:.1f} GFLOP/s (best of torch.mm {m.gemm_n}^3 and "
+            f"F.linear {m.gemm_n}x{m.gemm_n // 2} by {2 * m.gemm_n}x{m.gemm_n // 2}); {peak}")
+
+
+def measure_in_child(threads: int) -> Machine:
+    """`measure` in a fresh process with the worker's settings (see the module's docstring)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, "-m", "noria.bench.roofline_machine", "--threads", str(threads),
+                        "--out", out.name], check=True)
+        return Machine(**json.loads(Path(out.name).read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m noria.bench.roofline_machine")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads (the worker's default: every core)")
+    ap.add_argument("--stream-mib", type=int, default=256)
+    ap.add_argument("--gemm-n", type=int, default=2048)
+    ap.add_argument("--out", default=None, help="write the measurement here as JSON")
+    args = ap.parse_args(argv)
+    m = measure(args.threads, args.stream_mib, args.gemm_n)
+    print(describe(m, "this measurement"), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(m.to_json()))
+    return 0
+
+
+if __name__ == "__main__":
+    import noria.worker  # noqa: F401  (the worker's OpenMP and allocator settings, before torch loads)
+
+    raise SystemExit(main())

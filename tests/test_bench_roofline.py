@@ -1,0 +1,125 @@
+"""The roofline arithmetic (bench/roofline.py) against hand computations and torch's FLOP counter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from noria.bench.roofline import Shape, analyse, step_cost
+from noria.bench.roofline_machine import Machine, flops_per_cycle, theoretical_peak
+
+TINY = Shape(hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=10)
+
+
+def _machine(copy_gbs: float, gemm_gflops: float, read_gbs: float | None = None) -> Machine:
+    return Machine(threads=2, copy_gbs=copy_gbs, read_gbs=read_gbs or copy_gbs, gemm_gflops=gemm_gflops,
+                   gemm_n=64, stream_mib=1, fma_peak_gflops=None, fma_peak_how="")
+
+
+def test_a_tiny_step_by_hand():
+    # One prefill of 3 tokens (a new sequence) and one decode at position 4, both sampling.
+    moved, flops = step_cost(TINY, [3, 1], [3, 5], 2)
+    # Per layer: qkv 8 x (8 + 4 + 4) = 128, o 8 x 8 = 64, gate/up/down 3 x 8 x 16 = 384: 576; two layers 1152.
+    weights = 1152 * 4 + 5 * 8 * 4 + 10 * 8 * 4  # + 5 norms of 8 + the LM head (rows sample)
+    embedding = 4 * 8 * 4  # 4 tokens
+    kv = 2 * (2 * 1 * 4 * 4) * (3 + 5 + 4)  # 2 layers x 32 B a row x (8 rows attended + 4 written)
+    logits = 2 * 10 * 4
+    assert moved == weights + embedding + kv + logits == 6064
+    # Keys attended: prefill positions 0, 1, 2 see 1 + 2 + 3; the decode at position 4 sees 5: 11.
+    assert flops == 2 * 1152 * 4 + 2 * 80 * 2 + 4 * 2 * 2 * 4 * 11 == 10240
+
+
+def test_no_sampling_row_reads_no_lm_head():
+    moved, flops = step_cost(TINY, [2], [6], 0)  # a prefill chunk that does not reach its end
+    assert moved == 1152 * 4 + 5 * 8 * 4 + 2 * 8 * 4 + 2 * 32 * (6 + 2)
+    assert flops == 2 * 1152 * 2 + 4 * 2 * 2 * 4 * (5 + 6)
+
+
+def test_shape_from_a_config_matches_the_model_transformers_builds():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 50, "tie_word_embeddings": False}
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    linear = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and n.endswith("proj.weight"))
+    shape = Shape.from_config(cfg)
+    assert shape.layer_params == linear
+    assert shape.head_params == model.lm_head.weight.numel()
+    assert shape.head_dim == 16 and shape.kv_heads == 2 and shape.dtype_bytes == 4
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_flops_match_torchs_counter_on_a_prefill(tokens):
+    """torch's FLOP counter over a transformers forward (eager attention: two matmuls per head over
+    the full T x T square, masked afterwards; logits for the last position only) gives, less the
+    masked half of the square, the step's FLOPs."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 50}
+    model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="eager")).eval()
+    counter = FlopCounterMode(display=False)
+    with counter, torch.inference_mode():
+        model(torch.arange(tokens)[None], logits_to_keep=1)
+    shape = Shape.from_config(cfg)
+    masked = 4 * shape.layers * shape.heads * shape.head_dim * (tokens * tokens - tokens * (tokens + 1) // 2)
+    assert step_cost(shape, [tokens], [tokens], 1)[1] == counter.get_total_flops() - masked
+
+
+def test_analyse_sums_the_larger_bound_and_buckets_by_rows():
+    machine = _machine(copy_gbs=1e-6, gemm_gflops=1e-6)  # 1,000 bytes/s, 1,000 FLOP/s
+    decode = ([1, 1], [4, 9], 2, 20.0)
+    prefill = ([3, 1], [3, 5], 2, 30.0)
+    a = analyse(TINY, machine, [decode, prefill, decode], wall_seconds=100.0)
+    d_bytes, d_flops = step_cost(TINY, [1, 1], [4, 9], 2)
+    assert a["floor_seconds"] == pytest.approx((2 * max(d_bytes, d_flops) + max(6064, 10240)) / 1000)
+    assert a["forward_seconds"] == 70.0
+    assert a["floor_of_wall"] == pytest.approx(a["floor_seconds"] / 100)
+    rows = {(r["kind"], r["rows"]): r for r in a["table"]}
+    assert set(rows) == {("decode", "2-3"), ("prefill", "2-3")}
+    assert rows[("decode", "2-3")]["steps"] == 2 and rows[("decode", "2-3")]["measured_ms"] == 20000.0
+    assert rows[("prefill", "2-3")]["bound"] == "compute"  # 10240 FLOPs > 6064 bytes at equal rates
+    assert len(a["per_step"]) == 3
+
+
+def test_read_bandwidth_only_shortens_the_memory_side():
+    steps = [([1], [9], 1, 1.0)]
+    slow = analyse(TINY, _machine(1e-6, 1.0, read_gbs=2e-6), steps, 1.0)
+    assert slow["floor_seconds_read_bw"] == pytest.approx(slow["floor_seconds"] / 2)
+
+
+def test_theoretical_peak_from_cpuinfo():
+    cpuinfo = "vendor_id\t: AuthenticAMD\ncpu MHz\t\t: 2500.000\nflags\t\t: fpu sse avx avx2 fma\n"
+    peak, how = theoretical_peak(cpuinfo, 2)
+    assert peak == pytest.approx(2 * 2.5 * 32) and "AVX2" in how
+    assert flops_per_cycle({"avx512f", "avx2", "fma"}, "GenuineIntel")[0] == 64
+    assert flops_per_cycle({"avx512f", "avx2", "fma"}, "AuthenticAMD")[0] == 32
+    assert theoretical_peak("nothing here", 2)[0] is None
+
+
+def test_best_of_several_measurements():
+    a, b = _machine(10.0, 50.0), _machine(12.0, 40.0)
+    best = Machine.best([a, b])
+    assert (best.copy_gbs, best.gemm_gflops) == (12.0, 50.0)
+
+
+def test_report_and_plot_of_recorded_runs(tmp_path):
+    from noria.bench.roofline import best_per_system, from_runs, plot, report
+
+    steps = [([1, 1], [4, 9], 2, 0.02), ([3, 1], [3, 5], 2, 0.03)]
+    runs = {"noria-llm": [{"seconds": 0.2, "_steps": steps}, {"seconds": 0.1, "_steps": steps}],
+            "ceiling": [{"seconds": 0.04, "_steps": steps}], "hf-cb": [{"seconds": 1.0}]}
+    machine = Machine(threads=2, copy_gbs=1e-6, read_gbs=2e-6, gemm_gflops=1e-5, gemm_n=64, stream_mib=1,
+                      fma_peak_gflops=2e-5, fma_peak_how="test")
+    analyses = from_runs(TINY, machine, runs)
+    assert list(analyses) == ["noria-llm #1", "noria-llm #2", "ceiling #1"]
+    assert analyses["ceiling #1"]["forward_seconds"] == 0.0
+    assert list(best_per_system(analyses)) == ["noria-llm #2"]
+    text = report(machine, analyses)
+    floor = analyses["noria-llm #2"]["floor_seconds"]
+    assert "noria-llm #2" in text and f"{floor / 0.1:.0%}" in text and "by row count, noria-llm #2" in text
+    assert "decode" in text and "prefill" in text
+    plot(best_per_system(analyses), tmp_path / "r.png", "test")
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "r.png").stat().st_size > 0
