@@ -38,6 +38,7 @@
 
 #define MAX_TASK_FLOATS 4096 /* query heads x head size of one task: 16 KiB of queries, as much of accumulators */
 #define MAX_TASK_HEADS 128
+/* The tuning knobs below can be overridden with -D (bench: interleaved builds). */
 #ifndef TILE
 #define TILE 16
 #endif
@@ -46,6 +47,9 @@
 #endif
 #ifndef TASKS_PER_THREAD
 #define TASKS_PER_THREAD 8
+#endif
+#ifndef SERIAL_TOKENS
+#define SERIAL_TOKENS 256 /* context tokens under which waking a second thread costs more than it saves */
 #endif
 #ifndef MIN_CHUNK
 #define MIN_CHUNK 64 /* tokens: below this a chunk's set-up and merge cost more than its share of the reads */
@@ -291,7 +295,7 @@ int paged_decode_f32(const float *q, float *k_cache, float *v_cache, const int64
         part += chunks > 1 ? chunks : 0;
     }
     first_part[batch] = part;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) if (total * ranges > SERIAL_TOKENS)
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_tasks; i++)
