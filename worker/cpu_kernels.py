@@ -37,6 +37,18 @@ def _cache_dir() -> Path:
     return Path(base) / "cpu-kernels"
 
 
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags: -march=native code built on an AVX-512 host must not be
+    loaded from a shared cache folder on an AVX2-only one (illegal instruction)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
+    except OSError:
+        import platform
+
+        return platform.processor().encode()
+
+
 @cache
 def load() -> ctypes.CDLL | None:
     if os.environ.get("NORIA_DISABLE_CPU_KERNELS") == "1":
@@ -44,7 +56,7 @@ def load() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
-    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + _cpu_flags()).hexdigest()[:16]
     lib = _cache_dir() / f"paged_decode-{digest}.so"
     try:
         if not lib.exists():
