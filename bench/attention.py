@@ -1,6 +1,7 @@
 """CPU attention on W1-like batches: its share of the forward, its K/V bandwidth, an A/B against a commit.
 
     python -m noria.bench.attention [--baseline REV] [--rounds 5] [--threads N] [--json OUT]
+    python -m noria.bench.attention --w1 [--stride 4]
 
 The "small" Llama of bench/workloads.py (12 layers, 12 query / 4 KV heads, head
 size 64, block size 16, float32) is loaded into a ModelRunner; its KV cache
@@ -17,7 +18,10 @@ show` and built beside the current ones) and the current backend:
 * write: a separate `write_kv` of the step's rows into the 12 layers, in microseconds
   (what the baseline pays per step on top of its kernel; the decode call now fuses it).
 
-Medians over the rounds. K/V GB/s is the bytes of K and V each decode row
+Medians over the rounds. `--w1`: W1's decode steps instead (its 128 requests all
+prefilled, then decode step j runs every request with more than j output tokens, at
+sequence length prompt + j; every `--stride`-th step), before and after alternating
+step by step; sums of attention and forward seconds. K/V GB/s is the bytes of K and V each decode row
 attends to (12 layers) over the attention time; against it, in the same
 rounds, a 400 MB `copy_` (bytes copied per second) and a 400 MB read (`sum`).
 """
@@ -196,6 +200,37 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def w1_decode_steps(stride: int) -> list[list[int]]:
+    """Sequence lengths of W1's decode steps j = 1, 1 + stride, ... (see the module docstring)."""
+    from noria.bench.workloads import w1
+
+    reqs = [(len(p), m) for p, m in w1()]
+    return [[p + j for p, m in reqs if m > j] for j in range(1, max(m for _, m in reqs), stride)]
+
+
+def run_w1(args: argparse.Namespace) -> dict[str, Any]:
+    bench = Bench(load_baseline(args.baseline))
+    steps = w1_decode_steps(args.stride)
+    totals = {f"{key}_{v}": 0.0 for key in ("attn_ms", "forward_ms") for v in ("before", "after")}
+    kv = 0
+    for i, seq_lens in enumerate(steps):
+        kv += kv_bytes([1] * len(seq_lens), seq_lens)
+        for variant in (("before", "after") if i % 2 == 0 else ("after", "before")):
+            got = bench.once(variant, [1] * len(seq_lens), seq_lens, i)
+            totals[f"attn_ms_{variant}"] += got["attn_ms"]
+            totals[f"forward_ms_{variant}"] += got["forward_ms"]
+    copy, read = bench.bandwidth()
+    row = {"steps": len(steps), "stride": args.stride, "kv_gb": kv / 1e9, "copy_gbps": copy, "read_gbps": read,
+           **{k: v / 1e3 for k, v in totals.items()}}
+    print(f"W1 decode, {len(steps)} steps (every {args.stride}th), {kv / 1e9:.1f} GB of K/V read:")
+    for v in ("before", "after"):
+        print(f"  {v:<6}: attention {row[f'attn_ms_{v}']:.2f} s ({kv / 1e9 / row[f'attn_ms_{v}']:.1f} GB/s), "
+              f"forward {row[f'forward_ms_{v}']:.2f} s")
+    print(f"  attention {row['attn_ms_before'] / row['attn_ms_after']:.2f}x, forward "
+          f"{row['forward_ms_before'] / row['forward_ms_after']:.2f}x; copy_ {copy:.1f} GB/s, read {read:.1f} GB/s")
+    return row
+
+
 def _print_row(row: dict[str, Any], header: bool) -> None:
     if header:
         print(f"{'shape':<26} {'attn ms before':>14} {'after':>8} {'x':>5} {'KV GB/s b':>9} {'a':>5} "
@@ -220,13 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the worker's)")
     ap.add_argument("--only", default=None, help="run the shapes whose name contains this")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--w1", action="store_true", help="W1's decode steps instead of the fixed shapes")
+    ap.add_argument("--stride", type=int, default=4, help="--w1: every this many steps")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.only:
         SHAPES[:] = [s for s in SHAPES if args.only in s[0]]
     print(f"{torch.get_num_threads()} threads; before = {args.baseline}, after = working tree")
-    rows = run(args)
+    rows: Any = run_w1(args) if args.w1 else run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
