@@ -243,6 +243,43 @@ static void write_rows(float *cache, const float *rows, const int64_t *slots, in
         memcpy(cache + slots[i] * token_stride, rows + i * token_stride, sizeof(float) * (size_t)token_stride);
 }
 
+static int64_t attended(int64_t len, int64_t window) { return (window > 0 && len > window) ? window : len; }
+
+/* Tokens per chunk: about TASKS_PER_THREAD tasks per thread over the batch, at least MIN_CHUNK,
+ * a whole number of blocks (chunks start on block boundaries). */
+static int64_t chunk_tokens(int64_t total, int64_t block_size, int num_threads) {
+    const int64_t target = (int64_t)(num_threads > 0 ? num_threads : 1) * TASKS_PER_THREAD;
+    int64_t chunk = (total + target - 1) / target;
+    if (chunk < MIN_CHUNK) chunk = MIN_CHUNK;
+    return (chunk + block_size - 1) / block_size * block_size;
+}
+
+/* Chunks of sequence b: its window's first block to its end. */
+static int64_t num_chunks(int64_t len, int64_t window, int64_t block_size, int64_t chunk) {
+    const int64_t aligned = (len - attended(len, window)) / block_size * block_size;
+    return (len - aligned + chunk - 1) / chunk;
+}
+
+/* Fills tasks (chunk by chunk, KV-head range by range) and first_part [batch + 1]: sequence b's
+ * partial records are first_part[b] .. first_part[b + 1] - 1, none when it is one chunk. */
+static void fill_tasks(Task *tasks, int64_t *first_part, const int64_t *seq_lens, int64_t batch, int64_t window,
+                       int64_t block_size, int64_t chunk, int64_t nk, int64_t num_kv_heads) {
+    int64_t t = 0, part = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t len = seq_lens[b], start = len - attended(len, window);
+        const int64_t aligned = start / block_size * block_size, chunks = num_chunks(len, window, block_size, chunk);
+        first_part[b] = part;
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t lo = aligned + c * chunk, hi = lo + chunk < len ? lo + chunk : len;
+            for (int64_t kh0 = 0; kh0 < num_kv_heads; kh0 += nk)
+                tasks[t++] = (Task){b, kh0, kh0 + nk <= num_kv_heads ? nk : num_kv_heads - kh0,
+                                    lo > start ? lo : start, hi, chunks > 1 ? part + c : -1};
+        }
+        part += chunks > 1 ? chunks : 0;
+    }
+    first_part[batch] = part;
+}
+
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing computed). */
 int paged_decode_f32(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
                      const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
@@ -255,20 +292,12 @@ int paged_decode_f32(const float *q, float *k_cache, float *v_cache, const int64
     int64_t nk = num_kv_heads;
     while (nk > 1 && (nk * group * D > MAX_TASK_FLOATS || nk * group > MAX_TASK_HEADS)) nk = (nk + 1) / 2;
     const int64_t ranges = (num_kv_heads + nk - 1) / nk;
-    int64_t total = 0;
+    int64_t total = 0, num_tasks = 0, num_parts = 0;
+    for (int64_t b = 0; b < batch; b++) total += attended(seq_lens[b], window) * ranges;
+    const int64_t chunk = chunk_tokens(total, block_size, num_threads);
     for (int64_t b = 0; b < batch; b++) {
-        const int64_t len = seq_lens[b];
-        total += (window > 0 && len > window) ? window : len;
-    }
-    const int64_t target = (int64_t)(num_threads > 0 ? num_threads : 1) * TASKS_PER_THREAD;
-    int64_t chunk = (total * ranges + target - 1) / target;
-    if (chunk < MIN_CHUNK) chunk = MIN_CHUNK;
-    chunk = (chunk + block_size - 1) / block_size * block_size; /* chunks start on block boundaries */
-    int64_t num_tasks = 0, num_parts = 0;
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t len = seq_lens[b], start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t chunks = (len - start / block_size * block_size + chunk - 1) / chunk;
-        num_tasks += (chunks > 1 ? chunks : 1) * ranges;
+        const int64_t chunks = num_chunks(seq_lens[b], window, block_size, chunk);
+        num_tasks += chunks * ranges;
         num_parts += chunks > 1 ? chunks : 0;
     }
     Task *tasks = malloc(sizeof(Task) * (size_t)num_tasks);
@@ -278,24 +307,8 @@ int paged_decode_f32(const float *q, float *k_cache, float *v_cache, const int64
         free(tasks), free(first_part), free(parts);
         return -1;
     }
-    int64_t t = 0, part = 0;
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t len = seq_lens[b], start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t aligned = start / block_size * block_size;
-        const int64_t chunks = (len - aligned + chunk - 1) / chunk;
-        first_part[b] = part;
-        for (int64_t c = 0; c < (chunks > 1 ? chunks : 1); c++) {
-            const int64_t lo = aligned + c * chunk, hi = lo + chunk < len ? lo + chunk : len;
-            for (int64_t r = 0; r < ranges; r++) {
-                const int64_t kh0 = r * nk;
-                tasks[t++] = (Task){b, kh0, kh0 + nk <= num_kv_heads ? nk : num_kv_heads - kh0,
-                                    lo > start ? lo : start, hi, chunks > 1 ? part + c : -1};
-            }
-        }
-        part += chunks > 1 ? chunks : 0;
-    }
-    first_part[batch] = part;
-#pragma omp parallel num_threads(num_threads) if (total * ranges > SERIAL_TOKENS)
+    fill_tasks(tasks, first_part, seq_lens, batch, window, block_size, chunk, nk, num_kv_heads);
+#pragma omp parallel num_threads(num_threads) if (total > SERIAL_TOKENS)
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_tasks; i++)
