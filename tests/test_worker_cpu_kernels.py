@@ -87,3 +87,98 @@ def test_paged_decode_is_exact_on_sharp_softmax():
     out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, d**-0.5, None)
     ref = _reference(q, k_cache, v_cache, tables, lens, d**-0.5, None)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def _ragged_paged(seed, lens, heads, kv_heads, d, bs, nb=None):
+    """Scattered, out-of-order blocks; each sequence its own blocks (the tail of the last one unwritten)."""
+    g = torch.Generator().manual_seed(seed)
+    per = -(-max(lens) // bs)
+    nb = nb or len(lens) * per + 3
+    tables = torch.randperm(nb, generator=g)[: len(lens) * per].view(len(lens), per).contiguous()
+    k_cache = torch.randn(nb, bs, kv_heads, d, generator=g)
+    v_cache = torch.randn(nb, bs, kv_heads, d, generator=g)
+    q = torch.randn(len(lens), heads, d, generator=g)
+    return q, k_cache, v_cache, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa_ratios_and_head_sizes_on_ragged_paged_inputs(kv_heads, group, d):
+    # Odd lengths, partial last blocks, one sequence long enough to be split across chunks.
+    lens = [1, 3, 16, 31, 129, 250, 777]
+    q, k_cache, v_cache, tables, lens_t = _ragged_paged(kv_heads * 100 + group * 10 + d, lens, kv_heads * group,
+                                                        kv_heads, d, 16)
+    for window in (None, 37):
+        out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens_t, d**-0.5, window)
+        ref = _reference(q, k_cache, v_cache, tables, lens_t, d**-0.5, window)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_split_k_of_one_long_sequence(threads):
+    """A single 3,000-token sequence: the kernel cuts it into chunks and merges their partial softmaxes."""
+    q, k_cache, v_cache, tables, lens = _ragged_paged(7, [3001], 12, 4, 64, 16)
+    q = q * 6  # sharp scores: chunks with very different maxima
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for window in (None, 1000, 2999):
+            out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, window)
+            ref = _reference(q, k_cache, v_cache, tables, lens, 0.125, window)
+            torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("d", [36, 80])
+def test_head_sizes_off_the_vector_width(d):
+    # 36 is no multiple of any vector width (the scalar accumulation path); 80 is of 8 and 16.
+    q, k_cache, v_cache, tables, lens = _ragged_paged(d, [5, 40, 300], 6, 2, d, 16)
+    out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, d**-0.5, None)
+    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, lens, d**-0.5, None),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_fused_kv_write_lands_before_the_rows_are_read():
+    """new_kv writes each sequence's newest token, which that same call must attend to."""
+    bs, kvh, d = 16, 4, 64
+    lens = [1, 17, 32, 200]
+    q, k_cache, v_cache, tables, lens_t = _ragged_paged(11, lens, 12, kvh, d, bs)
+    pos = lens_t - 1
+    slots = tables[torch.arange(len(lens)), pos // bs] * bs + pos % bs
+    k_new, v_new = torch.randn(len(lens), kvh, d) * 3, torch.randn(len(lens), kvh, d) * 3
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    expect_k.view(-1, kvh, d)[slots] = k_new
+    expect_v.view(-1, kvh, d)[slots] = v_new
+    out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens_t, 0.125, None, new_kv=(k_new, v_new, slots))
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+    torch.testing.assert_close(out.double(), _reference(q, expect_k, expect_v, tables, lens_t, 0.125, None),
+                               atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-fused-write", "torch"])
+def test_backend_forward_on_a_decode_step_writes_the_cache_and_attends(native):
+    from noria.worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
+
+    bs, kvh, heads, d = 16, 2, 8, 64
+    lens = [3, 16, 17, 90]
+    q, k_cache, v_cache, tables, lens_t = _ragged_paged(5, lens, heads, kvh, d, bs)
+    b = len(lens)
+    pos = lens_t - 1
+    slots = tables[torch.arange(b), pos // bs] * bs + pos % bs
+    k_new, v_new = torch.randn(b, kvh, d), torch.randn(b, kvh, d)
+    meta = AttentionMetadata(
+        positions=pos, slot_mapping=slots, query_start_loc=torch.arange(b + 1), seq_lens=lens_t,
+        block_tables=tables, block_size=bs, query_lens_host=[1] * b, seq_lens_host=lens,
+        query_start_host=list(range(b + 1)),
+    )
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    expect_k.view(-1, kvh, d)[slots] = k_new
+    expect_v.view(-1, kvh, d)[slots] = v_new
+    backend = TorchAttentionBackend(native=native)
+    backend.prepare(meta)
+    out = backend.forward(LayerAttention(heads, kvh, d, d**-0.5), q, k_new, v_new, k_cache, v_cache, meta)
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+    torch.testing.assert_close(out.double(), _reference(q, expect_k, expect_v, tables, lens_t, d**-0.5, None),
+                               atol=2e-5, rtol=2e-5)

@@ -136,8 +136,13 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         plan: _TorchPlan = meta.backend_data
+        decode_only = plan.decode_blocks is not None and not plan.prefills
+        if decode_only and self.native and cpu_kernels.usable(q, k_cache):
+            # One call writes this step's K/V rows and attends: no write_kv dispatch per layer.
+            return cpu_kernels.paged_decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_seq_lens,
+                                            layer.scale, layer.sliding_window, new_kv=(k, v, meta.slot_mapping))
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if plan.decode_blocks is not None and not plan.prefills:
+        if decode_only:
             return self._decode(layer, q, k_cache, v_cache, plan)
         out = torch.empty_like(q)
         if plan.decode_blocks is not None:

@@ -1,29 +1,59 @@
 /* Paged decode attention for the CPU torch backend.
  *
  * One query token per sequence attends to its context through the block
- * table, reading K/V in place from the paged cache: no gathered copy. One
- * task per (sequence, KV head); the query heads of its GQA group share every
- * K/V read. Decode is bound by memory bandwidth, so each K/V row is read
- * once, in one pass: tiles of up to TILE tokens inside one block are scored,
- * folded into a running (online) softmax, and their V rows accumulated while
- * the tile's K rows were just read. Scores are float32; exp is a polynomial
- * that vectorises over a tile (libm's expf is a scalar call per score, about
- * a fifth of the kernel's time); the 1/sum normalisation is applied once at
- * the end.
+ * table, reading K/V in place from the paged cache: no gathered copy. Decode
+ * is bound by memory bandwidth, so the kernel is built around how K/V is read:
+ *
+ * - Each K/V row is read once, in one pass: tiles of up to TILE tokens inside
+ *   one block are scored, folded into a running (online) softmax, and their V
+ *   rows accumulated while the tile's K rows were just read.
+ * - A task takes every KV head of its rows (as many as fit MAX_TASK_FLOATS of
+ *   queries in L1), so it reads whole token rows, [KVH, D] contiguous, and a
+ *   block's rows one after the other; the query heads of a GQA group share each
+ *   K/V load. (One task per KV head read a quarter of every row and left the
+ *   hardware prefetcher short, random blocks stride-jumping at every block.)
+ * - Blocks are scattered, so the hardware prefetcher loses the stream at every
+ *   block boundary: each token prefetches the row PREFETCH tokens ahead, found
+ *   through the block table.
+ * - Split-K: long contexts are cut into chunks so that 2 threads get about
+ *   TASKS_PER_THREAD tasks each even with a single sequence; each chunk keeps
+ *   an unnormalised partial (running max, sum, weighted V) that a second pass
+ *   merges. A sequence in one chunk is normalised in place.
+ * - Scores are float32; exp is a polynomial that vectorises over a tile (libm's
+ *   expf is a scalar call per score); the 1/sum normalisation is applied once.
+ * - New K/V rows of the step can be written first, in the same call
+ *   (reshape_and_cache fused: no extra dispatch per layer).
  *
  * q:           [B, H, D]                float32
  * k/v cache:   [NB, BS, KVH, D]         float32
  * block_table: [B, max_blocks]          int64
  * seq_lens:    [B]                      int64
  * out:         [B, H, D]                float32
+ * k/v_new:     [N, KVH, D], slots [N]   rows to write first (N may be 0)
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#define MAX_GROUP 16
-#define MAX_DIM 256
+#define MAX_TASK_FLOATS 4096 /* query heads x head size of one task: 16 KiB of queries, as much of accumulators */
+#define MAX_TASK_HEADS 128
+/* The tuning knobs below can be overridden with -D (bench: interleaved builds). */
+#ifndef TILE
 #define TILE 16
+#endif
+#ifndef PREFETCH
+#define PREFETCH 16 /* tokens ahead: one block of the default size, ~1.5 us of work at head size 64 */
+#endif
+#ifndef TASKS_PER_THREAD
+#define TASKS_PER_THREAD 8
+#endif
+#ifndef SERIAL_TOKENS
+#define SERIAL_TOKENS 256 /* context tokens under which waking a second thread costs more than it saves */
+#endif
+#ifndef MIN_CHUNK
+#define MIN_CHUNK 64 /* tokens: below this a chunk's set-up and merge cost more than its share of the reads */
+#endif
 
 /* exp(x) for x <= 0 (scores minus their running max), Cephes-style: x = n ln2 + r
  * with |r| <= ln2/2, a degree-6 polynomial for e^r, and 2^n built in the
@@ -43,90 +73,253 @@ static inline float exp_neg(float x) {
     return e * two_n.f;
 }
 
-/* Inlined into each call site below, so where the caller passes a literal head
- * size the compiler sees a constant D and keeps the dot products and V rows in
- * vector registers; the generic call serves any other size. */
-static inline __attribute__((always_inline)) void attend(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t start, int64_t len,
-    int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t group, const int64_t D, float scale,
-    float *out) {
-    float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM];
-    float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][TILE];
-    for (int64_t i = 0; i < group * D; i++) qs[i] = q[i] * scale;
-    memset(acc, 0, sizeof(float) * (size_t)(group * D));
-    for (int64_t g = 0; g < group; g++) m[g] = -INFINITY, l[g] = 0.f;
-    for (int64_t pos = start; pos < len;) {
-        const int64_t off = pos % block_size;
-        int64_t n = block_size - off;
-        if (n > len - pos) n = len - pos;
-        if (n > TILE) n = TILE;
-        const int64_t base = table[pos / block_size] * block_stride + off * token_stride;
-        const float *kb = k_cache + base, *vb = v_cache + base;
-        for (int64_t t = 0; t < n; t++) {
-            const float *kp = kb + t * token_stride;
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = qs + g * D;
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qg[d] * kp[d];
-                s[g][t] = dot;
-            }
-        }
-        for (int64_t g = 0; g < group; g++) {
-            float mx = m[g];
-            for (int64_t t = 0; t < n; t++) mx = s[g][t] > mx ? s[g][t] : mx;
-            const float corr = exp_neg(m[g] - mx); /* ~0 on the first tile: m = -inf */
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n; t++) {
-                s[g][t] = exp_neg(s[g][t] - mx);
-                sum += s[g][t];
-            }
-            l[g] = l[g] * corr + sum;
-            m[g] = mx;
-            if (corr != 1.f)
-                for (int64_t d = 0; d < D; d++) acc[g * D + d] *= corr;
-        }
-        for (int64_t t = 0; t < n; t++) {
-            const float *vp = vb + t * token_stride;
-            for (int64_t g = 0; g < group; g++) {
-                const float p = s[g][t];
-                float *a = acc + g * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] += p * vp[d];
-            }
-        }
-        pos += n;
-    }
-    for (int64_t g = 0; g < group; g++) {
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
+typedef struct {
+    const float *k, *v;     /* caches, offset to the task's first KV head */
+    const int64_t *table;   /* the sequence's block table */
+    int64_t block_size, block_stride, token_stride;
+} Paged;
+
+typedef struct {
+    int64_t b, kh0, nk;     /* sequence, first KV head, KV heads */
+    int64_t lo, hi;         /* context positions [lo, hi) */
+    int64_t part;           /* partial record, or -1: the whole context, write out normalised */
+} Task;
+
+static inline void prefetch_row(const Paged *p, int64_t pos, int64_t bytes) {
+    const int64_t at = p->table[pos / p->block_size] * p->block_stride + (pos % p->block_size) * p->token_stride;
+    const char *k = (const char *)(p->k + at), *v = (const char *)(p->v + at);
+    for (int64_t c = 0; c < bytes; c += 64) {
+        __builtin_prefetch(k + c, 0, 3);
+        __builtin_prefetch(v + c, 0, 3);
     }
 }
 
-void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_table,
-                      const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                      int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t block_stride = block_size * token_stride;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t task = 0; task < batch * num_kv_heads; task++) {
-        const int64_t b = task / num_kv_heads, kh = task % num_kv_heads;
-        const int64_t len = seq_lens[b];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t *table = block_table + b * max_blocks;
-        const float *kc = k_cache + kh * head_dim, *vc = v_cache + kh * head_dim;
-        const float *qh = q + (b * num_heads + kh * group) * head_dim;
-        float *oh = out + (b * num_heads + kh * group) * head_dim;
-#define ATTEND(D) attend(qh, kc, vc, table, start, len, block_size, block_stride, token_stride, group, D, scale, oh)
-        if (head_dim == 64)
-            ATTEND(64);
-        else if (head_dim == 128)
-            ATTEND(128);
-        else
-            ATTEND(head_dim);
-#undef ATTEND
+/* The widest vectors -march=native offers, as GCC vector types (no intrinsics: any ISA builds). */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+#define VCHUNK 8 /* vectors of one head's accumulator kept in registers at a time */
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef float vfu __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof(float)))); /* unaligned */
+
+/* acc[h] = acc[h] * rescale[h] + sum over the tile's tokens t of s[h][t] * V[t, KV head of h].
+ * Head by head, a chunk of the accumulator stays in registers across the tile's tokens
+ * (token by token, it is loaded and stored once per token and head: the store port was the
+ * bottleneck); V rows come from L1, where the score pass just brought the tile's K. */
+static inline __attribute__((always_inline)) void accumulate_v(
+    const float *vb, int64_t ts, int64_t n, int64_t nk, int64_t group, const int64_t D, float (*s)[TILE],
+    const float *rescale, float *acc) {
+    for (int64_t h = 0; h < nk * group; h++) {
+        float *a = acc + h * D;
+        const float *vh = vb + (h / group) * D;
+        if (D % VW != 0) {
+            for (int64_t d = 0; d < D; d++) a[d] *= rescale[h];
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t d = 0; d < D; d++) a[d] += s[h][t] * vh[t * ts + d];
+            continue;
+        }
+        for (int64_t c = 0; c < D; c += VCHUNK * VW) {
+            const int64_t nv = (D - c) / VW < VCHUNK ? (D - c) / VW : VCHUNK;
+            vf r[VCHUNK];
+            for (int64_t i = 0; i < nv; i++) r[i] = *(const vfu *)(a + c + i * VW) * rescale[h];
+            for (int64_t t = 0; t < n; t++) {
+                const float w = s[h][t];
+                const float *vp = vh + t * ts + c;
+                for (int64_t i = 0; i < nv; i++) r[i] += w * *(const vfu *)(vp + i * VW);
+            }
+            for (int64_t i = 0; i < nv; i++) *(vfu *)(a + c + i * VW) = r[i];
+        }
     }
+}
+
+/* Online-softmax attention of nh = nk * group query heads over positions [lo, hi).
+ * Leaves unnormalised acc [nh, D], running max m [nh] and sum l [nh].
+ * Inlined into each call site below, so where the caller passes a literal head
+ * size the compiler sees a constant D and keeps the dot products and V rows in
+ * vector registers; the generic call serves any other size. */
+static inline __attribute__((always_inline)) void attend(
+    const Paged *p, const float *q, int64_t lo, int64_t hi, int64_t nk, int64_t group, const int64_t D,
+    float scale, float *acc, float *m, float *l) {
+    const int64_t nh = nk * group, ts = p->token_stride;
+    float qs[MAX_TASK_FLOATS], s[MAX_TASK_HEADS][TILE], rescale[MAX_TASK_HEADS];
+    for (int64_t i = 0; i < nh * D; i++) qs[i] = q[i] * scale;
+    memset(acc, 0, sizeof(float) * (size_t)(nh * D));
+    for (int64_t h = 0; h < nh; h++) m[h] = -INFINITY, l[h] = 0.f;
+    for (int64_t pos = lo; pos < hi;) {
+        const int64_t off = pos % p->block_size;
+        int64_t n = p->block_size - off;
+        if (n > hi - pos) n = hi - pos;
+        if (n > TILE) n = TILE;
+        const int64_t base = p->table[pos / p->block_size] * p->block_stride + off * ts;
+        const float *kb = p->k + base, *vb = p->v + base;
+        for (int64_t t = 0; t < n; t++) {
+            if (PREFETCH > 0 && pos + t + PREFETCH < hi) prefetch_row(p, pos + t + PREFETCH, nk * D * (int64_t)sizeof(float));
+            for (int64_t kh = 0; kh < nk; kh++) {
+                const float *kp = kb + t * ts + kh * D;
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qh = qs + (kh * group + g) * D;
+                    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < D; d++) dot += qh[d] * kp[d];
+                    s[kh * group + g][t] = dot;
+                }
+            }
+        }
+        for (int64_t h = 0; h < nh; h++) {
+            float mx = m[h];
+            for (int64_t t = 0; t < n; t++) mx = s[h][t] > mx ? s[h][t] : mx;
+            const float corr = exp_neg(m[h] - mx); /* ~0 on the first tile: m = -inf */
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) {
+                s[h][t] = exp_neg(s[h][t] - mx);
+                sum += s[h][t];
+            }
+            l[h] = l[h] * corr + sum;
+            m[h] = mx;
+            rescale[h] = corr;
+        }
+        accumulate_v(vb, ts, n, nk, group, D, s, rescale, acc);
+        pos += n;
+    }
+}
+
+static void run_task(const Task *task, const float *q, const float *k_cache, const float *v_cache,
+                     const int64_t *block_table, int64_t max_blocks, int64_t num_heads, int64_t group, int64_t D,
+                     int64_t block_size, int64_t token_stride, float scale, float *out, float *parts) {
+    const Paged p = {k_cache + task->kh0 * D, v_cache + task->kh0 * D, block_table + task->b * max_blocks,
+                     block_size, block_size * token_stride, token_stride};
+    const int64_t h0 = task->kh0 * group, nh = task->nk * group;
+    const float *qh = q + (task->b * num_heads + h0) * D;
+    float local[MAX_TASK_FLOATS], lm[MAX_TASK_HEADS], ll[MAX_TASK_HEADS];
+    /* A partial record: acc [H, D], then m [H], then l [H]. */
+    float *rec = task->part < 0 ? NULL : parts + task->part * num_heads * (D + 2);
+    float *acc = rec ? rec + h0 * D : local;
+    float *m = rec ? rec + num_heads * D + h0 : lm, *l = rec ? rec + num_heads * (D + 1) + h0 : ll;
+#define ATTEND(DIM) attend(&p, qh, task->lo, task->hi, task->nk, group, DIM, scale, acc, m, l)
+    if (D == 64)
+        ATTEND(64);
+    else if (D == 128)
+        ATTEND(128);
+    else
+        ATTEND(D);
+#undef ATTEND
+    if (rec) return;
+    float *oh = out + (task->b * num_heads + h0) * D;
+    for (int64_t h = 0; h < nh; h++) {
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        for (int64_t d = 0; d < D; d++) oh[h * D + d] = acc[h * D + d] * inv;
+    }
+}
+
+/* out[b] = sum over its chunks c of acc_c * e^(m_c - M) / sum of l_c * e^(m_c - M), M = max m_c. */
+static void merge(const float *parts, int64_t first, int64_t count, int64_t num_heads, int64_t D, float *out) {
+    const int64_t rec = num_heads * (D + 2);
+    for (int64_t h = 0; h < num_heads; h++) {
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t c = 0; c < count; c++) {
+            const float mc = parts[(first + c) * rec + num_heads * D + h];
+            mx = mc > mx ? mc : mx;
+        }
+        float *o = out + h * D;
+        memset(o, 0, sizeof(float) * (size_t)D);
+        for (int64_t c = 0; c < count; c++) {
+            const float *r = parts + (first + c) * rec;
+            const float w = exp_neg(r[num_heads * D + h] - mx);
+            sum += r[num_heads * (D + 1) + h] * w;
+            for (int64_t d = 0; d < D; d++) o[d] += w * r[h * D + d];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
+static void write_rows(float *cache, const float *rows, const int64_t *slots, int64_t n, int64_t token_stride) {
+    for (int64_t i = 0; i < n; i++)
+        memcpy(cache + slots[i] * token_stride, rows + i * token_stride, sizeof(float) * (size_t)token_stride);
+}
+
+static int64_t attended(int64_t len, int64_t window) { return (window > 0 && len > window) ? window : len; }
+
+/* Tokens per chunk: about TASKS_PER_THREAD tasks per thread over the batch, at least MIN_CHUNK,
+ * a whole number of blocks (chunks start on block boundaries). */
+static int64_t chunk_tokens(int64_t total, int64_t block_size, int num_threads) {
+    const int64_t target = (int64_t)(num_threads > 0 ? num_threads : 1) * TASKS_PER_THREAD;
+    int64_t chunk = (total + target - 1) / target;
+    if (chunk < MIN_CHUNK) chunk = MIN_CHUNK;
+    return (chunk + block_size - 1) / block_size * block_size;
+}
+
+/* Chunks of sequence b: its window's first block to its end. */
+static int64_t num_chunks(int64_t len, int64_t window, int64_t block_size, int64_t chunk) {
+    const int64_t aligned = (len - attended(len, window)) / block_size * block_size;
+    return (len - aligned + chunk - 1) / chunk;
+}
+
+/* Fills tasks (chunk by chunk, KV-head range by range) and first_part [batch + 1]: sequence b's
+ * partial records are first_part[b] .. first_part[b + 1] - 1, none when it is one chunk. */
+static void fill_tasks(Task *tasks, int64_t *first_part, const int64_t *seq_lens, int64_t batch, int64_t window,
+                       int64_t block_size, int64_t chunk, int64_t nk, int64_t num_kv_heads) {
+    int64_t t = 0, part = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t len = seq_lens[b], start = len - attended(len, window);
+        const int64_t aligned = start / block_size * block_size, chunks = num_chunks(len, window, block_size, chunk);
+        first_part[b] = part;
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t lo = aligned + c * chunk, hi = lo + chunk < len ? lo + chunk : len;
+            for (int64_t kh0 = 0; kh0 < num_kv_heads; kh0 += nk)
+                tasks[t++] = (Task){b, kh0, kh0 + nk <= num_kv_heads ? nk : num_kv_heads - kh0,
+                                    lo > start ? lo : start, hi, chunks > 1 ? part + c : -1};
+        }
+        part += chunks > 1 ? chunks : 0;
+    }
+    first_part[batch] = part;
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated (nothing computed). */
+int paged_decode_f32(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
+                     const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                     int num_threads, const float *k_new, const float *v_new, const int64_t *slots, int64_t num_new) {
+    const int64_t group = num_heads / num_kv_heads, D = head_dim, token_stride = num_kv_heads * D;
+    write_rows(k_cache, k_new, slots, num_new, token_stride);
+    write_rows(v_cache, v_new, slots, num_new, token_stride);
+    /* KV heads per task: all of them for the usual shapes (12 x 64 floats of queries for Llama-small). */
+    int64_t nk = num_kv_heads;
+    while (nk > 1 && (nk * group * D > MAX_TASK_FLOATS || nk * group > MAX_TASK_HEADS)) nk = (nk + 1) / 2;
+    const int64_t ranges = (num_kv_heads + nk - 1) / nk;
+    int64_t total = 0, num_tasks = 0, num_parts = 0;
+    for (int64_t b = 0; b < batch; b++) total += attended(seq_lens[b], window) * ranges;
+    const int64_t chunk = chunk_tokens(total, block_size, num_threads);
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t chunks = num_chunks(seq_lens[b], window, block_size, chunk);
+        num_tasks += chunks * ranges;
+        num_parts += chunks > 1 ? chunks : 0;
+    }
+    Task *tasks = malloc(sizeof(Task) * (size_t)num_tasks);
+    int64_t *first_part = malloc(sizeof(int64_t) * (size_t)(batch + 1));
+    float *parts = num_parts ? malloc(sizeof(float) * (size_t)(num_parts * num_heads * (D + 2))) : NULL;
+    if (!tasks || !first_part || (num_parts && !parts)) {
+        free(tasks), free(first_part), free(parts);
+        return -1;
+    }
+    fill_tasks(tasks, first_part, seq_lens, batch, window, block_size, chunk, nk, num_kv_heads);
+#pragma omp parallel num_threads(num_threads) if (total > SERIAL_TOKENS)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_tasks; i++)
+            run_task(&tasks[i], q, k_cache, v_cache, block_table, max_blocks, num_heads, group, D, block_size,
+                     token_stride, scale, out, parts);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < batch; b++)
+            if (first_part[b + 1] > first_part[b])
+                merge(parts, first_part[b], first_part[b + 1] - first_part[b], num_heads, D,
+                      out + b * num_heads * D);
+    }
+    free(tasks), free(first_part), free(parts);
+    return 0;
 }
