@@ -90,7 +90,7 @@ class KVCacheManager:
         added = hits + (self.pool.allocate(need) or []) if need else list(hits)
         req.block_ids.extend(added)
         if req.hash_root is not None:
-            self._cache_full_blocks(req, total // self.block_size)
+            self._cache_full_blocks(req, min(total, req.num_tokens) // self.block_size)
         return added
 
     def append_slot(self, req: Request) -> list[int] | None:
@@ -109,7 +109,8 @@ class KVCacheManager:
             added = [pool.take()] if need == 1 else pool.allocate(need) or _NO_BLOCKS
             block_ids += added
         if req.hash_root is not None:
-            full = total // bs
+            # A block that the token on its way (async scheduling) fills is hashed a step later.
+            full = min(total, len(req.token_ids)) // bs
             cached = req.num_cached_blocks
             if full == cached + 1 and len(req.block_hashes) == cached:  # exactly one block filled
                 tokens = req.token_ids

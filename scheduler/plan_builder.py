@@ -42,5 +42,7 @@ class PlanBuilder:
             self.stats.computed_prompt_tokens += min(num_new, req.num_prompt_tokens - c)
         req.num_computed_tokens = c = c + num_new
         self.scheduled.append((req.req_id, num_new))
-        if req.matcher is not None and c == len(req.token_ids):
-            self.masked.append((req.req_id, req.matcher))  # its mask goes with this step
+        if c == req.num_worker_tokens:  # it samples in this step
+            req.num_worker_tokens = c + 1
+            if req.matcher is not None:
+                self.masked.append((req.req_id, req.matcher))  # its mask goes with this step

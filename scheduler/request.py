@@ -37,7 +37,7 @@ class Request:
         "stop_ids", "priority", "arrival_seq", "max_tokens", "status", "num_computed_tokens",
         "block_ids", "block_hashes", "num_cached_blocks", "in_worker", "num_cached_tokens",
         "swapped_blocks", "num_preemptions", "sort_key", "hash_root", "matcher",
-        "length_cap", "min_len", "stop_any",
+        "length_cap", "min_len", "stop_any", "num_worker_tokens", "decode_limit",
     )
 
     def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: int | None) -> None:
@@ -68,10 +68,24 @@ class Request:
         self.length_cap = self.num_prompt_tokens + max_tokens  # "length" once len(token_ids) reaches it
         self.min_len = self.num_prompt_tokens + self.params.min_tokens  # stop tokens count from here
         self.stop_any = _shared(self.eos_token_ids | self.stop_ids)
+        # Tokens the worker will hold once every step planned so far has run: with async
+        # scheduling, one more than `token_ids` while a sampled token is on its way.
+        self.num_worker_tokens = len(self.token_ids)
+        self.decode_limit = 0  # set by `set_decode_limit`
+
+    def set_decode_limit(self, max_model_len: int) -> None:
+        """Where the scheduler's decode hot path stops for this request: at the last token it
+        may produce. 0 for a constrained request, which always takes the general path."""
+        self.decode_limit = 0 if self.matcher is not None else min(self.length_cap, max_model_len)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Sampled tokens on their way from the worker (async scheduling)."""
+        return self.num_worker_tokens - len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:

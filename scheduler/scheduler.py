@@ -7,15 +7,15 @@ CPU blocks); then swapped requests come back; then waiting requests board in
 (priority, arrival) order while blocks, the budget and the sequence cap allow.
 State advances when a step is planned and is reconciled when its result arrives.
 
-Parallel sampling (n > 1) is not a concept here. As in vLLM V1, the frontend
-sends each sample as an engine request of its own (own id, own seed) and the
-samples share their prompt's full blocks through the prefix cache; with
-prefix caching off they still share with each other under a hash root of
-their own (`KVCacheManager.hash_root`). Keeping the n samples as a group in
-the scheduler instead meant seats reserved for unforked samples, a prefill
-that stopped one token short so that they could fork, an heir when the
-leading sample ended first, and copy-on-write of the shared last block; the
-fan-out costs at most one block's worth of extra prefill per sample.
+Parallel sampling (n > 1) is not a concept here: as in vLLM V1, the frontend sends
+each sample as an engine request of its own, and the samples share their prompt's
+full blocks through the prefix cache (with caching off, under a hash root of their
+own: `KVCacheManager.hash_root`), at the cost of at most a block of extra prefill.
+
+Async scheduling (`async_scheduling`): the process plans step N+1 while the worker
+runs step N, counting on one token from every request that samples in N
+(`Request.num_worker_tokens`); see `schedule` for who waits instead, and
+`update_from_result` for the token of a request that ended in N.
 """
 
 from __future__ import annotations
@@ -25,22 +25,23 @@ from bisect import insort
 from operator import attrgetter
 from typing import Any
 
-from noria.protocol.client import Logprob, SchedulerStats
+from noria.protocol.client import SchedulerStats
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest, RequestUpdate
 from noria.protocol.errors import ErrorCode
-from noria.protocol.step import StepPlan, StepResult
+from noria.protocol.step import StepPlan
 from noria.scheduler.admission import refusal
 from noria.scheduler.block_check import check_blocks
 from noria.scheduler.kv_cache_manager import KVCacheManager
 from noria.scheduler.plan_builder import PlanBuilder
 from noria.scheduler.request import Request, Status
+from noria.scheduler.results import StepResults
 from noria.scheduler.structured_output import StructuredOutputManager, resume
 
 _NO_BLOCKS: list[int] = []
 
 
-class Scheduler:
+class Scheduler(StepResults):
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, num_cpu_blocks: int = 0) -> None:
         """`num_kv_blocks` 0: no worker group yet (requests queue until `install_kv`)."""
         self.grammars = StructuredOutputManager(config.tokenizer or config.model, config.model)  # free until used
@@ -73,6 +74,8 @@ class Scheduler:
         bound = num_kv_blocks * self.block_size if num_kv_blocks else self.model_len
         self.max_model_len = min(self.model_len, bound)
         self.token_budget = self.config.resolved_max_num_batched_tokens(self.max_model_len)
+        for req in self.requests.values():
+            req.set_decode_limit(self.max_model_len)
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, self.config.enable_prefix_caching,
                                  num_cpu_blocks if self.swap else 0)
         self.stats.num_kv_blocks = num_kv_blocks
@@ -98,6 +101,7 @@ class Scheduler:
             req.num_computed_tokens = 0
             req.block_ids, req.num_cached_blocks, req.swapped_blocks = [], 0, []
             req.in_worker = False
+            req.num_worker_tokens = len(req.token_ids)  # the tokens on their way are lost with the group
         self.running, self.swapped = [], []
         self._worker_drop, self._swap_out = [], []
         self.install_kv(self.kv.pool.num_blocks, self.kv.num_cpu_blocks)
@@ -122,6 +126,7 @@ class Scheduler:
             return self.reject(msg.req_id, *refused)
         max_tokens = msg.params.max_tokens or self.max_model_len - n_prompt
         req = Request(msg, self._arrivals, max_tokens, self.kv.hash_root(msg.sample_group))
+        req.set_decode_limit(self.max_model_len)
         self._arrivals += 1
         self.requests[req.req_id] = req
         self.stats.prompt_tokens += n_prompt
@@ -151,6 +156,7 @@ class Scheduler:
             self._finish(req)
             return self.reject(req.req_id, ErrorCode.INTERNAL, "a resumed request's outputs break its grammar")
         req.matcher, req.status = matcher, Status.WAITING
+        req.set_decode_limit(self.max_model_len)
         heapq.heappush(self.waiting, (req.sort_key, req.req_id))
 
     def abort(self, req_ids: list[int]) -> None:
@@ -185,18 +191,21 @@ class Scheduler:
             if budget <= 0:
                 break
             c = req.num_computed_tokens
-            num_new = len(req.token_ids) - c
+            k = req.num_worker_tokens
+            num_new = k - c
             if num_new == 1:
-                if c % bs and (c + 1) % bs:
-                    if req.matcher is None:
-                        # Hot path: a decode that neither starts nor fills a block.
-                        schedule_one((req.req_id, 1))
-                        req.num_computed_tokens = c + 1
-                        budget -= 1
-                        continue
-                    added: list[int] | None = _NO_BLOCKS
-                else:
-                    added = kv.append_slot(req)
+                if c % bs and (c + 1) % bs and k < req.decode_limit:
+                    # Hot path: a plain decode that neither starts nor fills a block.
+                    schedule_one((req.req_id, 1))
+                    req.num_computed_tokens = c + 1
+                    req.num_worker_tokens = k + 1
+                    budget -= 1
+                    continue
+                if k > len(req.token_ids) and k >= req.decode_limit:
+                    # Async scheduling: its last token may be on its way, or its grammar
+                    # needs the token on its way: it waits for the result.
+                    continue
+                added: list[int] | None = _NO_BLOCKS if c % bs and (c + 1) % bs else kv.append_slot(req)
             else:
                 num_new = min(num_new, budget)
                 added = kv.allocate_slots(req, num_new)
@@ -233,6 +242,8 @@ class Scheduler:
     def _swap_in(self, budget: int, plan: PlanBuilder, pairs: list[tuple[int, int]]) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
+            if req.num_in_flight:
+                break  # preempted while its token was on its way: back once it has arrived
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             got = self.kv.swap_in(req, num_new)
             if got is None:
@@ -255,6 +266,8 @@ class Scheduler:
             if req is None or req.status != Status.WAITING:
                 heapq.heappop(waiting)  # aborted while waiting
                 continue
+            if req.num_in_flight:
+                break  # preempted while its token was on its way: back once it has arrived
             hits = self.kv.get_computed_blocks(req)
             num_computed = len(hits) * self.block_size
             num_new = req.num_tokens - num_computed
@@ -283,58 +296,6 @@ class Scheduler:
         masked = plan.masked
         return StepPlan(self.step_id, plan.scheduled, plan.new_requests, plan.cached, drop, swap_out=swap_out,
                         swap_in=swap_in, grammar=self.grammars.fill_bitmask(masked) if masked else None)
-
-    # ---- reconciling -----------------------------------------------------
-
-    def update_from_result(self, result: StepResult) -> None:
-        req_ids, tokens = result.req_ids, result.token_ids
-        if len(tokens) != len(req_ids):
-            raise ValueError(f"step {result.step_id}: {len(req_ids)} requests but {len(tokens)} tokens")
-        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
-        if logprobs is None and prompt_logprobs is None:
-            finished = self._apply_plain(req_ids, tokens)
-        else:
-            finished = False
-            for j, (rid, tok) in enumerate(zip(req_ids, tokens, strict=True)):
-                req = self.requests.get(rid)
-                if req is not None and req.status is Status.RUNNING:
-                    req.token_ids.append(tok)
-                    finished |= self._emit(req, tok, None if logprobs is None else logprobs[j],
-                                           None if prompt_logprobs is None else prompt_logprobs[j])
-        self.stats.generation_tokens += len(tokens)
-        if finished:
-            self.running = [r for r in self.running if r.status is Status.RUNNING]
-        self.stats.num_steps += 1
-
-    def _apply_plain(self, req_ids: list[int], tokens: list[int]) -> bool:
-        """Tokens without logprobs, the per-token hot path: a token that cannot end its
-        request (the checks of `Request.stop_reason`) gets its update inline."""
-        requests, running, max_len = self.requests, Status.RUNNING, self.max_model_len
-        add_update = self.updates.append
-        finished = False
-        for rid, tok in zip(req_ids, tokens, strict=True):
-            req = requests.get(rid)
-            if req is None or req.status is not running:
-                continue  # aborted or preempted after the step was planned
-            token_ids = req.token_ids
-            token_ids.append(tok)
-            n = len(token_ids)
-            if n < req.length_cap and n < max_len and tok not in req.stop_any and req.matcher is None:
-                add_update(RequestUpdate(rid, [tok], None, None, None, None, req.num_cached_tokens))
-            else:
-                finished |= self._emit(req, tok, None, None)
-        return finished
-
-    def _emit(self, req: Request, tok: int, lp: Logprob | None, prompt_lps: list[Logprob | None] | None) -> bool:
-        """The update for a token already appended to `req`; True if it ended the request."""
-        reason = req.stop_reason(tok, self.max_model_len)
-        err = (ErrorCode.INTERNAL, f"token {tok} breaks the grammar") if reason == "error" else (None, None)
-        self.updates.append(RequestUpdate(req.req_id, [tok], reason, None if lp is None else [lp], *err,
-                                          req.num_cached_tokens, prompt_lps))
-        if reason is None:
-            return False
-        self._finish(req)
-        return True
 
     # ---- state changes ---------------------------------------------------
 
