@@ -1,4 +1,5 @@
-"""`noria bench scheduler`: time to plan one step with N running requests.
+"""`noria bench scheduler`: time to plan one step with N running requests; with `--engine`,
+W1 through the whole engine with async scheduling off and on, interleaved.
 
 The scheduler runs alone (no worker): each step is planned, encoded as the
 StepPlan the worker would receive, and answered with one sampled token per
@@ -13,6 +14,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from noria.protocol.codec import Codec
 from noria.protocol.config import EngineConfig
@@ -60,12 +62,58 @@ def measure(num_running: int, num_waiting: int, steps: int) -> dict[str, float]:
     }
 
 
+def engine_ab(model: str, num_requests: int, max_tokens: int | None, rounds: int) -> list[dict]:
+    """W1 (greedy, EOS ignored) through `LLM`, async scheduling off then on, `rounds` times;
+    each run its own engine in this process tree. Token ids must agree across every run."""
+    from noria import LLM
+    from noria.bench.workloads import CHECKPOINTS, w1
+
+    path = str(CHECKPOINTS[model]()) if model in CHECKPOINTS else model
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    work = [(p, min(m, max_tokens or m)) for p, m in w1(vocab, num_requests)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
+    rows, first = [], None
+    for r in range(rounds):
+        for ahead in (False, True):
+            with LLM(path, num_kv_blocks=4096, async_scheduling=ahead) as llm:
+                llm.generate([work[0][0]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+                t0 = time.perf_counter()
+                outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+                dt = time.perf_counter() - t0
+                st = llm.stats()
+            ids = [o.outputs[0].token_ids for o in outs]
+            first = first or ids
+            assert ids == first, "async scheduling changed the greedy output"
+            n = sum(map(len, ids))
+            rows.append({"round": r, "async_scheduling": ahead, "seconds": dt, "output_tokens": n,
+                         "tok_per_s": n / dt, "steps": st.num_steps, "steps_planned_ahead": st.steps_planned_ahead,
+                         "tokens_discarded": st.tokens_discarded})
+            print(f"round {r} async {'on ' if ahead else 'off'}: {dt:7.2f} s  {n / dt:7.1f} tok/s  "
+                  f"{st.num_steps} steps ({st.steps_planned_ahead} planned ahead, "
+                  f"{st.tokens_discarded} tokens discarded)", flush=True)
+    for ahead in (False, True):
+        secs = [x["seconds"] for x in rows if x["async_scheduling"] == ahead]
+        print(f"async {'on ' if ahead else 'off'}: median {statistics.median(secs):.2f} s over {len(secs)} runs")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="noria bench scheduler")
     ap.add_argument("--sizes", default="64,256,1024")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--engine", action="store_true", help="W1 through the engine, async scheduling off/on")
+    ap.add_argument("--model", default="small", help="with --engine: small, serving, or a checkpoint folder")
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=None, help="with --engine: cap every output")
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.engine:
+        out = engine_ab(args.model, args.num_requests, args.max_tokens, args.rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+        return 0
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
         for waiting in (0, n):
