@@ -59,6 +59,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self.s = Scheduler(cfg, num_blocks, 10_000, cpu_blocks)
         self.w = FakeWorker(num_blocks, BS, vocab=VOCAB, num_cpu_blocks=cpu_blocks)
+        self.sizes = (num_blocks, cpu_blocks)
         self.next_id = 0
         self.prompts: dict[int, list[int]] = {}
         self.outputs: dict[int, list[int]] = {}
@@ -140,6 +141,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._run_step()
             self._collect()
             self.check_state()
+
+    @precondition(lambda self: hasattr(self, "s"))
+    @rule()
+    def lose_worker(self):
+        """The worker group dies with its KV (and, ahead, with the step in flight, whose
+        result is never applied); a new one of the same size takes over."""
+        self.s.reset_after_worker_loss()
+        self.in_flight = None
+        self.w = FakeWorker(self.sizes[0], BS, vocab=VOCAB, num_cpu_blocks=self.sizes[1])
+        event("worker lost")
+        self._collect()
 
     @precondition(lambda self: hasattr(self, "s"))
     @rule()
