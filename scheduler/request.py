@@ -35,7 +35,7 @@ class Request:
     # What every step reads first, side by side (two cache lines): with a thousand requests
     # running, the planning and result loops are bound by memory, not by the interpreter.
     __slots__ = (
-        "req_id", "num_computed_tokens", "num_worker_tokens", "decode_limit", "token_ids",
+        "req_id", "num_computed_tokens", "num_worker_tokens", "decode_limit", "decode_entry", "token_ids",
         "length_cap", "stop_any", "matcher", "num_cached_tokens", "status", "min_len",
         "num_prompt_tokens", "params", "eos_token_ids", "stop_ids", "priority", "arrival_seq",
         "max_tokens", "block_ids", "block_hashes", "num_cached_blocks", "in_worker",
@@ -74,10 +74,12 @@ class Request:
         # scheduling, one more than `token_ids` while a sampled token is on its way.
         self.num_worker_tokens = len(self.token_ids)
         self.decode_limit = 0  # set by `set_decode_limit`
+        self.decode_entry = (self.req_id, 1)  # its StepPlan.scheduled pair for a decode, made once
 
     def set_decode_limit(self, max_model_len: int) -> None:
-        """Where the scheduler's decode hot path stops for this request: at the last token it
-        may produce. 0 for a constrained request, which always takes the general path."""
+        """Where the hot paths stop for this request (`Scheduler.schedule`, `update_from_result`):
+        at the last token it may produce. 0 for a constrained request: it always takes the
+        general path, where its matcher sees every token."""
         self.decode_limit = 0 if self.matcher is not None else min(self.length_cap, max_model_len)
 
     @property

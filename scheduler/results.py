@@ -55,7 +55,7 @@ class StepResults:
     def _apply_plain(self, req_ids: list[int], tokens: list[int]) -> bool:
         """Tokens without logprobs, the per-token hot path: a token that cannot end its
         request (the checks of `Request.stop_reason`) gets its update inline."""
-        requests, max_len = self.requests, self.max_model_len
+        requests = self.requests
         add_update = self.updates.append
         finished = False
         discarded = 0
@@ -70,7 +70,7 @@ class StepResults:
                 discarded += 1  # no token of its on the way: a new request under an ended one's id
                 continue
             token_ids.append(tok)
-            if n < req.length_cap and n < max_len and tok not in req.stop_any and req.matcher is None:
+            if n < req.decode_limit and tok not in req.stop_any:  # decode_limit: max_tokens, max_model_len, no matcher
                 add_update(RequestUpdate(rid, [tok], None, None, None, None, req.num_cached_tokens))
             else:
                 finished |= self._emit(req, tok, None, None)

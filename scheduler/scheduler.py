@@ -196,7 +196,7 @@ class Scheduler(StepResults):
             if num_new == 1:
                 if c % bs and (c + 1) % bs and k < req.decode_limit:
                     # Hot path: a plain decode that neither starts nor fills a block.
-                    schedule_one((req.req_id, 1))
+                    schedule_one(req.decode_entry)
                     req.num_computed_tokens = c + 1
                     req.num_worker_tokens = k + 1
                     budget -= 1
