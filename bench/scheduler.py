@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -62,6 +63,19 @@ def measure(num_running: int, num_waiting: int, steps: int) -> dict[str, float]:
     }
 
 
+def _cpu_seconds(module: str) -> float:
+    """CPU seconds so far of this process's children running `python -m <module>` (Linux)."""
+    total, me, tick = 0.0, str(os.getpid()), os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if stat[1] == me and module in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                total += (int(stat[11]) + int(stat[12])) / tick
+        except OSError:
+            continue
+    return total
+
+
 def engine_ab(model: str, num_requests: int, max_tokens: int | None, rounds: int) -> list[dict]:
     """W1 (greedy, EOS ignored) through `LLM`, async scheduling off then on, `rounds` times;
     each run its own engine in this process tree. Token ids must agree across every run."""
@@ -77,9 +91,11 @@ def engine_ab(model: str, num_requests: int, max_tokens: int | None, rounds: int
         for ahead in (False, True):
             with LLM(path, num_kv_blocks=4096, async_scheduling=ahead) as llm:
                 llm.generate([work[0][0]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+                cpu0 = _cpu_seconds("noria.scheduler"), _cpu_seconds("noria.worker")
                 t0 = time.perf_counter()
                 outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
                 dt = time.perf_counter() - t0
+                cpu = _cpu_seconds("noria.scheduler") - cpu0[0], _cpu_seconds("noria.worker") - cpu0[1]
                 st = llm.stats()
             ids = [o.outputs[0].token_ids for o in outs]
             first = first or ids
@@ -87,10 +103,11 @@ def engine_ab(model: str, num_requests: int, max_tokens: int | None, rounds: int
             n = sum(map(len, ids))
             rows.append({"round": r, "async_scheduling": ahead, "seconds": dt, "output_tokens": n,
                          "tok_per_s": n / dt, "steps": st.num_steps, "steps_planned_ahead": st.steps_planned_ahead,
-                         "tokens_discarded": st.tokens_discarded})
+                         "tokens_discarded": st.tokens_discarded, "scheduler_cpu_s": cpu[0], "worker_cpu_s": cpu[1]})
             print(f"round {r} async {'on ' if ahead else 'off'}: {dt:7.2f} s  {n / dt:7.1f} tok/s  "
                   f"{st.num_steps} steps ({st.steps_planned_ahead} planned ahead, "
-                  f"{st.tokens_discarded} tokens discarded)", flush=True)
+                  f"{st.tokens_discarded} tokens discarded); CPU s: scheduler {cpu[0]:.2f}, worker {cpu[1]:.2f}",
+                  flush=True)
     for ahead in (False, True):
         secs = [x["seconds"] for x in rows if x["async_scheduling"] == ahead]
         print(f"async {'on ' if ahead else 'off'}: median {statistics.median(secs):.2f} s over {len(secs)} runs")
