@@ -1,4 +1,5 @@
-"""`noria bench scheduler`: time to plan one step with N running requests.
+"""`noria bench scheduler`: time to plan one step with N running requests; with `--engine`,
+W1 through the whole engine with async scheduling off and on, interleaved.
 
 The scheduler runs alone (no worker): each step is planned, encoded as the
 StepPlan the worker would receive, and answered with one sampled token per
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 from noria.protocol.codec import Codec
 from noria.protocol.config import EngineConfig
@@ -40,10 +43,12 @@ def measure(num_running: int, num_waiting: int, steps: int) -> dict[str, float]:
         codec.encode(plan)
         t2 = time.perf_counter()
         ids = [rid for rid, _ in plan.scheduled]
-        s.update_from_result(StepResult(plan.step_id, ids, [5] * len(ids)))
+        result = StepResult(plan.step_id, ids, [5] * len(ids))  # the worker's part: not timed
+        t2b = time.perf_counter()
+        s.update_from_result(result)
         s.take_updates()
         t3 = time.perf_counter()
-        return t1 - t0, t2 - t1, t3 - t2
+        return t1 - t0, t2 - t1, t3 - t2b
 
     # Warm up until every running request is past its prompt (pure decode steps).
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running) or len(s.running) < num_running:
@@ -58,12 +63,74 @@ def measure(num_running: int, num_waiting: int, steps: int) -> dict[str, float]:
     }
 
 
+def _cpu_seconds(module: str) -> float:
+    """CPU seconds so far of this process's children running `python -m <module>` (Linux)."""
+    total, me, tick = 0.0, str(os.getpid()), os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if stat[1] == me and module in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                total += (int(stat[11]) + int(stat[12])) / tick
+        except OSError:
+            continue
+    return total
+
+
+def engine_ab(model: str, num_requests: int, max_tokens: int | None, rounds: int) -> list[dict]:
+    """W1 (greedy, EOS ignored) through `LLM`, async scheduling off then on, `rounds` times;
+    each run its own engine in this process tree. Token ids must agree across every run."""
+    from noria import LLM
+    from noria.bench.workloads import CHECKPOINTS, w1
+
+    path = str(CHECKPOINTS[model]()) if model in CHECKPOINTS else model
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    work = [(p, min(m, max_tokens or m)) for p, m in w1(vocab, num_requests)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
+    rows, first = [], None
+    for r in range(rounds):
+        for ahead in (False, True):
+            with LLM(path, num_kv_blocks=4096, async_scheduling=ahead) as llm:
+                llm.generate([work[0][0]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+                cpu0 = _cpu_seconds("noria.scheduler"), _cpu_seconds("noria.worker")
+                t0 = time.perf_counter()
+                outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+                dt = time.perf_counter() - t0
+                cpu = _cpu_seconds("noria.scheduler") - cpu0[0], _cpu_seconds("noria.worker") - cpu0[1]
+                st = llm.stats()
+            ids = [o.outputs[0].token_ids for o in outs]
+            first = first or ids
+            assert ids == first, "async scheduling changed the greedy output"
+            n = sum(map(len, ids))
+            rows.append({"round": r, "async_scheduling": ahead, "seconds": dt, "output_tokens": n,
+                         "tok_per_s": n / dt, "steps": st.num_steps, "steps_planned_ahead": st.steps_planned_ahead,
+                         "tokens_discarded": st.tokens_discarded, "scheduler_cpu_s": cpu[0], "worker_cpu_s": cpu[1]})
+            print(f"round {r} async {'on ' if ahead else 'off'}: {dt:7.2f} s  {n / dt:7.1f} tok/s  "
+                  f"{st.num_steps} steps ({st.steps_planned_ahead} planned ahead, "
+                  f"{st.tokens_discarded} tokens discarded); CPU s: scheduler {cpu[0]:.2f}, worker {cpu[1]:.2f}",
+                  flush=True)
+    for ahead in (False, True):
+        secs = [x["seconds"] for x in rows if x["async_scheduling"] == ahead]
+        print(f"async {'on ' if ahead else 'off'}: median {statistics.median(secs):.2f} s over {len(secs)} runs")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="noria bench scheduler")
     ap.add_argument("--sizes", default="64,256,1024")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--engine", action="store_true", help="W1 through the engine, async scheduling off/on")
+    ap.add_argument("--model", default="small", help="with --engine: small, serving, or a checkpoint folder")
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=None, help="with --engine: cap every output")
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.engine:
+        out = engine_ab(args.model, args.num_requests, args.max_tokens, args.rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+        return 0
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
         for waiting in (0, n):

@@ -39,6 +39,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", choices=_choices(PreemptionMode), default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan the next step while the worker runs this one")
     g.add_argument("--tensor-parallel-size", type=int, default=None)
     g.add_argument("--dtype", choices=_choices(Dtype), default=None)
     g.add_argument("--device", choices=_choices(Device), default=None)

@@ -127,6 +127,10 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     seconds_without_worker: float = 0.0  # in all, since the scheduler started
     plan_bytes: int = 0  # encoded step plans sent (one copy per plan, whatever the number of ranks)
     result_bytes: int = 0  # encoded step results received from rank 0
+    # Async scheduling: steps planned while the worker ran the one before, and sampled tokens
+    # thrown away because their request had ended (a stop a step earlier, or an abort).
+    steps_planned_ahead: int = 0
+    tokens_discarded: int = 0
 
 
 class GetStats(msgspec.Struct, kw_only=True, tag="get_stats", tag_field="type"):

@@ -40,6 +40,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     preemption_mode: PreemptionMode = "recompute"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False  # plan step N+1 while the worker runs step N (scheduler/process.py)
     tensor_parallel_size: AtLeastOne = 1
     num_threads: AtLeastOne | None = None  # torch intra-op threads in the worker
     startup_timeout: Annotated[float, Meta(gt=0.0)] = 300.0

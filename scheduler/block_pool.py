@@ -34,6 +34,14 @@ class BlockPool:
             out.append(block)
         return out
 
+    def take(self) -> int:
+        """`allocate(1)` for a caller that checked a block is free."""
+        block, _ = self.free.popitem(last=False)
+        if self.block_hash[block] is not None:
+            self._uncache(block)
+        self.ref_cnt[block] = 1
+        return block
+
     def lookup(self, block_hash: int) -> int | None:
         return self.cached.get(block_hash)
 

@@ -15,6 +15,7 @@ from noria.scheduler.request import Request
 
 # Root of every hash chain; hashing a tuple of ints is stable across processes.
 _ROOT_HASH = 0x6E6F726961
+_NO_BLOCKS: list[int] = []  # shared, never mutated: "no block added"
 
 
 def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
@@ -89,7 +90,37 @@ class KVCacheManager:
         added = hits + (self.pool.allocate(need) or []) if need else list(hits)
         req.block_ids.extend(added)
         if req.hash_root is not None:
-            self._cache_full_blocks(req, total // self.block_size)
+            self._cache_full_blocks(req, min(total, req.num_tokens) // self.block_size)
+        return added
+
+    def append_slot(self, req: Request) -> list[int] | None:
+        """`allocate_slots(req, 1)` for a decode (no prefix hit), without the general
+        case's work: every step calls it for the running requests at a block edge, an
+        eighth of them at the default block size (one starts a block, one fills one)."""
+        bs = self.block_size
+        total = req.num_computed_tokens + 1
+        block_ids = req.block_ids
+        added = _NO_BLOCKS
+        if total > len(block_ids) * bs:
+            need = -(-total // bs) - len(block_ids)
+            pool = self.pool
+            if need > len(pool.free):
+                return None
+            added = [pool.take()] if need == 1 else pool.allocate(need) or _NO_BLOCKS
+            block_ids += added
+        if req.hash_root is not None:
+            # A block that the token on its way (async scheduling) fills is hashed a step later.
+            full = min(total, len(req.token_ids)) // bs
+            cached = req.num_cached_blocks
+            if full == cached + 1 and len(req.block_hashes) == cached:  # exactly one block filled
+                tokens = req.token_ids
+                h = chain_hash(req.block_hashes[-1] if cached else req.hash_root,
+                               tuple(tokens[cached * bs : full * bs]))
+                req.block_hashes.append(h)
+                self.pool.cache(block_ids[cached], h)
+                req.num_cached_blocks = full
+            elif full > cached:
+                self._cache_full_blocks(req, full)
         return added
 
     def _cache_full_blocks(self, req: Request, num_full: int) -> None:

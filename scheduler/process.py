@@ -3,7 +3,8 @@
 Binds the three links (so remote frontends and workers connect to it) and loops over
 the frontend's requests and the worker ROUTER with deadlines: drain requests and aborts,
 let the worker group handle registrations, heartbeats and results, plan a step when a group
-is live and none is in flight, publish the updates. Nothing here blocks without a timeout,
+is live and none is in flight (with `async_scheduling`: while at most one is, so that the
+worker finds the next plan waiting when it finishes a step), publish the updates. Nothing here blocks without a timeout,
 so registrations and heartbeats are served while a step runs.
 
 A lost worker group is not an engine death: its requests wait for recompute
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import zmq
 
@@ -86,7 +88,8 @@ class SchedulerProcess:
         self.running = True
         self.stats_due = True
         self.last_stats = 0.0
-        self.in_flight: int | None = None  # step id sent to the live group, result not yet applied
+        self.in_flight: deque[int] = deque()  # step ids sent to the live group, results not yet applied
+        self.max_in_flight = 2 if config.async_scheduling else 1
         self.was_busy = False
         self.started = time.monotonic()
         # Local workers start with the engine: its READY waits for them, as before. With
@@ -112,7 +115,7 @@ class SchedulerProcess:
             self.group.shutdown()
 
     def _poll(self) -> None:
-        can_step = self.group.live and self.in_flight is None and self.sched.has_work()
+        can_step = self.group.live and len(self.in_flight) < self.max_in_flight and self.sched.has_work()
         timeout = 0 if can_step else int(min(self.group.interval, STATS_INTERVAL) * 1000)
         events = dict(self.poller.poll(timeout))
         if self.from_frontend in events:
@@ -128,8 +131,8 @@ class SchedulerProcess:
         events, self.group.events = self.group.events, []
         for ev in events:
             if isinstance(ev, StepResult):
-                if ev.step_id == self.in_flight:
-                    self.in_flight = None
+                if self.in_flight and ev.step_id == self.in_flight[0]:  # the worker runs plans in order
+                    self.in_flight.popleft()
                     self.sched.update_from_result(ev)
             elif isinstance(ev, GroupReady):
                 self._group_ready(ev)
@@ -158,7 +161,7 @@ class SchedulerProcess:
                 return
             # A local worker that fails while the engine starts would fail again: say why now.
             raise StartupFailed(f"worker failed during start-up: {reason}")
-        self.in_flight = None
+        self.in_flight.clear()
         requeued = len(self.sched.running) + len(self.sched.swapped)
         self.sched.reset_after_worker_loss()
         if self.no_worker_since is None:
@@ -184,7 +187,7 @@ class SchedulerProcess:
 
     def _maybe_step(self) -> None:
         sched = self.sched
-        if not self.group.live or self.in_flight is not None:
+        if not self.group.live or len(self.in_flight) >= self.max_in_flight:
             return
         if not sched.has_work():
             if self.was_busy:
@@ -194,7 +197,8 @@ class SchedulerProcess:
         plan = sched.schedule()
         self.was_busy = True
         if self.group.send_plan(plan):
-            self.in_flight = plan.step_id
+            sched.stats.steps_planned_ahead += bool(self.in_flight)
+            self.in_flight.append(plan.step_id)
         self._handle_events()
 
     def _drain_frontend(self) -> None:

@@ -7,6 +7,17 @@ from typing import Any
 
 from noria.protocol.engine import EngineRequest
 from noria.protocol.sampling import SamplingParams
+from noria.scheduler.structured_output import advance
+
+_SETS: dict[frozenset[int], frozenset[int]] = {}
+
+
+def _shared(ids: frozenset[int]) -> frozenset[int]:
+    """One object per distinct set: the per-token stop check of a thousand requests then
+    reads one set that stays in cache instead of a thousand."""
+    if len(_SETS) > 4096:  # many distinct stop sets: stop interning rather than grow
+        return _SETS.get(ids, ids)
+    return _SETS.setdefault(ids, ids)
 
 
 class Status(enum.IntEnum):
@@ -21,11 +32,14 @@ class Request:
     """One sequence. `num_computed_tokens` catches up with `len(token_ids)`;
     prefill, chunked prefill, prefix hits and resumed requests are all that."""
 
+    # What every step reads first, side by side (two cache lines): with a thousand requests
+    # running, the planning and result loops are bound by memory, not by the interpreter.
     __slots__ = (
-        "req_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids",
-        "stop_ids", "priority", "arrival_seq", "max_tokens", "status", "num_computed_tokens",
-        "block_ids", "block_hashes", "num_cached_blocks", "in_worker", "num_cached_tokens",
-        "swapped_blocks", "num_preemptions", "sort_key", "hash_root", "matcher",
+        "req_id", "num_computed_tokens", "num_worker_tokens", "decode_limit", "decode_entry", "token_ids",
+        "length_cap", "stop_any", "matcher", "num_cached_tokens", "status", "min_len",
+        "num_prompt_tokens", "params", "eos_token_ids", "stop_ids", "priority", "arrival_seq",
+        "max_tokens", "block_ids", "block_hashes", "num_cached_blocks", "in_worker",
+        "swapped_blocks", "num_preemptions", "sort_key", "hash_root",
     )
 
     def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: int | None) -> None:
@@ -34,8 +48,8 @@ class Request:
         self.num_prompt_tokens = len(self.token_ids)
         self.token_ids += msg.output_token_ids  # resumed after a scheduler restart: outputs so far
         self.params: SamplingParams = msg.params
-        self.eos_token_ids = frozenset(() if self.params.ignore_eos else msg.eos_token_ids)
-        self.stop_ids = frozenset(self.params.stop_token_ids or ())
+        self.eos_token_ids = _shared(frozenset(() if self.params.ignore_eos else msg.eos_token_ids))
+        self.stop_ids = _shared(frozenset(self.params.stop_token_ids or ()))
         self.priority = msg.priority
         self.arrival_seq = arrival_seq
         self.max_tokens = max_tokens
@@ -52,10 +66,30 @@ class Request:
         self.matcher: Any = None  # llguidance matcher of a structured-output request
         # Lower runs first; later arrivals are preempted first within a priority.
         self.sort_key = (self.priority, self.arrival_seq)
+        # Stop conditions as totals of token ids, for the per-token check (scheduler/outputs.py).
+        self.length_cap = self.num_prompt_tokens + max_tokens  # "length" once len(token_ids) reaches it
+        self.min_len = self.num_prompt_tokens + self.params.min_tokens  # stop tokens count from here
+        self.stop_any = _shared(self.eos_token_ids | self.stop_ids)
+        # Tokens the worker will hold once every step planned so far has run: with async
+        # scheduling, one more than `token_ids` while a sampled token is on its way.
+        self.num_worker_tokens = len(self.token_ids)
+        self.decode_limit = 0  # set by `set_decode_limit`
+        self.decode_entry = (self.req_id, 1)  # its StepPlan.scheduled pair for a decode, made once
+
+    def set_decode_limit(self, max_model_len: int) -> None:
+        """Where the hot paths stop for this request (`Scheduler.schedule`, `update_from_result`):
+        at the last token it may produce. 0 for a constrained request: it always takes the
+        general path, where its matcher sees every token."""
+        self.decode_limit = 0 if self.matcher is not None else min(self.length_cap, max_model_len)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Sampled tokens on their way from the worker (async scheduling)."""
+        return self.num_worker_tokens - len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -66,6 +100,17 @@ class Request:
         """Its prompt logprobs are still due (they come with the first token): every prompt
         position must be computed, so no prefix-cache hits and no swap (worker/prompt_logprobs.py)."""
         return self.params.prompt_logprobs is not None and len(self.token_ids) == self.num_prompt_tokens
+
+    def stop_reason(self, tok: int, max_model_len: int) -> str | None:
+        """Why the token just appended ends the request, if it does; vLLM's order: length
+        caps first, then stop tokens once min_tokens is met. The matcher sees every token."""
+        n = len(self.token_ids)
+        grammar = advance(self.matcher, tok) if self.matcher is not None else None
+        if n >= self.length_cap or n >= max_model_len:
+            return "length"
+        if grammar is not None:
+            return grammar  # a complete grammar ends it ("stop") even before min_tokens
+        return "stop" if tok in self.stop_any and n >= self.min_len else None
 
     def __repr__(self) -> str:
         return (

@@ -7,15 +7,15 @@ CPU blocks); then swapped requests come back; then waiting requests board in
 (priority, arrival) order while blocks, the budget and the sequence cap allow.
 State advances when a step is planned and is reconciled when its result arrives.
 
-Parallel sampling (n > 1) is not a concept here. As in vLLM V1, the frontend
-sends each sample as an engine request of its own (own id, own seed) and the
-samples share their prompt's full blocks through the prefix cache; with
-prefix caching off they still share with each other under a hash root of
-their own (`KVCacheManager.hash_root`). Keeping the n samples as a group in
-the scheduler instead meant seats reserved for unforked samples, a prefill
-that stopped one token short so that they could fork, an heir when the
-leading sample ended first, and copy-on-write of the shared last block; the
-fan-out costs at most one block's worth of extra prefill per sample.
+Parallel sampling (n > 1) is not a concept here: as in vLLM V1, the frontend sends
+each sample as an engine request of its own, and the samples share their prompt's
+full blocks through the prefix cache (with caching off, under a hash root of their
+own: `KVCacheManager.hash_root`), at the cost of at most a block of extra prefill.
+
+Async scheduling (`async_scheduling`): the process plans step N+1 while the worker
+runs step N, counting on one token from every request that samples in N
+(`Request.num_worker_tokens`); see `schedule` for who waits instead, and
+`update_from_result` for the token of a request that ended in N.
 """
 
 from __future__ import annotations
@@ -29,17 +29,19 @@ from noria.protocol.client import SchedulerStats
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest, RequestUpdate
 from noria.protocol.errors import ErrorCode
-from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
+from noria.protocol.step import StepPlan
+from noria.scheduler.admission import refusal
 from noria.scheduler.block_check import check_blocks
 from noria.scheduler.kv_cache_manager import KVCacheManager
+from noria.scheduler.plan_builder import PlanBuilder
 from noria.scheduler.request import Request, Status
-from noria.scheduler.structured_output import StructuredOutputManager, advance, resume
+from noria.scheduler.results import StepResults
+from noria.scheduler.structured_output import StructuredOutputManager, resume
 
-Batch = list[tuple[Request, int, list[int]]]  # (request, tokens this step, blocks appended)
 _NO_BLOCKS: list[int] = []
 
 
-class Scheduler:
+class Scheduler(StepResults):
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, num_cpu_blocks: int = 0) -> None:
         """`num_kv_blocks` 0: no worker group yet (requests queue until `install_kv`)."""
         self.grammars = StructuredOutputManager(config.tokenizer or config.model, config.model)  # free until used
@@ -72,6 +74,8 @@ class Scheduler:
         bound = num_kv_blocks * self.block_size if num_kv_blocks else self.model_len
         self.max_model_len = min(self.model_len, bound)
         self.token_budget = self.config.resolved_max_num_batched_tokens(self.max_model_len)
+        for req in self.requests.values():
+            req.set_decode_limit(self.max_model_len)
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, self.config.enable_prefix_caching,
                                  num_cpu_blocks if self.swap else 0)
         self.stats.num_kv_blocks = num_kv_blocks
@@ -97,6 +101,7 @@ class Scheduler:
             req.num_computed_tokens = 0
             req.block_ids, req.num_cached_blocks, req.swapped_blocks = [], 0, []
             req.in_worker = False
+            req.num_worker_tokens = len(req.token_ids)  # the tokens on their way are lost with the group
         self.running, self.swapped = [], []
         self._worker_drop, self._swap_out = [], []
         self.install_kv(self.kv.pool.num_blocks, self.kv.num_cpu_blocks)
@@ -116,29 +121,12 @@ class Scheduler:
         n_prompt = len(msg.prompt_token_ids)
         if msg.req_id in self.requests:
             return self.reject(msg.req_id, ErrorCode.DUPLICATE_REQUEST, f"request {msg.req_id} is already in flight")
-        if msg.params.n != 1:
-            return self.reject(msg.req_id, ErrorCode.INVALID_REQUEST,
-                                f"n={msg.params.n}: each sample must be an engine request of its own")
-        if n_prompt == 0:
-            return self.reject(msg.req_id, ErrorCode.INVALID_REQUEST, "prompt is empty")
-        if n_prompt >= self.max_model_len:
-            return self.reject(
-                msg.req_id,
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt has {n_prompt} tokens but this engine accepts at most {self.max_model_len - 1} "
-                f"(max_model_len {self.max_model_len} leaves room for at least one output token)",
-            )
-        if not self.chunked_prefill and n_prompt > self.token_budget:
-            return self.reject(
-                msg.req_id, ErrorCode.PROMPT_TOO_LONG,
-                f"prompt has {n_prompt} tokens, more than max_num_batched_tokens {self.token_budget} "
-                "with chunked prefill disabled",
-            )
-        if msg.output_token_ids and n_prompt + len(msg.output_token_ids) >= self.max_model_len:
-            return self.reject(msg.req_id, ErrorCode.INVALID_REQUEST,
-                               "a resumed request's prompt and outputs fill max_model_len")
+        refused = refusal(msg, self.max_model_len, self.token_budget, self.chunked_prefill)
+        if refused is not None:
+            return self.reject(msg.req_id, *refused)
         max_tokens = msg.params.max_tokens or self.max_model_len - n_prompt
         req = Request(msg, self._arrivals, max_tokens, self.kv.hash_root(msg.sample_group))
+        req.set_decode_limit(self.max_model_len)
         self._arrivals += 1
         self.requests[req.req_id] = req
         self.stats.prompt_tokens += n_prompt
@@ -168,6 +156,7 @@ class Scheduler:
             self._finish(req)
             return self.reject(req.req_id, ErrorCode.INTERNAL, "a resumed request's outputs break its grammar")
         req.matcher, req.status = matcher, Status.WAITING
+        req.set_decode_limit(self.max_model_len)
         heapq.heappush(self.waiting, (req.sort_key, req.req_id))
 
     def abort(self, req_ids: list[int]) -> None:
@@ -191,49 +180,70 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.token_budget
-        batch: Batch = []
+        plan = PlanBuilder(self.stats)
+        schedule_one = plan.scheduled.append
         running = self.running
         preempted = False
         bs = self.block_size
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            c = req.num_computed_tokens
-            if req.num_tokens - c == 1 and c % bs and (c + 1) % bs:
-                # Hot path: a decode that neither starts nor fills a block.
-                batch.append((req, 1, _NO_BLOCKS))
-                budget -= 1
-                i += 1
-                continue
-            num_new = min(req.num_tokens - c, budget)
-            added = self.kv.allocate_slots(req, num_new)
-            while added is None:
-                # The victim is the lowest-priority, latest request still unplanned
-                # (running is sorted, and everything before i is already planned).
-                victim = running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-                added = self.kv.allocate_slots(req, num_new)
-            if added is None:
+        kv = self.kv
+        # A for loop may pop victims off the end: the iterator re-reads the length.
+        for req in running:
+            if budget <= 0:
                 break
-            batch.append((req, num_new, added))
+            c = req.num_computed_tokens
+            k = req.num_worker_tokens
+            num_new = k - c
+            if num_new == 1:
+                if c % bs and (c + 1) % bs and k < req.decode_limit:
+                    # Hot path: a plain decode that neither starts nor fills a block.
+                    schedule_one(req.decode_entry)
+                    req.num_computed_tokens = c + 1
+                    req.num_worker_tokens = k + 1
+                    budget -= 1
+                    continue
+                if k > len(req.token_ids) and k >= req.decode_limit:
+                    # Async scheduling: its last token may be on its way, or its grammar
+                    # needs the token on its way: it waits for the result.
+                    continue
+                added: list[int] | None = _NO_BLOCKS if c % bs and (c + 1) % bs else kv.append_slot(req)
+            else:
+                num_new = min(num_new, budget)
+                added = kv.allocate_slots(req, num_new)
+            if added is None:
+                preempted = True
+                added = self._preempt_for(req, num_new)
+                if added is None:
+                    break
+            plan.add(req, num_new, added)
             budget -= num_new
-            i += 1
 
         swap_in: list[tuple[int, int]] = []
         # Never swap in during a step that swapped out: a CPU or device block
         # freed by one must not be reused by the other before the copies run.
         if not preempted:
-            budget = self._swap_in(budget, batch, swap_in)
+            budget = self._swap_in(budget, plan, swap_in)
             if not self.swapped:
-                budget = self._admit(budget, batch)
-        return self._build_plan(batch, swap_in)
+                budget = self._admit(budget, plan)
+        return self._build_plan(plan, swap_in)
 
-    def _swap_in(self, budget: int, batch: Batch, pairs: list[tuple[int, int]]) -> int:
+    def _preempt_for(self, req: Request, num_new: int) -> list[int] | None:
+        """Preempt until `req` gets its blocks; None if `req` itself had to go. The victim is
+        the lowest-priority, latest request still unplanned (running is sorted, and every
+        planned request is before `req`)."""
+        while True:
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is req:
+                return None
+            added = self.kv.allocate_slots(req, num_new)
+            if added is not None:
+                return added
+
+    def _swap_in(self, budget: int, plan: PlanBuilder, pairs: list[tuple[int, int]]) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
+            if req.num_in_flight:
+                break  # preempted while its token was on its way: back once it has arrived
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             got = self.kv.swap_in(req, num_new)
             if got is None:
@@ -245,17 +255,19 @@ class Scheduler:
             self.stats.num_swap_ins += 1
             added = self.kv.allocate_slots(req, num_new)
             assert added is not None, "swap_in reserved room for this step's tokens"
-            batch.append((req, num_new, added))
+            plan.add(req, num_new, added)
             budget -= num_new
         return budget
 
-    def _admit(self, budget: int, batch: Batch) -> int:
+    def _admit(self, budget: int, plan: PlanBuilder) -> int:
         waiting = self.waiting
         while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.requests.get(waiting[0][1])
             if req is None or req.status != Status.WAITING:
                 heapq.heappop(waiting)  # aborted while waiting
                 continue
+            if req.num_in_flight:
+                break  # preempted while its token was on its way: back once it has arrived
             hits = self.kv.get_computed_blocks(req)
             num_computed = len(hits) * self.block_size
             num_new = req.num_tokens - num_computed
@@ -273,77 +285,17 @@ class Scheduler:
                 self.stats.prefix_cache_hits += num_computed
                 req.num_cached_tokens = num_computed
             insort(self.running, req, key=_sort_key)
-            batch.append((req, num_new, added))
+            plan.add(req, num_new, added)
             budget -= num_new
         return budget
 
-    def _build_plan(self, batch: Batch, swap_in: list[tuple[int, int]]) -> StepPlan:
-        new_reqs: list[NewRequestData] = []
-        cached: list[CachedRequestData] = []
-        scheduled: list[tuple[int, int]] = []
-        masked = []
-        for req, num_new, added in batch:
-            if not req.in_worker:
-                new_reqs.append(
-                    NewRequestData(
-                        req.req_id, list(req.token_ids), list(req.block_ids),
-                        req.num_computed_tokens, req.params, req.num_prompt_tokens,
-                        sorted(req.eos_token_ids),
-                    )
-                )
-                req.in_worker = True
-            elif added:
-                cached.append(CachedRequestData(req.req_id, added))
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                self.stats.computed_prompt_tokens += min(num_new, req.num_prompt_tokens - req.num_computed_tokens)
-            req.num_computed_tokens += num_new
-            scheduled.append((req.req_id, num_new))
-            if req.matcher is not None and req.num_computed_tokens == req.num_tokens:
-                masked.append((req.req_id, req.matcher))  # its mask goes with this step
+    def _build_plan(self, plan: PlanBuilder, swap_in: list[tuple[int, int]]) -> StepPlan:
         self.step_id += 1
         drop, self._worker_drop = self._worker_drop, []
         swap_out, self._swap_out = self._swap_out, []
-        return StepPlan(self.step_id, scheduled, new_reqs, cached, drop, swap_out=swap_out, swap_in=swap_in,
-                        grammar=self.grammars.fill_bitmask(masked) if masked else None)
-
-    # ---- reconciling -----------------------------------------------------
-
-    def update_from_result(self, result: StepResult) -> None:
-        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
-        requests, updates, running_status = self.requests, self.updates, Status.RUNNING
-        finished = False
-        for j, (rid, tok) in enumerate(zip(result.req_ids, result.token_ids, strict=True)):
-            req = requests.get(rid)
-            if req is None or req.status != running_status:
-                continue  # aborted or preempted after the step was planned
-            req.token_ids.append(tok)
-            lp = logprobs[j] if logprobs is not None else None
-            reason = self._stop_reason(req, tok)
-            err = (ErrorCode.INTERNAL, f"token {tok} breaks the grammar") if reason == "error" else (None, None)
-            updates.append(RequestUpdate(rid, [tok], reason, None if lp is None else [lp], *err, req.num_cached_tokens,
-                                         None if prompt_logprobs is None else prompt_logprobs[j]))
-            if reason is not None:
-                self._finish(req)
-                finished = True
-        self.stats.generation_tokens += len(result.token_ids)
-        if finished:
-            self.running = [r for r in self.running if r.status == running_status]
-        self.stats.num_steps += 1
-
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
-        # vLLM's order: length caps first, then stop tokens once min_tokens is met.
-        n = len(req.token_ids)
-        n_out = n - req.num_prompt_tokens
-        grammar = advance(req.matcher, tok) if req.matcher is not None else None
-        if n_out >= req.max_tokens or n >= self.max_model_len:
-            return "length"
-        if grammar is not None:
-            return grammar  # a complete grammar ends it ("stop") even before min_tokens
-        if n_out < req.params.min_tokens:
-            return None
-        if tok in req.eos_token_ids or tok in req.stop_ids:
-            return "stop"
-        return None
+        masked = plan.masked
+        return StepPlan(self.step_id, plan.scheduled, plan.new_requests, plan.cached, drop, swap_out=swap_out,
+                        swap_in=swap_in, grammar=self.grammars.fill_bitmask(masked) if masked else None)
 
     # ---- state changes ---------------------------------------------------
 

@@ -39,7 +39,10 @@ class FakeWorker:
             del self.reqs[rid]
         for nr in plan.new_requests:
             assert nr.req_id not in self.reqs, f"req {nr.req_id} sent twice as new"
-            self.reqs[nr.req_id] = {"tokens": list(nr.token_ids), "blocks": list(nr.block_ids), "computed": nr.num_computed_tokens}
+            # The last token a request may compute: its last output token is sampled, never fed back.
+            last = nr.num_prompt_tokens + nr.params.max_tokens - 1 if nr.params.max_tokens else None
+            self.reqs[nr.req_id] = {"tokens": list(nr.token_ids), "blocks": list(nr.block_ids),
+                                    "computed": nr.num_computed_tokens, "last": last}
         for cr in plan.cached_requests:
             blocks = self.reqs[cr.req_id]["blocks"]
             for idx, block in cr.replaced:
@@ -57,6 +60,7 @@ class FakeWorker:
             st = self.reqs[rid]
             c = st["computed"]
             assert c + n <= len(st["tokens"]), f"req {rid}: scheduled past its known tokens"
+            assert st["last"] is None or c + n <= st["last"], f"req {rid}: scheduled past max_tokens"
             assert len(st["blocks"]) * bs >= c + n, f"req {rid}: too few blocks for {c + n} tokens"
             for pos in range(c, c + n):
                 self.kv[st["blocks"][pos // bs]][pos % bs] = (st["tokens"][pos], pos)

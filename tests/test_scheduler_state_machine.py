@@ -8,7 +8,9 @@ counts equal owners, no block is owned twice or leaked, with caching off no
 block is shared outside a request's samples, every cached hash maps to a
 block that holds exactly the tokens hashed, outputs equal the brute-force
 model's, and every request ends exactly once; when all requests end, every
-block is free.
+block is free. With async scheduling drawn on, each step is planned before the
+previous step's result is applied (as the scheduler process does): the worker
+runs the plans in order, and outputs must still equal the model's token for token.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         swap=st.booleans(),
         cpu_blocks=st.integers(0, 24),
         caching=st.booleans(),
+        ahead=st.booleans(),
     )
-    def setup(self, num_blocks, budget, max_seqs, swap, cpu_blocks, caching):
+    def setup(self, num_blocks, budget, max_seqs, swap, cpu_blocks, caching, ahead):
         kvm.chain_hash = _recording_chain_hash
         cfg = EngineConfig(
             block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
@@ -56,12 +59,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self.s = Scheduler(cfg, num_blocks, 10_000, cpu_blocks)
         self.w = FakeWorker(num_blocks, BS, vocab=VOCAB, num_cpu_blocks=cpu_blocks)
+        self.sizes = (num_blocks, cpu_blocks)
         self.next_id = 0
         self.prompts: dict[int, list[int]] = {}
         self.outputs: dict[int, list[int]] = {}
         self.ended: dict[int, str] = {}
+        self.max_tokens: dict[int, int] = {}
         self.group: dict[int, int] = {}  # req_id -> its client request's first engine id
         self.shared = False
+        self.ahead = ahead  # async scheduling
+        self.in_flight = None  # the result of the step planned before the last one (ahead only)
 
     def teardown(self):
         kvm.chain_hash = _real_chain_hash
@@ -73,11 +80,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("prefix hit" if st_.prefix_cache_hits else "no prefix hit")
             caching = "caching on" if self.s.kv.enable_prefix_caching else "caching off"
             event(f"samples shared a block, {caching}" if self.shared else "no sample sharing")
+            event("async scheduling" if self.ahead else "sync scheduling")
+
+    def _busy(self):
+        return self.s.has_work() or self.in_flight is not None
 
     def _run_step(self):
-        plan = self.s.schedule()
-        assert not plan.copies, "only full blocks are shared, and they are never written"
-        self.s.update_from_result(self.w.execute(plan))
+        """One turn of the scheduler process: plan and send a step if there is work, then
+        (ahead: only now) apply the result of the step before it."""
+        result = None
+        if self.s.has_work():
+            plan = self.s.schedule()
+            assert not plan.copies, "only full blocks are shared, and they are never written"
+            result = self.w.execute(plan)
+        if self.ahead:
+            result, self.in_flight = self.in_flight, result
+        if result is not None:
+            self.s.update_from_result(result)
 
     @rule(
         prefix=st.sampled_from(PREFIXES),
@@ -98,6 +117,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.next_id += 1
             self.prompts[rid] = prompt
             self.outputs[rid] = []
+            self.max_tokens[rid] = max_tokens
             self.group[rid] = first
             params = SamplingParams(max_tokens=max_tokens)
             self.s.add_request(EngineRequest(rid, prompt, params, [EOS], priority, first if n > 1 else None))
@@ -116,7 +136,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(steps=st.integers(1, 4))
     def step(self, steps):
         for _ in range(steps):
-            if not self.s.has_work():
+            if not self._busy():
                 return
             self._run_step()
             self._collect()
@@ -124,13 +144,24 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: hasattr(self, "s"))
     @rule()
+    def lose_worker(self):
+        """The worker group dies with its KV (and, ahead, with the step in flight, whose
+        result is never applied); a new one of the same size takes over."""
+        self.s.reset_after_worker_loss()
+        self.in_flight = None
+        self.w = FakeWorker(self.sizes[0], BS, vocab=VOCAB, num_cpu_blocks=self.sizes[1])
+        event("worker lost")
+        self._collect()
+
+    @precondition(lambda self: hasattr(self, "s"))
+    @rule()
     def drain(self):
         for _ in range(2000):
-            if not self.s.has_work():
+            if not self._busy():
                 break
             self._run_step()
             self._collect()
-        assert not self.s.has_work(), "the engine did not finish its work"
+        assert not self._busy(), "the engine did not finish its work"
         assert set(self.ended) == set(self.prompts), "a request never ended"
         assert self.s.kv.pool.num_free == self.s.kv.pool.num_blocks, "blocks leaked"
         assert len(self.s.kv.cpu_free) == self.s.kv.num_cpu_blocks, "CPU blocks leaked"
@@ -147,6 +178,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.ended[u.req_id] = "error"
                 continue
             self.outputs[u.req_id].extend(u.new_token_ids)
+            out, cap = self.outputs[u.req_id], self.max_tokens[u.req_id]
+            assert len(out) <= cap, f"request {u.req_id}: {len(out)} tokens, max_tokens {cap}"
+            if u.finish_reason == "length":  # max_tokens, or the cache's whole size
+                full = len(self.prompts[u.req_id]) + len(out) >= self.s.max_model_len
+                assert len(out) == cap or full, f"request {u.req_id} ended at {len(out)} of {cap} tokens"
+            if u.finish_reason == "stop":
+                assert out[-1] == EOS, f"request {u.req_id} stopped on {out[-1]}"
             if u.finish_reason:
                 self.ended[u.req_id] = u.finish_reason
 
@@ -159,7 +197,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         holders: dict[int, list[int]] = {}  # block -> the groups of the requests holding it
         for r in s.requests.values():
             assert len(set(r.block_ids)) == len(r.block_ids), f"request {r.req_id} owns a block twice"
-            assert r.num_computed_tokens <= r.num_tokens
+            assert r.num_computed_tokens <= r.num_worker_tokens <= r.num_tokens + (1 if self.ahead else 0)
             for b in r.block_ids:
                 holders.setdefault(b, []).append(self.group[r.req_id])
         for b, groups in holders.items():

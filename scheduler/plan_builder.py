@@ -1,0 +1,48 @@
+"""Collects one step's plan as the scheduler decides it, request by request.
+
+Each request is written into the plan the moment it is scheduled (it is never
+un-scheduled: preemption only takes requests not yet planned), so the plan's lists
+come out in batch order without a second pass over the batch. A plain decode adds
+only its `(req_id, 1)` pair (the scheduler's hot path appends to `scheduled` itself).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from noria.protocol.client import SchedulerStats
+from noria.protocol.step import CachedRequestData, NewRequestData
+from noria.scheduler.request import Request
+
+
+class PlanBuilder:
+    __slots__ = ("scheduled", "new_requests", "cached", "masked", "stats")
+
+    def __init__(self, stats: SchedulerStats) -> None:
+        self.scheduled: list[tuple[int, int]] = []
+        self.new_requests: list[NewRequestData] = []
+        self.cached: list[CachedRequestData] = []
+        self.masked: list[tuple[int, Any]] = []  # (req_id, matcher) of the constrained samples
+        self.stats = stats
+
+    def add(self, req: Request, num_new: int, added: list[int]) -> None:
+        """Schedule `num_new` tokens of `req`, whose block table grew by `added`."""
+        c = req.num_computed_tokens
+        if not req.in_worker:
+            self.new_requests.append(
+                NewRequestData(
+                    req.req_id, list(req.token_ids), list(req.block_ids), c, req.params,
+                    req.num_prompt_tokens, sorted(req.eos_token_ids),
+                )
+            )
+            req.in_worker = True
+        elif added:
+            self.cached.append(CachedRequestData(req.req_id, added))
+        if c < req.num_prompt_tokens:
+            self.stats.computed_prompt_tokens += min(num_new, req.num_prompt_tokens - c)
+        req.num_computed_tokens = c = c + num_new
+        self.scheduled.append((req.req_id, num_new))
+        if c == req.num_worker_tokens:  # it samples in this step
+            req.num_worker_tokens = c + 1
+            if req.matcher is not None:
+                self.masked.append((req.req_id, req.matcher))  # its mask goes with this step
