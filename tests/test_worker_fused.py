@@ -63,3 +63,22 @@ def test_rope_split_is_bit_for_bit_apply_rope(rows: int, heads: int, kv_heads: i
     x1, x2 = x.chunk(2, dim=-1)
     c, s = cos.double(), sin.double()
     torch.testing.assert_close(q.double(), torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (1, 32000), (3, 7), (9, 1001), (40, 32000)])
+def test_argmax_rows_is_torch_argmax(rows: int, vocab: int) -> None:
+    torch.manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab + 3)[:, :vocab]  # rows through a stride
+    assert torch.equal(fused_kernels.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_rows_ties_infinities_and_nan_follow_torch() -> None:
+    logits = torch.randn(6, 45)
+    logits[0, 3] = logits[0, 40] = 50.0  # a tie: the first index
+    logits[1] = float("-inf")  # everything masked: index 0
+    logits[2, 44] = float("inf")  # in the scalar tail
+    logits[3, 17] = float("nan")  # torch's answer for a NaN row
+    logits[4, 20] = float("nan")
+    logits[4, 21] = float("inf")
+    logits[5] = 1.0
+    assert torch.equal(fused_kernels.argmax_rows(logits), logits.argmax(dim=-1))

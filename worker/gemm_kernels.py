@@ -44,6 +44,7 @@ def build(src: Path, flags: list[str]) -> ctypes.CDLL | None:
         return None
     digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"{src.stem}-{digest}.so"
+    tmp = None
     try:
         if not lib.exists():
             lib.parent.mkdir(parents=True, exist_ok=True)
@@ -53,6 +54,8 @@ def build(src: Path, flags: list[str]) -> ctypes.CDLL | None:
             os.replace(tmp.name, lib)  # atomic: concurrent workers never load half a file
         return ctypes.CDLL(str(lib))
     except (OSError, subprocess.CalledProcessError) as e:
+        if tmp is not None:
+            Path(tmp.name).unlink(missing_ok=True)
         log.warning("native CPU kernels in %s unavailable, using torch: %s", src.name, e)
         return None
 

@@ -13,6 +13,7 @@
 #define VL 8
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 static float sum_squares(const float *x, int64_t n) {
     vf acc = {0};
@@ -65,5 +66,39 @@ void rope_split(const float *qkv, int64_t ld, const float *cos, const float *sin
             }
         }
         memcpy(v + t * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
+    }
+}
+
+/* Greedy sampling: the index of each row's largest value, the first one on ties
+ * (torch.argmax's answer). Two vector passes (the max, then its first index)
+ * instead of torch's scalar compare-and-select. A row with a NaN gets -1: the
+ * caller asks torch for it, whose answer is the NaN's index. */
+void argmax_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = x + r * ld;
+        vf m = (vf){0} - __builtin_inff();
+        vi nan = {0};
+        int64_t i = 0;
+        for (; i + VL <= n; i += VL) {
+            const vf v = *(const vfu *)(p + i);
+            const vi gt = v > m; /* lanes of all ones where v is larger: a branch-free select */
+            m = (vf)(((vi)v & gt) | ((vi)m & ~gt));
+            nan |= v != v;
+        }
+        float best = m[0];
+        int bad = 0;
+        for (int j = 0; j < VL; j++) best = m[j] > best ? m[j] : best, bad |= nan[j];
+        for (; i < n; i++) {
+            bad |= p[i] != p[i];
+            best = p[i] > best ? p[i] : best;
+        }
+        int64_t index = -1;
+        if (!bad)
+            for (i = 0; i < n; i++)
+                if (p[i] == best) {
+                    index = i;
+                    break;
+                }
+        out[r] = index;
     }
 }
