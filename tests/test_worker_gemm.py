@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from noria.worker import gemm_kernels
+from noria.worker import fused_kernels, gemm_kernels
 from noria.worker.gemm_kernels import PackedWeight, gemm
+from noria.worker.models.layers import RMSNorm, linear, pack_linear_weight
 
 pytestmark = pytest.mark.skipif(gemm_kernels.load() is None, reason="no C compiler: the native GEMM is not built")
 
@@ -71,3 +74,26 @@ def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.delenv("NORIA_DISABLE_CPU_GEMM")
         gemm_kernels.load.cache_clear()
+
+
+def test_no_compiler_falls_back_to_onednn_and_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No compiler (and nothing built yet): no native kernels, and the layers still compute."""
+    monkeypatch.setenv("NORIA_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    gemm_kernels.load.cache_clear()
+    fused_kernels.load.cache_clear()
+    try:
+        assert gemm_kernels.load() is None and fused_kernels.load() is None
+        weight, x = torch.randn(24, 16), torch.randn(5, 16)
+        packed = pack_linear_weight(weight)
+        assert not isinstance(packed, PackedWeight)
+        torch.testing.assert_close(linear(x, weight, None, packed), x @ weight.T, rtol=1e-5, atol=1e-5)
+        norm = RMSNorm(16, 1e-6)
+        norm.weight.data.fill_(1.0)
+        out, residual = norm.add_forward(x.clone(), x)
+        assert torch.equal(residual, x + x)
+        torch.testing.assert_close(out, norm(x + x))
+        assert torch.equal(fused_kernels.argmax_rows(x), x.argmax(dim=-1))
+    finally:
+        gemm_kernels.load.cache_clear()
+        fused_kernels.load.cache_clear()
