@@ -1,4 +1,4 @@
-"""The CPU linear layer: oneDNN's pre-packed weight against a float64 reference."""
+"""The CPU linear layer: the native and oneDNN pre-packed weights against a float64 reference."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from noria.worker import gemm_kernels
+from noria.worker.gemm_kernels import PackedWeight
 from noria.worker.loader import load_model, load_spec
 from noria.worker.models.layers import (
     PACKED_MAX_ROWS,
@@ -20,13 +22,17 @@ from tests.tiny_models import make_checkpoint
 
 @pytest.mark.parametrize("rows", [0, 1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 17, 64, 65, 130, 256, 257, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_matches_float64_reference(rows: int, with_bias: bool) -> None:
+@pytest.mark.parametrize("native", [False, True])
+def test_linear_matches_float64_reference(rows: int, with_bias: bool, native: bool) -> None:
     torch.manual_seed(rows)
     weight = torch.randn(96, 80) * 0.1
     bias = torch.randn(96) if with_bias else None
     x = torch.randn(rows, 80)
-    packed = pack_linear_weight(weight)
+    if native and not gemm_kernels.usable(weight):
+        pytest.skip("no C compiler: the native GEMM is not built")
+    packed = pack_linear_weight(weight, native=native)
     assert packed is not None, "oneDNN packing is unavailable in this torch build"
+    assert isinstance(packed, PackedWeight) == native
     want = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
     for got in (linear(x, weight, bias, packed), linear(x, weight, bias, None)):
         assert got.shape == (rows, 96) and got.dtype == torch.float32

@@ -16,6 +16,7 @@ import torch
 
 from noria.protocol.client import Logprob
 from noria.protocol.sampling import SamplingParams
+from noria.worker.fused_kernels import argmax_rows
 from noria.worker.logits_processors import apply_processors, make_processors
 
 _MASK64 = (1 << 64) - 1
@@ -102,7 +103,7 @@ class Sampler:
         if any(s.processors is not None for s in states):
             apply_processors(logits, [s.processors for s in states])
         if all(s.greedy and s.output_counts is None and not s.min_tokens_active for s in states):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = self._sample_general(logits, states)
         token_list: list[int] = tokens.tolist()
@@ -123,7 +124,7 @@ class Sampler:
                 cols += s.min_tokens_stop_ids
         if rows:
             logits[rows, cols] = float("-inf")
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         random_rows = [i for i, s in enumerate(states) if not s.greedy]
         if random_rows:
             tokens[random_rows] = self._sample_random(logits[random_rows], [states[i] for i in random_rows])

@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from noria.worker import fused_kernels
 from noria.worker.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from noria.worker.models.layers import (
+    Packed,
     RMSNorm,
     RotaryEmbedding,
     apply_rope,
@@ -60,7 +62,7 @@ class StepContext:
 
 
 def _row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  packed: torch.Tensor | None, tp: TensorParallel) -> torch.Tensor:
+                  packed: Packed | None, tp: TensorParallel) -> torch.Tensor:
     """x holds this rank's slice of the input features: partial sums, all-reduced;
     the bias is added once, after the sum."""
     if tp.size == 1:
@@ -83,8 +85,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
         self.attn = LayerAttention(h, kvh, d, d**-0.5, spec.sliding_windows[layer_index])
-        self.qkv_packed: torch.Tensor | None = None
-        self.o_packed: torch.Tensor | None = None
+        self.qkv_packed: Packed | None = None
+        self.o_packed: Packed | None = None
 
     def pack_weights(self) -> None:
         self.qkv_packed = pack_linear_weight(self.qkv_proj)
@@ -94,17 +96,24 @@ class Attention(nn.Module):
         t = x.shape[0]
         a = self.attn
         qkv = linear(x, self.qkv_proj, self.qkv_bias, self.qkv_packed)
+        if self.q_norm is None and fused_kernels.usable(qkv):
+            # One pass: rotary on q and k (bit for bit apply_rope) and contiguous q, k, v.
+            q, k, v = fused_kernels.rope_split(qkv, ctx.cos, ctx.sin, a.num_heads, a.num_kv_heads, a.head_dim)
+        else:
+            q, k, v = self._split_rope(qkv, ctx)
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        out = ctx.backend.forward(a, q, k, v, k_cache, v_cache, ctx.meta)
+        return _row_parallel(out.reshape(t, self.q_size), self.o_proj, self.o_bias, self.o_packed, self.tp)
+
+    def _split_rope(self, qkv: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, a = qkv.shape[0], self.attn
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(t, a.num_heads, a.head_dim)
         k = k.view(t, a.num_kv_heads, a.head_dim)
         v = v.view(t, a.num_kv_heads, a.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, ctx.cos, ctx.sin)
-        k = apply_rope(k, ctx.cos, ctx.sin)
-        k_cache, v_cache = ctx.kv_caches[self.layer_index]
-        out = ctx.backend.forward(a, q, k, v.contiguous(), k_cache, v_cache, ctx.meta)
-        return _row_parallel(out.reshape(t, self.q_size), self.o_proj, self.o_bias, self.o_packed, self.tp)
+        return apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin), v.contiguous()
 
 
 class MLP(nn.Module):
@@ -116,8 +125,8 @@ class MLP(nn.Module):
         self.gate_up_bias = _param(2 * inter) if spec.mlp_bias else None
         self.down_proj = _param(spec.hidden_size, inter)
         self.down_bias = _param(spec.hidden_size) if spec.mlp_bias else None
-        self.gate_up_packed: torch.Tensor | None = None
-        self.down_packed: torch.Tensor | None = None
+        self.gate_up_packed: Packed | None = None
+        self.down_packed: Packed | None = None
 
     def pack_weights(self) -> None:
         self.gate_up_packed = pack_linear_weight(self.gate_up_proj)
@@ -136,9 +145,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the add of
+        a layer's output to the stream is fused into the next norm, as in vLLM.
+        `x` is the previous layer's output (or the embedding, with no residual)."""
+        normed, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(normed, ctx)
+        normed, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(normed), residual
 
 
 # Checkpoint name suffix -> (our fused parameter, which slice of it).
@@ -173,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         vocab_rows = shapes.vocab_end - shapes.vocab_start
         self.lm_head = None if spec.tie_word_embeddings else _param(vocab_rows, spec.hidden_size)
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: Packed | None = None
 
     def forward(
         self,
@@ -187,9 +202,10 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         ctx = StepContext(meta, backend, kv_caches, cos, sin)
+        residual = None
         for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, ctx)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [rows, vocab] on rank 0; None on the other ranks."""

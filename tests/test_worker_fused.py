@@ -1,0 +1,84 @@
+"""The fused CPU elementwise kernels (worker/csrc/fused_f32.c) against torch and float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from noria.worker import fused_kernels
+from noria.worker.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from noria.worker.models.spec import RopeSpec
+
+pytestmark = pytest.mark.skipif(fused_kernels.load() is None, reason="no C compiler: the fused kernels are not built")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 300])
+@pytest.mark.parametrize("n", [1, 7, 8, 64, 100, 768])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_float64(rows: int, n: int, with_residual: bool) -> None:
+    torch.manual_seed(rows * 31 + n)
+    h = torch.randn(rows, n) * 3
+    residual = torch.randn(rows, n) if with_residual else None
+    weight = torch.randn(n)
+    eps = 1e-5
+    total = h.double() + (residual.double() if residual is not None else 0)
+    want = weight.double() * total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps)
+    got, new_residual = fused_kernels.add_rms_norm(h.clone(), residual, weight, eps)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    # The residual stream is the float32 sum, exactly as torch adds it.
+    want_sum = h + residual if residual is not None else h
+    assert torch.equal(new_residual, want_sum)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_add_rms_norm_agrees_with_the_torch_module(rows: int) -> None:
+    """The module's fused and plain paths give the same result (to float32 rounding)."""
+    torch.manual_seed(rows)
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data.normal_()
+    h, residual = torch.randn(rows, 96), torch.randn(rows, 96)
+    fused, fused_res = norm.add_forward(h.clone(), residual)
+    assert torch.equal(fused_res, residual + h)
+    torch.testing.assert_close(fused, norm(residual + h), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 13, 65])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (4, 4, 128), (3, 1, 6), (2, 2, 34)])
+def test_rope_split_is_bit_for_bit_apply_rope(rows: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    torch.manual_seed(rows + heads * 7 + head_dim)
+    rotary = RotaryEmbedding(RopeSpec(theta=10000.0), head_dim)
+    positions = torch.randint(0, 4000, (rows,))
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    width = (heads + 2 * kv_heads) * head_dim
+    wide = torch.randn(rows, width + 5)
+    qkv = wide[:, :width]  # rows through a stride, as a slice of a wider buffer
+    q, k, v = fused_kernels.rope_split(qkv, cos, sin, heads, kv_heads, head_dim)
+    q_ref, k_ref, v_ref = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    assert torch.equal(q, apply_rope(q_ref.reshape(rows, heads, head_dim), cos, sin))
+    assert torch.equal(k, apply_rope(k_ref.reshape(rows, kv_heads, head_dim), cos, sin))
+    assert torch.equal(v, v_ref.reshape(rows, kv_heads, head_dim))
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    # And apply_rope itself against float64 rotation.
+    x = q_ref.reshape(rows, heads, head_dim).double()
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos.double(), sin.double()
+    torch.testing.assert_close(q.double(), torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (1, 32000), (3, 7), (9, 1001), (40, 32000)])
+def test_argmax_rows_is_torch_argmax(rows: int, vocab: int) -> None:
+    torch.manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab + 3)[:, :vocab]  # rows through a stride
+    assert torch.equal(fused_kernels.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_rows_ties_infinities_and_nan_follow_torch() -> None:
+    logits = torch.randn(6, 45)
+    logits[0, 3] = logits[0, 40] = 50.0  # a tie: the first index
+    logits[1] = float("-inf")  # everything masked: index 0
+    logits[2, 44] = float("inf")  # in the scalar tail
+    logits[3, 17] = float("nan")  # torch's answer for a NaN row
+    logits[4, 20] = float("nan")
+    logits[4, 21] = float("inf")
+    logits[5] = 1.0
+    assert torch.equal(fused_kernels.argmax_rows(logits), logits.argmax(dim=-1))

@@ -1,0 +1,99 @@
+"""The native float32 GEMM (worker/csrc/gemm_f32.c) against a float64 reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from noria.worker import fused_kernels, gemm_kernels
+from noria.worker.gemm_kernels import PackedWeight, gemm
+from noria.worker.models.layers import RMSNorm, linear, pack_linear_weight
+
+pytestmark = pytest.mark.skipif(gemm_kernels.load() is None, reason="no C compiler: the native GEMM is not built")
+
+
+def _nr() -> int:
+    dll = gemm_kernels.load()
+    assert dll is not None
+    return int(dll.gemm_nr())
+
+
+# Odd sizes on purpose: row counts around the 6-row register tile and the
+# 192-row block, output features around the panel width (a zero-padded tail
+# panel), reduction lengths that are not a multiple of any vector width.
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 191, 193, 400])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 3), (15, 17), (33, 64), (100, 129), (257, 200)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_matches_float64(rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
+    torch.manual_seed(rows * 1000 + out_features + in_features)
+    weight = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features) if with_bias else None
+    x = torch.randn(rows, in_features)
+    got = gemm(x, PackedWeight(weight), bias)
+    want = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * in_features**0.5)
+
+
+def test_strided_rows_and_thread_counts_give_identical_results() -> None:
+    """Rows read through a row stride (a slice of a wider tensor) and any thread
+    count: every output is the same in-order sum, so bit for bit the same."""
+    torch.manual_seed(0)
+    weight = torch.randn(3 * _nr() + 5, 96)
+    wide = torch.randn(37, 200)
+    x = wide[:, 10:106]
+    assert not x.is_contiguous()
+    packed = PackedWeight(weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm(x, packed, None)
+        torch.set_num_threads(max(2, threads))
+        many = gemm(x, packed, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    assert torch.equal(one, gemm(x.contiguous(), packed, None))
+    # A row's result does not depend on the other rows of its batch.
+    assert torch.equal(one[5:6], gemm(x[5:6], packed, None))
+
+
+def test_empty_batch() -> None:
+    out = gemm(torch.empty(0, 8), PackedWeight(torch.randn(4, 8)), None)
+    assert out.shape == (0, 4)
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    gemm_kernels.load.cache_clear()
+    monkeypatch.setenv("NORIA_DISABLE_CPU_GEMM", "1")
+    try:
+        assert gemm_kernels.load() is None
+        assert not gemm_kernels.usable(torch.randn(4, 4))
+    finally:
+        monkeypatch.delenv("NORIA_DISABLE_CPU_GEMM")
+        gemm_kernels.load.cache_clear()
+
+
+def test_no_compiler_falls_back_to_onednn_and_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No compiler (and nothing built yet): no native kernels, and the layers still compute."""
+    monkeypatch.setenv("NORIA_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    gemm_kernels.load.cache_clear()
+    fused_kernels.load.cache_clear()
+    try:
+        assert gemm_kernels.load() is None and fused_kernels.load() is None
+        weight, x = torch.randn(24, 16), torch.randn(5, 16)
+        packed = pack_linear_weight(weight)
+        assert not isinstance(packed, PackedWeight)
+        torch.testing.assert_close(linear(x, weight, None, packed), x @ weight.T, rtol=1e-5, atol=1e-5)
+        norm = RMSNorm(16, 1e-6)
+        norm.weight.data.fill_(1.0)
+        out, residual = norm.add_forward(x.clone(), x)
+        assert torch.equal(residual, x + x)
+        torch.testing.assert_close(out, norm(x + x))
+        assert torch.equal(fused_kernels.argmax_rows(x), x.argmax(dim=-1))
+    finally:
+        gemm_kernels.load.cache_clear()
+        fused_kernels.load.cache_clear()

@@ -1,0 +1,104 @@
+/* Fused float32 elementwise steps of a decoder layer for the CPU torch backend.
+ *
+ * Each replaces 5-15 small torch operators (each a dispatch, an allocation
+ * and a pass over memory) with one pass. Compiled with -ffp-contract=off so
+ * that every multiply and add rounds on its own, exactly as torch's separate
+ * operators do: rotary is bit for bit torch's, and RMSNorm differs from torch
+ * only in the order in which the sum of squares is added up.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define VL 8
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+static float sum_squares(const float *x, int64_t n) {
+    vf acc = {0};
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) {
+        const vf v = *(const vfu *)(x + i);
+        acc += v * v;
+    }
+    float s = 0.f;
+    for (int j = 0; j < VL; j++) s += acc[j];
+    for (; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+/* Per row: h = h + residual (when residual is not NULL; h then holds the new
+ * residual stream), out = weight * (h * (1 / sqrt(mean(h^2) + eps))), the
+ * operator order of transformers' LlamaRMSNorm in float32. */
+void add_rms_norm(float *h, const float *residual, const float *weight, float *out, int64_t rows, int64_t n,
+                  float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && rows * n >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = h + r * n;
+        if (residual != NULL) {
+            const float *res = residual + r * n;
+            for (int64_t i = 0; i < n; i++) x[i] = x[i] + res[i];
+        }
+        const float inv = 1.f / sqrtf(sum_squares(x, n) / (float)n + eps);
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) o[i] = weight[i] * (x[i] * inv);
+    }
+}
+
+/* Neox rotary on q and k and the split of a fused qkv row, in one pass:
+ * qkv [T, ld] holds q (H heads), k (KVH heads), v (KVH heads) of size D;
+ * cos, sin [T, D/2]. q [T, H, D], k and v [T, KVH, D] are written contiguous.
+ * Per pair (x1, x2) = (x[i], x[i + D/2]): x1 * c - x2 * s and x2 * c + x1 * s. */
+void rope_split(const float *qkv, int64_t ld, const float *cos, const float *sin, float *q, float *k, float *v,
+                int64_t T, int64_t H, int64_t KVH, int64_t D, int num_threads) {
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = qkv + t * ld, *c = cos + t * half, *s = sin + t * half;
+        for (int64_t head = 0; head < H + KVH; head++) {
+            const float *x = row + head * D;
+            float *o = head < H ? q + (t * H + head) * D : k + (t * KVH + head - H) * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                o[i] = x1 * c[i] - x2 * s[i];
+                o[i + half] = x2 * c[i] + x1 * s[i];
+            }
+        }
+        memcpy(v + t * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
+    }
+}
+
+/* Greedy sampling: the index of each row's largest value, the first one on ties
+ * (torch.argmax's answer). Two vector passes (the max, then its first index)
+ * instead of torch's scalar compare-and-select. A row with a NaN gets -1: the
+ * caller asks torch for it, whose answer is the NaN's index. */
+void argmax_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = x + r * ld;
+        vf m = (vf){0} - __builtin_inff();
+        vi nan = {0};
+        int64_t i = 0;
+        for (; i + VL <= n; i += VL) {
+            const vf v = *(const vfu *)(p + i);
+            const vi gt = v > m; /* lanes of all ones where v is larger: a branch-free select */
+            m = (vf)(((vi)v & gt) | ((vi)m & ~gt));
+            nan |= v != v;
+        }
+        float best = m[0];
+        int bad = 0;
+        for (int j = 0; j < VL; j++) best = m[j] > best ? m[j] : best, bad |= nan[j];
+        for (; i < n; i++) {
+            bad |= p[i] != p[i];
+            best = p[i] > best ? p[i] : best;
+        }
+        int64_t index = -1;
+        if (!bad)
+            for (i = 0; i < n; i++)
+                if (p[i] == best) {
+                    index = i;
+                    break;
+                }
+        out[r] = index;
+    }
+}

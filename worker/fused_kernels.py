@@ -1,0 +1,94 @@
+"""Fused elementwise steps for the CPU layers (worker/csrc/fused_f32.c): RMSNorm with
+the residual add, rotary with the q/k/v split, and the greedy argmax. `load()` is None where no C
+compiler works or NORIA_DISABLE_CPU_KERNELS=1 / NORIA_DISABLE_CPU_FUSED=1 is set;
+the layers then run the same steps as torch operators."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from noria.worker.gemm_kernels import build
+
+_SRC = Path(__file__).parent / "csrc" / "fused_f32.c"
+# -ffp-contract=off: no fused multiply-adds, each operation rounds as torch's own operators do.
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+_I64, _F32P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    if os.environ.get("NORIA_DISABLE_CPU_FUSED") == "1":
+        return None
+    dll = build(_SRC, _FLAGS)
+    if dll is None:
+        return None
+    dll.add_rms_norm.argtypes = [_F32P, _F32P, _F32P, _F32P, _I64, _I64, ctypes.c_float, ctypes.c_int]
+    dll.add_rms_norm.restype = None
+    dll.rope_split.argtypes = [_F32P, _I64, _F32P, _F32P, _F32P, _F32P, _F32P, _I64, _I64, _I64, _I64, ctypes.c_int]
+    dll.rope_split.restype = None
+    dll.argmax_rows.argtypes = [_F32P, _I64, _I64, _I64, ctypes.POINTER(ctypes.c_int64)]
+    dll.argmax_rows.restype = None
+    return dll
+
+
+def usable(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None
+
+
+def _ptr(t: torch.Tensor) -> ctypes._Pointer:
+    return ctypes.cast(t.data_ptr(), _F32P)
+
+
+def add_rms_norm(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rms_normalized(h + residual), h + residual) for [T, n] float32 rows.
+
+    `h` must be a tensor the caller owns (a layer's fresh output): the sum is
+    written into it and it is returned as the new residual stream."""
+    dll = load()
+    assert dll is not None and h.is_contiguous() and weight.is_contiguous()
+    rows, n = h.shape
+    out = torch.empty_like(h)
+    res = None
+    if residual is not None:
+        residual = residual.contiguous()
+        res = _ptr(residual)
+    dll.add_rms_norm(_ptr(h), res, _ptr(weight), _ptr(out), rows, n, eps, torch.get_num_threads())
+    return out, h
+
+
+def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k and v [T, KVH, D] (contiguous) from a fused qkv [T, (H + 2 KVH) D],
+    rotary applied to q and k; cos and sin [T, 1, D/2] contiguous."""
+    dll = load()
+    assert dll is not None and qkv.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    t = qkv.shape[0]
+    q = torch.empty(t, heads, head_dim, dtype=torch.float32)
+    k = torch.empty(t, kv_heads, head_dim, dtype=torch.float32)
+    v = torch.empty(t, kv_heads, head_dim, dtype=torch.float32)
+    dll.rope_split(_ptr(qkv), qkv.stride(0), _ptr(cos), _ptr(sin), _ptr(q), _ptr(k), _ptr(v), t, heads, kv_heads,
+                   head_dim, torch.get_num_threads())
+    return q, k, v
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) for [B, V] float32 (the same answer, ties to the first
+    index); 2x faster than torch's on a Zen 3 core (0.65 against 1.4 ms at
+    35 x 32000), where torch's compare-and-select does not vectorise."""
+    if not usable(logits) or logits.dim() != 2 or logits.stride(-1) != 1:
+        return logits.argmax(dim=-1)
+    dll = load()
+    assert dll is not None
+    rows, n = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    dll.argmax_rows(_ptr(logits), logits.stride(0), rows, n, ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_int64)))
+    bad = (out < 0).nonzero()[:, 0]
+    if len(bad):  # rows with a NaN: torch's answer (the NaN's index)
+        out[bad] = logits[bad].argmax(dim=-1)
+    return out

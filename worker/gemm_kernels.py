@@ -1,0 +1,111 @@
+"""The native float32 GEMM for the CPU linear layers (worker/csrc/gemm_f32.c).
+
+Built like worker/cpu_kernels.py: once per content hash with the system C
+compiler and -march=native (so AVX2 or AVX-512, whatever the host has), called
+through ctypes on tensors' data pointers. `load()` returns None where no
+compiler works, NORIA_DISABLE_CPU_KERNELS=1 or NORIA_DISABLE_CPU_GEMM=1 is set;
+the layers then keep oneDNN / torch. `build` serves worker/fused_kernels.py too.
+
+Unlike oneDNN's primitives it keeps no state per row count, so any batch size
+is served by the same packed weight at no memory cost.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from noria.worker.cpu_kernels import _cache_dir
+
+log = logging.getLogger("noria.worker")
+
+_SRC = Path(__file__).parent / "csrc" / "gemm_f32.c"
+# No -ffast-math: every output is one in-order sum over K (see the C file).
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_I64, _F32P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
+
+
+def build(src: Path, flags: list[str]) -> ctypes.CDLL | None:
+    """Compile `src` once per content hash into the noria cache and load it; None
+    where no compiler works or NORIA_DISABLE_CPU_KERNELS=1."""
+    if os.environ.get("NORIA_DISABLE_CPU_KERNELS") == "1":
+        return None
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"{src.stem}-{digest}.so"
+    tmp = None
+    try:
+        if not lib.exists():
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=lib.parent, suffix=".so", delete=False) as tmp:
+                pass
+            subprocess.run([cc, *flags, str(src), "-o", tmp.name, "-lm"], check=True, capture_output=True)
+            os.replace(tmp.name, lib)  # atomic: concurrent workers never load half a file
+        return ctypes.CDLL(str(lib))
+    except (OSError, subprocess.CalledProcessError) as e:
+        if tmp is not None:
+            Path(tmp.name).unlink(missing_ok=True)
+        log.warning("native CPU kernels in %s unavailable, using torch: %s", src.name, e)
+        return None
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    if os.environ.get("NORIA_DISABLE_CPU_GEMM") == "1":
+        return None
+    dll = build(_SRC, _FLAGS)
+    if dll is None:
+        return None
+    dll.gemm_nr.argtypes, dll.gemm_nr.restype = [], _I64
+    dll.gemm_f32.argtypes = [_F32P, _I64, _F32P, _F32P, _F32P, _I64, _I64, _I64, _I64, ctypes.c_int]
+    dll.gemm_f32.restype = None
+    return dll
+
+
+class PackedWeight:
+    """A [N, K] float32 weight in the kernel's panel layout ([ceil(N/NR), K, NR])."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        dll = load()
+        assert dll is not None
+        nr = int(dll.gemm_nr())
+        n, k = weight.shape
+        panels = -(-n // nr)
+        padded = torch.zeros(panels * nr, k, dtype=torch.float32)
+        padded[:n] = weight.detach()
+        self.data = padded.view(panels, nr, k).transpose(1, 2).contiguous()
+        self.out_features, self.in_features = n, k
+        self.ptr = _ptr(self.data)  # the data never moves: cast once, not per call
+
+
+def _ptr(t: torch.Tensor) -> ctypes._Pointer:
+    return ctypes.cast(t.data_ptr(), _F32P)
+
+
+def gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias): [M, N]. x float32 on the CPU with unit column stride."""
+    dll = load()
+    assert dll is not None
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, w.out_features, dtype=torch.float32)
+    if m:
+        dll.gemm_f32(_ptr(x), x.stride(0), w.ptr, None if bias is None else _ptr(bias.contiguous()),
+                     _ptr(y), w.out_features, m, w.out_features, w.in_features, torch.get_num_threads())
+    return y
+
+
+def usable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and load() is not None
