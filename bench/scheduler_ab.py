@@ -89,7 +89,7 @@ def timing(mods: dict[str, ModuleType], sizes: list[int], rounds: int, clock: ob
 
 def check(mods: dict[str, ModuleType], seed: int) -> int:
     """Random workload through every scheduler: identical plans and updates; steps run."""
-    from tests.fake_worker import FakeWorker
+    from noria.bench.fake_worker import FakeWorker
 
     rng = random.Random(seed)
     bs = rng.choice([2, 4, 16])

@@ -15,10 +15,10 @@ import random
 import pytest
 
 from noria import LLM, SamplingParams, StructuredOutput
+from noria.bench.fake_worker import FakeWorker, next_token
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest
 from noria.scheduler.scheduler import Scheduler
-from tests.fake_worker import FakeWorker, next_token
 
 EOS = 99
 

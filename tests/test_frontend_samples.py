@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from noria.bench.fake_worker import FakeWorker, next_token
 from noria.frontend.core import FrontendCore
 from noria.frontend.processor import InputProcessor
 from noria.protocol.client import Delta, Done, Error, Generate
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineOutputs, EngineRequest
 from noria.scheduler.scheduler import Scheduler
-from tests.fake_worker import FakeWorker, next_token
 
 NUM_BLOCKS = 64
 PROMPT = list(range(10, 50))  # 2 full blocks of 16 + a partial one

@@ -50,9 +50,9 @@ def test_min_tokens_and_the_length_limit_count_resumed_outputs():
     assert run(s, w)[0] == (whole[4:6], "stop")
 
     s, w = make(max_len=24)
-    s.add_request(_resumed(1, prompt, whole[:20], ignore_eos=True))  # 3 + 20 of 24: one more token
+    s.add_request(_resumed(1, prompt, whole[:20], max_tokens=30, ignore_eos=True))  # 3 + 20 of 24: one more token
     assert run(s, w)[1] == (whole[20:21], "length")
-    s.add_request(_resumed(2, prompt, whole[:21], ignore_eos=True))  # nothing left to generate
+    s.add_request(_resumed(2, prompt, whole[:21], max_tokens=30, ignore_eos=True))  # nothing left to generate
     ((_, reason),) = [v for k, v in run(s, w).items() if k == 2]
     assert reason == "error"
 

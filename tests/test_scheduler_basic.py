@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 
+from noria.bench.fake_worker import FakeWorker, next_token
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest
 from noria.protocol.sampling import SamplingParams
 from noria.scheduler.scheduler import Scheduler
-from tests.fake_worker import FakeWorker, next_token
 
 EOS = 999
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from noria.bench.fake_worker import FakeWorker
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest
 from noria.protocol.sampling import SamplingParams
 from noria.scheduler.scheduler import Scheduler
-from tests.fake_worker import FakeWorker
 from tests.test_scheduler_basic import EOS, reference, run
 
 

@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import noria.scheduler.kv_cache_manager as kvm
+from noria.bench.fake_worker import FakeWorker, next_token
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest
 from noria.protocol.sampling import SamplingParams
 from noria.scheduler.scheduler import Scheduler
-from tests.fake_worker import FakeWorker, next_token
 
 VOCAB = 40
 EOS = VOCAB - 1

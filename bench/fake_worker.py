@@ -1,4 +1,4 @@
-"""A brute-force stand-in for the worker, for scheduler tests without torch.
+"""A brute-force stand-in for the worker, for scheduler tests and `scheduler_ab --check` without torch.
 
 It keeps a model of every KV slot's content (token, position) and checks that
 whatever a step attends to was really computed for that sequence, so a wrong
