@@ -1,26 +1,18 @@
-"""Native CPU kernels for the torch backend, compiled with the system C compiler.
+"""The paged decode attention kernel for the torch backend (worker/csrc/paged_decode.c).
 
-A small C file (worker/csrc) is built once per content hash into the noria
-cache and called through ctypes on tensors' data pointers: no torch headers,
-so the build takes about a second. If no compiler works, `load()` returns
-None and the backend keeps its pure-torch path.
+Built by worker/native_build.py. If no compiler works, `load()` returns None
+and the backend keeps its pure-torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger("noria.worker")
+from noria.worker.native_build import build
 
 _SRC = Path(__file__).parent / "csrc" / "paged_decode.c"
 # Reassociation lets the dot products vectorize and no errno lets expf use the vector
@@ -30,44 +22,10 @@ _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fassociative-ma
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("NORIA_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "noria"
-    )
-    return Path(base) / "cpu-kernels"
-
-
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags: -march=native code built on an AVX-512 host must not be
-    loaded from a shared cache folder on an AVX2-only one (illegal instruction)."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
-    except OSError:
-        import platform
-
-        return platform.processor().encode()
-
-
 @cache
 def load() -> ctypes.CDLL | None:
-    if os.environ.get("NORIA_DISABLE_CPU_KERNELS") == "1":
-        return None
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        return None
-    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + _cpu_flags()).hexdigest()[:16]
-    lib = _cache_dir() / f"paged_decode-{digest}.so"
-    try:
-        if not lib.exists():
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=lib.parent, suffix=".so", delete=False) as tmp:
-                pass
-            subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp.name, "-lm"], check=True, capture_output=True)
-            os.replace(tmp.name, lib)  # atomic: concurrent workers never load half a file
-        dll = ctypes.CDLL(str(lib))
-    except (OSError, subprocess.CalledProcessError) as e:
-        log.warning("CPU kernels unavailable, using the torch path: %s", e)
+    dll = build(_SRC, _FLAGS)
+    if dll is None:
         return None
     fn = dll.paged_decode_f32
     # Pointers travel as plain ints (data_ptr()): cheaper per call than ctypes.cast.

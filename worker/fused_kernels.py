@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from noria.worker.gemm_kernels import build
+from noria.worker.native_build import build
 
 _SRC = Path(__file__).parent / "csrc" / "fused_f32.c"
 # -ffp-contract=off: no fused multiply-adds, each operation rounds as torch's own operators do.

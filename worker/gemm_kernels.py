@@ -1,10 +1,9 @@
 """The native float32 GEMM for the CPU linear layers (worker/csrc/gemm_f32.c).
 
-Built like worker/cpu_kernels.py: once per content hash with the system C
-compiler and -march=native (so AVX2 or AVX-512, whatever the host has), called
-through ctypes on tensors' data pointers. `load()` returns None where no
+Built by worker/native_build.py with -march=native (so AVX2 or AVX-512, whatever
+the host has), called through ctypes on tensors' data pointers. `load()` returns None where no
 compiler works, NORIA_DISABLE_CPU_KERNELS=1 or NORIA_DISABLE_CPU_GEMM=1 is set;
-the layers then keep oneDNN / torch. `build` serves worker/fused_kernels.py too.
+the layers then keep oneDNN / torch.
 
 Unlike oneDNN's primitives it keeps no state per row count, so any batch size
 is served by the same packed weight at no memory cost.
@@ -13,18 +12,14 @@ is served by the same packed weight at no memory cost.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from noria.worker.cpu_kernels import _cache_dir
+from noria.worker.native_build import build
 
 log = logging.getLogger("noria.worker")
 
@@ -32,32 +27,6 @@ _SRC = Path(__file__).parent / "csrc" / "gemm_f32.c"
 # No -ffast-math: every output is one in-order sum over K (see the C file).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _I64, _F32P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
-
-
-def build(src: Path, flags: list[str]) -> ctypes.CDLL | None:
-    """Compile `src` once per content hash into the noria cache and load it; None
-    where no compiler works or NORIA_DISABLE_CPU_KERNELS=1."""
-    if os.environ.get("NORIA_DISABLE_CPU_KERNELS") == "1":
-        return None
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        return None
-    digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"{src.stem}-{digest}.so"
-    tmp = None
-    try:
-        if not lib.exists():
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=lib.parent, suffix=".so", delete=False) as tmp:
-                pass
-            subprocess.run([cc, *flags, str(src), "-o", tmp.name, "-lm"], check=True, capture_output=True)
-            os.replace(tmp.name, lib)  # atomic: concurrent workers never load half a file
-        return ctypes.CDLL(str(lib))
-    except (OSError, subprocess.CalledProcessError) as e:
-        if tmp is not None:
-            Path(tmp.name).unlink(missing_ok=True)
-        log.warning("native CPU kernels in %s unavailable, using torch: %s", src.name, e)
-        return None
 
 
 @cache

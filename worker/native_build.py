@@ -1,0 +1,64 @@
+"""Build a worker/csrc C file into a shared library once, and load it.
+
+The worker's native CPU kernels are compiled with the system C compiler and
+-march=native at run time (no torch headers, about a second each), cached per
+content hash, flags and CPU features, and called through ctypes on tensors' data
+pointers. `build()` returns None where no compiler works or
+NORIA_DISABLE_CPU_KERNELS=1 is set: the callers then keep their torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("noria.worker")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("NORIA_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "noria"
+    )
+    return Path(base) / "cpu-kernels"
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags: -march=native code built on an AVX-512 host must not be
+    loaded from a shared cache folder on an AVX2-only one (illegal instruction)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
+    except OSError:
+        import platform
+
+        return platform.processor().encode()
+
+
+def build(src: Path, flags: list[str]) -> ctypes.CDLL | None:
+    if os.environ.get("NORIA_DISABLE_CPU_KERNELS") == "1":
+        return None
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode() + _cpu_flags()).hexdigest()[:16]
+    lib = cache_dir() / f"{src.stem}-{digest}.so"
+    tmp = None
+    try:
+        if not lib.exists():
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=lib.parent, suffix=".so", delete=False) as tmp:
+                pass
+            subprocess.run([cc, *flags, str(src), "-o", tmp.name, "-lm"], check=True, capture_output=True)
+            os.replace(tmp.name, lib)  # atomic: concurrent workers never load half a file
+        return ctypes.CDLL(str(lib))
+    except (OSError, subprocess.CalledProcessError) as e:
+        if tmp is not None:
+            Path(tmp.name).unlink(missing_ok=True)
+        log.warning("native CPU kernels in %s unavailable, using torch: %s", src.name, e)
+        return None
