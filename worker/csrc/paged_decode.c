@@ -12,12 +12,9 @@
  *   block's rows one after the other; the query heads of a GQA group share each
  *   K/V load. (One task per KV head read a quarter of every row and left the
  *   hardware prefetcher short, random blocks stride-jumping at every block.)
- * - Scores are taken 8 K rows at a time: 8 independent FMA chains per query
- *   load, finished by one transpose-and-add into a vector of 8 scores (one
- *   horizontal sum per row cost as much as the dot product itself).
  * - Blocks are scattered, so the hardware prefetcher loses the stream at every
  *   block boundary: each token prefetches the row PREFETCH tokens ahead, found
- *   through the block table, a KV head's slice at a time between dot products.
+ *   through the block table.
  * - Split-K: long contexts are cut into chunks so that 2 threads get about
  *   TASKS_PER_THREAD tasks each even with a single sequence; each chunk keeps
  *   an unnormalised partial (running max, sum, weighted V) that a second pass
@@ -54,15 +51,6 @@
 #ifndef SERIAL_TOKENS
 #define SERIAL_TOKENS 256 /* context tokens under which waking a second thread costs more than it saves */
 #endif
-#ifndef PF_LOCALITY
-#define PF_LOCALITY 3 /* __builtin_prefetch locality: 3 = prefetcht0 */
-#endif
-#ifndef PF_SPREAD
-#define PF_SPREAD 1 /* 1: prefetches spread between the score pass's KV heads; 0: a row at a time before them */
-#endif
-#ifndef SCORE_ROWS
-#define SCORE_ROWS 8 /* K rows scored together (8: the transposed reduction below; 1: one dot product per row) */
-#endif
 #ifndef MIN_CHUNK
 #define MIN_CHUNK 64 /* tokens: below this a chunk's set-up and merge cost more than its share of the reads */
 #endif
@@ -97,16 +85,12 @@ typedef struct {
     int64_t part;           /* partial record, or -1: the whole context, write out normalised */
 } Task;
 
-/* Where position pos's row sits in the caches (elements from the task's k / v). */
-static inline int64_t row_at(const Paged *p, int64_t pos) {
-    return p->table[pos / p->block_size] * p->block_stride + (pos % p->block_size) * p->token_stride;
-}
-
-static inline void prefetch_span(const Paged *p, int64_t at, int64_t bytes) {
+static inline void prefetch_row(const Paged *p, int64_t pos, int64_t bytes) {
+    const int64_t at = p->table[pos / p->block_size] * p->block_stride + (pos % p->block_size) * p->token_stride;
     const char *k = (const char *)(p->k + at), *v = (const char *)(p->v + at);
     for (int64_t c = 0; c < bytes; c += 64) {
-        __builtin_prefetch(k + c, 0, PF_LOCALITY);
-        __builtin_prefetch(v + c, 0, PF_LOCALITY);
+        __builtin_prefetch(k + c, 0, 3);
+        __builtin_prefetch(v + c, 0, 3);
     }
 }
 
@@ -152,84 +136,6 @@ static inline __attribute__((always_inline)) void accumulate_v(
     }
 }
 
-/* Eight lanes on any ISA for the score pass: its transposed reduction is written for 8 (GCC splits it on SSE;
- * on AVX-512 the K rows are read 32 bytes at a time, which is no limit for a pass bound by memory). */
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(sizeof(float))));
-typedef int32_t i8 __attribute__((vector_size(32)));
-#if SCORE_ROWS == 8 && TILE % 8 != 0
-#error "SCORE_ROWS 8 stores 8 scores at a time into a row of TILE"
-#endif
-
-/* [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]: two vshufps and an add on AVX. */
-static inline __attribute__((always_inline)) v8 pair_sums(v8 a, v8 b) {
-    return __builtin_shuffle(a, b, (i8){0, 2, 8, 10, 4, 6, 12, 14}) + __builtin_shuffle(a, b, (i8){1, 3, 9, 11, 5, 7, 13, 15});
-}
-
-/* [sum of a[0]'s lanes, ..., sum of a[7]'s]: eight dot products finished by one transpose-and-add
- * (7 pair sums, 2 lane swaps) instead of eight horizontal reductions and scalar stores. */
-static inline __attribute__((always_inline)) v8 lane_sums(const v8 a[8]) {
-    const v8 lo = pair_sums(pair_sums(a[0], a[1]), pair_sums(a[2], a[3])); /* [0..3 low halves | 0..3 high] */
-    const v8 hi = pair_sums(pair_sums(a[4], a[5]), pair_sums(a[6], a[7]));
-    return __builtin_shuffle(lo, hi, (i8){0, 1, 2, 3, 8, 9, 10, 11}) + __builtin_shuffle(lo, hi, (i8){4, 5, 6, 7, 12, 13, 14, 15});
-}
-
-/* s[h][t0 .. t0 + 7] = qs[h] . K[t0 .. t0 + 7] for every head h of the task (D a multiple of 8). Eight rows at
- * a time: one query load feeds eight independent FMA chains, and the scores leave as one vector. Rows past n
- * repeat row n - 1 (in bounds; their scores are never read). ahead[j] (-1: none) is a row to prefetch,
- * a KV head's slice at a time between the dot products, so the misses queue up while the FMAs run. */
-static inline __attribute__((always_inline)) void score_rows8(
-    const Paged *p, const float *kb, int64_t t0, int64_t n, int64_t nk, int64_t group, const int64_t D,
-    const float *qs, float (*s)[TILE], const int64_t *ahead) {
-    const float *row[8];
-    for (int64_t j = 0; j < 8; j++) row[j] = kb + (t0 + j < n ? t0 + j : n - 1) * p->token_stride;
-    for (int64_t kh = 0; kh < nk; kh++) {
-        for (int64_t j = 0; j < 8; j++)
-            if (ahead[j] >= 0) prefetch_span(p, ahead[j] + kh * D, D * (int64_t)sizeof(float));
-        for (int64_t g = 0; g < group; g++) {
-            const float *qh = qs + (kh * group + g) * D;
-            v8 acc[8] = {0};
-            for (int64_t i = 0; i < D; i += 8) {
-                const v8 qv = *(const v8u *)(qh + i);
-                for (int64_t j = 0; j < 8; j++) acc[j] += qv * *(const v8u *)(row[j] + kh * D + i);
-            }
-            *(v8u *)(s[kh * group + g] + t0) = lane_sums(acc);
-        }
-    }
-}
-
-/* s[h][t] = qs[h] . K[t] for the tile's n rows from kb (position pos), prefetching rows PREFETCH ahead of them. */
-static inline __attribute__((always_inline)) void score_tile(
-    const Paged *p, const float *kb, int64_t pos, int64_t n, int64_t hi, int64_t nk, int64_t group, const int64_t D,
-    const float *qs, float (*s)[TILE]) {
-    const int64_t ts = p->token_stride, row_bytes = nk * D * (int64_t)sizeof(float);
-    if (SCORE_ROWS == 8 && D % 8 == 0) {
-        for (int64_t t0 = 0; t0 < n; t0 += 8) {
-            int64_t ahead[8]; /* rows PREFETCH ahead, found through the block table */
-            for (int64_t j = 0; j < 8; j++) {
-                const int64_t at = pos + t0 + j + PREFETCH;
-                ahead[j] = PREFETCH > 0 && t0 + j < n && at < hi ? row_at(p, at) : -1;
-                if (!PF_SPREAD && ahead[j] >= 0) prefetch_span(p, ahead[j], row_bytes), ahead[j] = -1;
-            }
-            score_rows8(p, kb, t0, n, nk, group, D, qs, s, ahead);
-        }
-        return;
-    }
-    for (int64_t t = 0; t < n; t++) { /* one row at a time: head sizes off the 8-float grid */
-        if (PREFETCH > 0 && pos + t + PREFETCH < hi) prefetch_span(p, row_at(p, pos + t + PREFETCH), row_bytes);
-        for (int64_t kh = 0; kh < nk; kh++) {
-            const float *kp = kb + t * ts + kh * D;
-            for (int64_t g = 0; g < group; g++) {
-                const float *qh = qs + (kh * group + g) * D;
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qh[d] * kp[d];
-                s[kh * group + g][t] = dot;
-            }
-        }
-    }
-}
-
 /* Online-softmax attention of nh = nk * group query heads over positions [lo, hi).
  * Leaves unnormalised acc [nh, D], running max m [nh] and sum l [nh].
  * Inlined into each call site below, so where the caller passes a literal head
@@ -248,8 +154,21 @@ static inline __attribute__((always_inline)) void attend(
         int64_t n = p->block_size - off;
         if (n > hi - pos) n = hi - pos;
         if (n > TILE) n = TILE;
-        const float *kb = p->k + row_at(p, pos), *vb = p->v + row_at(p, pos);
-        score_tile(p, kb, pos, n, hi, nk, group, D, qs, s);
+        const int64_t base = p->table[pos / p->block_size] * p->block_stride + off * ts;
+        const float *kb = p->k + base, *vb = p->v + base;
+        for (int64_t t = 0; t < n; t++) {
+            if (PREFETCH > 0 && pos + t + PREFETCH < hi) prefetch_row(p, pos + t + PREFETCH, nk * D * (int64_t)sizeof(float));
+            for (int64_t kh = 0; kh < nk; kh++) {
+                const float *kp = kb + t * ts + kh * D;
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qh = qs + (kh * group + g) * D;
+                    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < D; d++) dot += qh[d] * kp[d];
+                    s[kh * group + g][t] = dot;
+                }
+            }
+        }
         for (int64_t h = 0; h < nh; h++) {
             float mx = m[h];
             for (int64_t t = 0; t < n; t++) mx = s[h][t] > mx ? s[h][t] : mx;
