@@ -1,6 +1,6 @@
 """CPU attention on W1-like batches: its share of the forward, its K/V bandwidth, an A/B against a commit.
 
-    python -m noria.bench.attention [--baseline REV] [--rounds 5] [--threads N] [--json OUT]
+    python -m noria.bench.attention [--baseline REV] [--rounds 5] [--threads N] [--tail] [--json OUT]
     python -m noria.bench.attention --w1 [--stride 4]
 
 The "small" Llama of bench/workloads.py (12 layers, 12 query / 4 KV heads, head
@@ -70,6 +70,11 @@ SHAPES: list[tuple[str, list[int], list[int]]] = [
     ("prefill 8 x 32-256", _PROMPTS, _PROMPTS),
     ("mixed 16 dec + 256 chunk", [1] * 16 + [256], _TAIL + [512]),
 ]
+
+# --tail: W1's long tail (311 of its 521 steps are decodes of 16-31 sequences), contexts 256..2048.
+TAIL_SHAPES: list[tuple[str, list[int], list[int]]] = [
+    (f"tail {b} x {c}", [1] * b, [c] * b) for b in (16, 24, 31) for c in (256, 512, 1024, 2048)
+] + [(f"tail {b} x 256-2048", [1] * b, [_rng.randint(256, 2048) for _ in range(b)]) for b in (16, 24, 31)]
 
 
 def load_baseline(rev: str) -> types.ModuleType:
@@ -254,12 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the worker's)")
     ap.add_argument("--only", default=None, help="run the shapes whose name contains this")
+    ap.add_argument("--tail", action="store_true", help="W1's tail shapes (16-31 decodes x 256-2048) instead")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--w1", action="store_true", help="W1's decode steps instead of the fixed shapes")
     ap.add_argument("--stride", type=int, default=4, help="--w1: every this many steps")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tail:
+        SHAPES[:] = TAIL_SHAPES
     if args.only:
         SHAPES[:] = [s for s in SHAPES if args.only in s[0]]
     print(f"{torch.get_num_threads()} threads; before = {args.baseline}, after = working tree")

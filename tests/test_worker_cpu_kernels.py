@@ -131,9 +131,10 @@ def test_split_k_of_one_long_sequence(threads):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("d", [36, 80])
+@pytest.mark.parametrize("d", [8, 36, 40, 80])
 def test_head_sizes_off_the_vector_width(d):
-    # 36 is no multiple of any vector width (the scalar accumulation path); 80 is of 8 and 16.
+    # 36 is no multiple of any vector width (the scalar accumulation path and the one-row score pass);
+    # 8 is one vector of the eight-row score pass; 40 and 80 are multiples of 8, and 40 is none of 16.
     q, k_cache, v_cache, tables, lens = _ragged_paged(d, [5, 40, 300], 6, 2, d, 16)
     out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, d**-0.5, None)
     torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, lens, d**-0.5, None),
@@ -182,3 +183,37 @@ def test_backend_forward_on_a_decode_step_writes_the_cache_and_attends(native):
     assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
     torch.testing.assert_close(out.double(), _reference(q, expect_k, expect_v, tables, lens_t, d**-0.5, None),
                                atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("bs", [4, 8, 12, 24])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_score_rows_in_groups_of_eight_at_block_and_window_edges(bs, threads):
+    """The score pass takes K rows eight at a time inside a tile (one block, at most 16 rows): blocks of 4 and 12
+    rows leave groups of fewer than eight, windows start groups mid-block, and prefetches run past the end."""
+    lens = [1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 100, 513, 1200]
+    q, k_cache, v_cache, tables, lens_t = _ragged_paged(bs * 10 + threads, lens, 12, 4, 64, bs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for window in (None, 5, 13, 301):
+            out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens_t, 0.125, window)
+            ref = _reference(q, k_cache, v_cache, tables, lens_t, 0.125, window)
+            torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("batch", [16, 24, 31])
+def test_w1_tail_shapes_split_across_two_threads(batch):
+    """W1's tail: 16-31 decodes of 256-2048 tokens (12 query / 4 KV heads, head size 64), split-K over 2 threads."""
+    g = torch.Generator().manual_seed(batch)
+    lens = torch.randint(256, 2049, (batch,), generator=g).tolist()
+    q, k_cache, v_cache, tables, lens_t = _ragged_paged(batch, lens, 12, 4, 64, 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = cpu_kernels.paged_decode(q * 4, k_cache, v_cache, tables, lens_t, 0.125, None)
+    finally:
+        torch.set_num_threads(before)
+    ref = _reference(q * 4, k_cache, v_cache, tables, lens_t, 0.125, None)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
