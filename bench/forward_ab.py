@@ -6,7 +6,9 @@ Variants on the same loaded "small" model, alternated A, B, C, A, B, C ... per
 batch shape, medians reported:
   old    oneDNN pre-packed weights (4-256 rows), torch RMSNorm / residual add / rotary;
   gemm   the native GEMM (worker/csrc/gemm_f32.c), torch elementwise ops;
-  fused  the native GEMM and the fused RMSNorm+add and rotary+split (worker/csrc/fused_f32.c).
+  fused  the native GEMM and the fused RMSNorm+add and rotary+split (worker/csrc/fused_f32.c);
+  base   as fused, but the GEMM built from worker/csrc/gemm_f32.c at the git revision
+         `--base-gemm REV` (e.g. `--base-gemm dd010a9 --variants base,fused`).
 A positive row count is a decode batch of that many sequences with 300 tokens of
 context each; a negative one a prefill of that many tokens in four prompts.
 One step is the model plus the logits of every sequence and a greedy argmax.
@@ -23,9 +25,10 @@ from collections.abc import Callable
 import torch
 
 from noria.bench.ceiling import _metadata
+from noria.bench.gemm_ab import base_dll
 from noria.bench.workloads import small_checkpoint
 from noria.frontend.startup import make_config
-from noria.worker import fused_kernels
+from noria.worker import fused_kernels, gemm_kernels
 from noria.worker.attention import AttentionMetadata
 from noria.worker.model_runner import ModelRunner
 from noria.worker.models.layers import pack_linear_weight
@@ -43,18 +46,23 @@ def _packings(model: LlamaForCausalLM, native: bool) -> list[tuple[object, str, 
     return out
 
 
-def _variants(model: LlamaForCausalLM) -> dict[str, Callable[[], None]]:
+def _variants(model: LlamaForCausalLM, base_gemm: str | None) -> dict[str, Callable[[], None]]:
     onednn, native = _packings(model, False), _packings(model, True)
-    usable = fused_kernels.usable
+    usable, load = fused_kernels.usable, gemm_kernels.load
+    base = None if base_gemm is None else base_dll(base_gemm)  # same panel layout, so the same packings
 
-    def switch(packings: list, fused: bool) -> Callable[[], None]:
+    def switch(packings: list, fused: bool, dll: object = None) -> Callable[[], None]:
         def apply() -> None:
             for mod, attr, packed in packings:
                 setattr(mod, attr, packed)
             fused_kernels.usable = usable if fused else (lambda x: False)  # type: ignore[assignment]
+            gemm_kernels.load = load if dll is None else (lambda: dll)  # type: ignore[assignment]
         return apply
 
-    return {"old": switch(onednn, False), "gemm": switch(native, False), "fused": switch(native, True)}
+    out = {"old": switch(onednn, False), "gemm": switch(native, False), "fused": switch(native, True)}
+    if base is not None:
+        out["base"] = switch(native, True, base)
+    return out
 
 
 @torch.inference_mode()
@@ -64,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--variants", default="old,gemm,fused")
+    ap.add_argument("--base-gemm", default=None, help="git revision whose GEMM the variant `base` runs")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the process's CPU time (all threads), which a busy machine disturbs far less")
     args = ap.parse_args(argv)
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(make_config(str(small_checkpoint()), num_kv_blocks=2048, num_threads=args.threads))
     model = runner.model
     runner.kv_cache.device_cache.uniform_(-1, 1)  # real pages, not the shared zero page (see bench/ceiling.py)
-    variants = _variants(model)
+    variants = _variants(model, args.base_gemm)
     labels = args.variants.split(",")
     totals = dict.fromkeys(labels, 0.0)
     print(f"threads {args.threads}, clock {args.clock}, ms per step (median)")

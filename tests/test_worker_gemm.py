@@ -23,7 +23,7 @@ def _nr() -> int:
 # Odd sizes on purpose: row counts around the 6-row register tile and the
 # 192-row block, output features around the panel width (a zero-padded tail
 # panel), reduction lengths that are not a multiple of any vector width.
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 191, 193, 400])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 31, 64, 191, 193, 400])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 3), (15, 17), (33, 64), (100, 129), (257, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemm_matches_float64(rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
@@ -58,6 +58,55 @@ def test_strided_rows_and_thread_counts_give_identical_results() -> None:
     assert torch.equal(one, gemm(x.contiguous(), packed, None))
     # A row's result does not depend on the other rows of its batch.
     assert torch.equal(one[5:6], gemm(x[5:6], packed, None))
+
+
+def _has_fma() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return " fma" in flags
+
+
+# Every row count from 1 to 2 x 6 + 1 (each tile height 1-6 and each mix of them
+# as M is cut into near-equal tiles), the decode sizes 16-63 with their ragged
+# ends, and both sides of the 192-row block.
+@pytest.mark.skipif(not _has_fma(), reason="the kernel's sums are fused multiply-adds only where the CPU has FMA")
+@pytest.mark.parametrize("rows", [*range(1, 14), 16, 17, 18, 19, 23, 24, 25, 31, 32, 47, 48, 63, 64, 192, 197])
+def test_every_output_is_one_in_order_fused_sum(rows: int) -> None:
+    """Bit for bit, each output is fma(x[k], w[k], acc) for k = 0..K-1 in order, then + bias:
+    emulated here in float64 (a float32 product is exact there), rounded to float32 per step."""
+    torch.manual_seed(rows)
+    nr = _nr()
+    out_features, in_features = 3 * nr + 7, 37  # three full panels and a ragged tail one
+    weight, x, bias = torch.randn(out_features, in_features), torch.randn(rows, in_features), torch.randn(out_features)
+    acc = torch.zeros(rows, out_features)
+    for k in range(in_features):
+        acc = (acc.double() + x[:, k : k + 1].double() * weight[:, k].double()).float()
+    packed = PackedWeight(weight)
+    assert torch.equal(gemm(x, packed, None), acc)
+    assert torch.equal(gemm(x, packed, bias), acc + bias)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 18, 31, 48, 63, 200])
+def test_results_do_not_depend_on_threads_or_batch_neighbours(rows: int) -> None:
+    """Threads split the panels (here more threads than panels too); every row is
+    the same bits whatever the thread count and whichever rows share its batch."""
+    torch.manual_seed(rows)
+    weight, x = torch.randn(5 * _nr() + 3, 131), torch.randn(rows, 131)
+    packed = PackedWeight(weight)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 8):
+            torch.set_num_threads(n)
+            results.append(gemm(x, packed, None))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert torch.equal(results[0], other)
+    for lo, hi in ((0, 1), (rows // 2, rows), (rows - 1, rows)):
+        assert torch.equal(gemm(x[lo:hi], packed, None), results[0][lo:hi])
 
 
 def test_empty_batch() -> None:
