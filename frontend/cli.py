@@ -135,6 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         bridge_failed.set()
         server.stop_event.set()
 
+    server.on_drain.append(bridge.hold_restarts)
     bridge.watch(on_bridge_exit)
     print(f"noria: serving {args.model!r} on {address} and http://{args.host}:{args.port}", flush=True)
     try:
@@ -245,6 +246,9 @@ def run(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     except NoriaError as e:  # the engine could not start: its reason in one line, not a traceback
         print(f"noria: error: {e.message}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before `serve` has its own handler (say, while the model loads)
+        print("noria: interrupted", file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,12 @@ restarted, at most `max_worker_restarts` times per rank within `RESTART_WINDOW` 
 past that it stays down, and the scheduler fails waiting requests after `worker_wait`.
 A dead scheduler is the frontend's to handle (frontend/supervisor.py): `restart_engine`
 starts a new scheduler with new local ranks.
+
+Children run in a session of their own, so a signal meant for `noria serve` as a whole (Ctrl-C
+in a terminal, `timeout`, `kill -- -PGID`) reaches the server alone, which drains and then stops
+them in order. Once the server drains (`hold_restarts`), a rank that exits stays down: a
+service manager that signals every process of the service at once (systemd's default
+KillMode=control-group) is stopping the server, not asking for new ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +40,11 @@ from noria.protocol.config import RESTART_WINDOW, EngineAddresses, EngineConfig,
 log = logging.getLogger("noria.launcher")
 
 WATCH_INTERVAL = 0.1
+# A rank stopped by SIGTERM/SIGINT may have been signalled with the server (systemd signals every
+# process of a service at once): the server's own handler gets this long to begin the drain
+# before the rank is restarted.
+SIGNAL_GRACE = 0.5
+_STOP_CODES = (-signal.SIGTERM, -signal.SIGINT)
 
 
 def local_addresses(folder: str, worker_listen: str | None) -> EngineAddresses:
@@ -74,10 +86,15 @@ class EngineProcesses:
         self.restarts: dict[int, collections.deque[float]] = {r: collections.deque() for r in range(self.num_local)}
         self.given_up: set[int] = set()
         self.stopping = threading.Event()
+        self.draining = threading.Event()  # set by the server's drain: no rank is restarted from then on
         self.watcher: threading.Thread | None = None
 
+    def _spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        # A session of its own: see the module docstring. No stdin: nothing here reads it.
+        return subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, start_new_session=True)
+
     def _start_all(self) -> None:
-        self.procs["scheduler"] = subprocess.Popen(self.scheduler_argv, env=self.env)
+        self.procs["scheduler"] = self._spawn(self.scheduler_argv)
         for rank in range(self.num_local):
             self.procs[_worker_name(rank)] = self._start_worker(rank)
 
@@ -97,7 +114,7 @@ class EngineProcesses:
                 recent.clear()
 
     def _start_worker(self, rank: int) -> subprocess.Popen[bytes]:
-        return subprocess.Popen([*self.worker_argv, "--rank", str(rank)], env=self.env)
+        return self._spawn([*self.worker_argv, "--rank", str(rank)])
 
     def startup_failure(self) -> str | None:
         """While the engine starts: a sentence naming the first child that has exited, or None."""
@@ -121,14 +138,43 @@ class EngineProcesses:
             self.watcher = threading.Thread(target=self._watch, name="worker-watch", daemon=True)
             self.watcher.start()
 
+    def hold_restarts(self) -> None:
+        """The server drains: a rank that exits from now on is not restarted. Lock-free: it is
+        called from a signal handler, which may interrupt a holder of the lock."""
+        self.draining.set()
+
+    def scheduler_signalled(self) -> bool:
+        """The scheduler was stopped by SIGTERM/SIGINT (maybe with the server: see SIGNAL_GRACE)."""
+        with self.lock:
+            return self.procs["scheduler"].poll() in _STOP_CODES
+
+    def worker_down(self) -> str | None:
+        """While draining: why the local ranks cannot serve (one has exited and stays down), or None."""
+        with self.lock:
+            for rank in sorted(self.given_up):
+                rc = self.procs[_worker_name(rank)].poll()
+                if rc is not None:
+                    return f"{_worker_name(rank)} exited with code {rc}"
+        return None
+
     def _watch(self) -> None:
         while not self.stopping.wait(WATCH_INTERVAL):
             for rank in range(self.num_local):
                 with self.lock:
-                    if rank in self.given_up:
-                        continue
-                    rc = self.procs[_worker_name(rank)].poll()
-                    if rc is not None and not self.stopping.is_set():
+                    proc = self.procs[_worker_name(rank)]
+                    rc = None if rank in self.given_up else proc.poll()
+                if rc is None:
+                    continue
+                if rc in _STOP_CODES:
+                    self.draining.wait(SIGNAL_GRACE)
+                with self.lock:
+                    if self.stopping.is_set() or self.procs[_worker_name(rank)] is not proc:
+                        continue  # shutting down, or `restart_engine` replaced it meanwhile
+                    if self.draining.is_set():
+                        self.given_up.add(rank)
+                        log.log(logging.INFO if rc == 0 else logging.WARNING,
+                                "worker rank %d exited with code %d while the server drains", rank, rc)
+                    else:
                         self._restart(rank, rc)
 
     def _restart(self, rank: int, rc: int) -> None:

@@ -86,7 +86,7 @@ class LocalServer:
     def __init__(
         self, *flags: str, cmd: list[str] | None = None, cwd: str | None = None,
         env: Mapping[str, str] | None = None, zmq_port: int | None = None, stderr: IO[Any] | None = None,
-        log: IO[bytes] | None = None,
+        log: IO[bytes] | None = None, new_session: bool = False,
     ) -> None:
         zmq_port = zmq_port or free_tcp_port()
         extra = [] if "--port" in flags else ["--port", str(free_tcp_port())]
@@ -94,8 +94,10 @@ class LocalServer:
         self.address = f"tcp://127.0.0.1:{zmq_port}"
         self.http = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
         # `log`: a file for the server's stdout and stderr (a fuzzer reads it for tracebacks).
+        # `new_session`: the server leads a process group of its own, as under `timeout` or a
+        # terminal, so a test can signal the whole group.
         self.proc = subprocess.Popen(argv, cwd=cwd, env=None if env is None else dict(env), stdout=log,
-                                     stderr=stderr if log is None else subprocess.STDOUT)
+                                     stderr=stderr if log is None else subprocess.STDOUT, start_new_session=new_session)
 
     def wait(self, timeout: float = 120.0, *, http: bool = False, zmq: bool = True) -> None:
         """Wait until the ZMQ API (and with `http`, the bridge too) answers. `zmq=False` waits

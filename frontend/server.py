@@ -6,7 +6,8 @@ requests resubmitted (frontend/supervisor.py); past `--max-scheduler-restarts`,
 every in-flight and new request gets an `engine_dead` error and `serve_forever`
 returns non-zero. SIGTERM drains: new requests get `shutting_down`, open ones
 may finish for `drain_timeout` seconds, the rest then end with `shutting_down`,
-and `serve_forever` returns 0. Ctrl-C is a drain with no wait.
+and `serve_forever` returns 0. Ctrl-C is a drain with no wait. A draining server restarts
+nothing: a child that exits then ends the open requests at once (frontend/supervisor.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -43,6 +45,8 @@ from noria.protocol.sockets import CLIENT_HWM, MAX_CLIENT_MESSAGE, drain_router,
 
 log = logging.getLogger("noria.frontend")
 
+SAME_STOP = 1.0  # s: a second SIGTERM sooner than this is not a second request (see install_signal_handlers)
+
 
 class FrontendServer:
     def __init__(self, core: FrontendCore, address: str, model_name: str, curve_keys: str | None = None,
@@ -69,6 +73,9 @@ class FrontendServer:
         self.gone: set[bytes] = set()
         self.codec: Codec[ClientToServer] = Codec(ClientToServer)
         self.stop_event = threading.Event()
+        # Called once when the drain begins, possibly from a signal handler (so: no locks), e.g.
+        # to stop restarting the bridge.
+        self.on_drain: list[Callable[[], None]] = []
 
     def _sink(self, identity: bytes):  # noqa: ANN202 - closure type is obvious
         router, encode = self.router, self.codec.encode
@@ -160,6 +167,9 @@ class FrontendServer:
             log.log(logging.WARNING if self.core.num_open else logging.INFO,
                     "draining: %d open request(s) may finish for %gs; new ones are refused", self.core.num_open, timeout)
             self.core.refusing = (ErrorCode.SHUTTING_DOWN, "the server is shutting down and takes no new requests")
+            self.supervisor.hold_restarts()
+            for hook in self.on_drain:
+                hook()
         if self.drain_deadline is None or deadline < self.drain_deadline:
             self.drain_deadline = deadline
 
@@ -184,12 +194,19 @@ class FrontendServer:
 
     def install_signal_handlers(self) -> None:
         """SIGTERM drains for `drain_timeout` seconds; Ctrl-C (or a second SIGTERM) ends the
-        open requests now. Both exit 0 once every request has had its final message."""
-        terms = [0]
+        open requests now. Both exit 0 once every request has had its final message.
+
+        A SIGTERM within SAME_STOP seconds of the first is the same request to stop: `timeout`
+        signals its child and then its whole process group, so the server gets two at once."""
+        first_term: list[float] = []
 
         def term(signum: int, _frame: object) -> None:
-            terms[0] += 1
-            self.drain(self.drain_timeout if terms[0] == 1 else 0.0)
+            now = time.monotonic()
+            if not first_term:
+                first_term.append(now)
+                self.drain(self.drain_timeout)
+            elif now - first_term[0] >= SAME_STOP:
+                self.drain(0.0)
 
         def interrupt(signum: int, _frame: object) -> None:
             self.drain(0.0)

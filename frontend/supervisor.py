@@ -13,6 +13,11 @@ past `worker_wait` seconds they end with `engine_unavailable`, as with a lost wo
 most `max_restarts` restarts within `RESTART_WINDOW` seconds: past that, or when a
 restarted engine is not ready within its start-up timeout, the engine is dead for good and
 every request ends with `engine_dead`.
+
+Once the server drains (`hold_restarts`), nothing is restarted: a scheduler or local rank that
+exits then was most likely stopped with the server (a service manager signals every process
+of the service), so the open requests end at once with `shutting_down` (nothing can finish
+them) and the server exits 0, without waiting out `--drain-timeout`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import time
 
 from noria.frontend.core import FrontendCore
+from noria.frontend.launcher import SIGNAL_GRACE
 from noria.protocol.config import RESTART_WINDOW
 from noria.protocol.engine import EngineDead, EngineOutputs, EngineReady
 from noria.protocol.errors import ErrorCode
@@ -40,10 +46,18 @@ class Supervisor:
         self.restarts = 0  # schedulers started again, in all
         self.reason = ""  # why the last one died
         self.unavailable = False  # this restart outlasted worker_wait: requests are refused
+        self.draining = False  # the server drains: nothing is restarted
+        self.stopped: str | None = None  # while draining: why the engine can no longer serve
 
     @property
     def restarting(self) -> bool:
         return self.core.engine.restarting
+
+    def hold_restarts(self) -> None:
+        """The server drains: restart nothing from now on (neither the scheduler nor a rank)."""
+        self.draining = True
+        if self.core.engine.procs is not None:
+            self.core.engine.procs.hold_restarts()
 
     def pump(self, timeout_ms: int) -> str | None:
         """Apply what the engine has sent (waiting up to `timeout_ms` for it), notice a dead
@@ -59,14 +73,27 @@ class Supervisor:
                 return self._lost(msg.reason)  # what follows it came from the same dying scheduler
         if engine.restarting:
             return self._check_restart()
-        dead = engine.dead()
+        dead = self._down()
+        if dead and not self.draining and engine.procs is not None and engine.procs.scheduler_signalled():
+            # Signalled along with the server? Its SIGTERM handler (this thread's) runs while we sleep.
+            time.sleep(SIGNAL_GRACE)
         return self._lost(dead) if dead else None
+
+    def _down(self) -> str | None:
+        """Why the engine cannot serve: its scheduler exited, or (while draining, when no rank is
+        restarted) a local rank did; None if it can."""
+        engine = self.core.engine
+        dead = engine.dead()
+        if dead is None and self.draining and engine.procs is not None:
+            dead = engine.procs.worker_down()
+        return dead
 
     def _check_restart(self) -> str | None:
         engine = self.core.engine
-        dead = engine.dead()
+        dead = self._down()
         if dead:
-            return self._lost(f"the restarted {dead[4:]}")  # "the scheduler process exited ..."
+            # "the scheduler process exited ..." -> "the restarted scheduler process exited ..."
+            return self._lost(dead if self.draining else f"the restarted {dead[4:]}")
         waited = time.monotonic() - engine.restarted_at
         if waited > self.startup_timeout:
             return self._lost(f"the restarted engine was not ready within {self.startup_timeout:g}s")
@@ -82,6 +109,9 @@ class Supervisor:
 
     def _lost(self, reason: str) -> str | None:
         """The scheduler is gone: restart it if the bound allows, else end everything."""
+        if self.draining:
+            self._stopped_while_draining(reason)
+            return None
         now = time.monotonic()
         while self.recent and now - self.recent[0] > RESTART_WINDOW:
             self.recent.popleft()
@@ -97,6 +127,14 @@ class Supervisor:
                     reason, self.restarts, self.core.num_open)
         self.core.engine.restart()
         return None
+
+    def _stopped_while_draining(self, reason: str) -> None:
+        """The engine stopped while the server drains: no request can finish, so each ends now."""
+        n = self.core.end_all(ErrorCode.SHUTTING_DOWN, "the server is shutting down: the engine stopped before "
+                              "the request finished")
+        if self.stopped is None:
+            self.stopped = reason
+            log.warning("the engine stopped while the server drains (%s); %d open request(s) ended", reason, n)
 
     def _ready(self, ready: EngineReady) -> None:
         self.core.engine.on_ready(ready)

@@ -5,12 +5,18 @@ then exits 0 and leaves no process behind.
 
 Requests that cannot finish come from a server with no worker at all (`--num-local-workers
 0`): they wait, so the drain deadline is what ends them, whatever the machine's speed.
+
+A signal to the server's whole process group (`timeout`, Ctrl-C in a terminal) reaches the
+server alone; one sent to every process of it (systemd's KillMode=control-group), or a child
+that dies while the server drains, restarts nothing: the open requests end at once with one
+`shutting_down` error each and the server exits 0 without waiting out --drain-timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 import time
@@ -24,7 +30,7 @@ import websockets
 from noria import Client, NoriaError, SamplingParams
 from noria.frontend.local_server import LocalServer
 from noria.protocol.sockets import free_tcp_port
-from tests.faults import mixed_load, ws_message
+from tests.faults import kill_named, mixed_load, ws_message
 from tests.procs import children_of, serve_http, wait_gone
 from tests.workers import health, stats, wait_for
 
@@ -122,3 +128,105 @@ def test_sigterm_lets_in_flight_requests_finish(demo_path):
         assert [(s.error, s.finals, s.late, s.finish_reason) for s in streams] == [(None, 1, 0, "length")] * 6
         assert [s.text for s in streams] == [s.text for s in calm]
         assert [s.token_ids for s in streams] == [s.token_ids for s in calm]
+
+
+LONG = msgspec.structs.replace(PARAMS, max_tokens=1900)  # the demo model's 2048 positions: cannot finish in time
+
+
+def _quiet_log(path) -> list[str]:
+    """Log lines that must not be there after a stop: a restart of anything, a traceback."""
+    text = path.read_text(errors="replace")
+    return [line for line in text.splitlines() if "restart" in line.lower() or "Traceback" in line]
+
+
+def _one_final_each(streams) -> list[tuple]:
+    """(kind, error, finals, late, one final): an SSE stream's final is its finish_reason or its error."""
+    return [(s.kind, s.error, s.finals, s.late, (s.error is None) != (s.finish_reason is None)) for s in streams]
+
+
+def _start_load(server: LocalServer, params: SamplingParams) -> tuple[threading.Thread, list]:
+    """One stream each over ZMQ, SSE and the websocket, under way (a delta seen) when this returns."""
+    progress = [0]
+    load, got = _in_background(mixed_load, server.address, server.http, ["a", "b", "c"], [params] * 3, progress)
+    wait_for("3 streams under way", lambda: stats(server.address).num_open_requests == 3 and progress[0] >= 3, 60)
+    return load, got
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_process_group_drains_and_restarts_nothing(demo_path, tmp_path, sig):
+    """`timeout 60 noria serve` and Ctrl-C signal the server's whole process group: the children
+    are not in it, so SIGTERM lets the streams finish and Ctrl-C ends them with one error each."""
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "60", log=log, new_session=True)
+        try:
+            server.wait(http=True)
+            kids = children_of(server.proc.pid)
+            load, got = _start_load(server, msgspec.structs.replace(PARAMS, max_tokens=500))
+            t0 = time.monotonic()
+            os.killpg(server.proc.pid, sig)
+            load.join(120)
+            assert server.proc.wait(60) == 0
+            elapsed = time.monotonic() - t0
+        finally:
+            server.stop()
+    (streams,) = got
+    if sig == signal.SIGTERM:
+        assert [(s.error, s.finals, s.late, s.finish_reason) for s in streams] == [(None, 1, 0, "length")] * 3
+        assert [len(s.token_ids) for s in streams if s.kind != "sse"] == [500, 500]
+    else:
+        assert _one_final_each(streams) == [(k, "shutting_down", 1, 0, True) for k in ("zmq", "sse", "ws")]
+        assert elapsed < 30, f"Ctrl-C took {elapsed:.1f}s"
+    assert not _quiet_log(log_path)
+    assert not wait_gone(kids), "orphan processes after the drain"
+
+
+def test_sigterm_to_every_process_ends_the_drain_at_once(demo_path, tmp_path):
+    """As systemd's default KillMode=control-group does: the scheduler, the worker and the bridge
+    die with the server; nothing is restarted, each stream gets one final error, and the
+    server exits 0 long before its drain timeout."""
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "60", log=log, new_session=True)
+        try:
+            server.wait(http=True)
+            kids = children_of(server.proc.pid)
+            assert len(kids) == 3  # scheduler, worker rank 0, bridge
+            load, got = _start_load(server, LONG)
+            t0 = time.monotonic()
+            for pid in [server.proc.pid, *kids]:  # the server first, as systemd does
+                os.kill(pid, signal.SIGTERM)
+            load.join(60)
+            assert server.proc.wait(60) == 0
+            elapsed = time.monotonic() - t0
+        finally:
+            server.stop()
+    (streams,) = got
+    assert _one_final_each(streams) == [(k, "shutting_down", 1, 0, True) for k in ("zmq", "sse", "ws")]
+    assert elapsed < 20, f"the server waited {elapsed:.1f}s for requests nothing could finish"
+    assert not _quiet_log(log_path)
+    assert not wait_gone(kids), "orphan processes after the drain"
+
+
+def test_a_worker_that_dies_while_the_server_drains_is_not_restarted(demo_path, tmp_path):
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "60", log=log)
+        try:
+            server.wait(http=True)
+            kids = children_of(server.proc.pid)
+            load, got = _start_load(server, LONG)
+            server.proc.send_signal(signal.SIGTERM)
+            wait_for("draining", lambda: health(server.http)[1].get("reason") == "draining", 10)
+            t0 = time.monotonic()
+            kill_named(server.proc.pid, b"noria.worker")
+            load.join(60)
+            assert server.proc.wait(60) == 0
+            elapsed = time.monotonic() - t0
+        finally:
+            server.stop()
+    (streams,) = got
+    assert _one_final_each(streams) == [(k, "shutting_down", 1, 0, True) for k in ("zmq", "sse", "ws")]
+    assert elapsed < 20, f"the server waited {elapsed:.1f}s for requests no worker could finish"
+    assert not _quiet_log(log_path)
+    assert not wait_gone(kids), "orphan processes after the drain"

@@ -43,13 +43,17 @@ class BridgeProcess:
         self.api_key = api_key
         self.lock = threading.Lock()
         self.stopping = False
+        self.draining = threading.Event()  # `noria serve` drains: a bridge that exits now is not restarted
         self.restarts = 0
         self.recent: collections.deque[float] = collections.deque()
         self.proc = self._spawn()
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         key = self.api_key
-        proc = subprocess.Popen(self.argv, env=child_env(), stdin=subprocess.PIPE if key else subprocess.DEVNULL)
+        # A session of its own, as the engine's children (frontend/launcher.py): a signal for the
+        # whole of `noria serve` reaches the server, which stops the bridge last.
+        proc = subprocess.Popen(self.argv, env=child_env(), stdin=subprocess.PIPE if key else subprocess.DEVNULL,
+                                start_new_session=True)
         if key:
             assert proc.stdin is not None
             try:
@@ -69,6 +73,10 @@ class BridgeProcess:
                 with self.lock:
                     if self.stopping:
                         return
+                    if self.draining.is_set():
+                        # Its clients' requests are aborted by the frontend; the server exits 0 as planned.
+                        log.warning("the bridge process exited with code %d while the server drains", rc)
+                        return
                     if rc != EXIT_CANNOT_LISTEN and self._may_restart():
                         log.error("the bridge process exited with code %d; restarting it", rc)
                         self.restarts += 1
@@ -79,6 +87,11 @@ class BridgeProcess:
                 return
 
         threading.Thread(target=wait, name="bridge-watch", daemon=True).start()
+
+    def hold_restarts(self) -> None:
+        """`noria serve` drains: from now on a bridge that exits stays down (lock-free: called
+        from a signal handler)."""
+        self.draining.set()
 
     def _may_restart(self) -> bool:
         now = time.monotonic()
