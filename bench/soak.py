@@ -135,6 +135,23 @@ async def closed_loop(traffic: Traffic, concurrency: int, seconds: float) -> flo
     return done / (time.monotonic() - t0)
 
 
+async def burst(traffic: Traffic, n: int) -> int:
+    """`n` requests at once, so that every process meets its largest queue before the baseline.
+
+    Memory that a process keeps from its largest backlog (the bridge's per-connection objects,
+    Python's allocator) is a high-water mark, not a leak: without this, the first random spell of
+    queueing in the paced run would read as drift. Returns the most in flight."""
+    peak = 0
+
+    async def one() -> None:
+        nonlocal peak
+        peak = max(peak, traffic.in_flight + 1)
+        await traffic.one()
+
+    await asyncio.gather(*(one() for _ in range(n)))
+    return peak
+
+
 async def paced(traffic: Traffic, rate: float, seconds: float, rng: random.Random) -> int:
     """Poisson arrivals at `rate`/s for `seconds`; waits for the last to end. Returns the most in flight."""
     tasks: set[asyncio.Task[Outcome]] = set()
@@ -221,6 +238,8 @@ async def soak(server: LocalServer, args: argparse.Namespace) -> dict[str, Any]:
         jobs = await build_jobs(server.address, server.http, session)
     async with Traffic(server.address, server.http, jobs, args.seed, args.abort_share) as traffic:
         capacity = await closed_loop(traffic, args.concurrency, args.warmup_seconds)
+        burst_s = time.monotonic() - sampler.t0
+        burst_peak = await burst(traffic, args.burst) if args.burst else 0
         warmup_requests = len(traffic.outcomes)
         warmup_s = time.monotonic() - sampler.t0
         rate = args.load * capacity
@@ -236,6 +255,9 @@ async def soak(server: LocalServer, args: argparse.Namespace) -> dict[str, Any]:
     window = max(0.05 * paced_s, 3 * args.sample_interval)
     s = sampler.s
     rss = {name: rss_drift(s["t"], series, settled, end_s, window) for name, series in s["rss_mib"].items()}
+    for name, series in s["rss_mib"].items():  # what the burst added, shown beside the drift
+        before = [v for t, v in zip(s["t"], series, strict=True) if t <= burst_s and v > 0]
+        rss[name]["before_burst_mib"] = before[-1] if before else None
     rss_flat = all(d["drift"] is not None and abs(d["drift"]) <= args.rss_tolerance for d in rss.values())
     engine = {"blocks_consistent": st.blocks_consistent, "kv_cache_usage": st.kv_cache_usage,
               "num_free_blocks": st.num_free_blocks, "num_kv_blocks": st.num_kv_blocks,
@@ -247,7 +269,8 @@ async def soak(server: LocalServer, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "minutes": args.minutes, "load": args.load, "capacity_rps": round(capacity, 3), "rate_rps": round(rate, 3),
         "warmup_s": round(warmup_s, 1), "settled_s": round(settled, 1), "paced_s": round(paced_s, 1),
-        "peak_in_flight": peak, "warmup_requests": warmup_requests,
+        "peak_in_flight": peak, "burst": args.burst, "burst_peak_in_flight": burst_peak,
+        "warmup_requests": warmup_requests,
         "paced_requests": len(traffic.outcomes) - warmup_requests, "jobs": len(jobs), "server_flags": list(args.server_flags), "cpu": cpu_model(),
         "counts": counts, "by_surface": dict(Counter(o.surface for o in traffic.outcomes)),
         "by_variant": dict(Counter(o.job.variant for o in traffic.outcomes)), "engine": engine,
@@ -273,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", type=float, default=0.8, help="arrival rate as a share of the measured capacity")
     ap.add_argument("--warmup-seconds", type=float, default=60.0, help="closed-loop capacity measurement")
     ap.add_argument("--concurrency", type=int, default=32, help="clients in the capacity measurement")
+    ap.add_argument("--burst", type=int, default=1024,
+                    help="requests sent at once at the end of the warm-up, before the RSS baseline (0: none)")
     ap.add_argument("--abort-share", type=float, default=0.15, help="share of streams aborted after a few deltas")
     ap.add_argument("--rss-tolerance", type=float, default=0.05, help="largest RSS drift after warm-up")
     ap.add_argument("--sample-interval", type=float, default=2.0, help="seconds between RSS samples")

@@ -29,7 +29,7 @@ def print_report(r: dict[str, Any]) -> None:
           f"({r['load']:.0%} of the {r['capacity_rps']:.2f} req/s measured in the warm-up), {r['cpu']}, "
           f"load average {r['loadavg_1min']['min']:.1f}-{r['loadavg_1min']['max']:.1f}")
     print(f"requests {c['requests']} ({r['warmup_requests']} in the warm-up, {r['paced_requests']} paced, "
-          f"at most {r['peak_in_flight']} in flight; by surface: "
+          f"at most {r['peak_in_flight']} in flight (warm-up burst: {r.get('burst_peak_in_flight', 0)}); by surface: "
           f"{', '.join(f'{k} {v}' for k, v in sorted(r['by_surface'].items()))}); "
           f"aborted {c['aborted']}, connections cut {c['cut']}, preemptions {r['engine']['num_preemptions']}")
     print(f"lost {c['lost']}, duplicated {c['duplicated']}, errors {c['errors']}, "
@@ -42,6 +42,12 @@ def print_report(r: dict[str, Any]) -> None:
         drift, peak = (f"{d[k]:.2%}" if d[k] is not None else "no data" for k in ("drift", "peak_drift"))
         print(f"{name:<10} {d['after_warmup_mib']:>22.1f} {d['end_mib']:>8.1f} {d['peak_mib']:>9.1f} "
               f"{drift:>7} {peak:>11}")
+    before = {k: d.get("before_burst_mib") for k, d in r["rss"].items()}
+    if any(v is not None for v in before.values()):
+        print("RSS before the warm-up burst MiB: " + ", ".join(f"{k} {v}" for k, v in before.items()))
+    if r["peak_in_flight"] > r.get("burst_peak_in_flight", 0):
+        print(f"note: the paced run had more in flight ({r['peak_in_flight']}) than the warm-up burst "
+              f"({r.get('burst_peak_in_flight', 0)}): its drift may include a new high-water mark")
     for ex in r["examples"][:10]:
         print("  problem:", ex)
     print(f"RSS flat within {r['rss_tolerance']:.0%}: {r['rss_flat']}; "

@@ -38,7 +38,7 @@ TINY = {
     "kernels": (["--decode", "1x64,2x128"], "GB/s"),
     # Ten seconds of paced traffic is all warm-up for the worker's allocator, so the RSS bound
     # is lifted (it is for the long run); nothing lost, duplicated or mismatched still decides.
-    "soak": (["--minutes", "0.15", "--warmup-seconds", "5", "--sample-interval", "1", "--rss-tolerance", "10",
+    "soak": (["--minutes", "0.15", "--warmup-seconds", "5", "--burst", "64", "--sample-interval", "1", "--rss-tolerance", "10",
               "--out", "out/soak"], "every stream equal to its final text: True; ok: True"),
     "structured": (["--model", "demo", "--num-requests", "2", "--rounds", "1", "--sizes", "2", "--repeats", "2",
                     "--num-kv-blocks", "64"], "constrained / unconstrained tok/s"),
