@@ -3,9 +3,9 @@
 Plans reach the main thread straight from the socket: while it waits in `recv` it holds the
 link's lock and polls the DEALER itself (answering for liveness with its own `Heartbeat`s
 meanwhile), and `send` writes results to the DEALER at once. An I/O thread between the two
-cost two thread wake-ups per step (plan in, result out); after an idle spell, when the vCPUs
-have halted, each one cost milliseconds of time to first token (bench/RESULTS.md, "TTFT after
-idle"). While the main thread runs a step or loads a model, the keeper thread takes the lock
+cost two thread wake-ups per step (plan in, result out), and a wake-up after an idle spell,
+when the vCPUs have halted, costs ~5x one back to back, now and then milliseconds
+(bench/RESULTS.md, "TTFT after idle"). While the main thread runs a step or loads a model, the keeper thread takes the lock
 to beat on time, hear the scheduler's heartbeats and queue whatever else arrives (in order:
 `recv` hands out the queue before it reads the socket), and puts `LinkDown` in that queue
 when the scheduler has been silent for the timeout. zmq sockets may change threads behind a
