@@ -7,7 +7,7 @@ import importlib
 
 # The modules that are benchmarks; the others (workloads, ceiling, plots) are their helpers.
 BENCHMARKS = ("generate", "scheduler", "serving", "throughput", "fuzz", "disconnects", "overload", "failover",
-              "kernels", "soak", "structured")
+              "kernels", "soak", "structured", "ttft_idle")
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:

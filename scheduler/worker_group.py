@@ -258,7 +258,7 @@ class WorkerGroup:
         """Heartbeats due, silent ranks lost, a group that never became ready lost."""
         now = self.clock()
         for m in list(self.members.values()):
-            # A rank loading its model on a busy host can starve its I/O thread for seconds
+            # A rank loading its model on a busy host can starve its link's keeper thread for seconds
             # (safetensors and weight packing hold the GIL); it gets LOADING_SILENCE timeouts,
             # still bounded by startup_timeout. A dead local rank is seen at once anyway: the
             # heartbeat's send to its closed socket fails.

@@ -1,22 +1,27 @@
-"""The worker's one DEALER to the scheduler, owned by an I/O thread.
+"""The worker's one DEALER to the scheduler, shared by the main thread and a keeper thread.
 
-zmq sockets are not thread-safe, and heartbeats must flow while the main thread runs a
-step or loads a model, so one thread owns the socket: it sends what the main thread hands
-it over an inproc PAIR, decodes what the scheduler sends into a queue the main thread
-reads, answers for liveness with `Heartbeat`s of its own, and puts `LinkDown` in that
-queue when the scheduler has been silent for the timeout. Heartbeats from the scheduler
-stop here. `connect` makes a fresh DEALER (a new identity: a new incarnation to the
-scheduler) and drops the old one with whatever it still had queued.
+Plans reach the main thread straight from the socket: while it waits in `recv` it holds the
+link's lock and polls the DEALER itself (answering for liveness with its own `Heartbeat`s
+meanwhile), and `send` writes results to the DEALER at once. An I/O thread between the two
+cost two thread wake-ups per step (plan in, result out), and a wake-up after an idle spell,
+when the vCPUs have halted, costs ~5x one back to back, now and then milliseconds
+(bench/RESULTS.md, "TTFT after idle"). While the main thread runs a step or loads a model, the keeper thread takes the lock
+to beat on time, hear the scheduler's heartbeats and queue whatever else arrives (in order:
+`recv` hands out the queue before it reads the socket), and puts `LinkDown` in that queue
+when the scheduler has been silent for the timeout. zmq sockets may change threads behind a
+lock (a full memory barrier); never two at once. Heartbeats from the scheduler stop here.
+`connect` makes a fresh DEALER (a new identity: a new incarnation to the scheduler) and drops
+the old one with whatever it still had queued.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import queue
+import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import msgspec
@@ -31,7 +36,6 @@ log = logging.getLogger("noria.worker.link")
 
 REGISTER_BEAT = 0.25  # before Welcome names the scheduler's own interval
 REGISTER_TIMEOUT = 5.0  # a scheduler that saw a Register heartbeats at least every second
-_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -39,61 +43,106 @@ class LinkDown:
     reason: str
 
 
+Inbound = SchedulerToWorker | LinkDown
+
+
 class WorkerLink:
     def __init__(self, address: str, curve_keys: str | None = None) -> None:
         self.address = address
         self.curve_keys = curve_keys
         self.ctx = zmq.Context()
-        self.inbox: queue.SimpleQueue[SchedulerToWorker | LinkDown] = queue.SimpleQueue()
-        self._pipe_address = f"inproc://worker-link-{next(_ids)}"
-        self.pipe = self.ctx.socket(zmq.PAIR)
-        self.pipe.bind(self._pipe_address)
-        self.codec: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
-        self.thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
-        self.thread.start()
+        self.out_codec: Codec[WorkerToScheduler] = Codec(WorkerToScheduler)
+        self.in_codec: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
+        self.lock = threading.Lock()  # whoever holds it may touch the DEALER and the fields below
+        self.dealer: zmq.Socket | None = None
+        self.inbox: deque[Inbound] = deque()  # what the keeper read while the main thread was busy
+        self.epoch, self.interval, self.timeout = 0, REGISTER_BEAT, REGISTER_TIMEOUT
+        self.beat_bytes = self.out_codec.encode(Heartbeat(0))
+        self.last_heard = self.next_beat = time.monotonic()
+        self.down = False
+        self.stopping = threading.Event()
+        self.keeper = threading.Thread(target=self._keep, name="worker-link", daemon=True)
+        self.keeper.start()
 
-    # ---- main thread ------------------------------------------------------
+    # ---- the main thread --------------------------------------------------
 
     def connect(self, timeout: float = REGISTER_TIMEOUT) -> None:
         """A fresh DEALER; heartbeats at the registration pace until `beat` says otherwise,
         and `LinkDown` after `timeout` s without a word from the scheduler."""
-        self.pipe.send_multipart([b"connect", msgspec.json.encode(min(timeout, REGISTER_TIMEOUT))])
+        with self.lock:
+            if self.dealer is not None:
+                self.dealer.close(linger=0)
+            self.dealer = self._make_dealer()
+            self.epoch, self.interval, self.timeout = 0, REGISTER_BEAT, min(timeout, REGISTER_TIMEOUT)
+            self.beat_bytes = self.out_codec.encode(Heartbeat(0))
+            self.last_heard = self.next_beat = time.monotonic()  # the first beat goes with the next `recv`
+            self.down = False
 
     def beat(self, epoch: int, interval: float, timeout: float) -> None:
         """After Welcome: beat with this epoch, and call the scheduler lost after `timeout` s."""
-        self.pipe.send_multipart([b"beat", msgspec.json.encode([epoch, interval, timeout])])
+        with self.lock:
+            self.epoch, self.interval, self.timeout = epoch, interval, timeout
+            self.beat_bytes = self.out_codec.encode(Heartbeat(epoch))
+            self.last_heard = time.monotonic()
 
     def send(self, msg: msgspec.Struct) -> None:
-        self.pipe.send_multipart([b"send", self.codec.encode(msg)])
+        payload = self.out_codec.encode(msg)
+        with self.lock:
+            self._send(payload)
 
-    def recv(self, timeout: float | None = None) -> SchedulerToWorker | LinkDown | None:
-        try:
-            return self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
+    def recv(self, timeout: float | None = None) -> Inbound | None:
+        """The next message (or `LinkDown`); None when `timeout` s passed without one."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            while True:
+                self._keep_time()
+                if self.inbox:
+                    return self.inbox.popleft()
+                now = time.monotonic()
+                if end is not None and now >= end and self.dealer is None:
+                    return None
+                wait = self._next_deadline() - now if end is None else min(self._next_deadline(), end) - now
+                if self.dealer is None:  # before the first connect nothing can arrive
+                    time.sleep(min(max(wait, 0.0), REGISTER_BEAT))
+                elif self.dealer.poll(max(0, math.ceil(wait * 1000)), zmq.POLLIN):
+                    self._read()
+                elif end is not None and time.monotonic() >= end:
+                    self._keep_time()
+                    return self.inbox.popleft() if self.inbox else None
 
     def close(self) -> None:
-        """Flush what was sent (a WorkerFailed must reach the scheduler) and stop the thread."""
-        self.pipe.send_multipart([b"stop"])
-        self.thread.join(5.0)
-        self.pipe.close(linger=0)
+        """Flush what was sent (a WorkerFailed must reach the scheduler) and stop the keeper."""
+        self.stopping.set()
+        self.keeper.join(5.0)
+        with self.lock:
+            if self.dealer is not None:
+                self.dealer.close(linger=1000)
+                self.dealer = None
         self.ctx.term()
 
-    # ---- the I/O thread ---------------------------------------------------
+    # ---- the keeper thread ------------------------------------------------
 
-    def _run(self) -> None:
-        pipe = self.ctx.socket(zmq.PAIR)
-        pipe.connect(self._pipe_address)
-        state = _State(pipe)
-        try:
-            while state.alive:
-                state.step(self)
-        finally:
-            if state.dealer is not None:
-                state.dealer.close(linger=1000)
-            pipe.close(linger=0)
+    def _keep(self) -> None:
+        """Beat, listen and watch the timeout while the main thread is away from the link."""
+        wait = REGISTER_BEAT
+        while not self.stopping.wait(wait):
+            if not self.lock.acquire(blocking=False):
+                # The main thread is in `recv` and keeps time itself. A beat interval later at
+                # the latest the keeper looks again (as often as an I/O thread used to beat):
+                # an idle worker wakes no more often than that.
+                wait = self.interval
+                continue
+            try:
+                if self.dealer is not None and self.dealer.poll(0, zmq.POLLIN):
+                    self._read()
+                self._keep_time()
+                wait = max(0.001, self._next_deadline() - time.monotonic())
+            finally:
+                self.lock.release()
 
-    def make_dealer(self) -> zmq.Socket:
+    # ---- with the lock held -----------------------------------------------
+
+    def _make_dealer(self) -> zmq.Socket:
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, 0)
@@ -106,65 +155,21 @@ class WorkerLink:
         dealer.connect(self.address)
         return dealer
 
-
-class _State:
-    """The I/O thread's state: the socket, the beat, when the scheduler last spoke."""
-
-    def __init__(self, pipe: zmq.Socket) -> None:
-        self.pipe = pipe
-        self.dealer: zmq.Socket | None = None
-        self.poller = zmq.Poller()
-        self.poller.register(pipe, zmq.POLLIN)
-        self.codec: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)
-        self.epoch, self.interval, self.timeout = 0, REGISTER_BEAT, REGISTER_TIMEOUT
-        self.last_heard = self.next_beat = time.monotonic()
-        self.down = False
-        self.alive = True
-        self.beat_bytes = self.codec.encode(Heartbeat(0))
-
-    def step(self, link: WorkerLink) -> None:
-        wait = None  # nothing but commands to wait for until the first connect
-        if self.dealer is not None:
-            deadline = self.next_beat if self.down else min(self.next_beat, self.last_heard + self.timeout)
-            wait = max(0, int((deadline - time.monotonic()) * 1000) + 1)
-        events = dict(self.poller.poll(wait))
-        if events.get(self.pipe):
-            self._command(self.pipe.recv_multipart(), link)
-        if self.dealer is not None and events.get(self.dealer):
-            self._receive(link)
-        self._keep_time(link)
-
-    def _command(self, frames: list[bytes], link: WorkerLink) -> None:
-        kind = frames[0]
-        if kind == b"send":
-            self._send(frames[1])
-        elif kind == b"connect":
-            if self.dealer is not None:
-                self.poller.unregister(self.dealer)
-                self.dealer.close(linger=0)
-            self.dealer = link.make_dealer()
-            self.poller.register(self.dealer, zmq.POLLIN)
-            self.epoch, self.interval, self.timeout = 0, REGISTER_BEAT, msgspec.json.decode(frames[1])
-            self.beat_bytes = self.codec.encode(Heartbeat(0))
-            self.last_heard = self.next_beat = time.monotonic()
-            self.down = False
-        elif kind == b"beat":
-            self.epoch, self.interval, self.timeout = msgspec.json.decode(frames[1])
-            self.beat_bytes = self.codec.encode(Heartbeat(self.epoch))
-            self.last_heard = time.monotonic()
-        elif kind == b"stop":
-            self.alive = False
+    def _next_deadline(self) -> float:
+        if self.dealer is None:
+            return time.monotonic() + REGISTER_BEAT
+        return self.next_beat if self.down else min(self.next_beat, self.last_heard + self.timeout)
 
     def _send(self, payload: bytes) -> None:
         # A DEALER whose connection was refused (a CURVE handshake that failed) has no
-        # pipe, and a plain send would block this thread for good; the message is dropped
-        # instead: silence then says "no scheduler", and registration starts again.
+        # pipe, and a plain send would block for good; the message is dropped instead:
+        # silence then says "no scheduler", and registration starts again.
         if self.dealer is None:
             return
         with contextlib.suppress(zmq.Again):
             self.dealer.send(payload, zmq.NOBLOCK)
 
-    def _receive(self, link: WorkerLink) -> None:
+    def _read(self) -> None:
         assert self.dealer is not None
         while True:
             try:
@@ -174,13 +179,13 @@ class _State:
             self.last_heard = time.monotonic()
             self.down = False
             try:
-                msg = self.codec.decode(payload)
+                msg = self.in_codec.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 msg = Refused(f"cannot read the scheduler's message ({e}): run the same noria version on both hosts")
             if not isinstance(msg, Heartbeat):
-                link.inbox.put(msg)
+                self.inbox.append(msg)
 
-    def _keep_time(self, link: WorkerLink) -> None:
+    def _keep_time(self) -> None:
         if self.dealer is None:
             return
         now = time.monotonic()
@@ -190,6 +195,6 @@ class _State:
         if not self.down and now - self.last_heard > self.timeout:
             self.down = True
             quiet = now - self.last_heard
-            why = (f"no answer from the scheduler at {link.address} for {quiet:.1f}s" if self.epoch == 0 else
-                   f"the scheduler at {link.address} has been silent for {quiet:.1f}s")
-            link.inbox.put(LinkDown(why))
+            why = (f"no answer from the scheduler at {self.address} for {quiet:.1f}s" if self.epoch == 0 else
+                   f"the scheduler at {self.address} has been silent for {quiet:.1f}s")
+            self.inbox.append(LinkDown(why))
