@@ -201,11 +201,7 @@ def test_sigterm_to_every_process_ends_the_drain_at_once(demo_path, tmp_path):
             elapsed = time.monotonic() - t0
         finally:
             server.stop()
-    (streams,) = got
-    assert _one_final_each(streams) == [(k, "shutting_down", 1, 0, True) for k in ("zmq", "sse", "ws")]
-    assert elapsed < 20, f"the server waited {elapsed:.1f}s for requests nothing could finish"
-    assert not _quiet_log(log_path)
-    assert not wait_gone(kids), "orphan processes after the drain"
+    _ended_at_once(got, elapsed, log_path, kids)
 
 
 def test_a_worker_that_dies_while_the_server_drains_is_not_restarted(demo_path, tmp_path):
@@ -225,8 +221,13 @@ def test_a_worker_that_dies_while_the_server_drains_is_not_restarted(demo_path, 
             elapsed = time.monotonic() - t0
         finally:
             server.stop()
+    _ended_at_once(got, elapsed, log_path, kids)
+
+
+def _ended_at_once(got: list, elapsed: float, log_path, kids: list[int]) -> None:
+    """Nothing could finish the open requests: each ended at once with one `shutting_down`."""
     (streams,) = got
     assert _one_final_each(streams) == [(k, "shutting_down", 1, 0, True) for k in ("zmq", "sse", "ws")]
-    assert elapsed < 20, f"the server waited {elapsed:.1f}s for requests no worker could finish"
+    assert elapsed < 20, f"the server waited {elapsed:.1f}s for requests nothing could finish"
     assert not _quiet_log(log_path)
     assert not wait_gone(kids), "orphan processes after the drain"
