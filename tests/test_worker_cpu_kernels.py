@@ -217,3 +217,63 @@ def test_w1_tail_shapes_split_across_two_threads(batch):
         torch.set_num_threads(before)
     ref = _reference(q * 4, k_cache, v_cache, tables, lens_t, 0.125, None)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def _causal_reference(q, k_cache, v_cache, tables, query_lens, seq_lens, scale, window):
+    """Float64 attention of each sequence's new tokens: the query at position p sees keys
+    max(0, p - window + 1) .. p of its sequence, read from the (already written) cache."""
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    h = q.shape[1]
+    out, start = torch.zeros(q.shape, dtype=torch.float64), 0
+    for i, (n, length) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        pos = torch.arange(length)
+        k = k_cache[tables[i][pos // bs], pos % bs].double()
+        v = v_cache[tables[i][pos // bs], pos % bs].double()
+        for j in range(n):
+            p = length - n + j
+            lo = max(0, p - window + 1) if window else 0
+            for head in range(h):
+                kh = head // (h // kvh)
+                s = (k[lo : p + 1, kh] @ q[start + j, head].double()) * scale
+                out[start + j, head] = torch.softmax(s, 0) @ v[lo : p + 1, kh]
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("rows_max_len", [512, 0], ids=["token-rows", "sdpa"])
+def test_backend_forward_on_a_mixed_prefill_step(window, rows_max_len, monkeypatch):
+    """Decodes, a fresh prompt, a chunk after a cached prefix and a one-token-context
+    prompt in one step: both prefill paths (every token a native decode row, and one
+    SDPA per sequence) write the step's K/V and match the float64 causal reference."""
+    from noria.worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
+
+    monkeypatch.setattr(TorchAttentionBackend, "ROWS_MAX_LEN", rows_max_len)
+    torch.manual_seed(11)
+    bs, kvh, heads, d, nb = 16, 2, 6, 64, 64
+    query_lens, seq_lens = [1, 37, 20, 1, 5], [40, 37, 70, 17, 6]
+    tables = torch.stack([torch.randperm(nb)[:5] for _ in query_lens])
+    k_cache, v_cache = torch.randn(nb, bs, kvh, d), torch.randn(nb, bs, kvh, d)
+    t = sum(query_lens)
+    positions = torch.cat([torch.arange(s - n, s) for n, s in zip(query_lens, seq_lens, strict=True)])
+    seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+    slots = tables[seq_index, positions // bs] * bs + positions % bs
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        positions=positions, slot_mapping=slots, query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(seq_lens),
+        block_tables=tables, block_size=bs, query_lens_host=query_lens, seq_lens_host=seq_lens,
+        query_start_host=starts,
+    )
+    q, k_new, v_new = torch.randn(t, heads, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    expect_k.view(-1, kvh, d)[slots] = k_new
+    expect_v.view(-1, kvh, d)[slots] = v_new
+    backend = TorchAttentionBackend(native=True)
+    backend.prepare(meta)
+    assert (meta.backend_data.token_tables is not None) == (rows_max_len > 0)
+    out = backend.forward(LayerAttention(heads, kvh, d, d**-0.5, window), q, k_new, v_new, k_cache, v_cache, meta)
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+    ref = _causal_reference(q, expect_k, expect_v, tables, query_lens, seq_lens, d**-0.5, window)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)

@@ -69,6 +69,53 @@ void rope_split(const float *qkv, int64_t ld, const float *cos, const float *sin
     }
 }
 
+/* e^x, Cephes-style: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for e^r,
+ * 2^n built in the exponent bits; relative error about 2e-7 (torch's vectorised exp
+ * is within 1 ulp too, so the two differ in the last bit or two). Above 88, +inf, as
+ * torch's (so SiLU's x / (1 + e^-x) is -0 for very negative x, NaN for -inf); below
+ * -87, e^-87: 1 + e^x is then 1 either way. */
+static inline vf exp_v(vf x) {
+    const vf hi = (vf){0} + 88.f, lo = (vf){0} - 87.f, shifter = (vf){0} + 12582912.f; /* 1.5 * 2^23 */
+    const vi over = x > hi, under = x < lo;
+    x = (vf)(((vi)x & ~over) | ((vi)hi & over)); /* a finite x for the arithmetic below */
+    x = (vf)(((vi)x & ~under) | ((vi)lo & under));
+    const vf n = (x * 1.44269504088896341f + shifter) - shifter; /* round to nearest, exactly */
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const vf e = p * r * r + r + 1.f;
+    const vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
+    const vf inf = (vf){0} + __builtin_inff();
+    return (vf)(((vi)(e * (vf)two_n) & ~over) | ((vi)inf & over));
+}
+
+static inline float exp_s(float x) {
+    vf v = (vf){0} + x;
+    return exp_v(v)[0];
+}
+
+/* SwiGLU's activation: gate_up [T, ld] holds gate then up (n columns each);
+ * out [T, n] = (gate / (1 + e^-gate)) * up, the operator order of torch's
+ * F.silu(gate) * up. One pass, no temporaries; threads only for large T x n,
+ * where a decode batch's few rows would cost more in waking a thread. */
+void silu_mul(const float *gate_up, int64_t ld, float *out, int64_t T, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && T * n >= (1 << 17))
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * ld, *u = g + n;
+        float *o = out + t * n;
+        int64_t i = 0;
+        for (; i + VL <= n; i += VL) {
+            const vf x = *(const vfu *)(g + i);
+            *(vfu *)(o + i) = (x / (1.f + exp_v(-x))) * *(const vfu *)(u + i);
+        }
+        for (; i < n; i++) o[i] = (g[i] / (1.f + exp_s(-g[i]))) * u[i];
+    }
+}
+
 /* Greedy sampling: the index of each row's largest value, the first one on ties
  * (torch.argmax's answer). Two vector passes (the max, then its first index)
  * instead of torch's scalar compare-and-select. A row with a NaN gets -1: the

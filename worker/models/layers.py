@@ -89,6 +89,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.dim() == 2 and gate_up.stride(-1) == 1 and fused_kernels.usable(gate_up):
+        return fused_kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
