@@ -82,3 +82,19 @@ def test_argmax_rows_ties_infinities_and_nan_follow_torch() -> None:
     logits[4, 21] = float("inf")
     logits[5] = 1.0
     assert torch.equal(fused_kernels.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_rows_many_ties_across_lanes_and_threads() -> None:
+    # Few distinct values: the maximum recurs in many lanes and accumulators, where only the
+    # merge by smallest index gives torch's first index; 60 x 5000 splits rows among threads.
+    torch.manual_seed(0)
+    logits = torch.randint(-3, 4, (60, 5000)).float()
+    logits[0] = float("-inf")
+    logits[1] = 0.0
+    logits[1, 1::2] = -0.0  # equal to 0.0: still the first index
+    logits[2, 4000:] = 9.0  # the maximum only after the first vector block
+    logits[3, 37] = float("nan")  # a NaN inside the vector pass
+    logits[4, :31] = -1.0  # the row's maximum in the scalar tail of a short-row-sized prefix
+    assert torch.equal(fused_kernels.argmax_rows(logits), logits.argmax(dim=-1))
+    short = logits[:5, :31].contiguous()  # shorter than one vector block: the scalar path
+    assert torch.equal(fused_kernels.argmax_rows(short), short.argmax(dim=-1))
