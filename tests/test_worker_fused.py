@@ -106,3 +106,19 @@ def test_silu_mul_limits_follow_torch() -> None:
     got = fused_kernels.silu_mul(torch.cat([gate, up])[None])[0]
     want = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(got, want, rtol=2.5e-7, atol=1e-35, equal_nan=True)  # e^88.5 overflows here, not in torch
+
+
+def test_argmax_rows_many_ties_across_lanes_and_threads() -> None:
+    # Few distinct values: the maximum recurs in many lanes and accumulators, where only the
+    # merge by smallest index gives torch's first index; 60 x 5000 splits rows among threads.
+    torch.manual_seed(0)
+    logits = torch.randint(-3, 4, (60, 5000)).float()
+    logits[0] = float("-inf")
+    logits[1] = 0.0
+    logits[1, 1::2] = -0.0  # equal to 0.0: still the first index
+    logits[2, 4000:] = 9.0  # the maximum only after the first vector block
+    logits[3, 37] = float("nan")  # a NaN inside the vector pass
+    logits[4, :31] = -1.0  # the row's maximum in the scalar tail of a short-row-sized prefix
+    assert torch.equal(fused_kernels.argmax_rows(logits), logits.argmax(dim=-1))
+    short = logits[:5, :31].contiguous()  # shorter than one vector block: the scalar path
+    assert torch.equal(fused_kernels.argmax_rows(short), short.argmax(dim=-1))

@@ -2,7 +2,9 @@
 
 Plans carry only new block ids, so rows are appended to in place and a step's
 [B, max_blocks] table is one row gather instead of a rebuild from Python lists.
-Unused entries hold the KV cache's null block.
+Unused entries hold the KV cache's null block. Each row's block ids are mirrored in a
+Python list (`ids`), so that a decode step finds its slots with list lookups instead of
+half a dozen small tensor operations (ModelRunner._prepare).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ class BlockTables:
         self.null_block = null_block
         self.table = torch.full((initial_rows, max(1, max_blocks_per_seq)), null_block, dtype=torch.long)
         self.num_blocks = [0] * initial_rows
+        self.ids: list[list[int]] = [[] for _ in range(initial_rows)]  # row -> its block ids, as `table`
         self._free_rows = list(range(initial_rows - 1, -1, -1))
 
     def add(self, block_ids: list[int]) -> int:
@@ -23,6 +26,7 @@ class BlockTables:
             self._grow_rows()
         row = self._free_rows.pop()
         self.num_blocks[row] = 0
+        self.ids[row] = []
         self.append(row, block_ids)
         return row
 
@@ -35,16 +39,19 @@ class BlockTables:
             self._grow_cols(end)
         self.table[row, start:end] = torch.tensor(block_ids, dtype=torch.long)
         self.num_blocks[row] = end
+        self.ids[row].extend(block_ids)
 
     def replace(self, row: int, index: int, block: int, what: str) -> None:
         """Point entry `index` of a row at another block (after copy-on-write)."""
         if not 0 <= index < self.num_blocks[row]:
             raise ValueError(f"{what}: replaced index {index} outside its {self.num_blocks[row]} blocks")
         self.table[row, index] = block
+        self.ids[row][index] = block
 
     def free(self, row: int) -> None:
         self.table[row, : self.num_blocks[row]] = self.null_block
         self.num_blocks[row] = 0
+        self.ids[row] = []
         self._free_rows.append(row)
 
     def gather(self, rows: list[int], num_cols: int) -> torch.Tensor:
@@ -58,6 +65,7 @@ class BlockTables:
         extra = torch.full_like(self.table, self.null_block)
         self.table = torch.cat([self.table, extra])
         self.num_blocks += [0] * old
+        self.ids += [[] for _ in range(old)]
         self._free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     def _grow_cols(self, cols: int) -> None:

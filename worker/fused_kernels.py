@@ -31,8 +31,8 @@ def load() -> ctypes.CDLL | None:
     dll.add_rms_norm.restype = None
     dll.rope_split.argtypes = [_F32P, _I64, _F32P, _F32P, _F32P, _F32P, _F32P, _I64, _I64, _I64, _I64, ctypes.c_int]
     dll.rope_split.restype = None
-    dll.argmax_rows.argtypes = [_F32P, _I64, _I64, _I64, ctypes.POINTER(ctypes.c_int64)]
-    dll.argmax_rows.restype = None
+    dll.argmax_rows.argtypes = [_F32P, _I64, _I64, _I64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+    dll.argmax_rows.restype = _I64
     dll.silu_mul.argtypes = [_F32P, _I64, _F32P, _I64, _I64, ctypes.c_int]
     dll.silu_mul.restype = None
     return dll
@@ -92,16 +92,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1) for [B, V] float32 (the same answer, ties to the first
-    index); 2x faster than torch's on a Zen 3 core (0.65 against 1.4 ms at
-    35 x 32000), where torch's compare-and-select does not vectorise."""
+    index). torch's compare-and-select does not vectorise: on a Zen 3 core at 32 x 32000,
+    torch takes ~2.7 ms, this ~0.3 ms (one pass, four compare chains per lane, rows over
+    the threads)."""
     if not usable(logits) or logits.dim() != 2 or logits.stride(-1) != 1:
         return logits.argmax(dim=-1)
     dll = load()
     assert dll is not None
     rows, n = logits.shape
     out = torch.empty(rows, dtype=torch.int64)
-    dll.argmax_rows(_ptr(logits), logits.stride(0), rows, n, ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_int64)))
-    bad = (out < 0).nonzero()[:, 0]
-    if len(bad):  # rows with a NaN: torch's answer (the NaN's index)
-        out[bad] = logits[bad].argmax(dim=-1)
+    bad = dll.argmax_rows(_ptr(logits), logits.stride(0), rows, n,
+                          ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_int64)), torch.get_num_threads())
+    if bad:  # rows with a NaN: torch's answer (the NaN's index)
+        rows_bad = (out < 0).nonzero()[:, 0]
+        out[rows_bad] = logits[rows_bad].argmax(dim=-1)
     return out

@@ -280,14 +280,17 @@ class ModelRunner:
         block_tables = self.block_tables.gather([s.row for s in states], -(-max(seq_lens) // bs))
         num_seqs = len(states)
         if len(input_ids) == num_seqs:  # decode-only: one token per sequence
+            # Slots from the rows' block id lists: one tensor instead of six small operators.
+            ids = self.block_tables.ids
             positions = torch.tensor(context_lens, dtype=torch.long)
-            seq_index = torch.arange(num_seqs)
+            slots = torch.tensor([ids[s.row][c // bs] * bs + c % bs for s, c in zip(states, context_lens, strict=True)],
+                                 dtype=torch.long)
         else:
             q_lens = torch.tensor(query_lens, dtype=torch.long)
             offsets = torch.tensor(context_lens, dtype=torch.long) - torch.tensor(query_start[:-1])
             positions = torch.arange(len(input_ids)) + torch.repeat_interleave(offsets, q_lens)
             seq_index = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
-        slots = block_tables[seq_index, positions // bs] * bs + positions % bs
+            slots = block_tables[seq_index, positions // bs] * bs + positions % bs
 
         sample_requests, sample_index = [], []
         for i, state in enumerate(states):

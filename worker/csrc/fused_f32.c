@@ -117,35 +117,63 @@ void silu_mul(const float *gate_up, int64_t ld, float *out, int64_t T, int64_t n
 }
 
 /* Greedy sampling: the index of each row's largest value, the first one on ties
- * (torch.argmax's answer). Two vector passes (the max, then its first index)
- * instead of torch's scalar compare-and-select. A row with a NaN gets -1: the
- * caller asks torch for it, whose answer is the NaN's index. */
-void argmax_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *p = x + r * ld;
-        vf m = (vf){0} - __builtin_inff();
-        vi nan = {0};
-        int64_t i = 0;
-        for (; i + VL <= n; i += VL) {
-            const vf v = *(const vfu *)(p + i);
-            const vi gt = v > m; /* lanes of all ones where v is larger: a branch-free select */
-            m = (vf)(((vi)v & gt) | ((vi)m & ~gt));
-            nan |= v != v;
+ * (torch.argmax's answer). One vector pass with four running (max, index)
+ * pairs per lane, so that four compares are in flight instead of one chain; a
+ * lane keeps the first index of its maximum (strict >), and the lanes are
+ * merged by value, then by the smaller index. A row with a NaN gets -1: the
+ * caller asks torch for it, whose answer is the NaN's index. Rows are split
+ * among the threads (each row is independent: the same answer at any count).
+ * Returns the number of rows with a NaN. */
+#define AM_ACC 4
+static int64_t argmax_row(const float *p, int64_t n) {
+    int64_t i = 0, index = 0;
+    float best = -__builtin_inff();
+    int bad = 0;
+    if (n >= AM_ACC * VL && n <= INT32_MAX) {
+        vf m[AM_ACC];
+        vi idx[AM_ACC], nan = {0};
+        for (int a = 0; a < AM_ACC; a++) {
+            m[a] = (vf){0} - __builtin_inff();
+            for (int j = 0; j < VL; j++) idx[a][j] = a * VL + j; /* -inf lanes keep their first index */
         }
-        float best = m[0];
-        int bad = 0;
-        for (int j = 0; j < VL; j++) best = m[j] > best ? m[j] : best, bad |= nan[j];
-        for (; i < n; i++) {
-            bad |= p[i] != p[i];
-            best = p[i] > best ? p[i] : best;
+        vi cur = {0};
+        for (int j = 0; j < VL; j++) cur[j] = j;
+        for (; i + AM_ACC * VL <= n; i += AM_ACC * VL) {
+            for (int a = 0; a < AM_ACC; a++) {
+                const vf v = *(const vfu *)(p + i + a * VL);
+                const vi gt = v > m[a]; /* lanes of all ones where v is larger: a branch-free select */
+                m[a] = (vf)(((vi)v & gt) | ((vi)m[a] & ~gt));
+                idx[a] = (cur & gt) | (idx[a] & ~gt);
+                nan |= v != v;
+                cur += VL;
+            }
         }
-        int64_t index = -1;
-        if (!bad)
-            for (i = 0; i < n; i++)
-                if (p[i] == best) {
-                    index = i;
-                    break;
-                }
-        out[r] = index;
+        best = m[0][0], index = idx[0][0];
+        for (int a = 0; a < AM_ACC; a++)
+            for (int j = 0; j < VL; j++) {
+                bad |= nan[j];
+                const float x = m[a][j];
+                if (x > best || (x == best && idx[a][j] < index)) best = x, index = idx[a][j];
+            }
+    } else if (n > 0) {
+        best = p[0];
+        bad = p[0] != p[0];
+        i = 1;
     }
+    for (; i < n; i++) {
+        bad |= p[i] != p[i];
+        if (p[i] > best) best = p[i], index = i;
+    }
+    return bad ? -1 : index;
+}
+
+int64_t argmax_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t *out, int num_threads) {
+    int64_t bad = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(+ : bad) \
+    if (num_threads > 1 && rows > 1 && rows * n >= (1 << 18))
+    for (int64_t r = 0; r < rows; r++) {
+        out[r] = argmax_row(x + r * ld, n);
+        bad += out[r] < 0;
+    }
+    return bad;
 }
