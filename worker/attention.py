@@ -145,6 +145,16 @@ class TorchAttentionBackend:
             plan.token_lens = meta.positions + 1
         meta.backend_data = plan
 
+    def paged_rows(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(block table, keys seen) per query row when the whole step is one call of the native
+        paged kernel per layer (decode rows, or every prompt token as a row), else None."""
+        plan: _TorchPlan = meta.backend_data
+        if plan.token_tables is not None and plan.token_lens is not None:
+            return plan.token_tables, plan.token_lens
+        if self.native and plan.decode_tables is not None and plan.decode_seq_lens is not None and not plan.prefills:
+            return plan.decode_tables, plan.decode_seq_lens
+        return None
+
     def forward(
         self,
         layer: LayerAttention,
@@ -156,15 +166,12 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         plan: _TorchPlan = meta.backend_data
-        if plan.token_tables is not None and cpu_kernels.usable(q, k_cache):
-            assert plan.token_lens is not None
-            return cpu_kernels.paged_decode(q, k_cache, v_cache, plan.token_tables, plan.token_lens, layer.scale,
-                                            layer.sliding_window, new_kv=(k, v, meta.slot_mapping))
-        decode_only = plan.decode_blocks is not None and not plan.prefills
-        if decode_only and self.native and cpu_kernels.usable(q, k_cache):
+        rows = self.paged_rows(meta)
+        if rows is not None and cpu_kernels.usable(q, k_cache):
             # One call writes this step's K/V rows and attends: no write_kv dispatch per layer.
-            return cpu_kernels.paged_decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_seq_lens,
-                                            layer.scale, layer.sliding_window, new_kv=(k, v, meta.slot_mapping))
+            return cpu_kernels.paged_decode(q, k_cache, v_cache, *rows, layer.scale, layer.sliding_window,
+                                            new_kv=(k, v, meta.slot_mapping))
+        decode_only = plan.decode_blocks is not None and not plan.prefills
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if decode_only:
             return self._decode(layer, q, k_cache, v_cache, plan)

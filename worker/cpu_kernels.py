@@ -67,8 +67,12 @@ def paged_decode(
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype == torch.float32 and fits(q.shape[1], q.shape[2], k_cache)
+
+
+def fits(num_heads: int, head_dim: int, k_cache: torch.Tensor) -> bool:
+    """Whether float32 queries of this shape can attend to `k_cache` through the kernel."""
     # The kernel keeps a GQA group's queries on its stack: at most 16 heads x 256 dims.
-    group = q.shape[1] // k_cache.shape[2]
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and group <= 16 and group * q.shape[2] <= 16 * 256
-            and load() is not None)
+    group = num_heads // k_cache.shape[2]
+    return (k_cache.device.type == "cpu" and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and group <= 16 and group * head_dim <= 16 * 256 and load() is not None)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from noria.worker import fused_kernels
+from noria.worker import fused_kernels, native_stack
 from noria.worker.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from noria.worker.models.layers import (
     Packed,
@@ -189,6 +189,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else _param(vocab_rows, spec.hidden_size)
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
         self.lm_head_packed: Packed | None = None
+        self._stack_key: int | None = None  # the KV caches _stack was built for
+        self._stack: native_stack.NativeStack | None = None
 
     def forward(
         self,
@@ -201,11 +203,28 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] of a ragged batch of T tokens."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        stack = self._native_stack(kv_caches, x)
+        rows = None if stack is None else native_stack.paged_rows(backend, meta)
+        if stack is not None and rows is not None:
+            x, residual = stack.run(x, cos, sin, meta, rows)
+            return self.norm.add_forward(x, residual)[0]
         ctx = StepContext(meta, backend, kv_caches, cos, sin)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.norm.add_forward(x, residual)[0]
+
+    def _native_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      x: torch.Tensor) -> native_stack.NativeStack | None:
+        """The layers as one native call, where this model and its caches allow it (decided once per caches)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.shape[0]:
+            return None
+        key = kv_caches[0][0].data_ptr() if kv_caches else None
+        if self._stack_key != key:
+            self._stack_key = key
+            self._stack = (native_stack.NativeStack(self, kv_caches)
+                           if key is not None and native_stack.NativeStack.applies(self, kv_caches) else None)
+        return self._stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [rows, vocab] on rank 0; None on the other ranks."""
@@ -224,6 +243,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self) -> None:
         """Pre-block the matmul weights for the CPU; call again after changing them."""
+        self._stack_key, self._stack = None, None  # it points at the packed weights
         for layer in self.layers:
             layer.self_attn.pack_weights()
             layer.mlp.pack_weights()

@@ -1,0 +1,87 @@
+/* A Llama-family decoder stack in one call, for the CPU torch backend.
+ *
+ * Per layer the Python path makes nine native calls (norm, qkv GEMM, rotary,
+ * paged attention, o GEMM, norm, gate/up GEMM, SiLU-and-mul, down GEMM), and
+ * between them runs the modules' Python: wrappers, argument conversion, one
+ * fresh tensor per result. On W1's 18-row decode step of the "small" model that
+ * glue was ~4 ms of a ~50 ms step (a quarter of it inside the wrappers, the
+ * rest between calls). Here the same kernels are called in the same order on
+ * the same inputs, from C, into buffers allocated once per step: the output is
+ * bit for bit the Python path's.
+ *
+ * The kernels live in their own libraries (each built with its own flags:
+ * gemm_f32.c in-order sums, fused_f32.c no contraction, paged_decode.c
+ * reassociated), so they are reached through function pointers.
+ *
+ * Buffers: x [T, hidden] enters as the layer input, other [T, hidden] as the
+ * residual stream (ignored for layer 0, which has none). Per layer
+ *   x = x + other -> residual; normed; o_proj -> other; other += x -> residual;
+ *   normed; down_proj -> x.
+ * so on return x holds the last layer's output and other the residual stream,
+ * which the caller's final norm adds, as DecoderLayer.forward leaves them.
+ */
+#include <stdint.h>
+
+typedef void (*gemm_fn)(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                        int64_t M, int64_t N, int64_t K, int num_threads);
+typedef void (*norm_fn)(float *h, const float *residual, const float *weight, float *out, int64_t rows, int64_t n,
+                        float eps, int num_threads);
+typedef void (*rope_fn)(const float *qkv, int64_t ld, const float *cos, const float *sin, float *q, float *k,
+                        float *v, int64_t T, int64_t H, int64_t KVH, int64_t D, int num_threads);
+typedef void (*silu_fn)(const float *gate_up, int64_t ld, float *out, int64_t T, int64_t n, int num_threads);
+typedef int (*attn_fn)(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
+                       const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                       int num_threads, const float *k_new, const float *v_new, const int64_t *slots,
+                       int64_t num_new);
+
+typedef struct {
+    gemm_fn gemm;
+    norm_fn norm;
+    rope_fn rope;
+    silu_fn silu;
+    attn_fn attn;
+} Kernels;
+
+typedef struct { /* packed weights (see gemm_f32.c), biases or NULL, norm weights, this layer's caches */
+    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    const float *input_norm, *post_norm;
+    float *k_cache, *v_cache;
+    int64_t window; /* sliding window, 0 for none */
+} Layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+} Shape;
+
+typedef struct {
+    int64_t tokens, max_blocks;
+    const float *cos, *sin;                     /* [T, head_dim / 2] */
+    const int64_t *tables, *lens, *slots;      /* per token: block table row, keys seen, KV slot */
+    float *normed, *qkv, *q, *k, *v, *attn, *gate_up, *act; /* scratch */
+    int num_threads;
+} Step;
+
+/* Returns 0, or -1 when the attention kernel could not allocate (nothing after it computed). */
+int decoder_stack(const Kernels *kn, const Layer *layers, int64_t num_layers, const Shape *s, const Step *st,
+                  float *x, float *other) {
+    const int64_t T = st->tokens, hid = s->hidden, D = s->head_dim, th = st->num_threads;
+    const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_n = q_size + 2 * kv_size;
+    for (int64_t i = 0; i < num_layers; i++) {
+        const Layer *l = &layers[i];
+        kn->norm(x, i ? other : 0, l->input_norm, st->normed, T, hid, s->eps, th);
+        kn->gemm(st->normed, hid, l->qkv, l->qkv_bias, st->qkv, qkv_n, T, qkv_n, hid, th);
+        kn->rope(st->qkv, qkv_n, st->cos, st->sin, st->q, st->k, st->v, T, s->heads, s->kv_heads, D, th);
+        if (kn->attn(st->q, l->k_cache, l->v_cache, st->tables, st->lens, st->attn, T, s->heads, s->kv_heads, D,
+                     s->block_size, st->max_blocks, s->scale, l->window, th, st->k, st->v, st->slots, T) != 0)
+            return -1;
+        kn->gemm(st->attn, q_size, l->o, l->o_bias, other, hid, T, hid, q_size, th);
+        kn->norm(other, x, l->post_norm, st->normed, T, hid, s->eps, th);
+        kn->gemm(st->normed, hid, l->gate_up, l->gate_up_bias, st->gate_up, 2 * s->intermediate, T,
+                 2 * s->intermediate, hid, th);
+        kn->silu(st->gate_up, 2 * s->intermediate, st->act, T, s->intermediate, th);
+        kn->gemm(st->act, s->intermediate, l->down, l->down_bias, x, hid, T, hid, s->intermediate, th);
+    }
+    return 0;
+}
