@@ -7,6 +7,8 @@ batch shape, medians reported:
   old    oneDNN pre-packed weights (4-256 rows), torch RMSNorm / residual add / rotary;
   gemm   the native GEMM (worker/csrc/gemm_f32.c), torch elementwise ops;
   fused  the native GEMM and the fused RMSNorm+add and rotary+split (worker/csrc/fused_f32.c);
+  stack  as fused, the layers in one native call per step (worker/native_stack.py; every other
+         variant runs the modules' Python path);
   base   as fused, but the GEMM built from worker/csrc/gemm_f32.c at the git revision
          `--base-gemm REV` (e.g. `--base-gemm dd010a9 --variants base,fused`).
 A positive row count is a decode batch of that many sequences with 300 tokens of
@@ -51,15 +53,20 @@ def _variants(model: LlamaForCausalLM, base_gemm: str | None) -> dict[str, Calla
     usable, load = fused_kernels.usable, gemm_kernels.load
     base = None if base_gemm is None else base_dll(base_gemm)  # same panel layout, so the same packings
 
-    def switch(packings: list, fused: bool, dll: object = None) -> Callable[[], None]:
+    def switch(packings: list, fused: bool, dll: object = None, stack: bool = False) -> Callable[[], None]:
         def apply() -> None:
             for mod, attr, packed in packings:
                 setattr(mod, attr, packed)
             fused_kernels.usable = usable if fused else (lambda x: False)  # type: ignore[assignment]
             gemm_kernels.load = load if dll is None else (lambda: dll)  # type: ignore[assignment]
+            if stack:
+                model.__dict__.pop("_native_stack", None)
+            else:
+                model._native_stack = lambda *a: None  # type: ignore[method-assign]
         return apply
 
-    out = {"old": switch(onednn, False), "gemm": switch(native, False), "fused": switch(native, True)}
+    out = {"old": switch(onednn, False), "gemm": switch(native, False), "fused": switch(native, True),
+           "stack": switch(native, True, stack=True)}
     if base is not None:
         out["base"] = switch(native, True, base)
     return out
