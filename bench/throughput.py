@@ -328,8 +328,10 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> tuple[dict[str,
             for name in REPEATED:
                 if name in systems:
                     run(name, tag, runs["noria-llm"][-1] if name == "ceiling" else None)
-        if not machines:  # no repeated system ran (e.g. noria-llm-tp2 alone)
-            measure()
+        # Once more after the last run: the peak is the best of the probes (Machine.best), and on a
+        # host whose speed drifts a single probe at the start under-reads it as often as not
+        # (session 9: a probe of 106 GFLOP/s, then prefill steps of the same job at 122).
+        measure()
     return runs, machines
 
 
