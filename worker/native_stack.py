@@ -73,17 +73,12 @@ def load() -> tuple[ctypes.CDLL, _Kernels] | None:
     return dll, kernels
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class NativeStack:
     """One model's layers as the C driver sees them, for one set of KV caches."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         spec, first = model.spec, model.layers[0]
         a = first.self_attn.attn
-        self.key = kv_caches[0][0].data_ptr()
         self.shape = _Shape(spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                             first.mlp.gate_up_proj.shape[0] // 2, kv_caches[0][0].shape[1],
                             first.input_layernorm.eps, a.scale)

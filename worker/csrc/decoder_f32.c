@@ -6,8 +6,8 @@
  * fresh tensor per result. On W1's 18-row decode step of the "small" model that
  * glue was ~4 ms of a ~50 ms step (a quarter of it inside the wrappers, the
  * rest between calls). Here the same kernels are called in the same order on
- * the same inputs, from C, into buffers allocated once per step: the output is
- * bit for bit the Python path's.
+ * the same inputs, from C, into scratch buffers the caller keeps across steps:
+ * the output is bit for bit the Python path's.
  *
  * The kernels live in their own libraries (each built with its own flags:
  * gemm_f32.c in-order sums, fused_f32.c no contraction, paged_decode.c
