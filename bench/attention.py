@@ -1,6 +1,6 @@
 """CPU attention on W1-like batches: its share of the forward, its K/V bandwidth, an A/B against a commit.
 
-    python -m noria.bench.attention [--baseline REV] [--rounds 5] [--threads N] [--tail] [--json OUT]
+    python -m noria.bench.attention [--baseline REV] [--rounds 5] [--threads N] [--tail] [--hot N] [--json OUT]
     python -m noria.bench.attention --w1 [--stride 4]
 
 The "small" Llama of bench/workloads.py (12 layers, 12 query / 4 KV heads, head
@@ -18,7 +18,9 @@ show` and built beside the current ones) and the current backend:
 * write: a separate `write_kv` of the step's rows into the 12 layers, in microseconds
   (what the baseline pays per step on top of its kernel; the decode call now fuses it).
 
-Medians over the rounds. `--w1`: W1's decode steps instead (its 128 requests all
+`--hot N`: every block table draws from blocks 0..N-1 alone (shuffled, wrapping), so
+that K/V stays in cache (e.g. 32 blocks: 12 MiB over the 12 layers): the kernel's
+compute alone, without the memory stream. Medians over the rounds. `--w1`: W1's decode steps instead (its 128 requests all
 prefilled, then decode step j runs every request with more than j output tokens, at
 sequence length prompt + j; every `--stride`-th step), before and after alternating
 step by step; sums of attention and forward seconds. K/V GB/s is the bytes of K and V each decode row
@@ -131,7 +133,7 @@ def _clock(fn: Any) -> float:
 
 
 class Bench:
-    def __init__(self, baseline: types.ModuleType) -> None:
+    def __init__(self, baseline: types.ModuleType, hot_blocks: int | None = None) -> None:
         from noria.bench.workloads import small_checkpoint
         from noria.frontend.startup import make_config
         from noria.worker.attention_select import attention_layers
@@ -139,6 +141,7 @@ class Bench:
 
         self.runner = ModelRunner(make_config(str(small_checkpoint()), dtype="float32"))
         self.runner.kv_cache.device_cache.uniform_(-1, 1)
+        self.pool = hot_blocks or self.runner.num_kv_blocks  # blocks the tables draw from
         self.layers = attention_layers(self.runner.model)
         self.backends = {"before": (baseline, baseline.TorchAttentionBackend()),
                          "after": (current, current.TorchAttentionBackend())}
@@ -153,7 +156,7 @@ class Bench:
     def once(self, variant: str, query_lens: list[int], seq_lens: list[int], seed: int) -> dict[str, float]:
         mod, backend = self.backends[variant]
         r = self.runner
-        meta = metadata(mod, r.num_kv_blocks, r.block_size, query_lens, seq_lens, seed)
+        meta = metadata(mod, self.pool, r.block_size, query_lens, seq_lens, seed)
         t_prepare = _clock(lambda: backend.prepare(meta))
         la = self.layers[0]
         tokens = sum(query_lens)
@@ -182,7 +185,7 @@ def kv_bytes(query_lens: list[int], seq_lens: list[int], layers: int = 12, kvh: 
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    bench = Bench(load_baseline(args.baseline))
+    bench = Bench(load_baseline(args.baseline), args.hot)
     rows = []
     for name, query_lens, seq_lens in SHAPES:
         samples: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
@@ -214,7 +217,7 @@ def w1_decode_steps(stride: int) -> list[list[int]]:
 
 
 def run_w1(args: argparse.Namespace) -> dict[str, Any]:
-    bench = Bench(load_baseline(args.baseline))
+    bench = Bench(load_baseline(args.baseline), args.hot)
     steps = w1_decode_steps(args.stride)
     totals = {f"{key}_{v}": 0.0 for key in ("attn_ms", "forward_ms") for v in ("before", "after")}
     kv = 0
@@ -260,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the worker's)")
     ap.add_argument("--only", default=None, help="run the shapes whose name contains this")
     ap.add_argument("--tail", action="store_true", help="W1's tail shapes (16-31 decodes x 256-2048) instead")
+    ap.add_argument("--hot", type=int, default=None, help="block tables inside this many blocks: K/V in cache")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--w1", action="store_true", help="W1's decode steps instead of the fixed shapes")
     ap.add_argument("--stride", type=int, default=4, help="--w1: every this many steps")

@@ -9,9 +9,12 @@ output - 1 decode steps of `--batch` rows whose contexts grow by one per step.
 
 noria: `LLM.generate` records its steps (NORIA_RECORD_STEPS), which are then
 replayed as bare forward passes (bench/ceiling.py) under torch.profiler, the
-range "noria: forward" around the model and "noria: logits" around the LM head;
-the native decode kernel (a ctypes call the profiler cannot see) is wrapped in
-a range of its own. vLLM: the same requests through `LLM.generate` in its own
+range "noria: forward" around the model and "noria: logits" around the LM head.
+The native kernels are ctypes calls the profiler cannot see: each is wrapped in
+a range of its own. The replay runs twice: as noria runs it (the decoder stack
+in one native call where it applies: one range for all layers), then with the
+stack off, so the same kernels are called one by one from Python and each
+shows as a component. vLLM: the same requests through `LLM.generate` in its own
 venv under its own torch profiler, in its worker process, with its phase ranges
 ("gpu_model_runner: forward", "...: sample", ...).
 
@@ -30,10 +33,12 @@ import random
 import re
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 # What each component's operators are called in either system (first match wins).
 COMPONENTS: list[tuple[str, str]] = [
+    ("decoder stack (native, all layers in one call)", r"decoder stack"),
     ("attention", r"attn|attention|paged|sdpa|scaled_dot_product|flash"),
     ("KV cache write", r"reshape_and_cache|write_kv|index_put|index_copy|scatter"),
     ("GEMM", r"\bmm\b|aten::mm|addmm|matmul|linear|bmm|onednn|mkldnn|dnnl|gemm"),
@@ -113,32 +118,59 @@ def uniform_work(batch: int, prompt: int, output: int, vocab: int = 32000) -> li
     return [([rng.randrange(3, vocab) for _ in range(prompt)], output) for _ in range(batch)]
 
 
-def profile_noria(path: Path, work: list, tmp: Path, num_kv_blocks: int) -> tuple[dict, int]:
+def _named_native_kernels(stack: bool) -> list[tuple[object, str, object]]:
+    """Wrap each native kernel's Python entry in a profiler range (ctypes calls are invisible
+    to the profiler); with `stack` False the one-call decoder stack is declined, so that the
+    layers run kernel by kernel. Returns what to put back."""
+    import torch
+
+    from noria.worker import cpu_kernels, fused_kernels, gemm_kernels, native_stack
+
+    def named(fn: Callable, label: str) -> Callable:
+        def call(*a: object, **k: object) -> object:
+            with torch.profiler.record_function(f"noria::{label} (native C)"):
+                return fn(*a, **k)
+        return call
+
+    patches: list[tuple[object, str, object]] = [
+        (cpu_kernels, "paged_decode", None), (gemm_kernels, "gemm", None), (fused_kernels, "add_rms_norm", None),
+        (fused_kernels, "rope_split", None), (fused_kernels, "silu_mul", None),
+        (native_stack.NativeStack, "run", "decoder stack"), (native_stack.NativeStack, "applies", None)]
+    saved = [(owner, attr, owner.__dict__[attr]) for owner, attr, _ in patches]
+    for owner, attr, label in patches:
+        if attr == "applies":
+            if not stack:
+                setattr(owner, attr, staticmethod(lambda *a: False))
+        else:
+            setattr(owner, attr, named(getattr(owner, attr), label or attr))
+    return saved
+
+
+def profile_noria(path: Path, work: list, tmp: Path, num_kv_blocks: int) -> tuple[dict, dict, int]:
+    """Chrome traces of the recorded steps replayed as noria runs them, and with the stack off."""
     import torch
 
     from noria.bench.ceiling import read_steps, replay
     from noria.bench.throughput import run_noria_llm
     from noria.frontend.startup import make_config
-    from noria.worker import cpu_kernels
 
     budget = max(2048, sum(len(p) for p, _ in work))
     flags = {"num_kv_blocks": num_kv_blocks, "max_num_batched_tokens": budget}
     row = run_noria_llm(path, work, flags, str(tmp / "noria.steps"))
     steps = read_steps(row["record"], row["record_skip"])
-    native = cpu_kernels.paged_decode
-
-    def paged_decode(*a, **k):  # the ctypes kernel is invisible to the profiler: name its range
-        with torch.profiler.record_function("noria::paged_decode (native C)"):
-            return native(*a, **k)
-
-    cpu_kernels.paged_decode = paged_decode
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    try:
-        replay(make_config(str(path), **flags), steps, around=lambda: prof)
-    finally:
-        cpu_kernels.paged_decode = native
-    prof.export_chrome_trace(str(tmp / "noria.json"))
-    return json.loads((tmp / "noria.json").read_text()), len(steps)
+    traces = []
+    for stack in (True, False):
+        saved = _named_native_kernels(stack)
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        try:
+            replay(make_config(str(path), **flags), steps, around=lambda p=prof: p)
+        finally:
+            for owner, attr, value in saved:
+                setattr(owner, attr, value)
+        out = tmp / f"noria-{'stack' if stack else 'kernels'}.json"
+        prof.export_chrome_trace(str(out))
+        traces.append(json.loads(out.read_text()))
+    return traces[0], traces[1], len(steps)
 
 
 def profile_vllm(system: str, path: Path, work: list, tmp: Path) -> dict:
@@ -152,15 +184,16 @@ def profile_vllm(system: str, path: Path, work: list, tmp: Path) -> dict:
     return json.loads(max(traces, key=lambda p: p.stat().st_size).read_text())
 
 
-def table(noria: dict, vllm: dict | None, steps: int, vllm_name: str) -> str:
+def table(noria: dict, kernels: dict, vllm: dict | None, steps: int, vllm_name: str) -> str:
     empty = {"ms": 0.0, "calls": 0, "components": {}}
-    nf, nl = noria.get("noria: forward", empty), noria.get("noria: logits", empty)
     vf = (vllm or {}).get("gpu_model_runner: forward", empty)
     vl = (vllm or {}).get("gpu_model_runner: postprocess", empty)  # vLLM computes the logits here
-    cols = [(f"{vllm_name} forward", vf), ("noria forward", nf), (f"{vllm_name} logits (postprocess)", vl),
-            ("noria logits", nl)]
-    lines = [f"The same requests: noria's {steps} recorded steps replayed; {vllm_name}: "
-             f"{vf.get('calls', 0)} forward calls in its worker. Self time, ms in total:", "",
+    cols = [(f"{vllm_name} forward", vf), ("noria forward", noria.get("noria: forward", empty)),
+            ("noria forward, kernel by kernel", kernels.get("noria: forward", empty)),
+            (f"{vllm_name} logits (postprocess)", vl), ("noria logits", noria.get("noria: logits", empty))]
+    lines = [f"The same requests: noria's {steps} recorded steps replayed (as it runs them, then with the "
+             f"decoder stack off so that each kernel shows); {vllm_name}: {vf.get('calls', 0)} forward calls "
+             "in its worker. Self time, ms in total:", "",
              "| component | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---:|" * len(cols)]
     names = sorted({c for _, v in cols for c in v["components"]},
                    key=lambda c: -sum(v["components"].get(c, 0) for _, v in cols))
@@ -169,7 +202,7 @@ def table(noria: dict, vllm: dict | None, steps: int, vllm_name: str) -> str:
     lines.append("| **total** | " + " | ".join(f"**{v['ms']:.1f}**" for _, v in cols) + " |")
     if vllm:
         lines += ["", f"{vllm_name}'s phases (ms): " + ", ".join(f"{p} {v['ms']:.1f}" for p, v in sorted(vllm.items()))]
-    for who, phases in (("noria", noria), (vllm_name, vllm or {})):
+    for who, phases in (("noria", noria), ("noria kernel by kernel", kernels), (vllm_name, vllm or {})):
         for phase, v in sorted(phases.items()):
             lines += ["", f"Top operators, {who}, {phase}:", "", "| operator | ms | calls |", "|---|---:|---:|"]
             lines += [f"| `{t['op']}` | {t['ms']:.2f} | {t['calls']} |" for t in v["top"]]
@@ -197,21 +230,22 @@ def main(argv: list[str] | None = None) -> int:
     work = uniform_work(args.batch, args.prompt, args.output)
     vllm_name = args.vllm
     with tempfile.TemporaryDirectory() as tmp:
-        trace, steps = profile_noria(path, work, Path(tmp), args.num_kv_blocks)
-        noria = summarize(self_times(trace, {"noria: forward", "noria: logits"}))
+        trace, by_kernel, steps = profile_noria(path, work, Path(tmp), args.num_kv_blocks)
+        phases = {"noria: forward", "noria: logits"}
+        noria, kernels = summarize(self_times(trace, phases)), summarize(self_times(by_kernel, phases))
         vllm = None
         why = vllm_cpu.setup(install=False) if vllm_name != "none" else "not asked for"
         if why:
             print(f"vLLM not profiled: {why}")
         else:
             vllm = summarize(self_times(profile_vllm(vllm_name, path, work, Path(tmp)), VLLM_PHASES))
-    text = table(noria, vllm, steps, vllm_name)
+    text = table(noria, kernels, vllm, steps, vllm_name)
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps({"workload": vars(args), "steps": steps, "noria": noria,
-                                                    "vllm": vllm}, indent=2))
+                                                    "noria_kernel_by_kernel": kernels, "vllm": vllm}, indent=2))
     return 0
 
 

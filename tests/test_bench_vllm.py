@@ -131,6 +131,35 @@ def test_profile_reduction_gives_each_operator_its_self_time():
     assert s["components"]["GEMM"] == pytest.approx(0.060)
     assert component("_C::cpu_attention_with_kv_cache") == "attention"
     assert component("noria::paged_decode (native C)") == "attention"
+    assert component("noria::gemm (native C)") == "GEMM"
+    assert component("noria::add_rms_norm (native C)") == "RMSNorm"
+    assert component("noria::rope_split (native C)") == "rotary"
+    assert component("noria::silu_mul (native C)") == "SiLU and mul"
+    assert component("noria::decoder stack (native C)").startswith("decoder stack")
+
+
+def test_profile_names_each_native_kernel_and_can_decline_the_stack():
+    import torch
+
+    from noria.bench.profile_forward import _named_native_kernels
+    from noria.worker import gemm_kernels, native_stack
+
+    before = (gemm_kernels.gemm, native_stack.NativeStack.__dict__["applies"], native_stack.NativeStack.run)
+    saved = _named_native_kernels(stack=False)
+    try:
+        assert native_stack.NativeStack.applies(None, []) is False
+        assert gemm_kernels.gemm is not before[0] and native_stack.NativeStack.run is not before[2]
+        if gemm_kernels.load() is not None:
+            w = gemm_kernels.PackedWeight(torch.randn(24, 8))
+            x = torch.randn(3, 8)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                y = gemm_kernels.gemm(x, w, None)
+            assert torch.equal(y, before[0](x, w, None))  # the wrapper passes the call through
+            assert "noria::gemm (native C)" in {e.key for e in prof.key_averages()}
+    finally:
+        for owner, attr, value in saved:
+            setattr(owner, attr, value)
+    assert (gemm_kernels.gemm, native_stack.NativeStack.__dict__["applies"], native_stack.NativeStack.run) == before
 
 
 def test_stream_chunks_are_counted_in_tokens():
