@@ -150,6 +150,33 @@ def from_runs(shape: Shape, machine: Machine, runs: dict[str, list[dict]]) -> di
     return out
 
 
+def bracketed(shape: Shape, machines: list[Machine], runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Every run that names its bracketing probes ("_probes": indices into `machines`, the probe
+    before it and the one after): its floor against the better of those two, by "system #round"."""
+    out = {}
+    for system, rows in runs.items():
+        for i, row in enumerate(rows):
+            near = [machines[j] for j in row.get("_probes", []) if 0 <= j < len(machines)]
+            if row.get("_steps") and near:
+                m = Machine.best(near)
+                a = analyse(shape, m, row["_steps"], row["seconds"])
+                out[f"{system} #{i + 1}"] = {"copy_gbs": m.copy_gbs, "gemm_gflops": m.gemm_gflops,
+                                             "floor_seconds": a["floor_seconds"], "wall_seconds": a["wall_seconds"],
+                                             "floor_of_wall": a["floor_of_wall"]}
+    return out
+
+
+def format_bracketed(b: dict[str, dict]) -> str:
+    if not b:
+        return ""
+    lines = ["", "each run against the best of the two probes that bracket it (the probe before the run and the "
+             "one just after):", f"{'run':<18} {'copy GB/s':>10} {'GEMM GFLOP/s':>13} {'floor s':>8} {'wall s':>8} "
+             f"{'floor/wall':>11}"]
+    lines += [f"{name:<18} {x['copy_gbs']:>10.1f} {x['gemm_gflops']:>13.1f} {x['floor_seconds']:>8.1f} "
+              f"{x['wall_seconds']:>8.1f} {x['floor_of_wall']:>11.0%}" for name, x in b.items()]
+    return "\n".join(lines)
+
+
 def format_runs(analyses: dict[str, dict]) -> str:
     """One line per run: its floor against its wall time and its recorded forward time."""
     lines = [f"{'run':<18} {'steps':>6} {'floor s':>8} {'wall s':>8} {'floor/wall':>11} {'forward s':>10} "

@@ -13,9 +13,12 @@ rows run --rounds times, interleaved, and the best of each is reported next
 to every run's time; vLLM's greedy tokens are compared with noria-llm's.
 Prints a table of output tokens/s and ratios, writes JSON and a PNG bar chart.
 With any noria system, the machine's copy_ bandwidth and float32 GEMM peak are
-measured once per round, and every recorded noria run gets its roofline: each
-step's floor, summed, against the run's wall and forward time, a table by row
-count and a scatter of step time against roofline (OUT-roofline.png; bench/roofline.py).
+measured at the start of each round and again after every recorded run, and every
+recorded run gets its roofline: each step's floor, summed, against the run's wall
+and forward time, a table by row count and a scatter of step time against roofline
+(OUT-roofline.png; bench/roofline.py). The floor is against the job's best probe;
+beside it, against the best of the two probes that bracket the run (on a host whose
+speed drifts, the job's best can come from a fast spell the run never saw).
 """
 
 from __future__ import annotations
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     limit = _roofline(args, runs, machines, out) if machines else None
     for group in runs.values():
         for x in group:
-            for key in ("record", "token_ids", "_steps"):
+            for key in ("record", "token_ids", "_steps", "_probes"):
                 x.pop(key, None)
     out.with_suffix(".json").write_text(json.dumps({"rows": rows, "runs": runs, "ratios": ratios,
                                                     "roofline": limit}, indent=2))
@@ -266,8 +269,11 @@ def _roofline(args: argparse.Namespace, runs: dict[str, list[dict]], machines: l
     from noria.bench.roofline_machine import Machine
 
     machine = Machine.best(machines)
-    analyses = roofline.from_runs(roofline.Shape.from_checkpoint(CHECKPOINTS[args.model]()), machine, runs)
+    shape = roofline.Shape.from_checkpoint(CHECKPOINTS[args.model]())
+    analyses = roofline.from_runs(shape, machine, runs)
     print(roofline.report(machine, analyses))
+    bracketed = roofline.bracketed(shape, machines, runs)
+    print(roofline.format_bracketed(bracketed))
     best = roofline.best_per_system(analyses)
     png = out.with_name(out.name + "-roofline.png")
     roofline.plot(best, png, f"copy_ {machine.copy_gbs:.1f} GB/s, GEMM {machine.gemm_gflops:.0f} GFLOP/s")
@@ -275,7 +281,8 @@ def _roofline(args: argparse.Namespace, runs: dict[str, list[dict]], machines: l
     for name, a in analyses.items():
         if name not in best:
             a.pop("per_step")
-    return {"machine": machine.to_json(), "machines": [m.to_json() for m in machines], "runs": analyses}
+    return {"machine": machine.to_json(), "machines": [m.to_json() for m in machines], "runs": analyses,
+            "bracketed": bracketed}
 
 
 def _available(systems: list[str], install: bool) -> list[str]:
@@ -290,7 +297,8 @@ def _available(systems: list[str], install: bool) -> list[str]:
 
 def _run_rounds(args: argparse.Namespace, systems: list[str]) -> tuple[dict[str, list[dict]], list]:
     """Every system once, then the repeated ones interleaved for `--rounds` rounds; with any noria
-    system, the machine's bandwidth and GEMM peak are measured once per round (for the roofline)."""
+    system, the machine's bandwidth and GEMM peak are measured at each round's start and after every
+    recorded run (for the roofline): a recorded run's row names its bracketing probes ("_probes")."""
     from noria.bench.ceiling import read_steps
     from noria.bench.roofline_machine import measure_in_child
 
@@ -305,11 +313,13 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> tuple[dict[str,
                 print("measuring the machine (copy_ bandwidth, float32 GEMM) ...", flush=True)
                 machines.append(measure_in_child(os.cpu_count() or 1))  # the worker's thread count; it prints
 
-        def run(name: str, tag: str, replay_of: dict | None = None) -> None:
+        def run(name: str, tag: str, replay_of: dict | None = None) -> bool:
+            """Runs `name`; True when a probe followed it (a recorded run)."""
             print(f"running {name}{tag} ...", flush=True)
             fresh = Path(tmp) / f"{name}-{sum(map(len, runs.values()))}.steps"
             record = replay_of["record"] if replay_of else str(fresh)
             skip = replay_of["record_skip"] if replay_of else 0
+            before = len(machines) - 1
             row = run_isolated(name, child_argv, record, skip, args)
             row["tok_s"] = row["output_tokens"] / row["seconds"]
             if "record" in row or replay_of:  # the steps, for the roofline (the record is a temporary file)
@@ -318,20 +328,28 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> tuple[dict[str,
             extra = f", model {row['model_seconds']:.1f} s of {row['seconds']:.1f} s" if "model_seconds" in row else ""
             extra += f" (start-up, not timed: {row['startup_seconds']:.0f} s)" if "startup_seconds" in row else ""
             print(f"  {row['system']}: {row['tok_s']:.1f} tok/s{extra}", flush=True)
+            if "_steps" not in row:
+                return False
+            measure()
+            row["_probes"] = [before, len(machines) - 1]
+            return True
 
+        probed = False  # whether a probe followed the latest run
         for name in systems:
             if name not in REPEATED:
-                run(name, "")
+                probed = run(name, "")
         for r in range(args.rounds):
             tag = f" (round {r + 1}/{args.rounds})"
             measure()
             for name in REPEATED:
                 if name in systems:
-                    run(name, tag, runs["noria-llm"][-1] if name == "ceiling" else None)
-        # Once more after the last run: the peak is the best of the probes (Machine.best), and on a
-        # host whose speed drifts a single probe at the start under-reads it as often as not
-        # (session 9: a probe of 106 GFLOP/s, then prefill steps of the same job at 122).
-        measure()
+                    probed = run(name, tag, runs["noria-llm"][-1] if name == "ceiling" else None)
+        # After the last run too (if it was not a recorded one, just probed): the peak is the best of
+        # the probes (Machine.best), and on a host whose speed drifts a single probe at the start
+        # under-reads it as often as not (session 9: a probe of 106 GFLOP/s, then prefill steps of
+        # the same job at 122).
+        if not probed:
+            measure()
     return runs, machines
 
 

@@ -123,3 +123,54 @@ def test_report_and_plot_of_recorded_runs(tmp_path):
     plot(best_per_system(analyses), tmp_path / "r.png", "test")
     pytest.importorskip("matplotlib")
     assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_each_run_against_the_probes_that_bracket_it():
+    from noria.bench.roofline import bracketed, format_bracketed
+
+    steps = [([1, 1], [4, 9], 2, 0.02), ([3, 1], [3, 5], 2, 0.03)]
+    slow, fast = _machine(1e-6, 1e-5), _machine(4e-6, 4e-5)
+    runs = {"noria-llm": [{"seconds": 0.2, "_steps": steps, "_probes": [0, 1]},
+                          {"seconds": 0.2, "_steps": steps, "_probes": [1, 2]}],
+            "hf-cb": [{"seconds": 1.0}]}
+    got = bracketed(TINY, [slow, slow, fast], runs)
+    assert list(got) == ["noria-llm #1", "noria-llm #2"]
+    # The first run saw only slow probes: its floor is the slow machine's, 4x the one after the fast probe.
+    assert got["noria-llm #1"]["floor_seconds"] == pytest.approx(analyse(TINY, slow, steps, 0.2)["floor_seconds"])
+    assert got["noria-llm #1"]["floor_seconds"] == pytest.approx(4 * got["noria-llm #2"]["floor_seconds"])
+    assert got["noria-llm #2"]["gemm_gflops"] == 4e-5
+    assert "noria-llm #2" in format_bracketed(got)
+
+
+def test_throughput_probes_the_machine_after_every_recorded_run(monkeypatch):
+    import argparse
+
+    from noria.bench import ceiling, roofline_machine, throughput
+
+    events: list[str] = []
+
+    def probe(threads: int) -> Machine:
+        events.append("probe")
+        return _machine(1.0, 1.0)
+
+    def run_isolated(name: str, argv: list, record: str, skip: int, args: object) -> dict:
+        events.append(name)
+        row = {"system": name, "seconds": 1.0, "output_tokens": 4}
+        return {**row, "record": record, "record_skip": 0} if name == "noria-llm" else row
+
+    monkeypatch.setattr(roofline_machine, "measure_in_child", probe)
+    monkeypatch.setattr(throughput, "run_isolated", run_isolated)
+    monkeypatch.setattr(ceiling, "read_steps", lambda path, skip=0: [([1], [2], 1, 0.01)])
+    args = argparse.Namespace(num_requests=2, num_kv_blocks=8, model="small", max_tokens=None, rounds=2)
+    runs, machines = throughput._run_rounds(args, ["noria-llm", "vllm-tuned", "ceiling"])
+    assert events == ["probe", "noria-llm", "probe", "vllm-tuned", "ceiling", "probe",
+                      "probe", "noria-llm", "probe", "vllm-tuned", "ceiling", "probe"]
+    assert len(machines) == 6
+    assert [r["_probes"] for r in runs["noria-llm"]] == [[0, 1], [3, 4]]
+    assert [r["_probes"] for r in runs["ceiling"]] == [[1, 2], [4, 5]]
+    assert "_probes" not in runs["vllm-tuned"][0]
+    events.clear()
+    runs, machines = throughput._run_rounds(args, ["noria-llm", "vllm-tuned"])
+    # The last run (vLLM's) was not followed by a probe: one more closes the job.
+    assert events[-2:] == ["vllm-tuned", "probe"]
+    assert events.count("probe") == 2 * 2 + 1
