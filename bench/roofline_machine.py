@@ -1,6 +1,7 @@
 """What this CPU can do, measured in the benchmark's own job: streaming bandwidth and float32 GEMM peak.
 
     python -m noria.bench.roofline_machine [--threads N] [--out FILE]
+    python -m noria.bench.roofline_machine --sustain 60 [--window 5]
 
 Runs in a process of its own with the worker's settings (its OpenMP wait
 policy and huge pages, set when noria.worker is imported before torch; the
@@ -18,6 +19,11 @@ worker's thread count), so that it measures what the worker could reach:
 Each is the best of several repetitions (a shared machine's slow spells
 only ever lower a measurement). The theoretical FMA peak comes from
 /proc/cpuinfo: threads x clock x FLOPs per cycle of the widest FMA.
+
+`--sustain S` instead runs the square GEMM back to back for S seconds and
+prints its rate per window: on a host that throttles sustained load (or
+lends its cores out in spells) the windows fall well below the best of the
+short repetitions, and a minute-long run sees the windows, not the peak.
 """
 
 from __future__ import annotations
@@ -157,6 +163,26 @@ def measure_in_child(threads: int) -> Machine:
         return Machine(**json.loads(Path(out.name).read_text()))
 
 
+def sustained(threads: int, seconds: float, window: float, gemm_n: int) -> list[float]:
+    """GFLOP/s of back-to-back `torch.mm` (gemm_n^3) in each `window` seconds over `seconds`."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b, c = torch.randn(gemm_n, gemm_n), torch.randn(gemm_n, gemm_n), torch.empty(gemm_n, gemm_n)
+    rates: list[float] = []
+    start = t0 = time.perf_counter()
+    done = 0
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b, out=c)
+        done += 1
+        now = time.perf_counter()
+        if now - t0 >= window:
+            rates.append(2 * gemm_n**3 * done / (now - t0) / 1e9)
+            print(f"{now - start:6.1f} s  {rates[-1]:6.1f} GFLOP/s", flush=True)
+            t0, done = now, 0
+    return rates
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m noria.bench.roofline_machine")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -164,7 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-mib", type=int, default=256)
     ap.add_argument("--gemm-n", type=int, default=2048)
     ap.add_argument("--out", default=None, help="write the measurement here as JSON")
+    ap.add_argument("--sustain", type=float, default=None, help="seconds of back-to-back GEMM, rate per window")
+    ap.add_argument("--window", type=float, default=5.0)
     args = ap.parse_args(argv)
+    if args.sustain:
+        rates = sorted(sustained(args.threads, args.sustain, args.window, args.gemm_n))
+        if rates:
+            print(f"windows: min {rates[0]:.1f}, median {rates[len(rates) // 2]:.1f}, max {rates[-1]:.1f} GFLOP/s")
+        return 0
     m = measure(args.threads, args.stream_mib, args.gemm_n)
     print(describe(m, "this measurement"), flush=True)
     if args.out:

@@ -174,3 +174,11 @@ def test_throughput_probes_the_machine_after_every_recorded_run(monkeypatch):
     # The last run (vLLM's) was not followed by a probe: one more closes the job.
     assert events[-2:] == ["vllm-tuned", "probe"]
     assert events.count("probe") == 2 * 2 + 1
+
+
+def test_sustained_gemm_reports_one_rate_per_window(capsys):
+    from noria.bench.roofline_machine import sustained
+
+    rates = sustained(threads=1, seconds=0.6, window=0.2, gemm_n=128)
+    assert 2 <= len(rates) <= 3 and all(r > 0 for r in rates)
+    assert capsys.readouterr().out.count("GFLOP/s") == len(rates)
