@@ -139,7 +139,9 @@ class Bench:
         from noria.worker.attention_select import attention_layers
         from noria.worker.model_runner import ModelRunner
 
-        self.runner = ModelRunner(make_config(str(small_checkpoint()), dtype="float32"))
+        # The thread count main() set (--threads): the runner would otherwise reset it to the worker default.
+        self.runner = ModelRunner(make_config(str(small_checkpoint()), dtype="float32",
+                                              num_threads=torch.get_num_threads()))
         self.runner.kv_cache.device_cache.uniform_(-1, 1)
         self.pool = hot_blocks or self.runner.num_kv_blocks  # blocks the tables draw from
         self.layers = attention_layers(self.runner.model)
