@@ -120,7 +120,10 @@ class FrontendServer:
         elif isinstance(msg, GetStats):
             # The latest published stats answer at once; the query makes the next ones fresh.
             self.core.engine.query_stats()
-            stats = self.core.stats or SchedulerStats()
+            # Before the scheduler's first report nothing says a worker serves: /health must not
+            # answer 200 from defaults (a server with no worker did, for a moment after start).
+            stats = self.core.stats or SchedulerStats(workers_live=False,
+                                                      worker_status="the scheduler has not reported yet")
             status, reason = self.status()
             self._sink(identity)(Stats(stats=stats, num_open_requests=self.core.num_open, status=status, reason=reason,
                                        scheduler_restarts=self.supervisor.restarts))
