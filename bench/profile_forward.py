@@ -132,17 +132,15 @@ def _named_native_kernels(stack: bool) -> list[tuple[object, str, object]]:
                 return fn(*a, **k)
         return call
 
-    patches: list[tuple[object, str, object]] = [
-        (cpu_kernels, "paged_decode", None), (gemm_kernels, "gemm", None), (fused_kernels, "add_rms_norm", None),
-        (fused_kernels, "rope_split", None), (fused_kernels, "silu_mul", None),
-        (native_stack.NativeStack, "run", "decoder stack"), (native_stack.NativeStack, "applies", None)]
-    saved = [(owner, attr, owner.__dict__[attr]) for owner, attr, _ in patches]
-    for owner, attr, label in patches:
-        if attr == "applies":
-            if not stack:
-                setattr(owner, attr, staticmethod(lambda *a: False))
-        else:
-            setattr(owner, attr, named(getattr(owner, attr), label or attr))
+    wrapped = [(cpu_kernels, "paged_decode", "paged_decode"), (gemm_kernels, "gemm", "gemm"),
+               (fused_kernels, "add_rms_norm", "add_rms_norm"), (fused_kernels, "rope_split", "rope_split"),
+               (fused_kernels, "silu_mul", "silu_mul"), (native_stack.NativeStack, "run", "decoder stack")]
+    saved = [(owner, attr, owner.__dict__[attr]) for owner, attr, _ in wrapped]
+    saved.append((native_stack.NativeStack, "applies", native_stack.NativeStack.__dict__["applies"]))
+    for owner, attr, label in wrapped:
+        setattr(owner, attr, named(getattr(owner, attr), label))
+    if not stack:
+        native_stack.NativeStack.applies = staticmethod(lambda *a: False)
     return saved
 
 
