@@ -90,10 +90,9 @@ typedef struct {
     int64_t part;           /* partial record, or -1: the whole context, write out normalised */
 } Task;
 
-/* Byte offsets of position pos's K/V row in the caches. */
+/* Offset (in floats) of position pos's K/V row in the caches. */
 static inline int64_t row_at(const Paged *p, int64_t pos) {
-    return (p->table[pos / p->block_size] * p->block_stride + (pos % p->block_size) * p->token_stride) *
-           (int64_t)sizeof(float);
+    return p->table[pos / p->block_size] * p->block_stride + (pos % p->block_size) * p->token_stride;
 }
 
 /* Prefetches of whole rows (every 64-byte line), handed out evenly over the `steps` iterations
@@ -176,14 +175,14 @@ static inline __attribute__((always_inline)) void attend(
         int64_t n = p->block_size - off;
         if (n > hi - pos) n = hi - pos;
         if (n > TILE) n = TILE;
-        const int64_t base = p->table[pos / p->block_size] * p->block_stride + off * ts;
+        const int64_t base = row_at(p, pos);
         const float *kb = p->k + base, *vb = p->v + base;
         const int64_t row_bytes = nk * D * (int64_t)sizeof(float);
         const char *k_ahead[TILE], *v_ahead[TILE]; /* rows PREFETCH tokens ahead of this tile's */
         int64_t ahead = 0, t = 0;
         for (; PREFETCH > 0 && t < n && pos + t + PREFETCH < hi; t++, ahead++) {
             const int64_t at = row_at(p, pos + t + PREFETCH);
-            k_ahead[t] = (const char *)p->k + at, v_ahead[t] = (const char *)p->v + at;
+            k_ahead[t] = (const char *)(p->k + at), v_ahead[t] = (const char *)(p->v + at);
         }
         for (t = 0; t < n; t++) {
             Spread pf = spread(k_ahead + t, t < ahead, row_bytes, nh);
