@@ -4,8 +4,8 @@ Binds the three links (so remote frontends and workers connect to it) and loops 
 the frontend's requests and the worker ROUTER with deadlines: drain requests and aborts,
 let the worker group handle registrations, heartbeats and results, plan a step when a group
 is live and none is in flight (with `async_scheduling`: while at most one is, so that the
-worker finds the next plan waiting when it finishes a step), publish the updates. Nothing here blocks without a timeout,
-so registrations and heartbeats are served while a step runs.
+worker finds the next plan waiting when it finishes a step), publish the updates. Nothing
+here blocks without a timeout, so registrations and heartbeats are served while a step runs.
 
 A lost worker group is not an engine death: its requests wait for recompute
 (`Scheduler.reset_after_worker_loss`) until a group is live again, and fail with
@@ -110,6 +110,7 @@ class SchedulerProcess:
                 self._poll()
                 self._tick()
                 self._maybe_step()
+                self._handle_events()
                 self._publish()
         finally:
             self.group.shutdown()
@@ -128,17 +129,22 @@ class SchedulerProcess:
         self._handle_events()
 
     def _handle_events(self) -> None:
-        events, self.group.events = self.group.events, []
-        for ev in events:
+        status_changed = False
+        events = self.group.events
+        while events:
+            ev = events.pop(0)
             if isinstance(ev, StepResult):
                 if self.in_flight and ev.step_id == self.in_flight[0]:  # the worker runs plans in order
                     self.in_flight.popleft()
                     self.sched.update_from_result(ev)
-            elif isinstance(ev, GroupReady):
+                    self._maybe_step()  # the next plan before the next result is taken
+                continue
+            status_changed = True
+            if isinstance(ev, GroupReady):
                 self._group_ready(ev)
             elif isinstance(ev, GroupLost):
                 self._group_lost(ev.reason, ev.rejoining)
-        if any(not isinstance(e, StepResult) for e in events):
+        if status_changed:
             self.stats_due = True  # the worker status changed: say so at once (/health reads it)
 
     def _group_ready(self, ev: GroupReady) -> None:
@@ -186,20 +192,23 @@ class SchedulerProcess:
         return f"no worker has been serving for {self.link.worker_wait:g}s: {self.group.status()}"
 
     def _maybe_step(self) -> None:
+        """Plan steps while the pipeline has room: one in flight, or two with async scheduling.
+        Planning runs as soon as there is room, after every result and before the next is
+        taken, so the order of plans and results does not depend on how fast the worker
+        answers: with async scheduling every step but the first is planned ahead."""
         sched = self.sched
-        if not self.group.live or len(self.in_flight) >= self.max_in_flight:
-            return
-        if not sched.has_work():
-            if self.was_busy:
-                self._idle_check()
-            self.was_busy = False
-            return
-        plan = sched.schedule()
-        self.was_busy = True
-        if self.group.send_plan(plan):
+        while self.group.live and len(self.in_flight) < self.max_in_flight:
+            if not sched.has_work():
+                if self.was_busy:
+                    self._idle_check()
+                self.was_busy = False
+                return
+            plan = sched.schedule()
+            self.was_busy = True
+            if not self.group.send_plan(plan):
+                return  # the group is lost: its event is handled next, in _handle_events
             sched.stats.steps_planned_ahead += bool(self.in_flight)
             self.in_flight.append(plan.step_id)
-        self._handle_events()
 
     def _drain_frontend(self) -> None:
         while True:
