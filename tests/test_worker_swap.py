@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -78,15 +79,22 @@ def test_bad_block_ids_are_rejected() -> None:
         cache.swap_in([(-1, 0)])
 
 
-def test_null_block_stays_zero_and_fresh_blocks_are_zeroed() -> None:
-    cache = _filled_cache(torch.float32)
-    assert not cache.device_cache[:, :, 10].any()
-    cache.device_cache[:, :, 4] = float("nan")
-    cache.zero_new_blocks([4, 5])
-    assert not cache.device_cache[:, :, 4].any() and not cache.device_cache[:, :, 5].any()
-    cache.device_cache[:, :, 4] = 1.0
-    cache.zero_new_blocks([4])  # already in use once: left alone
-    assert bool((cache.device_cache[:, :, 4] == 1.0).all())
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_device_cache_is_zeroed_and_committed_at_start() -> None:
+    """Every block, the null block too, reads zeros from the start (no NaN garbage for a
+    masked `0 * value`), and its pages are resident before any request: a block's first
+    use costs no page faults mid-serving."""
+    layout = KVLayout(num_layers=4, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    before = _resident_bytes()
+    cache = KVCache(layout, num_blocks=767, num_cpu_blocks=1, device=torch.device("cpu"))
+    grown = _resident_bytes() - before  # read before anything below touches the cache
+    size = cache.device_cache.numel() * cache.device_cache.element_size()
+    assert size == 768 * layout.bytes_per_block
+    assert grown >= 0.9 * size, (grown, size)
+    assert not cache.device_cache.any()
 
 
 @pytest.fixture(scope="module")

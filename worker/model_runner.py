@@ -210,7 +210,6 @@ class ModelRunner:
             raise ValueError(f"{what}: token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
         tracker = PromptLogprobs.for_request(new)
         self.kv_cache.check_blocks(new.block_ids, what)
-        self.kv_cache.zero_new_blocks(new.block_ids)
         sampling = None
         if self.sampler is not None:
             sampling = SamplingState(new.params, new.token_ids, new.num_prompt_tokens, new.eos_token_ids,
@@ -229,7 +228,6 @@ class ModelRunner:
         what = f"step {step_id} request {cached.req_id}"
         changed = [b for _, b in cached.replaced] + cached.new_block_ids
         self.kv_cache.check_blocks(changed, what)
-        self.kv_cache.zero_new_blocks(changed)
         for index, block in cached.replaced:
             self.block_tables.replace(state.row, index, block, what)
         self.block_tables.append(state.row, cached.new_block_ids)
