@@ -4,7 +4,7 @@ The torch backend runs on CPU and GPU and is the reference for kernel backends.
 KV cache per layer: K and V tensors of shape [num_blocks, block_size, num_kv_heads,
 head_dim]. The tensors hold one block more than the scheduler knows of: that last
 "null block" is always zero and pads block tables, so a batched gather never reads
-memory that was not written (see kv_cache.py for how fresh blocks are zeroed).
+memory that was not written (the whole cache is zeroed at start-up: kv_cache.py).
 """
 
 from __future__ import annotations
