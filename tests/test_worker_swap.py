@@ -84,9 +84,8 @@ def _resident_bytes() -> int:
 
 
 def test_device_cache_is_zeroed_and_committed_at_start() -> None:
-    """Every block, the null block too, reads zeros from the start (no NaN garbage for a
-    masked `0 * value`), and its pages are resident before any request: a block's first
-    use costs no page faults mid-serving."""
+    """Every block, the null block too, reads zeros from the start, and its pages are
+    resident before any request: a block's first use costs no page faults mid-serving."""
     layout = KVLayout(num_layers=4, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
     before = _resident_bytes()
     cache = KVCache(layout, num_blocks=767, num_cpu_blocks=1, device=torch.device("cpu"))

@@ -3,8 +3,8 @@
 The torch backend runs on CPU and GPU and is the reference for kernel backends.
 KV cache per layer: K and V tensors of shape [num_blocks, block_size, num_kv_heads,
 head_dim]. The tensors hold one block more than the scheduler knows of: that last
-"null block" is always zero and pads block tables, so a batched gather never reads
-memory that was not written (the whole cache is zeroed at start-up: kv_cache.py).
+"null block" pads block tables; a batched gather zeroes what it reads past each
+sequence's length (`_decode`), so nothing a block held before reaches an output.
 """
 
 from __future__ import annotations
@@ -204,6 +204,12 @@ class TorchAttentionBackend:
         # Fold the query heads of a KV group into the query-length axis so K/V
         # are never repeated for GQA: [B, KVH, G, D] against [B, KVH, L, D].
         queries = q.reshape(batch, kvh, layer.num_heads // kvh, d)
+        # Past seq_len, a block holds whatever it held: a reused block's stale rows, or
+        # anything. Masking the scores does not stop a NaN there (NaN - inf, 0 * NaN),
+        # so those keys and values are zeroed in the gathered copy.
+        unwritten = self._decode_mask(plan, None, length, q.device).logical_not().transpose(-1, -2)
+        keys.masked_fill_(unwritten, 0.0)  # in place: the gathered copies are this call's own
+        values.masked_fill_(unwritten, 0.0)
         mask = self._decode_mask(plan, layer.sliding_window, length, q.device)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=layer.scale)
         return out.reshape(batch, layer.num_heads, d)

@@ -78,11 +78,11 @@ class KVCache:
         self.num_cpu_blocks = num_cpu_blocks
         self.null_block = num_blocks
         shape = (layout.num_layers, 2, num_blocks + 1, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        # Zeroed, so committed, at start-up (as vLLM does): a block's unwritten tail is read
-        # (and masked) by batched decode, and zeros keep NaN garbage out of `0 * value`.
-        # Zeroing each block on its first use instead left the page faults of the
-        # whole cache to the first requests: ~1 s of W1's ~45 s (2,400 fresh blocks).
-        # A cache too large for the host then fails at start-up, not mid-serving.
+        # Zeroed, so committed, at start-up (as vLLM does). Zeroing each block on its first
+        # use instead left the page faults of the whole cache to the first requests: ~1 s of
+        # W1's ~45 s (2,400 fresh blocks). A cache too large for the host now fails at
+        # start-up, not mid-serving. (What a block holds past a sequence's length never
+        # reaches an output: see TorchAttentionBackend._decode.)
         self.device_cache = torch.zeros(shape, dtype=layout.dtype, device=device)
         cpu_shape = (layout.num_layers, 2, num_cpu_blocks, *shape[3:])
         self.cpu_cache = torch.empty(
