@@ -14,7 +14,9 @@ show` and built beside the current ones) and the current backend:
 
 * prepare: `backend.prepare(meta)`, once per step, in microseconds;
 * attention: the 12 layers' `backend.forward` (KV write included), in ms;
-* forward: the whole model forward with that backend, in ms;
+* forward: the whole model forward with that backend, in ms, both sides in the native
+  decoder stack (the baseline's kernel swapped in) where the baseline's kernel fits it,
+  else both on the modules' Python path (bench/baseline_stack.py);
 * write: a separate `write_kv` of the step's rows into the 12 layers, in microseconds
   (what the baseline pays per step on top of its kernel; the decode call now fuses it).
 
@@ -51,6 +53,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from noria.bench.baseline_stack import common_path, forward_path  # noqa: E402
 from noria.worker import attention as current  # noqa: E402
 
 # (name, query lengths, sequence lengths): W1's decode batches from its first steps
@@ -147,6 +150,8 @@ class Bench:
         self.layers = attention_layers(self.runner.model)
         self.backends = {"before": (baseline, baseline.TorchAttentionBackend()),
                          "after": (current, current.TorchAttentionBackend())}
+        self.baseline = baseline
+        self.path = common_path(baseline)  # both sides' forwards on one path (bench/baseline_stack.py)
         self.src = torch.empty(100_000_000).uniform_()
         self.dst = torch.empty_like(self.src).zero_()
 
@@ -175,7 +180,8 @@ class Bench:
         # The separate write (reshape_and_cache) the baseline makes per layer; fused into the decode call now.
         t_write = _clock(lambda: [current.write_kv(k, v, kc, vc, meta.slot_mapping) for kc, vc in r._kv_layers])
         ids = torch.full((tokens,), 5, dtype=torch.long)
-        t_fwd = _clock(lambda: r.model(ids, meta.positions, meta, backend, r._kv_layers))
+        with forward_path(self.path, self.baseline if variant == "before" else None):
+            t_fwd = _clock(lambda: r.model(ids, meta.positions, meta, backend, r._kv_layers))
         return {"prepare_us": t_prepare * 1e6, "attn_ms": t_attn * 1e3, "forward_ms": t_fwd * 1e3,
                 "write_us": t_write * 1e6}
 
@@ -188,6 +194,7 @@ def kv_bytes(query_lens: list[int], seq_lens: list[int], layers: int = 12, kvh: 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     bench = Bench(load_baseline(args.baseline), args.hot)
+    print(f"forwards of both sides on the {bench.path}")
     rows = []
     for name, query_lens, seq_lens in SHAPES:
         samples: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
@@ -220,6 +227,7 @@ def w1_decode_steps(stride: int) -> list[list[int]]:
 
 def run_w1(args: argparse.Namespace) -> dict[str, Any]:
     bench = Bench(load_baseline(args.baseline), args.hot)
+    print(f"forwards of both sides on the {bench.path}")
     steps = w1_decode_steps(args.stride)
     totals = {f"{key}_{v}": 0.0 for key in ("attn_ms", "forward_ms") for v in ("before", "after")}
     kv = 0
