@@ -19,7 +19,7 @@ import ctypes
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -124,32 +124,25 @@ def profile(model_path: str, steps: list, threads: int, num_kv_blocks: int = 409
     runner = ModelRunner(make_config(model_path, num_kv_blocks=num_kv_blocks, num_threads=threads))
     model = runner.model
     runner.kv_cache.device_cache.uniform_(-1, 1)  # real pages (see bench/ceiling.py)
-    times = KernelTimes(_dims(model))
+    times = KernelTimes(native_stack.model_dims(model))
 
-    def step(query_lens: list[int], seq_lens: list[int], timed: bool) -> tuple[float, float]:
+    def step(query_lens: list[int], seq_lens: list[int]) -> tuple[float, float]:
         ids, meta = _metadata(runner, query_lens, seq_lens)
         last = torch.tensor(meta.query_start_host[1:]) - 1
-        with timed_kernels(times) if timed else nullcontext():
-            t0 = time.perf_counter()
-            hidden = model(ids, meta.positions, meta, runner.attention, runner._kv_layers)
-            t1 = time.perf_counter()
-        model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        t0 = time.perf_counter()
+        hidden = model(ids, meta.positions, meta, runner.attention, runner._kv_layers)
+        t1 = time.perf_counter()
+        model.compute_logits(hidden[last]).argmax(dim=-1).tolist()  # not through the stack's pointers
         return t1 - t0, time.perf_counter() - t1
 
-    step(steps[0][0], steps[0][1], timed=False)
+    step(steps[0][0], steps[0][1])
     totals = {"model": 0.0, "logits": 0.0}
-    for query_lens, seq_lens, _, _ in steps[1:]:
-        forward, logits = step(query_lens, seq_lens, timed=True)
-        totals["model"] += forward
-        totals["logits"] += logits
+    with timed_kernels(times):
+        for query_lens, seq_lens, _, _ in steps[1:]:
+            forward, logits = step(query_lens, seq_lens)
+            totals["model"] += forward
+            totals["logits"] += logits
     return times, totals
-
-
-def _dims(model: Any) -> tuple[int, int, int, int, int]:
-    """(hidden, heads, KV heads, head size, intermediate), read as worker/native_stack.py reads them."""
-    first = model.layers[0]
-    a = first.self_attn.attn
-    return model.spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, first.mlp.gate_up_proj.shape[0] // 2
 
 
 def report(times: KernelTimes, totals: dict[str, float], num_steps: int) -> str:

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from noria.bench.ceiling import _metadata
-from noria.bench.stack_kernels import KernelTimes, _dims, profile, report, timed_kernels
+from noria.bench.stack_kernels import KernelTimes, profile, report, timed_kernels
 from noria.frontend.startup import make_config
 from noria.worker import native_stack
 from noria.worker.model_runner import ModelRunner
+from noria.worker.native_stack import model_dims
 
 
 def _fields() -> dict[str, int]:
@@ -33,7 +34,7 @@ def test_timed_kernels_pass_calls_through_and_count_them(demo_path):
 
     plain = forward()
     before = _fields()
-    times = KernelTimes(_dims(model))
+    times = KernelTimes(model_dims(model))
     with timed_kernels(times):
         assert _fields() != before  # the stack now calls the timing callbacks
         timed = forward()
@@ -42,12 +43,12 @@ def test_timed_kernels_pass_calls_through_and_count_them(demo_path):
     assert times.calls == {"qkv": layers, "o": layers, "gate_up": layers, "down": layers,
                            "norm": 2 * layers, "rope": layers, "silu": layers, "attn": layers}
     assert all(s > 0 for s in times.seconds.values())
-    hidden, heads, kv_heads, head_dim, inter = _dims(model)
+    hidden, heads, kv_heads, head_dim, inter = model_dims(model)
     assert times.flops["gate_up"] == 2.0 * len(seq_lens) * 2 * inter * hidden * layers
     assert times.flops["down"] == 2.0 * len(seq_lens) * hidden * inter * layers
     assert times.kv_bytes == 2.0 * sum(seq_lens) * kv_heads * head_dim * 4 * layers
 
-    with pytest.raises(RuntimeError, match="boom"), timed_kernels(KernelTimes(_dims(model))):
+    with pytest.raises(RuntimeError, match="boom"), timed_kernels(KernelTimes(model_dims(model))):
         raise RuntimeError("boom")
     assert _fields() == before  # restored on the way out of an error too
 

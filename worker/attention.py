@@ -207,7 +207,10 @@ class TorchAttentionBackend:
         # Past seq_len, a block holds whatever it held: a reused block's stale rows, or
         # anything. Masking the scores does not stop a NaN there (NaN - inf, 0 * NaN),
         # so those keys and values are zeroed in the gathered copy.
-        unwritten = self._decode_mask(plan, None, length, q.device).logical_not().transpose(-1, -2)
+        unwritten = plan.masks.get(("unwritten",))
+        if unwritten is None:  # once per step, like the masks
+            unwritten = self._decode_mask(plan, None, length, q.device).logical_not().transpose(-1, -2)
+            plan.masks[("unwritten",)] = unwritten
         keys.masked_fill_(unwritten, 0.0)  # in place: the gathered copies are this call's own
         values.masked_fill_(unwritten, 0.0)
         mask = self._decode_mask(plan, layer.sliding_window, length, q.device)

@@ -77,12 +77,10 @@ class NativeStack:
     """One model's layers as the C driver sees them, for one set of KV caches."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        spec, first = model.spec, model.layers[0]
-        a = first.self_attn.attn
-        self.shape = _Shape(spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
-                            first.mlp.gate_up_proj.shape[0] // 2, kv_caches[0][0].shape[1],
-                            first.input_layernorm.eps, a.scale)
-        self.dims = (spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, self.shape.intermediate)
+        first = model.layers[0]
+        self.dims = model_dims(model)
+        self.shape = _Shape(*self.dims, kv_caches[0][0].shape[1], first.input_layernorm.eps,
+                            first.self_attn.attn.scale)
         self._capacity, self._buffers = 0, []
         # Biases the driver reads: contiguous copies, kept alive here.
         self._keep: list[torch.Tensor] = []
@@ -155,6 +153,13 @@ class NativeStack:
         if status != 0:
             raise MemoryError("decoder_stack: no memory for the attention kernel's task list")
         return x, other
+
+
+def model_dims(model: LlamaForCausalLM) -> tuple[int, int, int, int, int]:
+    """(hidden, heads, KV heads, head size, intermediate) of the model's decoder layers."""
+    first = model.layers[0]
+    a = first.self_attn.attn
+    return model.spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, first.mlp.gate_up_proj.shape[0] // 2
 
 
 def _packed(p: object) -> int | None:
