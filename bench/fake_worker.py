@@ -1,4 +1,4 @@
-"""A brute-force stand-in for the worker, for scheduler tests and `scheduler_ab --check` without torch.
+"""A brute-force stand-in for the worker, for scheduler tests without torch.
 
 It keeps a model of every KV slot's content (token, position) and checks that
 whatever a step attends to was really computed for that sequence, so a wrong
@@ -44,16 +44,11 @@ class FakeWorker:
             self.reqs[nr.req_id] = {"tokens": list(nr.token_ids), "blocks": list(nr.block_ids),
                                     "computed": nr.num_computed_tokens, "last": last}
         for cr in plan.cached_requests:
-            blocks = self.reqs[cr.req_id]["blocks"]
-            for idx, block in cr.replaced:
-                blocks[idx] = block
-            blocks.extend(cr.new_block_ids)
+            self.reqs[cr.req_id]["blocks"].extend(cr.new_block_ids)
         for dev, cpu in plan.swap_out:
             self.cpu[cpu] = list(self.kv[dev])
         for dev, cpu in plan.swap_in:
             self.kv[dev] = list(self.cpu[cpu])
-        for src, dst in plan.copies:
-            self.kv[dst] = list(self.kv[src])
         bs = self.block_size
         # Like every layer of the real worker: write the whole step's KV, then attend.
         for rid, n in plan.scheduled:

@@ -99,7 +99,7 @@ class KernelAttentionBackend:
         )
 
     def copy_blocks(self, src_caches: Any, dst_caches: Any, block_mapping: torch.Tensor) -> None:
-        """Swaps and copy-on-write for worker.kv_cache.KVCache.block_copier: one launch."""
+        """Swaps for worker.kv_cache.KVCache.block_copier: one launch."""
         ops.copy_blocks(src_caches, dst_caches, block_mapping, backend=self.backend)
 
     def forward(

@@ -310,7 +310,7 @@ def copy_blocks(
 ) -> None:
     """dst_caches[c][dst] = src_caches[c][src] for every (src, dst) row of block_mapping
     ([pairs, 2]) and every cache c, in one launch. Swap-out: GPU caches -> pinned CPU caches;
-    swap-in: the reverse; copy-on-write: the same caches on both sides. No block may be both
+    swap-in: the reverse; a device-to-device copy: the same caches on both sides. No block may be both
     a source and a destination of one call."""
     if len(src_caches) != len(dst_caches) or not src_caches:
         raise ValueError("src_caches and dst_caches must be equally long and non-empty")

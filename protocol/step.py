@@ -5,7 +5,9 @@ is typed by) is in protocol/worker_link.py.
 
 The worker keeps per-request state (token ids, block table, sampling params)
 across steps, so a plan carries only what changed: full data for requests the
-worker has not seen, new block ids for the others.
+worker has not seen, new block ids for the others. Sampling parameters go once per
+plan however many samples share them: a new request names its entry in
+`StepPlan.params`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from noria.protocol.client import Logprob
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.sampling import EngineSamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -21,24 +23,27 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
 
     `token_ids` holds every token known so far (prompt plus outputs of a resumed
     request); KV of the first `num_computed_tokens` is already in `block_ids`.
+    `params` indexes the plan's `params`; `sample_index` is the request's index among
+    its client request's samples (its seed: `sample_seed`; prompt logprobs: index 0).
     """
 
     req_id: int
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
-    params: SamplingParams
+    params: int
     num_prompt_tokens: int
     eos_token_ids: list[int] = []
+    sample_index: int = 0
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
-    """Changes to a known request's block table: `replaced` (index, block) pairs
-    (copy-on-write moved that entry to a private copy), then `new_block_ids` appended."""
+    """Blocks appended to a known request's block table. Entries are only ever appended:
+    the scheduler shares only full blocks and never writes one again, so no entry is
+    repointed at a private copy (no copy-on-write)."""
 
     req_id: int
     new_block_ids: list[int]
-    replaced: list[tuple[int, int]] = []
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
@@ -59,9 +64,9 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     `scheduled` pairs (req_id, num_tokens) in batch order; a request samples a
     token when the step brings its computed tokens up to all its known tokens.
     Before the forward pass the worker does, in this order: `swap_out`
-    (device_block, cpu_block), `swap_in` (device_block, cpu_block), `copies`
-    (src, dst device blocks, copy-on-write; a source may be a block just
-    swapped in). The scheduler never swaps in during a step that swapped out.
+    (device_block, cpu_block), then `swap_in` (device_block, cpu_block). The
+    scheduler never swaps in during a step that swapped out, so no block freed
+    by one of them is reused by the other within the step.
     """
 
     step_id: int
@@ -69,11 +74,12 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     new_requests: list[NewRequestData] = []
     cached_requests: list[CachedRequestData] = []
     finished_req_ids: list[int] = []
-    copies: list[tuple[int, int]] = []
     swap_out: list[tuple[int, int]] = []
     swap_in: list[tuple[int, int]] = []
     epoch: int = 0  # the worker group's incarnation (set by the scheduler process when it sends)
     grammar: GrammarBitmask | None = None  # masks for this step's constrained samples
+    # The sampling parameters of this plan's new requests, each once (samples share one).
+    params: list[EngineSamplingParams] = []
 
 
 class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):

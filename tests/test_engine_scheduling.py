@@ -6,10 +6,6 @@ process), where attention, the KV writes and the swap copies (one `copy_blocks` 
 step, `KVCache.block_copier`) go through the same .cu sources a GPU runs. Greedy output must
 equal the torch backend's without preemption, prefix caching or chunking.
 
-Copy-on-write has no engine scenario: nothing plans `StepPlan.copies` any more (n > 1 fans out
-in the frontend and the samples share their prompt's full blocks, which are never written);
-the worker's copy path is covered by tests/kernels/test_kv_cache_copies.py.
-
 Small on purpose (CI time): 6 prompts of 41-70 tokens, 8-20 new tokens each.
 """
 

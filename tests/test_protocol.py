@@ -136,7 +136,7 @@ INTERNAL = [
     (SchedulerToFrontend, EngineReady(10, 16, 2048, 706)),
     (SchedulerToFrontend, EngineDead("boom")),
     (SchedulerToWorker, StepPlan(3, [(1, 5)], [NewRequestData(1, [1, 2], [0], 0, PARAMS, 2, [0])],
-                                 [CachedRequestData(2, [4])], [7], [(1, 2)], [(3, 0)], [(0, 3)], epoch=4)),
+                                 [CachedRequestData(2, [4])], [7], [(3, 0)], [(0, 3)], epoch=4)),
     (SchedulerToWorker, WorkerShutdown()),
     (SchedulerToWorker, Welcome(2, EngineConfig(model="/m", tensor_parallel_size=2), IDENTITY, 1.0, 5.0,
                                 "tcp://10.0.0.2:29500")),

@@ -93,7 +93,6 @@ def test_samples_of_one_request_share_their_full_prompt_blocks(caching):
     plan = step(s, w)
     # Sample 0 computes the prompt; the others hit its full blocks in the same step.
     assert plan.scheduled == [(0, 40), (1, 8), (2, 8), (3, 8)]
-    assert plan.copies == []
     tables = [s.requests[i].block_ids for i in range(4)]
     assert all(t[:2] == tables[0][:2] for t in tables), "full prompt blocks are not shared"
     assert len({t[2] for t in tables}) == 4, "each sample needs its own last block"

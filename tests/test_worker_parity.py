@@ -2,7 +2,8 @@
 
 A small driver plays scheduler: it admits requests over time, splits prompts
 into chunks under a per-step token budget, hands out blocks from a free list,
-shares prefix blocks (with copy-on-write for a partial block) and resumes a
+shares full prefix blocks (as the scheduler does: only full blocks, never written
+again) and resumes a
 request whose outputs are already known. Each prompt's output must equal
 `model.generate(do_sample=False)` run on that prompt alone.
 """
@@ -66,28 +67,23 @@ class Driver:
             if self.refs[block] == 0:
                 self.free.append(block)
 
-    def _admit(self, req: Req, copies: list[tuple[int, int]]) -> None:
+    def _admit(self, req: Req) -> None:
         if req.prefix is not None:
             src_id, shared = req.prefix
             src = self.reqs[src_id]
             assert src in self.running, "a prefix source must still hold its blocks"
             assert src.computed >= shared and src.tokens[:shared] == req.tokens[:shared]
-            full = shared // self.bs
-            req.blocks = src.blocks[:full]
+            assert shared % self.bs == 0, "only full blocks are shared"
+            req.blocks = src.blocks[: shared // self.bs]
             for block in req.blocks:
                 self.refs[block] += 1
-            if shared % self.bs:  # the partial block is written by both: copy it
-                dst = self._alloc()
-                copies.append((src.blocks[full], dst))
-                req.blocks.append(dst)
             req.computed = shared
         self.running.append(req)
 
     def step(self) -> StepResult:
-        copies: list[tuple[int, int]] = []
         for req in sorted(self.reqs.values(), key=lambda r: r.rid):
             if req.arrival == self.step_id:
-                self._admit(req, copies)
+                self._admit(req)
         scheduled, new, cached = [], [], []
         budget = self.budget
         for req in self.running:
@@ -108,7 +104,7 @@ class Driver:
             elif added:
                 cached.append(CachedRequestData(req.rid, added))
         plan = StepPlan(step_id=self.step_id, scheduled=scheduled, new_requests=new,
-                        cached_requests=cached, finished_req_ids=self.finished, copies=copies)
+                        cached_requests=cached, finished_req_ids=self.finished)
         result = self.runner.execute(plan)
         self.finished = []
         expect_sampled = []
@@ -183,15 +179,15 @@ def test_greedy_matches_transformers(arch: str, checkpoints: dict[str, Path]) ->
         # and long prompts are chunked by the budget.
         driver.add(Req(i, list(prompt), len(prompt), m, arrival=(i // 2) * 2))
 
-    # Prefix hits: reuse request 12's two full blocks, and request 13's first 40
-    # tokens, whose last block is partial and must be copied before writing.
+    # Prefix hits: reuse request 12's two full blocks, and the full blocks of request
+    # 13's first 40 tokens (the tokens past the last full one are computed anew).
     extra: dict[int, tuple[list[int], int]] = {}
     g = torch.Generator().manual_seed(99)
     shared_full = 2 * block_size
     p100 = prompts[12][:shared_full] + torch.randint(3, 512, (10,), generator=g).tolist()
     p101 = prompts[13][:40] + torch.randint(3, 512, (7,), generator=g).tolist()
     driver.add(Req(100, list(p100), len(p100), 6, arrival=16, prefix=(12, shared_full)))
-    driver.add(Req(101, list(p101), len(p101), 6, arrival=16, prefix=(13, 40)))
+    driver.add(Req(101, list(p101), len(p101), 6, arrival=16, prefix=(13, 40 // block_size * block_size)))
     extra[100] = (p100, 6)
     extra[101] = (p101, 6)
     # A resumed request: prompt + 3 outputs already known, nothing computed.

@@ -1,4 +1,4 @@
-"""Block copies and swaps: exact contents in KVCache, and end to end in ModelRunner."""
+"""Swaps: exact contents in KVCache, and end to end in ModelRunner."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from noria.protocol.config import EngineConfig
 from noria.protocol.sampling import SamplingParams
-from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan
+from noria.protocol.step import NewRequestData, StepPlan
 from noria.worker.kv_cache import KVCache, KVLayout
 from noria.worker.model_runner import ModelRunner
 from tests.tiny_models import load_reference, make_checkpoint, reference_greedy
@@ -28,12 +28,12 @@ def _filled_cache(dtype: torch.dtype) -> KVCache:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_copy_and_swap_preserve_blocks_exactly(dtype: torch.dtype) -> None:
-    check_copies_exact(_filled_cache(dtype))
+def test_swaps_preserve_blocks_exactly(dtype: torch.dtype) -> None:
+    check_swaps_exact(_filled_cache(dtype))
 
 
-def check_copies_exact(cache: KVCache) -> None:
-    """Swap out, copy, swap back into other blocks: every block's bytes land where planned
+def check_swaps_exact(cache: KVCache) -> None:
+    """Swap out, swap back into other blocks: every block's bytes land where planned
     (also run on the kernel path: tests/kernels/test_kv_cache_copies.py)."""
     dev0, cpu0 = cache.device_cache.clone(), cache.cpu_cache.clone()
 
@@ -43,11 +43,6 @@ def check_copies_exact(cache: KVCache) -> None:
     assert torch.equal(cache.cpu_cache[:, :, 1:5], cpu0[:, :, 1:5])
     assert torch.equal(cache.device_cache, dev0)
 
-    cache.copy_blocks([(2, 7), (4, 8)])
-    expected = dev0.clone()
-    expected[:, :, 7], expected[:, :, 8] = dev0[:, :, 2], dev0[:, :, 4]
-    assert torch.equal(cache.device_cache, expected)
-
     # Swap back into other device blocks (the originals may have been reused).
     cache.device_cache[:, :, 1] = 0
     cache.device_cache[:, :, 3] = 0
@@ -55,24 +50,16 @@ def check_copies_exact(cache: KVCache) -> None:
     assert torch.equal(cache.device_cache[:, :, 9], dev0[:, :, 1])
     assert torch.equal(cache.device_cache[:, :, 6], dev0[:, :, 3])
     for b in (0, 2, 4, 5, 7, 8):
-        assert torch.equal(cache.device_cache[:, :, b], expected[:, :, b])
+        assert torch.equal(cache.device_cache[:, :, b], dev0[:, :, b])
     # The per-layer views the model uses see the same memory.
     k, v = cache.layer(2)
     assert torch.equal(k[9], dev0[2, 0, 1]) and torch.equal(v[9], dev0[2, 1, 1])
 
 
-def test_copy_reads_all_sources_before_writing() -> None:
-    cache = _filled_cache(torch.float32)
-    dev0 = cache.device_cache.clone()
-    cache.copy_blocks([(1, 2), (2, 3)])  # a chain: 3 gets 2's old content, not 1's
-    assert torch.equal(cache.device_cache[:, :, 2], dev0[:, :, 1])
-    assert torch.equal(cache.device_cache[:, :, 3], dev0[:, :, 2])
-
-
 def test_bad_block_ids_are_rejected() -> None:
     cache = _filled_cache(torch.float32)
     with pytest.raises(ValueError, match="block id out of range"):
-        cache.copy_blocks([(1, 10)])  # 10 is the null block: never the scheduler's
+        cache.swap_out([(10, 0)])  # 10 is the null block: never the scheduler's
     with pytest.raises(ValueError, match="CPU block id out of range"):
         cache.swap_out([(1, 6)])
     with pytest.raises(ValueError, match="block id out of range"):
@@ -145,32 +132,3 @@ def test_swap_preemption_matches_transformers(qwen2: Path) -> None:
         out_b.append(toks[1])
     assert out_a == reference_greedy(ref, pa, len(out_a))
     assert out_b == reference_greedy(ref, pb, len(out_b))
-
-
-def test_copy_on_write_replaced_entry_matches_transformers(qwen2: Path) -> None:
-    """B forks from A sharing every block, including A's partial last block; on
-    B's first write the scheduler copies that block and replaces B's entry."""
-    ref = load_reference(qwen2)
-    prompt = _prompt(40, 3)  # 2 full blocks + 8 tokens in the third
-    runner = _runner(qwen2)
-    first = runner.execute(StepPlan(0, [(0, 40)], new_requests=[NewRequestData(0, prompt, [0, 1, 2], 0, GREEDY, 40)]))
-    t_a = first.token_ids[0]
-    t_b = (t_a + 1) % 512  # B continues from a different token than A
-    fork = NewRequestData(1, prompt + [t_b], [0, 1, 2], 40, GREEDY, 40)
-    # A writes its position 40 into the shared block 2 (B is known but idle).
-    out_a = [t_a, *runner.execute(StepPlan(1, [(0, 1)], new_requests=[fork])).token_ids]
-    # B's first write: copy block 2 to block 3 and point B's entry 2 at it. The
-    # copy also carries A's position 40, which B's own write then replaces.
-    res = runner.execute(StepPlan(2, [(0, 1), (1, 1)], copies=[(2, 3)],
-                                  cached_requests=[CachedRequestData(1, [], [(2, 3)])]))
-    out_a.append(res.token_ids[0])
-    out_b = [t_b, res.token_ids[1]]
-    for step in range(3, 7):
-        res = runner.execute(StepPlan(step, [(0, 1), (1, 1)]))
-        out_a.append(res.token_ids[0])
-        out_b.append(res.token_ids[1])
-    assert out_a == reference_greedy(ref, prompt, len(out_a))
-    assert out_b[1:] == reference_greedy(ref, prompt + [t_b], len(out_b) - 1)
-    # A's own block 2 is untouched by B's writes.
-    assert runner.block_tables.table[runner.requests[0].row, :3].tolist() == [0, 1, 2]
-    assert runner.block_tables.table[runner.requests[1].row, :3].tolist() == [0, 1, 3]

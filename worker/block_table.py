@@ -41,13 +41,6 @@ class BlockTables:
         self.num_blocks[row] = end
         self.ids[row].extend(block_ids)
 
-    def replace(self, row: int, index: int, block: int, what: str) -> None:
-        """Point entry `index` of a row at another block (after copy-on-write)."""
-        if not 0 <= index < self.num_blocks[row]:
-            raise ValueError(f"{what}: replaced index {index} outside its {self.num_blocks[row]} blocks")
-        self.table[row, index] = block
-        self.ids[row][index] = block
-
     def free(self, row: int) -> None:
         self.table[row, : self.num_blocks[row]] = self.null_block
         self.num_blocks[row] = 0

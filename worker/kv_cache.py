@@ -1,7 +1,7 @@
-"""Device KV cache and CPU swap area: sizing, allocation, block copies and swaps.
+"""Device KV cache and CPU swap area: sizing, allocation and swaps.
 
 Both live in one tensor each, [num_layers, 2 (K, V), num_blocks, block_size,
-num_kv_heads, head_dim], so a copy or swap of any set of blocks is one batched
+num_kv_heads, head_dim], so a swap of any set of blocks is one batched
 operation over every layer, K and V at once: with `block_copier` set (the kernel
 attention backend's `copy_blocks`, on CUDA) one `copy_blocks` kernel launch that
 reads and writes the pinned CPU area directly through UVA; otherwise an
@@ -78,11 +78,11 @@ class KVCache:
         self.num_cpu_blocks = num_cpu_blocks
         self.null_block = num_blocks
         shape = (layout.num_layers, 2, num_blocks + 1, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        # Zeroed, so committed, at start-up (as vLLM does). Zeroing each block on its first
-        # use instead left the page faults of the whole cache to the first requests: ~1 s of
-        # W1's ~45 s (2,400 fresh blocks). A cache too large for the host now fails at
-        # start-up, not mid-serving. (What a block holds past a sequence's length never
-        # reaches an output: see TorchAttentionBackend._decode.)
+        # Zeroed, and so committed, at start-up (as vLLM does): the page faults of the whole
+        # cache are paid here, not by the first requests to touch each block (~1 s of W1's
+        # ~45 s over 2,400 fresh blocks), and a cache too large for the host fails at start-up,
+        # not mid-serving. (What a block holds past a sequence's length never reaches an
+        # output: see TorchAttentionBackend._decode.)
         self.device_cache = torch.zeros(shape, dtype=layout.dtype, device=device)
         cpu_shape = (layout.num_layers, 2, num_cpu_blocks, *shape[3:])
         self.cpu_cache = torch.empty(
@@ -98,19 +98,6 @@ class KVCache:
     def check_blocks(self, block_ids: list[int], what: str) -> None:
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             raise ValueError(f"{what}: block id out of range [0, {self.num_blocks}): {block_ids}")
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Device block src -> dst for every (src, dst) pair (copy-on-write)."""
-        if not pairs:
-            return
-        src, dst = zip(*pairs, strict=True)
-        self.check_blocks([*src, *dst], "copies")
-        # The kernel copies every pair at once, so a chain (a block both read and written)
-        # takes the gather-then-scatter path, which reads every source first.
-        if self.block_copier is not None and not set(src) & set(dst):
-            self._copy_kernel(self.device_cache, self.device_cache, pairs)
-            return
-        self.device_cache.index_copy_(2, self._index(dst), self.device_cache.index_select(2, self._index(src)))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device block -> CPU block for every (device_block, cpu_block) pair."""

@@ -2,7 +2,7 @@
 pass over the ragged batch and samples.
 
 Per step: forget finished requests, register new ones, extend block tables,
-move KV blocks (swap out, swap in, copy-on-write), build the flattened batch
+move KV blocks (swap out, swap in), build the flattened batch
 and its attention metadata, run the model, sample for requests whose computed
 tokens caught up with their known tokens.
 
@@ -107,7 +107,7 @@ class ModelRunner:
 
         # Per layer, once: kernels where they are built for the shapes, torch elsewhere.
         self.attention = get_attention_backend(self.device, attention_layers(self.model), self.dtype, self.block_size)
-        # Swaps and copy-on-write through the copy_blocks kernel where attention runs on kernels.
+        # Swaps through the copy_blocks kernel where attention runs on kernels.
         self.kv_cache.block_copier = getattr(self.attention, "copy_blocks", None)
         self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp.first else None
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -140,7 +140,6 @@ class ModelRunner:
         # The order the protocol fixes (see StepPlan).
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
-        self.kv_cache.copy_blocks(plan.copies)
         if not plan.scheduled:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
 
@@ -226,10 +225,7 @@ class ModelRunner:
     def _update(self, cached: CachedRequestData, step_id: int) -> None:
         state = self._get(cached.req_id, step_id)
         what = f"step {step_id} request {cached.req_id}"
-        changed = [b for _, b in cached.replaced] + cached.new_block_ids
-        self.kv_cache.check_blocks(changed, what)
-        for index, block in cached.replaced:
-            self.block_tables.replace(state.row, index, block, what)
+        self.kv_cache.check_blocks(cached.new_block_ids, what)
         self.block_tables.append(state.row, cached.new_block_ids)
 
     def _drop(self, req_id: int) -> None:

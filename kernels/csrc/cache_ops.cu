@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(256) reshape_and_cache(
 
 // Copies whole blocks between caches: for each pair p and each cache c,
 // dst[c] block mapping[p].y <- src[c] block mapping[p].x. One launch covers every layer's K
-// and V cache of one step (swap-out, swap-in or copy-on-write). Pointers may be device or
+// and V cache of one step (swap-out, swap-in, or device to device). Pointers may be device or
 // pinned host memory (UVA). Grid (num_pairs, num_caches); Unit is the copy granularity
 // (uint4 when every base and the block size are 16-byte aligned).
 template <typename Unit>

@@ -73,8 +73,8 @@ def test_copy_blocks_swap(emu: Any, shape: tuple[int, ...], schedule: str) -> No
     assert all(same_bits(a, b) for a, b in zip(dst, expected, strict=True))
 
 
-def test_copy_blocks_copy_on_write(emu: Any) -> None:
-    """Source and destination are the same caches: a shared block is duplicated."""
+def test_copy_blocks_within_one_cache(emu: Any) -> None:
+    """Source and destination are the same caches: a block is duplicated in place."""
     caches = _caches(2, (10, 32, 2, 96), torch.bfloat16, 2)
     mapping = torch.tensor([[1, 4], [2, 9]])
     expected = [t.clone() for t in caches]

@@ -1,7 +1,7 @@
-"""Swap-out, swap-in and copy-on-write through the copy_blocks kernel (KVCache.block_copier),
-run by the CPU emulator: exact block contents for every layer's K and V in one launch per
-call, and the worker's swap-preemption and copy-on-write scenarios (tests/test_worker_swap.py)
-with attention and block copies on the emulated kernels, against transformers."""
+"""Swap-out and swap-in through the copy_blocks kernel (KVCache.block_copier), run by the CPU
+emulator: exact block contents for every layer's K and V in one launch per call, and the
+worker's swap-preemption scenario (tests/test_worker_swap.py) with attention and block copies
+on the emulated kernels, against transformers."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from noria.worker import model_runner
 from noria.worker.attention import TorchAttentionBackend
 from noria.worker.kv_cache import KVCache
 from noria.worker.model_runner import ModelRunner
-from tests.test_worker_swap import check_copies_exact
+from tests.test_worker_swap import check_swaps_exact
 from tests.tiny_models import make_checkpoint
 
 # head_dim 64 (hidden 256 over 4 heads): attention runs on the kernels too.
@@ -56,20 +56,9 @@ def _cache(emu: Callable[[str], Any], dtype: torch.dtype) -> tuple[KVCache, Coun
 def test_kernel_copies_preserve_blocks_exactly(emu: Any, dtype: torch.dtype) -> None:
     """The same exact-content checks as the torch path's test, through the kernel."""
     cache, copier = _cache(emu, dtype)
-    check_copies_exact(cache)
+    check_swaps_exact(cache)
     # One launch per call, over 3 layers x (K, V); swap-in maps CPU block -> device block.
-    assert copier.calls == [(6, [[1, 0], [3, 5]]), (6, [[2, 7], [4, 8]]), (6, [[0, 9], [5, 6]])]
-
-
-def test_chained_copies_take_the_gather_path(emu: Any) -> None:
-    """A block both read and written in one call: the kernel would race, so the torch
-    path (every source read before any write) runs instead."""
-    cache, copier = _cache(emu, torch.float32)
-    dev0 = cache.device_cache.clone()
-    cache.copy_blocks([(1, 2), (2, 3)])
-    assert torch.equal(cache.device_cache[:, :, 2], dev0[:, :, 1])
-    assert torch.equal(cache.device_cache[:, :, 3], dev0[:, :, 2])
-    assert copier.calls == []
+    assert copier.calls == [(6, [[1, 0], [3, 5]]), (6, [[0, 9], [5, 6]])]
 
 
 @pytest.fixture(scope="module")
@@ -101,16 +90,10 @@ def test_swap_preemption_on_kernels(qwen2_d64: Path, kernel_runners: list[Counti
     assert [m for _, m in copier.calls] == [[[0, 4], [1, 0], [2, 2]], [[4, 7], [0, 5], [2, 9]]]
 
 
-def test_copy_on_write_on_kernels(qwen2_d64: Path, kernel_runners: list[CountingCopier]) -> None:
-    swap_tests.test_copy_on_write_replaced_entry_matches_transformers(qwen2_d64)
-    [copier] = kernel_runners
-    assert [m for _, m in copier.calls] == [[[2, 3]]]
-
-
 def test_model_runner_wires_the_kernel_copier(
     qwen2_d64: Path, emu: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Copies go through the kernel exactly when the start-up choice is the kernel backend."""
+    """Swaps go through the kernel exactly when the start-up choice is the kernel backend."""
     assert swap_tests._runner(qwen2_d64).kv_cache.block_copier is None  # CPU: torch attention
     kernels = KernelAttentionBackend(fallback=TorchAttentionBackend(), backend=emu("forward"))
     monkeypatch.setattr(model_runner, "get_attention_backend", lambda *args, **kw: kernels)
