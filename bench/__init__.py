@@ -1,23 +1,25 @@
-"""Benchmarks: `noria bench NAME [args]` runs `noria.bench.NAME.main(argv)`."""
+"""Benchmarks: `noria bench NAME [args]` runs `noria.bench.NAME.main(argv)`.
+
+The names are `BENCHMARKS` (declared in noria/cli.py, which builds the parser without
+importing this package); the other modules here are their helpers.
+"""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 
-# The modules that are benchmarks; the others (workloads, ceiling, plots) are their helpers.
-BENCHMARKS = ("generate", "scheduler", "serving", "throughput", "fuzz", "disconnects", "overload", "failover",
-              "kernels", "soak", "structured", "ttft_idle")
+from noria.cli import BENCHMARKS
+
+__all__ = ["BENCHMARKS", "run"]
 
 
-def add_command(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="run a benchmark from bench/ (`noria bench NAME --help`)")
-    b.add_argument("name", choices=BENCHMARKS)
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(fn=_run)
+def run(name: str, argv: list[str]) -> int:
+    # Benchmarks run models in this process (kernels, the ceiling replay) and start the
+    # systems they compare (vLLM included) from it: all under the worker's OpenMP and
+    # huge-page settings, set before torch loads.
+    from noria.worker.cli import set_process_env
 
-
-def _run(args: argparse.Namespace) -> int:
+    set_process_env()
     # Imported by its package name so that it runs from the installed script in any directory.
-    mod = importlib.import_module(f"noria.bench.{args.name}")
-    return int(mod.main(args.rest) or 0)
+    mod = importlib.import_module(f"noria.bench.{name}")
+    return int(mod.main(argv) or 0)

@@ -84,7 +84,7 @@ def replay(config: EngineConfig, steps: list[Step], around: Callable[[], Abstrac
             ids, meta = _metadata(runner, query_lens, seq_lens)
             sample_index = torch.tensor([i - 1 for i in meta.query_start_host[1:]][:num_sampled], dtype=torch.long)
             t0 = time.perf_counter()
-            # Named ranges for profiles (bench/profile_forward.py); nearly free when no profiler runs.
+            # Named ranges for torch.profiler traces; nearly free when no profiler runs.
             with torch.profiler.record_function("noria: forward"):
                 hidden = model(ids, meta.positions, meta, runner.attention, runner._kv_layers)
             if num_sampled:

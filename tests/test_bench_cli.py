@@ -42,7 +42,6 @@ TINY = {
               "--out", "out/soak"], "every stream equal to its final text: True; ok: True"),
     "structured": (["--model", "demo", "--num-requests", "2", "--rounds", "1", "--sizes", "2", "--repeats", "2",
                     "--num-kv-blocks", "64"], "constrained / unconstrained tok/s"),
-    "ttft_idle": (["--rounds", "1", "--gap", "0.2", "--max-tokens", "4", "--out", "out/ttft-idle"], "idle cost"),
 }
 
 

@@ -108,60 +108,6 @@ def test_throughput_skips_vllm_where_it_is_not_installed(tmp_path):
     assert "noria-llm" in text.split("runs (s)")[1]
 
 
-def test_profile_reduction_gives_each_operator_its_self_time():
-    from noria.bench.profile_forward import RANGE_OWN, component, self_times, summarize
-
-    def ev(name, ts, dur, cat="cpu_op", tid=1):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
-
-    trace = {"traceEvents": [
-        ev("fwd", 0, 100, "user_annotation"),
-        ev("aten::linear", 10, 40), ev("aten::addmm", 12, 30),  # linear's own time: 40 - 30
-        ev("aten::mm", 60, 20),
-        ev("aten::mm", 200, 50),  # outside the phase: left out
-        ev("fwd", 300, 10, "user_annotation", tid=2),
-        ev("python_function", 301, 5, "python_function", tid=2),  # not an operator: counts as the range's own
-    ]}
-    got = self_times(trace, {"fwd"})
-    assert {k: tuple(v) for k, v in got["fwd"].items()} == {
-        "aten::linear": (10.0, 1), "aten::addmm": (30.0, 1), "aten::mm": (20.0, 1),
-        f"{RANGE_OWN} [fwd]": (100 - 40 - 20 + 10.0, 2)}
-    s = summarize(got)["fwd"]
-    assert s["ms"] == pytest.approx(0.110) and s["calls"] == 2
-    assert s["components"]["GEMM"] == pytest.approx(0.060)
-    assert component("_C::cpu_attention_with_kv_cache") == "attention"
-    assert component("noria::paged_decode (native C)") == "attention"
-    assert component("noria::gemm (native C)") == "GEMM"
-    assert component("noria::add_rms_norm (native C)") == "RMSNorm"
-    assert component("noria::rope_split (native C)") == "rotary"
-    assert component("noria::silu_mul (native C)") == "SiLU and mul"
-    assert component("noria::decoder stack (native C)").startswith("decoder stack")
-
-
-def test_profile_names_each_native_kernel_and_can_decline_the_stack():
-    import torch
-
-    from noria.bench.profile_forward import _named_native_kernels
-    from noria.worker import gemm_kernels, native_stack
-
-    before = (gemm_kernels.gemm, native_stack.NativeStack.__dict__["applies"], native_stack.NativeStack.run)
-    saved = _named_native_kernels(stack=False)
-    try:
-        assert native_stack.NativeStack.applies(None, []) is False
-        assert gemm_kernels.gemm is not before[0] and native_stack.NativeStack.run is not before[2]
-        if gemm_kernels.load() is not None:
-            w = gemm_kernels.PackedWeight(torch.randn(24, 8))
-            x = torch.randn(3, 8)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                y = gemm_kernels.gemm(x, w, None)
-            assert torch.equal(y, before[0](x, w, None))  # the wrapper passes the call through
-            assert "noria::gemm (native C)" in {e.key for e in prof.key_averages()}
-    finally:
-        for owner, attr, value in saved:
-            setattr(owner, attr, value)
-    assert (gemm_kernels.gemm, native_stack.NativeStack.__dict__["applies"], native_stack.NativeStack.run) == before
-
-
 def test_stream_chunks_are_counted_in_tokens():
     count = serving_http._tokens_in
     assert count({"text": "", "token_ids": [4, 5]}) == 2  # vLLM with return_token_ids

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from noria.bench import doctor, doctor_checks
+from noria.worker import doctor, doctor_checks
 
 NORIA = Path(sys.executable).parent / "noria"  # the venv's console script
 

@@ -1,7 +1,9 @@
-"""`noria worker`: one worker rank on any host, registering with a scheduler's worker link.
+"""`noria worker` (one worker rank on any host, registering with a scheduler's worker link)
+and `noria doctor` (worker/doctor.py): their arguments.
 
-Defined here (noria/cli.py puts it on the `noria` parser) because the frontend never
-imports the worker. Nothing here imports torch: the worker loads it once registered.
+Defined here (noria/cli.py puts them on the `noria` parser) because the frontend never
+imports the worker. Nothing here imports torch: the worker loads it once registered, the
+doctor when it runs.
 """
 
 from __future__ import annotations
@@ -40,3 +42,19 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser("worker", help="run one worker rank that registers with `noria serve --worker-listen`")
     add_worker_args(w)
     w.set_defaults(fn=cmd_worker)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from noria.worker.doctor import cmd_doctor
+
+    return cmd_doctor(args)
+
+
+def add_doctor_command(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser("doctor", help="check this host: GPU, CuPy, kernel compile and contracts, a generation, bandwidth",
+                       description="`noria doctor`: does this host run noria, and on a GPU, how fast does the "
+                                   "decode kernel go.")
+    d.add_argument("--quick", action="store_true",
+                   help="GPU: contracts for the demo model's and two common shapes only (default: every instance)")
+    d.add_argument("--max-tokens", type=int, default=16, help="tokens per prompt in the generation check (default 16)")
+    d.set_defaults(fn=cmd_doctor)

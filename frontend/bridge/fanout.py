@@ -18,7 +18,8 @@ class Fanout:
 
     def __init__(self, gateway: Gateway, requests: list[Generate]) -> None:
         # A deque and one waiter, not an asyncio.Queue: every queued HTTP request holds one of
-        # these, and a Queue's four deques and Event cost ~1.5 KiB each (bench/bridge_memory.py).
+        # these, and a Queue's four deques and Event cost ~1.5 KiB each (measured: the bridge's RSS
+        # under floods of queued streams).
         self._events: deque[Event] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._open = len(requests)

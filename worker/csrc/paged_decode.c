@@ -18,7 +18,7 @@
  *   over the dot products that score a token, its V lines over the V accumulation
  *   of each head. One burst per row (32 lines at once) filled the core's miss
  *   buffers, stalling the loads behind it; paced, attention over cold K/V ran
- *   1.07-1.34x faster on W1's tail shapes (bench/attention.py --tail). Only the
+ *   1.07-1.34x faster on W1's tail shapes. Only the
  *   prefetches moved: the outputs are the same, bit for bit.
  * - Split-K: long contexts are cut into chunks so that 2 threads get about
  *   TASKS_PER_THREAD tasks each even with a single sequence; each chunk keeps

@@ -1,19 +1,24 @@
-"""The checks `noria doctor` runs: the GPU set and the CPU/emulator subset (see bench/doctor.py)."""
+"""The checks `noria doctor` runs: the GPU set and the CPU/emulator subset (see worker/doctor.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-from collections.abc import Iterator
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 from noria.kernels.instances import AttentionConfig, all_configs, decode_module, prefill_module
+from noria.protocol.doctor import GenerationProbe, GenerationRun
+from noria.worker.attention_select import EMULATED_KERNELS_ENV
 
 if TYPE_CHECKING:
-    from noria.bench.doctor import Report
+    from noria.worker.doctor import Report
 
 # The demo model's attention (head size 32, block size 16, float32) plus the shapes of common
 # 7-8B checkpoints in half precision.
@@ -122,42 +127,34 @@ def _contracts(configs: list[AttentionConfig], device: str, long: int) -> str:
     return f"{len(results)} kernel checks match the float64 reference"
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str | None) -> Iterator[None]:
-    saved = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
-
-
 _RESULTS: dict[tuple[Any, ...], tuple[list[tuple[list[int], list[Any]]], Any]] = {}
 
 
 def _generate(flags: dict[str, Any], max_tokens: int) -> tuple[list[tuple[list[int], list[Any]]], Any]:
     """(token ids and logprobs per prompt, the engine's stats) of a short greedy run of the
-    demo model in float32; a reference run is computed once per doctor run."""
+    demo model in float32, in a child that runs `LLM` (frontend/doctor_generation.py); a
+    reference run is computed once per doctor run."""
     key = (tuple(sorted(flags.items())), max_tokens)
     if key in _RESULTS:
         return _RESULTS[key]
-    from noria import LLM, SamplingParams
-    from noria.worker.attention_select import EMULATED_KERNELS_ENV
-
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 700) for _ in range(n)] for n in (3, 20, 25, 30, 40, 77)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     engine = {k: v for k, v in flags.items() if k != "emulated"}
     engine.setdefault("num_kv_blocks", 64)
-    with _env(EMULATED_KERNELS_ENV, "1" if flags.get("emulated") else None), \
-            LLM("demo", dtype="float32", seed=0, **engine) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        stats = llm.stats()
-    _RESULTS[key] = [(o.outputs[0].token_ids, o.outputs[0].logprobs or []) for o in outs], stats
+    probe = GenerationProbe(prompts=prompts, max_tokens=max_tokens, engine=engine)
+    env = {k: v for k, v in os.environ.items() if k != EMULATED_KERNELS_ENV}
+    if flags.get("emulated"):
+        env[EMULATED_KERNELS_ENV] = "1"
+    with tempfile.TemporaryDirectory(prefix="noria-doctor-") as tmp:
+        out = Path(tmp) / "run.json"
+        # stdout stays the doctor's report: the child's (and its engine's) output goes to stderr.
+        child = subprocess.run([sys.executable, "-m", "noria.frontend.doctor_generation",
+                                msgspec.json.encode(probe).decode(), str(out)],
+                               env=env, stdout=2, check=False)
+        if child.returncode != 0:
+            raise RuntimeError(f"the generation child exited with status {child.returncode} (its output is above)")
+        run = msgspec.json.decode(out.read_bytes(), type=GenerationRun)
+    _RESULTS[key] = [(s.token_ids, s.logprobs) for s in run.samples], run.stats
     return _RESULTS[key]
 
 

@@ -9,8 +9,10 @@ model's instances (where CuPy is installed), the contracts under the CPU emulato
 shapes, and a short generation on the emulated kernels against the torch backend.
 
 Exit status 0 when every check passed, 1 otherwise (the failed checks are listed last).
-It lives in bench/ because it drives both the kernels and the whole engine (`LLM`); no other
-folder may import both.
+It lives beside the worker because it drives the kernels and torch; the generations it
+compares run the whole engine in a child (frontend/doctor_generation.py), since the worker
+may not import the frontend's `LLM`. Its arguments are declared in worker/cli.py, so that
+`noria --help` loads none of this.
 """
 
 from __future__ import annotations
@@ -47,28 +49,19 @@ class Report:
         return True
 
 
-def add_command(sub: argparse._SubParsersAction) -> None:
-    d = sub.add_parser("doctor", help="check this host: GPU, CuPy, kernel compile and contracts, a generation, bandwidth",
-                       description=__doc__.split("\n\n")[0])
-    d.add_argument("--quick", action="store_true",
-                   help="GPU: contracts for the demo model's and two common shapes only (default: every instance)")
-    d.add_argument("--max-tokens", type=int, default=16, help="tokens per prompt in the generation check (default 16)")
-    d.set_defaults(fn=cmd_doctor)
-
-
 def cmd_doctor(args: argparse.Namespace) -> int:
     import torch
 
     report = Report()
     print(f"noria doctor: torch {torch.__version__}, Python {sys.version.split()[0]}")
     if torch.cuda.is_available():
-        from noria.bench.doctor_checks import gpu_checks
+        from noria.worker.doctor_checks import gpu_checks
 
         gpu_checks(report, quick=args.quick, max_tokens=args.max_tokens)
     else:
         built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         print(f"no GPU: torch ({built}) sees no CUDA device; running the CPU/emulator subset")
-        from noria.bench.doctor_checks import cpu_checks
+        from noria.worker.doctor_checks import cpu_checks
 
         cpu_checks(report, max_tokens=args.max_tokens)
     if report.failed:
