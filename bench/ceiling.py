@@ -1,6 +1,6 @@
 """The model-only ceiling: replay recorded batch shapes as bare forward passes.
 
-The worker writes one line per step when NORIA_RECORD_STEPS names a file:
+The worker writes one line per step when bench/step_log.py's observer is installed:
 query lengths, sequence lengths, how many rows sampled, and the seconds its
 own forward pass (model plus logits) took. Replaying the shapes through the
 same model and attention backend, with metadata built ahead of time and no

@@ -17,7 +17,7 @@ activation, next to the thousands per token of the matmuls.
 
 Summed over a run's steps that is the run's floor; the measured time of each
 step is what the worker records around its forward pass and logits
-(NORIA_RECORD_STEPS, perf_counter, during the real run: CPU execution is
+(bench/step_log.py, perf_counter, during the real run: CPU execution is
 synchronous, so the time is the step's own).
 """
 

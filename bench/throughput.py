@@ -87,20 +87,17 @@ def run_hf_cb(path: Path, work: Work, max_batch_tokens: int = 256, max_requests:
 
 def run_noria_llm(path: Path, work: Work, flags: dict, record: str) -> dict:
     from noria import LLM, SamplingParams
+    from noria.bench import step_log
     from noria.bench.ceiling import count_steps
 
-    os.environ["NORIA_RECORD_STEPS"] = record
-    try:
-        with LLM(str(path), **flags) as llm:
-            llm.generate([work[0][0]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-            warm = count_steps(record)
-            params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
-            t0 = time.perf_counter()
-            outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
-            dt = time.perf_counter() - t0
-            stats = llm.stats()
-    finally:
-        os.environ.pop("NORIA_RECORD_STEPS", None)
+    with step_log.recording(record), LLM(str(path), **flags) as llm:
+        llm.generate([work[0][0]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        warm = count_steps(record)
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
+        t0 = time.perf_counter()
+        outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        stats = llm.stats()
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"system": "noria-llm", "seconds": dt, "output_tokens": n, "engine_steps": stats.num_steps,
             **_recorded(record, warm, n), "record": record, "record_skip": warm,
@@ -109,10 +106,11 @@ def run_noria_llm(path: Path, work: Work, flags: dict, record: str) -> dict:
 
 def run_noria_serve(path: Path, work: Work, flags: list[str], record: str) -> dict:
     from noria import AsyncClient, SamplingParams
+    from noria.bench import step_log
     from noria.bench.ceiling import count_steps
     from noria.frontend.local_server import LocalServer
 
-    with LocalServer("--model", str(path), *flags, env={**os.environ, "NORIA_RECORD_STEPS": record}) as server:
+    with LocalServer("--model", str(path), *flags, env={**os.environ, **step_log.env(record)}) as server:
         server.wait(timeout=300)
 
         async def main() -> tuple[float, int, int]:
@@ -235,9 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.one:
         if args.one == "ceiling":
-            # The worker package sets its process settings (OpenMP waits, huge
-            # pages) on import; torch is not loaded yet, so they take effect here.
-            import noria.worker  # noqa: F401
+            # The replay runs the model in this process: the worker's process settings
+            # (OpenMP waits, huge pages), before torch loads, as a worker process has them.
+            from noria.worker.cli import set_process_env
+
+            set_process_env()
         row = run_one(args.one, args, args.record, args.skip)
         Path(args.row).write_text(json.dumps(row))
         return 0

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from noria.frontend.demo_model import cache_root
+from noria.protocol import switches
 
 VERSION = "0.32.0"
 SYSTEMS = ("vllm", "vllm-tuned")
@@ -40,7 +40,7 @@ _CHECK = (
 
 
 def venv_dir() -> Path:
-    return Path(os.environ.get("NORIA_VLLM_VENV") or cache_root() / "vllm-venv")
+    return switches.vllm_venv()
 
 
 def venv_python(venv: Path | None = None) -> Path:

@@ -12,7 +12,9 @@ import argparse
 import os
 import sys
 
-API_KEY_ENV = "NORIA_API_KEY"
+from noria.protocol import switches
+
+API_KEY_ENV = switches.API_KEY
 
 
 def add_api_key_args(ap: argparse.ArgumentParser) -> None:
@@ -28,7 +30,7 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 
     The variable is removed from this process's environment either way, so that
     no child process (scheduler, workers, bridge) inherits it."""
-    from_env = os.environ.pop(API_KEY_ENV, None)
+    from_env = switches.take_api_key()
     if args.api_key is not None:
         return args.api_key or None
     if args.api_key_file is not None:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from noria.protocol import switches
+
 DEMO_VERSION = 1
 DEMO_NAME = "demo"
 
@@ -64,10 +66,7 @@ n o p q r s t u v w x y z. Unicode: café, naïve, façade, 東京, 你好, Пр
 
 
 def cache_root() -> Path:
-    base = os.environ.get("NORIA_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "noria"
-    )
-    return Path(base)
+    return switches.cache_dir()
 
 
 def demo_path() -> Path:

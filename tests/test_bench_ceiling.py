@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from noria import LLM, SamplingParams
+from noria.bench import step_log
 from noria.bench.ceiling import read_steps, recorded_model_seconds, replay
 from noria.frontend.startup import make_config
 
@@ -12,7 +13,8 @@ from noria.frontend.startup import make_config
 @pytest.mark.parametrize("chunk", [None, 24])
 def test_recorded_steps_account_for_every_token_and_replay(demo_path, tmp_path, monkeypatch, chunk):
     record = tmp_path / "steps"
-    monkeypatch.setenv("NORIA_RECORD_STEPS", str(record))
+    for name, value in step_log.env(record).items():
+        monkeypatch.setenv(name, value)
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 17)]
     outs = [4, 9, 6]
     flags = {"num_kv_blocks": 64, "enable_prefix_caching": False}

@@ -10,13 +10,13 @@ step ever reaches a kernel that was not built for its shapes.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from noria.protocol import switches
 from noria.worker.attention import AttentionBackend, LayerAttention, TorchAttentionBackend
 
 log = logging.getLogger("noria.worker")
@@ -24,7 +24,7 @@ log = logging.getLogger("noria.worker")
 CUDA_INSTALL_HINT = "pip install noria[cuda]"
 # Set to 1, a CPU worker runs its attention and block copies on the kernels under the CPU
 # emulator (tests: the engine's scheduling scenarios over the CUDA-side code paths).
-EMULATED_KERNELS_ENV = "NORIA_EMULATED_KERNELS"
+EMULATED_KERNELS_ENV = switches.EMULATED_KERNELS
 
 
 def attention_layers(model: nn.Module) -> list[LayerAttention]:
@@ -43,7 +43,7 @@ def get_attention_backend(
     """The kernel backend (with torch for the layers it cannot run) on a CUDA device, the
     torch backend elsewhere. `kernel_backend` (a kernels.backends.KernelBackend, e.g. the CPU
     emulator in tests) forces the kernel path on any device."""
-    if kernel_backend is None and device.type == "cpu" and os.environ.get(EMULATED_KERNELS_ENV) == "1":
+    if kernel_backend is None and device.type == "cpu" and switches.emulated_kernels():
         from noria.kernels.backends import EmuBackend
 
         kernel_backend = EmuBackend()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import cast
@@ -46,6 +47,22 @@ class RequestState:
     row: int  # row in BlockTables
     sampling: SamplingState | None  # rank 0 only: the other ranks do not sample
     prompt_logprobs: PromptLogprobs | None = None  # until they are sent with the first token
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """One step that ran the model, as step observers see it: per scheduled request (in batch
+    order) the tokens it computed this step and its sequence length after them; how many rows
+    sampled; the seconds of the forward pass and logits (not sampling, not batch preparation)."""
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    num_sampled: int
+    model_seconds: float
+
+
+# Called on every rank after each step that ran the model; it must not change the step.
+StepObserver = Callable[[StepStats], None]
 
 
 @dataclass(slots=True)
@@ -113,17 +130,13 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         self.block_tables = BlockTables(max_blocks, self.kv_cache.null_block)
         self.requests: dict[int, RequestState] = {}
-        # Benchmarks replay the exact batch shapes (bench/ceiling.py); off by default.
-        record = os.environ.get("NORIA_RECORD_STEPS") if self.tp.first else None
-        self._record = open(record, "w") if record else None  # noqa: SIM115 - lives as long as the runner
+        # Who wants to know each step's shape and time (e.g. bench/step_log.py); none by default.
+        self.step_observers: list[StepObserver] = []
 
     # -- public -----------------------------------------------------------------
 
     def close(self) -> None:
         """Leave the process group (every rank calls this at shutdown)."""
-        if self._record is not None:
-            self._record.close()
-            self._record = None
         if self.tp.size > 1:
             destroy_tensor_parallel()
 
@@ -153,8 +166,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.sample_token_index]) if batch.sample_requests else None
         if batch.prompt_spans:
             collect(self.model, hidden, batch.prompt_spans)
-        if self._record is not None:
-            self._write_record(batch, time.perf_counter() - t_model)
+        if self.step_observers:
+            stats = StepStats(batch.meta.query_lens_host, batch.meta.seq_lens_host, len(batch.sample_requests),
+                              time.perf_counter() - t_model)
+            for observe in self.step_observers:
+                observe(stats)
         if not batch.sample_requests:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
         if plan.grammar is not None and logits is not None:  # structured output (rank 0 has the logits)
@@ -184,14 +200,6 @@ class ModelRunner:
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             tokens = self.tp.broadcast_from_first(ids).tolist()
         return tokens, logprobs
-
-    def _write_record(self, batch: _Batch, model_seconds: float) -> None:
-        # Forward time lets the benchmark split wall time into model and engine overhead.
-        assert self._record is not None
-        meta = batch.meta
-        self._record.write(f"[{meta.query_lens_host}, {meta.seq_lens_host}, "
-                           f"{len(batch.sample_requests)}, {model_seconds:.6f}]\n")
-        self._record.flush()
 
     # -- request state ----------------------------------------------------------
 

@@ -18,14 +18,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from noria.protocol import switches
+
 log = logging.getLogger("noria.worker")
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("NORIA_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "noria"
-    )
-    return Path(base) / "cpu-kernels"
+    return switches.cache_dir() / "cpu-kernels"
 
 
 def _cpu_flags() -> bytes:

@@ -17,6 +17,7 @@ ipc://...`) and a remote one (`noria worker --connect tcp://HOST:PORT`). The lif
 from __future__ import annotations
 
 import logging
+import pkgutil
 import time
 import traceback
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from noria.protocol import switches
 from noria.protocol.config import EngineConfig
 from noria.protocol.model_identity import ModelIdentity, identity_difference, model_identity
 from noria.protocol.step import StepPlan
@@ -123,6 +125,7 @@ class WorkerSession:
             t0 = time.monotonic()
             self.runner = ModelRunner(config, self.opts.rank, welcome.dist_init_method)
             self.runner_key = key
+            install_step_observer(self.runner)
             log.info("rank %d loaded %s in %.1fs: %d KV blocks", self.opts.rank, config.model,
                      time.monotonic() - t0, self.runner.num_kv_blocks)
         r = self.runner
@@ -165,6 +168,20 @@ class WorkerSession:
 
     def close(self) -> None:
         self._close_runner()
+
+
+def install_step_observer(runner: Any) -> None:
+    """Call $NORIA_STEP_OBSERVER ("package.module:callable") with a new runner, so that it may add
+    to `runner.step_observers` (e.g. bench/step_log.py's step log). A name that does not resolve
+    fails the rank at start: a run asked for observation and must not go unobserved."""
+    name = switches.step_observer()
+    if name is None:
+        return
+    try:
+        install = pkgutil.resolve_name(name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise WorkerFatal(f"{switches.STEP_OBSERVER}={name}: {e}") from e
+    install(runner)
 
 
 def _check_model(path: str, engine: ModelIdentity) -> ModelIdentity:

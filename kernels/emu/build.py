@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from noria.protocol import switches
+
 EMU_INCLUDE = Path(__file__).resolve().parent / "include"
 
 # -fno-extern-tls-init: extern __shared__ arrays are extern thread_locals; without it g++
@@ -44,10 +46,8 @@ class EmuBuildError(RuntimeError):
 
 
 def cache_root() -> Path:
-    """Where compiled modules live: $NORIA_KERNEL_CACHE or ~/.cache/noria/kernels."""
-    env = os.environ.get("NORIA_KERNEL_CACHE")
-    base = Path(env) if env else Path.home() / ".cache" / "noria" / "kernels"
-    return base / "emu"
+    """Where compiled modules live: under $NORIA_KERNEL_CACHE or ~/.cache/noria/kernels."""
+    return switches.kernel_cache_dir() / "emu"
 
 
 def compiler() -> str:
