@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from noria.worker import fused_kernels, gemm_kernels
+from noria.worker import cpu_kernels, cpu_ops, fused_kernels, gemm_kernels, native_stack
 from noria.worker.gemm_kernels import PackedWeight, gemm
 from noria.worker.models.layers import RMSNorm, linear, pack_linear_weight
 
@@ -125,18 +125,20 @@ def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         gemm_kernels.load.cache_clear()
 
 
-def test_no_compiler_falls_back_to_onednn_and_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No compiler (and nothing built yet): no native kernels, and the layers still compute."""
+def test_no_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No compiler (and nothing built yet): every CPU op family on torch, and the layers still compute."""
     monkeypatch.setenv("NORIA_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    gemm_kernels.load.cache_clear()
-    fused_kernels.load.cache_clear()
+    loads = (gemm_kernels.load, fused_kernels.load, cpu_kernels.load, native_stack.load)
+    for load in loads:
+        load.cache_clear()
     try:
         assert gemm_kernels.load() is None and fused_kernels.load() is None
+        why = f"torch (no C compiler at {tmp_path / 'no-such-compiler'})"
+        assert cpu_ops.paths() == {"gemm": why, "fused": why, "attention": why, "stack": why}
         weight, x = torch.randn(24, 16), torch.randn(5, 16)
-        packed = pack_linear_weight(weight)
-        assert not isinstance(packed, PackedWeight)
-        torch.testing.assert_close(linear(x, weight, None, packed), x @ weight.T, rtol=1e-5, atol=1e-5)
+        assert pack_linear_weight(weight) is None
+        torch.testing.assert_close(linear(x, weight, None, None), x @ weight.T, rtol=1e-5, atol=1e-5)
         norm = RMSNorm(16, 1e-6)
         norm.weight.data.fill_(1.0)
         out, residual = norm.add_forward(x.clone(), x)
@@ -144,5 +146,5 @@ def test_no_compiler_falls_back_to_onednn_and_torch(monkeypatch: pytest.MonkeyPa
         torch.testing.assert_close(out, norm(x + x))
         assert torch.equal(fused_kernels.argmax_rows(x), x.argmax(dim=-1))
     finally:
-        gemm_kernels.load.cache_clear()
-        fused_kernels.load.cache_clear()
+        for load in loads:
+            load.cache_clear()

@@ -1,7 +1,7 @@
 """The paged decode attention kernel for the torch backend (worker/csrc/paged_decode.c).
 
-Built by worker/native_build.py. If no compiler works, `load()` returns None
-and the backend keeps its pure-torch path.
+Built by worker/native_build.py. If no compiler works or worker/cpu_ops.py puts the
+attention family on torch, `load()` returns None and the backend keeps its torch path.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from noria.worker.cpu_ops import disabled
 from noria.worker.native_build import build
 
 _SRC = Path(__file__).parent / "csrc" / "paged_decode.c"
@@ -24,6 +25,8 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 @cache
 def load() -> ctypes.CDLL | None:
+    if disabled("attention"):
+        return None
     dll = build(_SRC, _FLAGS)
     if dll is None:
         return None

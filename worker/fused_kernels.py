@@ -1,17 +1,17 @@
 """Fused elementwise steps for the CPU layers (worker/csrc/fused_f32.c): RMSNorm with
 the residual add, rotary with the q/k/v split, SiLU-and-mul, and the greedy argmax. `load()` is None where no C
-compiler works or NORIA_DISABLE_CPU_KERNELS=1 / NORIA_DISABLE_CPU_FUSED=1 is set;
-the layers then run the same steps as torch operators."""
+compiler works or worker/cpu_ops.py puts the fused family on torch; the layers then run
+the same steps as torch operators."""
 
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from noria.worker.cpu_ops import disabled
 from noria.worker.native_build import build
 
 _SRC = Path(__file__).parent / "csrc" / "fused_f32.c"
@@ -22,7 +22,7 @@ _I64, _F32P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
 
 @cache
 def load() -> ctypes.CDLL | None:
-    if os.environ.get("NORIA_DISABLE_CPU_FUSED") == "1":
+    if disabled("fused"):
         return None
     dll = build(_SRC, _FLAGS)
     if dll is None:

@@ -2,26 +2,23 @@
 
 Built by worker/native_build.py with -march=native (so AVX2 or AVX-512, whatever
 the host has), called through ctypes on tensors' data pointers. `load()` returns None where no
-compiler works, NORIA_DISABLE_CPU_KERNELS=1 or NORIA_DISABLE_CPU_GEMM=1 is set;
-the layers then keep oneDNN / torch.
+compiler works or worker/cpu_ops.py puts the gemm family on torch; the layers then
+run F.linear.
 
-Unlike oneDNN's primitives it keeps no state per row count, so any batch size
-is served by the same packed weight at no memory cost.
+It keeps no state per row count, so any batch size is served by the same packed
+weight at no memory cost.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from noria.worker.cpu_ops import disabled
 from noria.worker.native_build import build
-
-log = logging.getLogger("noria.worker")
 
 _SRC = Path(__file__).parent / "csrc" / "gemm_f32.c"
 # No -ffast-math: every output is one in-order sum over K (see the C file).
@@ -31,7 +28,7 @@ _I64, _F32P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
 
 @cache
 def load() -> ctypes.CDLL | None:
-    if os.environ.get("NORIA_DISABLE_CPU_GEMM") == "1":
+    if disabled("gemm"):
         return None
     dll = build(_SRC, _FLAGS)
     if dll is None:

@@ -3,8 +3,8 @@
 The worker's native CPU kernels are compiled with the system C compiler and
 -march=native at run time (no torch headers, about a second each), cached per
 content hash, flags and CPU features, and called through ctypes on tensors' data
-pointers. `build()` returns None where no compiler works or
-NORIA_DISABLE_CPU_KERNELS=1 is set: the callers then keep their torch paths.
+pointers. `build()` returns None where no compiler works, and `failure()` says why:
+the callers then keep their torch paths (worker/cpu_ops.py decides and logs which).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from pathlib import Path
 from noria.protocol import switches
 
 log = logging.getLogger("noria.worker")
+
+# Why the last build of a source (by file name) gave no library.
+_failures: dict[str, str] = {}
 
 
 def cache_dir() -> Path:
@@ -39,11 +42,15 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
+def failure(src: Path) -> str | None:
+    """Why `build(src, ...)` returned None ("no C compiler", "the build failed"), or None."""
+    return _failures.get(src.name)
+
+
 def build(src: Path, flags: list[str]) -> ctypes.CDLL | None:
-    if os.environ.get("NORIA_DISABLE_CPU_KERNELS") == "1":
-        return None
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
+        _failures[src.name] = "no C compiler"
         return None
     digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode() + _cpu_flags()).hexdigest()[:16]
     lib = cache_dir() / f"{src.stem}-{digest}.so"
@@ -55,9 +62,17 @@ def build(src: Path, flags: list[str]) -> ctypes.CDLL | None:
                 pass
             subprocess.run([cc, *flags, str(src), "-o", tmp.name, "-lm"], check=True, capture_output=True)
             os.replace(tmp.name, lib)  # atomic: concurrent workers never load half a file
-        return ctypes.CDLL(str(lib))
+        dll = ctypes.CDLL(str(lib))
     except (OSError, subprocess.CalledProcessError) as e:
         if tmp is not None:
             Path(tmp.name).unlink(missing_ok=True)
-        log.warning("native CPU kernels in %s unavailable, using torch: %s", src.name, e)
+        if isinstance(e, FileNotFoundError) and e.filename == cc:
+            _failures[src.name] = f"no C compiler at {cc}"  # said once, in the worker's "cpu ops" line
+            return None
+        detail = e.stderr.decode(errors="replace").strip()[:2000] if isinstance(e, subprocess.CalledProcessError) else ""
+        log.warning("native CPU kernels in %s unavailable, using torch: %s%s", src.name, e,
+                    f"\n{detail}" if detail else "")
+        _failures[src.name] = "the build failed"
         return None
+    _failures.pop(src.name, None)
+    return dll

@@ -7,13 +7,12 @@ It applies where every layer runs on those kernels: float32 on the CPU, one
 rank, packed native GEMM weights, no per-head q/k norm, and a step whose
 attention is one call of the paged kernel per layer (decode rows, or short
 prompts as rows: `TorchAttentionBackend.paged_rows`). Anything else keeps the
-Python path. NORIA_DISABLE_CPU_STACK=1 turns it off.
+Python path. worker/cpu_ops.py decides whether it is on (NORIA_DISABLE_CPU_STACK=1: off).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +21,7 @@ import torch
 
 from noria.worker import cpu_kernels, fused_kernels, gemm_kernels
 from noria.worker.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from noria.worker.cpu_ops import disabled
 from noria.worker.gemm_kernels import PackedWeight
 from noria.worker.native_build import build
 
@@ -56,7 +56,7 @@ class _Step(ctypes.Structure):
 
 @cache
 def load() -> tuple[ctypes.CDLL, _Kernels] | None:
-    if os.environ.get("NORIA_DISABLE_CPU_STACK") == "1":
+    if disabled("stack"):
         return None
     gemm, fused, attn = gemm_kernels.load(), fused_kernels.load(), cpu_kernels.load()
     dll = build(_SRC, ["-O2", "-shared", "-fPIC"])

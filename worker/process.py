@@ -38,6 +38,7 @@ from noria.protocol.worker_link import (
     WorkerReady,
     WorkerShutdown,
 )
+from noria.worker import cpu_ops
 from noria.worker.errors import WorkerFatal
 from noria.worker.link import LinkDown, WorkerLink
 from noria.worker.registration import hello, use_route_for_gloo
@@ -128,6 +129,8 @@ class WorkerSession:
             install_step_observer(self.runner)
             log.info("rank %d loaded %s in %.1fs: %d KV blocks", self.opts.rank, config.model,
                      time.monotonic() - t0, self.runner.num_kv_blocks)
+            if self.runner.device.type == "cpu":
+                cpu_ops.log_once()
         r = self.runner
         self.link.send(WorkerReady(welcome.epoch, self.opts.rank, r.num_kv_blocks, r.num_cpu_blocks, r.vocab_size,
                                    r.max_model_len))

@@ -95,62 +95,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# Below this many rows torch's gemv-like path beats oneDNN's blocked kernel
-# (measured on the "small" model's shapes); from here up the packed weight wins
-# by 1.3-2x, most in the 4-64 row decode batches that dominate real traffic.
-# (These apply to the oneDNN fallback only, where the native GEMM is unavailable.)
-PACKED_MIN_ROWS = 4
-# oneDNN (and ideep above it) cache one primitive per row count, about 0.4 MiB
-# each, up to 1024 entries per cache: fed every row count a server meets, a
-# worker's RSS grew by a GiB. So up to 64 rows (decode) each count is its own
-# primitive; to 256 rows the rows are padded up to a multiple of 16 (at most 15
-# wasted rows, still ~1.5x faster than unpacked); above 256 rows (prefill
-# chunks) the packed weight gains under 5 %, and plain F.linear, which caches
-# nothing, serves. That leaves 73 row counts per weight shape.
-PACKED_EXACT_ROWS = 64
-PACKED_MAX_ROWS = 256
-PACKED_ROW_STEP = 16
+def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """The native GEMM's pre-packed copy of a [out, in] weight, or None where F.linear serves.
 
-# A pre-packed weight: the native kernel's panels (worker/csrc/gemm_f32.c), or
-# oneDNN's blocked tensor where no C compiler is at hand.
-Packed = PackedWeight | torch.Tensor
-
-
-def packed_rows(rows: int) -> int | None:
-    """The row count a batch of `rows` is computed with on oneDNN's packed path, or None (unpacked)."""
-    if rows < PACKED_MIN_ROWS or rows > PACKED_MAX_ROWS:
-        return None
-    return rows if rows <= PACKED_EXACT_ROWS else -(-rows // PACKED_ROW_STEP) * PACKED_ROW_STEP
-
-
-def pack_linear_weight(weight: torch.Tensor, native: bool = True) -> Packed | None:
-    """A pre-packed copy of a [out, in] weight for the CPU, or None where none applies.
-
-    The native GEMM first: against oneDNN's packed path it was 1.05-1.7x faster
-    per call at 1-512 rows on the "small" model's shapes (one AVX2 core), keeps
-    no state per row count, and needs no padding. oneDNN's copy (`native=False`,
-    or no C compiler) re-blocks nothing per call either. The plain weight stays:
-    it serves everything off the CPU and oneDNN's unpacked row counts.
+    Packed for float32 on the CPU while worker/cpu_ops.py has the gemm family native:
+    against oneDNN's packed weights (torch's private mkldnn ops, no longer used) it was
+    1.05-1.7x faster per call at 1-512 rows on the "small" model's shapes, and it keeps
+    no state per row count. The plain weight stays: it serves everything off the CPU.
     """
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return None
-    if native and gemm_kernels.usable(weight):
+    if gemm_kernels.usable(weight):
         return PackedWeight(weight)
-    if not torch.backends.mkldnn.is_available():
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: Packed | None) -> torch.Tensor:
-    """x @ weight.T + bias for 2-D x, through `packed` where it applies."""
-    if isinstance(packed, PackedWeight) and x.dtype == torch.float32:
+           packed: PackedWeight | None) -> torch.Tensor:
+    """x @ weight.T + bias for 2-D x: the native GEMM through `packed`, else F.linear."""
+    if packed is not None and x.dtype == torch.float32:
         return gemm_kernels.gemm(x, packed, bias)
-    rows = x.shape[0]
-    padded = None if packed is None else packed_rows(rows)
-    if padded is None or isinstance(packed, PackedWeight):
-        return F.linear(x, weight, bias)
-    if padded == rows:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    x = F.pad(x, (0, 0, 0, padded - rows))
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
+    return F.linear(x, weight, bias)

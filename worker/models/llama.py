@@ -26,8 +26,8 @@ from torch import nn
 
 from noria.worker import fused_kernels, native_stack
 from noria.worker.attention import AttentionBackend, AttentionMetadata, LayerAttention
+from noria.worker.gemm_kernels import PackedWeight
 from noria.worker.models.layers import (
-    Packed,
     RMSNorm,
     RotaryEmbedding,
     apply_rope,
@@ -62,7 +62,7 @@ class StepContext:
 
 
 def _row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  packed: Packed | None, tp: TensorParallel) -> torch.Tensor:
+                  packed: PackedWeight | None, tp: TensorParallel) -> torch.Tensor:
     """x holds this rank's slice of the input features: partial sums, all-reduced;
     the bias is added once, after the sum."""
     if tp.size == 1:
@@ -85,8 +85,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
         self.attn = LayerAttention(h, kvh, d, d**-0.5, spec.sliding_windows[layer_index])
-        self.qkv_packed: Packed | None = None
-        self.o_packed: Packed | None = None
+        self.qkv_packed: PackedWeight | None = None
+        self.o_packed: PackedWeight | None = None
 
     def pack_weights(self) -> None:
         self.qkv_packed = pack_linear_weight(self.qkv_proj)
@@ -125,8 +125,8 @@ class MLP(nn.Module):
         self.gate_up_bias = _param(2 * inter) if spec.mlp_bias else None
         self.down_proj = _param(spec.hidden_size, inter)
         self.down_bias = _param(spec.hidden_size) if spec.mlp_bias else None
-        self.gate_up_packed: Packed | None = None
-        self.down_packed: Packed | None = None
+        self.gate_up_packed: PackedWeight | None = None
+        self.down_packed: PackedWeight | None = None
 
     def pack_weights(self) -> None:
         self.gate_up_packed = pack_linear_weight(self.gate_up_proj)
@@ -188,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         vocab_rows = shapes.vocab_end - shapes.vocab_start
         self.lm_head = None if spec.tie_word_embeddings else _param(vocab_rows, spec.hidden_size)
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
-        self.lm_head_packed: Packed | None = None
+        self.lm_head_packed: PackedWeight | None = None
         self._stack_key: int | None = None  # the KV caches _stack was built for
         self._stack: native_stack.NativeStack | None = None
 
