@@ -38,7 +38,7 @@ from noria.protocol.client import (
 from noria.protocol.codec import Codec
 from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.security import apply_curve_client
-from noria.protocol.sockets import CLIENT_HWM, MAX_CLIENT_MESSAGE
+from noria.protocol.sockets import CLIENT_HWM, MAX_CLIENT_MESSAGE, backoff_reconnects, make_socket
 
 # Client-side only, like `timeout`: the connection dropped or the server stopped
 # answering heartbeats. Never sent over the wire.
@@ -195,20 +195,21 @@ class Connection:
 
     def _open_socket(self) -> None:
         assert self._loop is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        monitors: list[zmq.Socket] = []
+
+        def setup(sock: zmq.Socket) -> None:
+            backoff_reconnects(sock)
+            if self.curve_keys is not None:
+                apply_curve_client(sock, self.curve_keys)
+            # Before the connect, so that the first EVENT_CONNECTED is seen.
+            monitors.append(sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED))
+
         # Sending never drops: what this client queues is its caller's to bound. Receiving is
         # bounded like the server's side (a reader that stops reading is dropped by the
         # server), and no frame from the server may exceed the client-facing maximum.
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, CLIENT_HWM)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CLIENT_MESSAGE)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        if self.curve_keys is not None:
-            apply_curve_client(sock, self.curve_keys)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sock.connect(self.address)
+        sock = make_socket(self._ctx, zmq.DEALER, self.address, bind=False, hwm=CLIENT_HWM, send_hwm=0,
+                           max_msg_size=MAX_CLIENT_MESSAGE, setup=setup)
+        monitor = monitors[0]
         self._sock, self._monitor = sock, monitor
         self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
         self._loop.add_reader(monitor.getsockopt(zmq.FD), self._on_monitor)

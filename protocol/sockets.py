@@ -19,15 +19,19 @@ MAX_ENGINE_MESSAGE = 256 * 2**20
 
 def make_socket(
     ctx: zmq.Context, kind: int, address: str, *, bind: bool, hwm: int = 0, max_msg_size: int = -1,
-    setup: Callable[[zmq.Socket], None] | None = None,
+    send_hwm: int | None = None, setup: Callable[[zmq.Socket], None] | None = None,
 ) -> zmq.Socket:
-    """`hwm` 0 (the default): unbounded queues, so a slow peer never makes us drop or block
-    on messages, for links whose flow the scheduler's own budgets bound. `max_msg_size` -1:
-    no limit. Sockets that face untrusted peers set both. `setup` runs before the bind or
-    connect (CURVE keys must be set by then)."""
+    """Every ZeroMQ socket of noria's processes and client library is made here, so that
+    each gets `LINGER` 0 and a deliberate high-water mark and largest frame.
+
+    `hwm` 0 (the default): unbounded queues, so a slow peer never makes us drop or block
+    on messages, for links whose flow the scheduler's own budgets bound. `send_hwm`, when
+    given, bounds the sending queue apart from the receiving one. `max_msg_size` -1: no
+    limit. Sockets that face untrusted peers set both. `setup` runs before the bind or
+    connect (CURVE keys and socket monitors must be in place by then)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.SNDHWM, hwm if send_hwm is None else send_hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
     if setup is not None:
@@ -37,6 +41,13 @@ def make_socket(
     else:
         sock.connect(address)
     return sock
+
+
+def backoff_reconnects(sock: zmq.Socket) -> None:
+    """A connecting socket retries after 0.1 s and backs off to one try a second while its
+    peer stays away: a restarted peer is found again at once, a gone one costs little."""
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:

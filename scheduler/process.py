@@ -51,18 +51,14 @@ class StartupFailed(Exception):
 
 
 def bind_worker_router(ctx: zmq.Context, address: str, curve: CurveServer | None) -> zmq.Socket:
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.setsockopt(zmq.SNDHWM, 0)
-    router.setsockopt(zmq.RCVHWM, 0)
-    router.setsockopt(zmq.MAXMSGSIZE, MAX_ENGINE_MESSAGE)
-    # A send to a rank whose connection has closed (its process died) fails at once
-    # instead of vanishing: that rank is lost now, not a heartbeat timeout later.
-    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    if curve is not None:
-        curve.apply(router)
-    router.bind(address)
-    return router
+    def setup(router: zmq.Socket) -> None:
+        # A send to a rank whose connection has closed (its process died) fails at once
+        # instead of vanishing: that rank is lost at that send, not a heartbeat timeout later.
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if curve is not None:
+            curve.apply(router)
+
+    return make_socket(ctx, zmq.ROUTER, address, bind=True, max_msg_size=MAX_ENGINE_MESSAGE, setup=setup)
 
 
 class SchedulerProcess:

@@ -66,7 +66,7 @@ class Request:
         self.matcher: Any = None  # llguidance matcher of a structured-output request
         # Lower runs first; later arrivals are preempted first within a priority.
         self.sort_key = (self.priority, self.arrival_seq)
-        # Stop conditions as totals of token ids, for the per-token check (scheduler/outputs.py).
+        # Stop conditions as totals of token ids, for the per-token check (scheduler/results.py).
         self.length_cap = self.num_prompt_tokens + max_tokens  # "length" once len(token_ids) reaches it
         self.min_len = self.num_prompt_tokens + self.params.min_tokens  # stop tokens count from here
         self.stop_any = _shared(self.eos_token_ids | self.stop_ids)

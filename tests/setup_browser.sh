@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs Debian's headless Chromium for the playground test when it is missing.
-# Called by bin/test (and by tests/test_bridge_playground.py itself as a fallback).
+# Called by bin/test (and by tests/test_bridge_websocket.py itself as a fallback).
 set -euo pipefail
 if command -v chromium >/dev/null 2>&1; then
   exit 0

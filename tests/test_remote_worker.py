@@ -21,7 +21,7 @@ import zmq
 from noria import LLM, Client, NoriaError, SamplingParams
 from noria.protocol.codec import Codec
 from noria.protocol.sockets import free_tcp_port
-from noria.protocol.worker_link import Refused, Register, SchedulerToWorker
+from noria.protocol.worker_link import WORKER_PROTOCOL_VERSION, Refused, Register, SchedulerToWorker
 from tests.procs import serve_http, wait_metrics
 from tests.workers import NORIA, health, start_worker, wait_for
 
@@ -121,7 +121,7 @@ def test_a_worker_of_another_protocol_version_is_refused_on_both_sides(remote):
     finally:
         dealer.close(linger=0)
         ctx.term()
-    assert isinstance(refused, Refused) and "worker protocol version 999 != 1" in refused.reason
+    assert isinstance(refused, Refused) and f"worker protocol version 999 != {WORKER_PROTOCOL_VERSION}" in refused.reason
     wait_for("the scheduler's log of the refusal",
              lambda: "refused worker rank 0 (elsewhere pid 4242): worker protocol version 999" in log.read_text(), 10)
 

@@ -144,7 +144,7 @@ def test_a_result_from_a_lost_incarnation_is_never_applied(rig):
 @pytest.mark.parametrize(
     ("msg", "words"),
     [
-        (hello(version=999), "worker protocol version 999 != 1"),
+        (hello(version=999), f"worker protocol version 999 != {WORKER_PROTOCOL_VERSION}"),
         (hello(rank=3), "rank 3 is outside 0..0"),
         (hello(model=ModelIdentity("cc" * 32, MODEL.weights)), "config.json differs"),
         (hello(model=ModelIdentity(MODEL.config_sha256, [WeightFile("model.safetensors", 999, "bb" * 32)])),

@@ -2,10 +2,11 @@
 
 Plans reach the main thread straight from the socket: while it waits in `recv` it holds the
 link's lock and polls the DEALER itself (answering for liveness with its own `Heartbeat`s
-meanwhile), and `send` writes results to the DEALER at once. An I/O thread between the two
-cost two thread wake-ups per step (plan in, result out), and a wake-up after an idle spell,
-when the vCPUs have halted, costs ~5x one back to back, now and then milliseconds
-(bench/RESULTS.md, "TTFT after idle"). While the main thread runs a step or loads a model, the keeper thread takes the lock
+meanwhile), and `send` writes results to the DEALER at once. No I/O thread stands between
+the socket and the step: handing each plan in and each result out through one would cost
+two thread wake-ups per step, and a wake-up after an idle spell, when the vCPUs have
+halted, costs ~5x one back to back, at times milliseconds (bench/RESULTS.md, "TTFT after
+idle"). While the main thread runs a step or loads a model, the keeper thread takes the lock
 to beat on time, hear the scheduler's heartbeats and queue whatever else arrives (in order:
 `recv` hands out the queue before it reads the socket), and puts `LinkDown` in that queue
 when the scheduler has been silent for the timeout. zmq sockets may change threads behind a
@@ -29,7 +30,7 @@ import zmq
 
 from noria.protocol.codec import Codec
 from noria.protocol.security import apply_curve_client
-from noria.protocol.sockets import MAX_ENGINE_MESSAGE
+from noria.protocol.sockets import MAX_ENGINE_MESSAGE, backoff_reconnects, make_socket
 from noria.protocol.worker_link import Heartbeat, Refused, SchedulerToWorker, WorkerToScheduler
 
 log = logging.getLogger("noria.worker.link")
@@ -127,9 +128,8 @@ class WorkerLink:
         wait = REGISTER_BEAT
         while not self.stopping.wait(wait):
             if not self.lock.acquire(blocking=False):
-                # The main thread is in `recv` and keeps time itself. A beat interval later at
-                # the latest the keeper looks again (as often as an I/O thread used to beat):
-                # an idle worker wakes no more often than that.
+                # The main thread is in `recv` and keeps time itself. The keeper looks again a
+                # beat interval later, no sooner: an idle worker wakes once per beat at most.
                 wait = self.interval
                 continue
             try:
@@ -143,17 +143,13 @@ class WorkerLink:
     # ---- with the lock held -----------------------------------------------
 
     def _make_dealer(self) -> zmq.Socket:
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.SNDHWM, 0)
-        dealer.setsockopt(zmq.RCVHWM, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_ENGINE_MESSAGE)
-        dealer.setsockopt(zmq.RECONNECT_IVL, 100)
-        dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        if self.curve_keys:
-            apply_curve_client(dealer, self.curve_keys)
-        dealer.connect(self.address)
-        return dealer
+        def setup(dealer: zmq.Socket) -> None:
+            backoff_reconnects(dealer)
+            if self.curve_keys:
+                apply_curve_client(dealer, self.curve_keys)
+
+        return make_socket(self.ctx, zmq.DEALER, self.address, bind=False, max_msg_size=MAX_ENGINE_MESSAGE,
+                           setup=setup)
 
     def _next_deadline(self) -> float:
         if self.dealer is None:
