@@ -4,7 +4,7 @@
  * paged attention, o GEMM, norm, gate/up GEMM, SiLU-and-mul, down GEMM), and
  * between them runs the modules' Python: wrappers, argument conversion, one
  * fresh tensor per result. On W1's 18-row decode step of the "small" model that
- * glue was ~4 ms of a ~50 ms step (a quarter of it inside the wrappers, the
+ * glue takes ~4 ms of a ~50 ms step (a quarter of it inside the wrappers, the
  * rest between calls). Here the same kernels are called in the same order on
  * the same inputs, from C, into scratch buffers the caller keeps across steps:
  * the output is bit for bit the Python path's.

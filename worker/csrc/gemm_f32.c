@@ -18,9 +18,9 @@
  * never K, so the result does not depend on the thread count or on how many
  * rows share the batch.
  *
- * At 3-128 rows a panel (48 KiB at K = 768, AVX2) was read from memory by
- * the first row tile while the others reused it from L2, so that tile waited
- * on memory and the rest of the panel's work overlapped nothing. Now every
+ * At 3-128 rows, a panel (48 KiB at K = 768, AVX2) read from memory by the
+ * first row tile alone, the others reusing it from L2, would leave that tile
+ * waiting on memory with none of the panel's other work to overlap. So every
  * tile of a panel prefetches its share of the next panel as it goes, which
  * spreads the stream over all of the panel's arithmetic. And M rows are cut
  * into ceil(M / MR) tiles of near-equal height (16 = 6 + 5 + 5, 13 = 5 + 4 +

@@ -128,8 +128,8 @@ typedef float vfu __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof
 /* acc[h] = acc[h] * rescale[h] + sum over the tile's tokens t of s[h][t] * V[t, KV head of h];
  * `ahead` prefetches the V rows whose K the score pass prefetched.
  * Head by head, a chunk of the accumulator stays in registers across the tile's tokens
- * (token by token, it is loaded and stored once per token and head: the store port was the
- * bottleneck); V rows come from L1, where the score pass just brought the tile's K. */
+ * (token by token, it would be loaded and stored once per token and head, and the store port
+ * would bound the loop); V rows come from L1, where the score pass just brought the tile's K. */
 static inline __attribute__((always_inline)) void accumulate_v(
     const float *vb, int64_t ts, int64_t n, int64_t nk, int64_t group, const int64_t D, float (*s)[TILE],
     const float *rescale, float *acc, Spread *ahead) {

@@ -99,8 +99,8 @@ def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
     """The native GEMM's pre-packed copy of a [out, in] weight, or None where F.linear serves.
 
     Packed for float32 on the CPU while worker/cpu_ops.py has the gemm family native:
-    against oneDNN's packed weights (torch's private mkldnn ops, no longer used) it was
-    1.05-1.7x faster per call at 1-512 rows on the "small" model's shapes, and it keeps
+    against oneDNN's packed weights (torch's private mkldnn ops, which noria does not use) it
+    is 1.05-1.7x faster per call at 1-512 rows on the "small" model's shapes, and it keeps
     no state per row count. The plain weight stays: it serves everything off the CPU.
     """
     if gemm_kernels.usable(weight):

@@ -2,7 +2,7 @@
 
 All communication goes through `torch.distributed` (gloo on the CPU, NCCL on
 CUDA). With one rank there is no process group and every collective is a no-op,
-so the single-rank path runs exactly the code it ran before.
+so the single-rank path runs exactly the code it would run without tensor parallelism.
 """
 
 from __future__ import annotations
