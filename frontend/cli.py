@@ -9,6 +9,7 @@ import typing
 from typing import Any
 
 from noria.frontend.api_key import add_api_key_args, resolve_api_key
+from noria.protocol import logs
 from noria.protocol.config import (
     RESTART_WINDOW,
     BlockSize,
@@ -147,6 +148,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 1 if bridge_failed.is_set() else rc
 
 
+def add_verbose_arg(ap: argparse.ArgumentParser) -> None:
+    """Marks a one-shot command: warnings and its final error line only, unless -v."""
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="show every process's log (time-stamped, from INFO up) instead of warnings only")
+    ap.set_defaults(one_shot=True)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from noria.frontend.llm import LLM
     from noria.protocol.sampling import SamplingParams
@@ -211,6 +219,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(g)
+    add_verbose_arg(g)
     g.set_defaults(fn=cmd_generate)
 
     br = sub.add_parser("bridge", help="HTTP/websocket/OpenAI server in front of a running engine's ZMQ API")
@@ -237,7 +246,10 @@ def parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
 
 def run(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if getattr(args, "one_shot", False):
+        logs.setup(logs.SERVICE if args.verbose else logs.BRIEF, logging.INFO)
+    else:
+        logs.setup(logs.SERVICE, logging.WARNING)
     try:
         return int(args.fn(args))
     except (ValueError, TypeError, FileNotFoundError) as e:

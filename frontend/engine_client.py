@@ -28,6 +28,9 @@ from noria.protocol.engine import (
 from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.sockets import MAX_ENGINE_MESSAGE, make_socket
 
+# How long a failed start-up waits, once a child has exited, for the scheduler to say why.
+DEAD_REASON_GRACE = 2.0
+
 
 class EngineClient:
     def __init__(self, config: EngineConfig, addrs: EngineAddresses | None = None,
@@ -59,7 +62,10 @@ class EngineClient:
         while time.monotonic() < deadline:
             dead = self.procs.startup_failure() if self.procs else None
             if dead:
-                raise NoriaError(ErrorCode.ENGINE_DEAD, f"start-up failed: {dead}")
+                # The exit code says only that a process failed; the scheduler's EngineDead says
+                # why (a rank that fails tells it, then exits), and may be just behind the exit.
+                why = self._engine_dead(time.monotonic() + DEAD_REASON_GRACE)
+                raise NoriaError(ErrorCode.ENGINE_DEAD, f"start-up failed: {why or dead}")
             if self.pull.poll(200):
                 msg = self.in_codec.decode(self.pull.recv())
                 if isinstance(msg, EngineReady):
@@ -67,6 +73,14 @@ class EngineClient:
                 if isinstance(msg, EngineDead):
                     raise NoriaError(ErrorCode.ENGINE_DEAD, f"start-up failed: {msg.reason}")
         raise NoriaError(ErrorCode.ENGINE_DEAD, f"the engine did not become ready in {timeout:.0f}s")
+
+    def _engine_dead(self, until: float) -> str | None:
+        """The reason of an EngineDead that arrives before `until` (monotonic), or None."""
+        while self.pull.poll(max(0, int((until - time.monotonic()) * 1000))):
+            msg = self.in_codec.decode(self.pull.recv())
+            if isinstance(msg, EngineDead):
+                return msg.reason
+        return None
 
     def dead(self) -> str | None:
         """Why the engine is dead (its scheduler exited), or None; a worker's exit is not."""

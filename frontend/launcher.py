@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from noria.frontend.api_key import child_env
+from noria.protocol import logs
 from noria.protocol.config import RESTART_WINDOW, EngineAddresses, EngineConfig, WorkerLinkConfig
 
 log = logging.getLogger("noria.launcher")
@@ -77,9 +78,10 @@ class EngineProcesses:
         self.lock = threading.Lock()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.scheduler_argv = [sys.executable, "-m", "noria.scheduler", "--config", msgspec.json.encode(config).decode(),
-                               "--addresses", msgspec.json.encode(addrs).decode(), "--link", self.link_json]
+                               "--addresses", msgspec.json.encode(addrs).decode(), "--link", self.link_json,
+                               *logs.child_args()]
         self.worker_argv = [sys.executable, "-m", "noria.worker", "--connect", connect_address(addrs.workers),
-                            "--model", config.model, "--device", config.device]
+                            "--model", config.model, "--device", config.device, *logs.child_args()]
         if link.curve_keys:
             self.worker_argv += ["--curve-keys", link.curve_keys]
         self._start_all()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 import msgspec
 
+from noria.protocol import logs
 from noria.protocol.config import EngineAddresses, EngineConfig, WorkerLinkConfig
 from noria.protocol.lifecycle import become_child
 
@@ -18,10 +18,11 @@ def main() -> int:
     ap.add_argument("--addresses", required=True, help="EngineAddresses as JSON")
     ap.add_argument("--link", default="{}", help="WorkerLinkConfig as JSON")
     ap.add_argument("--standalone", action="store_true", help="do not exit when the parent exits")
+    ap.add_argument(logs.STYLE_FLAG, choices=logs.STYLES, default=logs.SERVICE, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not args.standalone:
         become_child()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(args.log_style)  # the style of the command that started this process
     from noria.scheduler.process import run
 
     config = msgspec.json.decode(args.config, type=EngineConfig)

@@ -5,7 +5,10 @@ the frontend's requests and the worker ROUTER with deadlines: drain requests and
 let the worker group handle registrations, heartbeats and results, plan a step when a group
 is live and none is in flight (with `async_scheduling`: while at most one is, so that the
 worker finds the next plan waiting when it finishes a step), publish the updates. Nothing
-here blocks without a timeout, so registrations and heartbeats are served while a step runs.
+here blocks without a timeout, so registrations and heartbeats are served while a step runs;
+while this thread is busy elsewhere (a large plan, a large request), the worker group's
+keeper thread beats in its place (scheduler/worker_group.py), so a slow step costs time,
+never the group.
 
 A lost worker group is not an engine death: its requests wait for recompute
 (`Scheduler.reset_after_worker_loss`) until a group is live again, and fail with
@@ -44,10 +47,16 @@ from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
 log = logging.getLogger("noria.scheduler")
 
 STATS_INTERVAL = 0.5
+ROUTER_BATCH = 1024  # worker messages handled per loop at most
 
 
 class StartupFailed(Exception):
-    pass
+    """The engine cannot start; passed on to the frontend as EngineDead. `logged`: whoever met
+    the cause (a rank, the worker group) has logged it already, so the scheduler does not."""
+
+    def __init__(self, reason: str, logged: bool = False) -> None:
+        super().__init__(reason)
+        self.logged = logged
 
 
 def bind_worker_router(ctx: zmq.Context, address: str, curve: CurveServer | None) -> zmq.Socket:
@@ -102,6 +111,7 @@ class SchedulerProcess:
     def serve(self) -> None:
         if self.ready_sent:
             self._send_ready(0, self.sched.max_model_len, self.facts.vocab_size)
+        self.group.start_keeper()
         try:
             while self.running:
                 self._poll()
@@ -115,14 +125,15 @@ class SchedulerProcess:
     def _poll(self) -> None:
         can_step = self.group.live and len(self.in_flight) < self.max_in_flight and self.sched.has_work()
         timeout = 0 if can_step else int(min(self.group.interval, STATS_INTERVAL) * 1000)
-        events = dict(self.poller.poll(timeout))
+        with self.group.lock:  # the poll reads the ROUTER's state: the keeper must not beat meanwhile
+            events = dict(self.poller.poll(timeout))
         if self.from_frontend in events:
             self._drain_frontend()
         if self.grammar_fd in events:
             self.sched.grammars_ready()
-        if self.router in events:
-            for identity, payload in drain_router(self.router, 1024):  # bounded: the frontend is never starved
-                self.group.on_message(identity, payload)
+        # Bounded, so the frontend is never starved; read even without an event, so that the
+        # ranks count as heard up to now (what arrived while this thread was busy is no silence).
+        self.group.receive(lambda: drain_router(self.router, ROUTER_BATCH), ROUTER_BATCH)
         self._handle_events()
 
     def _handle_events(self) -> None:
@@ -160,16 +171,16 @@ class SchedulerProcess:
     def _group_lost(self, reason: str, rejoining: bool = False) -> None:
         if not self.ready_sent:
             if rejoining:  # a rank too slow to hear its Welcome (a loaded host) registered again: wait for it
-                log.warning("%s; the engine keeps waiting for it", reason)
+                log.warning("the engine keeps waiting for the rank to register again")
                 return
             # A local worker that fails while the engine starts would fail again: say why now.
-            raise StartupFailed(f"worker failed during start-up: {reason}")
+            raise StartupFailed(f"worker failed during start-up: {reason}", logged=True)
         self.in_flight.clear()
         requeued = len(self.sched.running) + len(self.sched.swapped)
         self.sched.reset_after_worker_loss()
         if self.no_worker_since is None:
             self.no_worker_since = time.monotonic()
-        log.warning("worker lost (%s): %d request(s) wait for recompute", reason, requeued)
+        log.warning("%d request(s) wait for recompute", requeued)  # the worker group logged why
 
     def _tick(self) -> None:
         self.group.tick()
@@ -275,7 +286,8 @@ def run(config: EngineConfig, addrs: EngineAddresses, link: WorkerLinkConfig) ->
         proc.serve()
         return 0
     except StartupFailed as e:
-        log.error("%s", e)
+        if not e.logged:
+            log.error("%s", e)
         proc.fail(str(e))
         return 1
     finally:

@@ -5,9 +5,9 @@ any host, without that tie."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from noria.protocol import logs
 from noria.protocol.lifecycle import become_child
 from noria.worker.cli import add_worker_args, cmd_worker
 
@@ -16,10 +16,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m noria.worker")
     add_worker_args(ap)
     ap.add_argument("--standalone", action="store_true", help="do not exit when the parent exits")
+    ap.add_argument(logs.STYLE_FLAG, choices=logs.STYLES, default=logs.SERVICE, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not args.standalone:
         become_child()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(args.log_style)  # the style of the command that started this process
     return cmd_worker(args)
 
 
