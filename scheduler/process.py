@@ -5,10 +5,7 @@ the frontend's requests and the worker ROUTER with deadlines: drain requests and
 let the worker group handle registrations, heartbeats and results, plan a step when a group
 is live and none is in flight (with `async_scheduling`: while at most one is, so that the
 worker finds the next plan waiting when it finishes a step), publish the updates. Nothing
-here blocks without a timeout, so registrations and heartbeats are served while a step runs;
-while this thread is busy elsewhere (a large plan, a large request), the worker group's
-keeper thread beats in its place (scheduler/worker_group.py), so a slow step costs time,
-never the group.
+here blocks without a timeout, so registrations and heartbeats are served while a step runs.
 
 A lost worker group is not an engine death: its requests wait for recompute
 (`Scheduler.reset_after_worker_loss`) until a group is live again, and fail with
@@ -47,7 +44,6 @@ from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
 log = logging.getLogger("noria.scheduler")
 
 STATS_INTERVAL = 0.5
-ROUTER_BATCH = 1024  # worker messages handled per loop at most
 
 
 class StartupFailed(Exception):
@@ -97,9 +93,8 @@ class SchedulerProcess:
         self.max_in_flight = 2 if config.async_scheduling else 1
         self.was_busy = False
         self.started = time.monotonic()
-        # Local workers start with the engine: its READY waits for them and carries their KV
-        # capacity. With remote workers only, the engine is READY at once (config.json gives
-        # the length and vocabulary) and requests wait for a worker.
+        # Local workers start with the engine: its READY waits for them, as before. With
+        # remote workers only, the engine is READY at once and requests wait for a worker.
         self.ready_sent = link.local_workers(config.tensor_parallel_size) == 0
         self.no_worker_since: float | None = self.started if self.ready_sent else None
         self.no_worker_total = 0.0
@@ -111,7 +106,6 @@ class SchedulerProcess:
     def serve(self) -> None:
         if self.ready_sent:
             self._send_ready(0, self.sched.max_model_len, self.facts.vocab_size)
-        self.group.start_keeper()
         try:
             while self.running:
                 self._poll()
@@ -125,15 +119,14 @@ class SchedulerProcess:
     def _poll(self) -> None:
         can_step = self.group.live and len(self.in_flight) < self.max_in_flight and self.sched.has_work()
         timeout = 0 if can_step else int(min(self.group.interval, STATS_INTERVAL) * 1000)
-        with self.group.lock:  # the poll reads the ROUTER's state: the keeper must not beat meanwhile
-            events = dict(self.poller.poll(timeout))
+        events = dict(self.poller.poll(timeout))
         if self.from_frontend in events:
             self._drain_frontend()
         if self.grammar_fd in events:
             self.sched.grammars_ready()
-        # Bounded, so the frontend is never starved; read even without an event, so that the
-        # ranks count as heard up to now (what arrived while this thread was busy is no silence).
-        self.group.receive(lambda: drain_router(self.router, ROUTER_BATCH), ROUTER_BATCH)
+        if self.router in events:
+            for identity, payload in drain_router(self.router, 1024):  # bounded: the frontend is never starved
+                self.group.on_message(identity, payload)
         self._handle_events()
 
     def _handle_events(self) -> None:
