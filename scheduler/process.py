@@ -93,8 +93,9 @@ class SchedulerProcess:
         self.max_in_flight = 2 if config.async_scheduling else 1
         self.was_busy = False
         self.started = time.monotonic()
-        # Local workers start with the engine: its READY waits for them, as before. With
-        # remote workers only, the engine is READY at once and requests wait for a worker.
+        # Local workers start with the engine: its READY waits for them and carries their KV
+        # capacity. With remote workers only, the engine is READY at once (config.json gives
+        # the length and vocabulary) and requests wait for a worker.
         self.ready_sent = link.local_workers(config.tensor_parallel_size) == 0
         self.no_worker_since: float | None = self.started if self.ready_sent else None
         self.no_worker_total = 0.0
