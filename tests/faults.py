@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,27 @@ class Stream:
     error: str | None = None  # the error code, if it ended with one
     finals: int = 1
     late: int = 0  # messages that came after the final one (must be 0)
+
+
+class Tripwire(list[int]):
+    """A delta count kept as the stream helpers keep theirs (`progress[0] += 1`) that runs each
+    `(mark, action)` on the counting thread, the moment the count reaches `mark`: a fault
+    injected there lands after exactly that many deltas reached the client, however slow the
+    machine (a thread polling the count may wake hundreds of deltas late, or after the load).
+    An action that returns False is not done yet and is tried again at the next delta."""
+
+    def __init__(self, *actions: tuple[int, Callable[[], bool | None]]) -> None:
+        super().__init__([0])
+        self.actions = sorted(actions, key=lambda a: a[0])
+        self.fired: list[int] = []  # the count at which each action was done
+
+    def __setitem__(self, index, value):  # noqa: ANN001 - list's own overloads
+        super().__setitem__(index, value)
+        while self.actions and self[0] >= self.actions[0][0]:
+            if self.actions[0][1]() is False:
+                return
+            self.actions.pop(0)
+            self.fired.append(self[0])
 
 
 def children_named(server_pid: int, marker: bytes) -> list[int]:

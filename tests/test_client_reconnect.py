@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -15,10 +15,33 @@ import zmq
 
 from noria import Client, NoriaError, SamplingParams
 from noria.protocol.sockets import free_tcp_port
-from tests.procs import alive, children_of, serve_http, wait_ready
+from tests.procs import children_of, serve_http, wait_gone, wait_ready
+from tests.workers import wait_for
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 ENGINE_ARGS = ("--num-kv-blocks", "128", "--max-model-len", "256")
+HANG = 60.0  # s: a call still waiting this long hangs (a slow machine answers in a few)
+
+
+def _bounded(fn: Callable[[], object]) -> object:
+    """`fn()` on a thread: its result, or its exception raised here; fails if it is still
+    running after HANG seconds. The calls under test wait with no timeout of their own."""
+    out: list[tuple[bool, object]] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller as it was
+            out.append((False, e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(HANG)
+    assert out, f"still waiting after {HANG}s: the call hangs"
+    ok, value = out[0]
+    if not ok:
+        raise value  # type: ignore[misc]
+    return value
 
 
 def _start(port: int) -> subprocess.Popen:
@@ -39,34 +62,27 @@ def test_engine_gone_fails_fast_then_the_client_reconnects(demo_path):
             next(stream)
             first.send_signal(signal.SIGKILL)
             first.wait()
-            t0 = time.monotonic()
+            # The dropped connection fails the stream, not the heartbeat's silence (seconds later).
             with pytest.raises(NoriaError) as lost:
-                for _ in stream:
-                    pass
+                _bounded(lambda: [None for _ in stream])
             assert lost.value.code == "engine_unreachable" and address in lost.value.message
-            assert time.monotonic() - t0 < 5, "a vanished engine must not hang the caller"
+            assert "lost the connection" in lost.value.message, lost.value.message
 
-            t0 = time.monotonic()
+            # Known down: a new request fails before it is sent, not after a heartbeat's wait.
             with pytest.raises(NoriaError) as down:
-                c.generate("while down", GREEDY)
-            assert down.value.code == "engine_unreachable" and time.monotonic() - t0 < 1
+                _bounded(lambda: c.generate("while down", GREEDY))
+            assert down.value.code == "engine_unreachable" and "retrying in the background" in down.value.message
             assert not c.connected
 
             # The same client, untouched, works again once a server is back on the address.
             with serve_http(*ENGINE_ARGS, zmq_port=port, wait_bridge=False):
-                deadline = time.monotonic() + 30
-                while not c.connected and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                assert c.connected
+                wait_for("the client to reconnect", lambda: c.connected, HANG)
                 assert len(c.generate("after", GREEDY).outputs[0].token_ids) == 8
     finally:
         if first.poll() is None:
             first.kill()
             first.wait()
-    deadline = time.monotonic() + 10
-    while any(alive(k) for k in kids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(k) for k in kids), "engine or bridge processes outlived a killed server"
+    assert not wait_gone(kids, HANG), "engine or bridge processes outlived a killed server"
 
 
 def test_a_silent_server_is_detected_by_the_heartbeat():
@@ -85,11 +101,9 @@ def test_a_silent_server_is_detected_by_the_heartbeat():
     t.start()
     try:
         with Client(f"tcp://127.0.0.1:{port}", timeout=None, heartbeat_interval=0.2, heartbeat_timeout=1.0) as c:
-            t0 = time.monotonic()
             with pytest.raises(NoriaError) as e:
-                c.generate("anyone?", GREEDY)
+                _bounded(lambda: c.generate("anyone?", GREEDY))
             assert e.value.code == "engine_unreachable" and "no answer" in e.value.message
-            assert time.monotonic() - t0 < 5
     finally:
         stop.set()
         t.join()
@@ -103,32 +117,36 @@ def test_a_server_that_answers_late_is_reconnected_to():
     address = f"tcp://127.0.0.1:{port}"
     ctx = zmq.Context()
     ready = {"type": "ready", "protocol_version": 1, "model": "fake", "max_model_len": 64, "vocab_size": 10}
-    with Client(address, timeout=10, heartbeat_interval=0.2, heartbeat_timeout=0.5) as c:
+    with Client(address, timeout=HANG, heartbeat_interval=0.2, heartbeat_timeout=0.5) as c:
         # Nobody answers: the heartbeat declares the engine unreachable, which fails the request
-        # well before its own 10 s timeout ...
-        t0 = time.monotonic()
+        # (engine_unreachable, not its own timeout's `timeout`) ...
         with pytest.raises(NoriaError) as e:
             c.generate("anyone?", GREEDY)
         assert e.value.code == "engine_unreachable" and "no answer" in e.value.message
-        assert time.monotonic() - t0 < 5 and not c.connected
-        # ... and from then on new requests fail at once, until the server answers.
-        t0 = time.monotonic()
-        with pytest.raises(NoriaError, match="retrying") as e:
+        assert not c.connected
+        # ... and from then on new requests fail before they are sent, until the server answers.
+        with pytest.raises(NoriaError, match="retrying in the background") as e:
             c.generate("still nobody?", GREEDY)
-        assert e.value.code == "engine_unreachable" and time.monotonic() - t0 < 1
+        assert e.value.code == "engine_unreachable"
         router = ctx.socket(zmq.ROUTER)
         router.bind(address)
+        stop = threading.Event()
 
         def answer() -> None:
-            while router.poll(3000):
+            while not stop.is_set():
+                if not router.poll(50):
+                    continue
                 ident, payload = router.recv_multipart()
                 if msgspec.msgpack.decode(payload)["type"] == "hello":
                     router.send_multipart([ident, msgspec.msgpack.encode(ready)])
 
         t = threading.Thread(target=answer, daemon=True)
         t.start()
-        assert c.hello().model == "fake"
-        assert c.connected
-    t.join()
+        try:
+            assert c.hello().model == "fake"
+            assert c.connected
+        finally:
+            stop.set()
+            t.join()
     router.close(0)
     ctx.term()

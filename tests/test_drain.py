@@ -30,7 +30,7 @@ import websockets
 from noria import Client, NoriaError, SamplingParams
 from noria.frontend.local_server import LocalServer
 from noria.protocol.sockets import free_tcp_port
-from tests.faults import kill_named, mixed_load, ws_message
+from tests.faults import children_named, mixed_load, ws_message
 from tests.procs import children_of, serve_http, wait_gone
 from tests.workers import health, stats, wait_for
 
@@ -81,50 +81,89 @@ def _refused_everywhere(address: str, http: str) -> None:
     assert (m["type"], m["request_id"], m["code"]) == ("error", "late", "shutting_down")
 
 
-def test_requests_still_open_at_the_drain_timeout_end_with_one_error_each(demo_path):
-    drain = 4.0
+def _workerless(log, drain: float) -> tuple[LocalServer, list[int]]:
+    """A server with no worker at all (its requests wait), up with its bridge."""
     worker_port = free_tcp_port()
     server = LocalServer("--num-local-workers", "0", "--worker-listen", f"tcp://127.0.0.1:{worker_port}",
-                         "--drain-timeout", str(drain))
-    try:
-        server.wait()
-        kids = children_of(server.proc.pid)
-        wait_for("the bridge", lambda: _bridge_answers(server.http), 60)
-        prompts = [f"waiting {i}" for i in range(6)]  # no worker: they wait until the drain deadline
-        load, got = _in_background(mixed_load, server.address, server.http, prompts, [PARAMS] * 6)
-        wait_for("6 open requests", lambda: stats(server.address).num_open_requests == 6, 30)
-
-        t0 = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
-        wait_for("draining", lambda: health(server.http)[1].get("reason") == "draining", 10)
-        _refused_everywhere(server.address, server.http)
-        load.join(60)
-
-        (streams,) = got
-        assert [(s.kind, s.error, s.finals, s.late, s.token_ids) for s in streams] == [
-            (kind, "shutting_down", 1, 0, []) for kind in ("zmq", "sse", "ws") * 2]
-        assert server.proc.wait(30) == 0
-        assert time.monotonic() - t0 >= drain - 0.5, "the open requests were ended before the drain timeout"
-        assert not wait_gone(kids), "orphan processes after the drain"
-    finally:
-        server.stop()
+                         "--drain-timeout", str(drain), log=log)
+    server.wait()
+    kids = children_of(server.proc.pid)
+    wait_for("the bridge", lambda: _bridge_answers(server.http), 60)
+    return server, kids
 
 
-def test_sigterm_lets_in_flight_requests_finish(demo_path):
+def test_requests_still_open_at_the_drain_timeout_end_with_one_error_each(demo_path, tmp_path):
+    drain = 4.0
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        server, kids = _workerless(log, drain)
+        try:
+            prompts = [f"waiting {i}" for i in range(6)]  # no worker: they wait until the drain deadline
+            load, got = _in_background(mixed_load, server.address, server.http, prompts, [PARAMS] * 6)
+            wait_for("6 open requests", lambda: stats(server.address).num_open_requests == 6, 60)
+
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            load.join(120)
+            assert not load.is_alive(), "the open requests outlived the drain deadline"
+
+            (streams,) = got
+            assert [(s.kind, s.error, s.finals, s.late, s.token_ids) for s in streams] == [
+                (kind, "shutting_down", 1, 0, []) for kind in ("zmq", "sse", "ws") * 2]
+            assert server.proc.wait(60) == 0
+            # Not before the deadline (a slower machine only makes this later).
+            assert time.monotonic() - t0 >= drain - 0.5, "the open requests were ended before the drain timeout"
+            assert not wait_gone(kids), "orphan processes after the drain"
+        finally:
+            server.stop()
+    text = log_path.read_text(errors="replace")
+    assert "draining: 6 open request(s) may finish for 4s" in text
+    assert "drain deadline: 6 request(s) ended with shutting_down" in text
+
+
+def test_a_draining_server_refuses_new_requests_and_keeps_the_open_ones(demo_path, tmp_path):
+    """The refusals are checked while the drain lasts: a drain timeout no run reaches, ended
+    by Ctrl-C once they are seen (its open requests then end with one error each)."""
+    with open(tmp_path / "serve.log", "wb") as log:
+        server, kids = _workerless(log, 3600)
+        try:
+            prompts = [f"waiting {i}" for i in range(3)]
+            load, got = _in_background(mixed_load, server.address, server.http, prompts, [PARAMS] * 3)
+            wait_for("3 open requests", lambda: stats(server.address).num_open_requests == 3, 60)
+            server.proc.send_signal(signal.SIGTERM)
+            wait_for("draining", lambda: health(server.http)[1].get("reason") == "draining", 60)
+            _refused_everywhere(server.address, server.http)
+            assert stats(server.address).num_open_requests == 3, "the drain ended requests it should keep"
+            assert load.is_alive()
+
+            server.proc.send_signal(signal.SIGINT)
+            load.join(120)
+            assert not load.is_alive(), "Ctrl-C did not end the drain"
+            (streams,) = got
+            assert [(s.kind, s.error, s.finals, s.late, s.token_ids) for s in streams] == [
+                (kind, "shutting_down", 1, 0, []) for kind in ("zmq", "sse", "ws")]
+            assert server.proc.wait(60) == 0
+            assert not wait_gone(kids), "orphan processes after the drain"
+        finally:
+            server.stop()
+
+
+def test_sigterm_lets_in_flight_requests_finish(demo_path, tmp_path):
     prompts = [f"Request {i} asks the water wheel" for i in range(6)]
     params = [msgspec.structs.replace(PARAMS, max_tokens=400)] * 6  # long enough for all six to be open at once
-    with serve_http("--num-kv-blocks", "256", "--max-num-seqs", "3") as served:
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as err, serve_http("--num-kv-blocks", "256", "--max-num-seqs", "3", stderr=err) as served:
         calm = mixed_load(served.address, served.http, prompts, params)
-        progress: list[int] = [0]
-        load, got = _in_background(mixed_load, served.address, served.http, prompts, params, progress)
+        load, got = _in_background(mixed_load, served.address, served.http, prompts, params)
         wait_for("6 open requests", lambda: stats(served.address).num_open_requests == 6, 60)
-        at_term = progress[0]
         served.proc.send_signal(signal.SIGTERM)
-        load.join(120)
+        load.join(300)
+        assert not load.is_alive(), "the drained requests did not finish"
         assert served.proc.wait(60) == 0
 
         (streams,) = got
-        assert at_term < 6 * 400 // 2, "most of the work must be left to drain"
+        # The server's own count: the drain began with all six open, so each finished in it.
+        assert "draining: 6 open request(s) may finish" in log_path.read_text(), "the work must be left to drain"
         assert [(s.error, s.finals, s.late, s.finish_reason) for s in streams] == [(None, 1, 0, "length")] * 6
         assert [s.text for s in streams] == [s.text for s in calm]
         assert [s.token_ids for s in streams] == [s.token_ids for s in calm]
@@ -158,16 +197,16 @@ def test_a_signal_to_the_process_group_drains_and_restarts_nothing(demo_path, tm
     are not in it, so SIGTERM lets the streams finish and Ctrl-C ends them with one error each."""
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "60", log=log, new_session=True)
+        # A drain timeout no run reaches: a Ctrl-C that waited it out would hang past the bounds below.
+        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "3600", log=log, new_session=True)
         try:
             server.wait(http=True)
             kids = children_of(server.proc.pid)
             load, got = _start_load(server, msgspec.structs.replace(PARAMS, max_tokens=500))
-            t0 = time.monotonic()
             os.killpg(server.proc.pid, sig)
-            load.join(120)
+            load.join(300)
+            assert not load.is_alive(), "the streams did not end"
             assert server.proc.wait(60) == 0
-            elapsed = time.monotonic() - t0
         finally:
             server.stop()
     (streams,) = got
@@ -176,7 +215,6 @@ def test_a_signal_to_the_process_group_drains_and_restarts_nothing(demo_path, tm
         assert [len(s.token_ids) for s in streams if s.kind != "sse"] == [500, 500]
     else:
         assert _one_final_each(streams) == [(k, "shutting_down", 1, 0, True) for k in ("zmq", "sse", "ws")]
-        assert elapsed < 30, f"Ctrl-C took {elapsed:.1f}s"
     assert not _quiet_log(log_path)
     assert not wait_gone(kids), "orphan processes after the drain"
 
@@ -187,47 +225,47 @@ def test_sigterm_to_every_process_ends_the_drain_at_once(demo_path, tmp_path):
     server exits 0 long before its drain timeout."""
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "60", log=log, new_session=True)
+        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "3600", log=log, new_session=True)
         try:
             server.wait(http=True)
             kids = children_of(server.proc.pid)
             assert len(kids) == 3  # scheduler, worker rank 0, bridge
             load, got = _start_load(server, LONG)
-            t0 = time.monotonic()
             for pid in [server.proc.pid, *kids]:  # the server first, as systemd does
                 os.kill(pid, signal.SIGTERM)
-            load.join(60)
+            load.join(120)
             assert server.proc.wait(60) == 0
-            elapsed = time.monotonic() - t0
         finally:
             server.stop()
-    _ended_at_once(got, elapsed, log_path, kids)
+    _ended_at_once(load, got, log_path, kids)
 
 
 def test_a_worker_that_dies_while_the_server_drains_is_not_restarted(demo_path, tmp_path):
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "60", log=log)
+        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "3600", log=log)
         try:
             server.wait(http=True)
             kids = children_of(server.proc.pid)
             load, got = _start_load(server, LONG)
+            # The worker stops before the drain begins, so the streams are still open when it dies.
+            (worker,) = children_named(server.proc.pid, b"noria.worker")
+            os.kill(worker, signal.SIGSTOP)
             server.proc.send_signal(signal.SIGTERM)
-            wait_for("draining", lambda: health(server.http)[1].get("reason") == "draining", 10)
-            t0 = time.monotonic()
-            kill_named(server.proc.pid, b"noria.worker")
-            load.join(60)
+            wait_for("draining", lambda: health(server.http)[1].get("reason") == "draining", 60)
+            os.kill(worker, signal.SIGKILL)
+            load.join(120)
             assert server.proc.wait(60) == 0
-            elapsed = time.monotonic() - t0
         finally:
             server.stop()
-    _ended_at_once(got, elapsed, log_path, kids)
+    _ended_at_once(load, got, log_path, kids)
 
 
-def _ended_at_once(got: list, elapsed: float, log_path, kids: list[int]) -> None:
-    """Nothing could finish the open requests: each ended at once with one `shutting_down`."""
+def _ended_at_once(load: threading.Thread, got: list, log_path, kids: list[int]) -> None:
+    """Nothing could finish the open requests: each ended with one `shutting_down`, and the
+    server did not wait out its drain timeout (no run reaches it: the bounds above would fail)."""
+    assert not load.is_alive(), "the server waited for requests nothing could finish"
     (streams,) = got
     assert _one_final_each(streams) == [(k, "shutting_down", 1, 0, True) for k in ("zmq", "sse", "ws")]
-    assert elapsed < 20, f"the server waited {elapsed:.1f}s for requests nothing could finish"
     assert not _quiet_log(log_path)
     assert not wait_gone(kids), "orphan processes after the drain"

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
+from collections.abc import Callable
 
 import pytest
 
 from noria import Client, NoriaError, SamplingParams
 from noria.frontend.processor import load_tokenizer
+from tests.faults import Tripwire, children_named
 from tests.procs import engine_idle, serve_http, wait_metrics
 from tests.workers import health, local_workers, stats, stream_all, wait_for, wait_stats
 
@@ -26,21 +27,19 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 FLAGS = ("--num-kv-blocks", "16", "--max-num-seqs", "32", "--max-model-len", "256")
 
 
-def _kill_during(address: str, server_pid: int, progress: list[int], marks: list[int],
-                 killed: list[int]) -> threading.Thread:
-    """SIGKILL the worker each time the streams' delta count passes a mark; each later kill
-    waits for a new worker to have produced deltas first (so it is a second restart)."""
+def _worker_killer(server_pid: int, killed: list[int]) -> Callable[[], bool]:
+    """SIGKILL a live worker not killed before; not done (False) while there is none: a later
+    kill waits for the new worker, whose deltas then make the count (so it is a second restart)."""
 
-    def run() -> None:
-        for mark in marks:
-            wait_for(f"{mark} deltas", lambda m=mark: progress[0] >= m, 120)
-            pid = wait_for("a live worker", lambda: [p for p in local_workers(server_pid) if p not in killed], 60)[0]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
+    def kill() -> bool:
+        live = [p for p in children_named(server_pid, b"noria.worker") if p not in killed]
+        if not live:
+            return False
+        os.kill(live[0], signal.SIGKILL)
+        killed.append(live[0])
+        return True
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    return kill
 
 
 def test_sigkilled_worker_under_load_loses_nothing(demo_path):
@@ -51,11 +50,12 @@ def test_sigkilled_worker_under_load_loses_nothing(demo_path):
         assert before.num_preemptions > 0, "the workload must preempt for this test to mean anything"
         assert all(len(s.token_ids) == GREEDY.max_tokens for s in calm)
 
-        progress, killed = [0], []
+        killed: list[int] = []
         total = len(PROMPTS) * GREEDY.max_tokens
-        killer = _kill_during(served.address, served.proc.pid, progress, [total // 5, total // 2], killed)
+        # Each kill lands on the delta that passes its mark, from the thread that counts it.
+        kill = _worker_killer(served.proc.pid, killed)
+        progress = Tripwire((total // 5, kill), (total // 2, kill))
         hurt = asyncio.run(stream_all(served.address, PROMPTS, GREEDY, progress))
-        killer.join(5)
         assert len(killed) == 2, f"the worker was killed {len(killed)} time(s), not twice"
 
         assert [s.finish_reason for s in hurt] == ["length"] * len(PROMPTS)
@@ -82,8 +82,8 @@ def test_a_worker_past_its_restart_bound_stays_down_and_requests_fail_cleanly(de
     with serve_http(*flags) as served:
         (worker,) = local_workers(served.proc.pid)
         os.kill(worker, signal.SIGKILL)
-        wait_for("/health 503", lambda: health(served.http)[0] == 503, 10)
-        with Client(served.address, timeout=30) as c, pytest.raises(NoriaError) as e:
+        wait_for("/health 503", lambda: health(served.http)[0] == 503, 60)
+        with Client(served.address, timeout=60) as c, pytest.raises(NoriaError) as e:
             c.generate("still there?", GREEDY)
         assert e.value.code == "engine_unavailable"
         assert local_workers(served.proc.pid) == [], "the worker was restarted past --max-worker-restarts 0"

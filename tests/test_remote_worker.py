@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import msgspec
@@ -48,14 +47,13 @@ def _generate(address: str) -> list[list[int]]:
         return [c.generate(p, GREEDY).outputs[0].token_ids for p in PROMPTS]
 
 
-def _unavailable_within(address: str, seconds: float) -> float:
-    t0 = time.monotonic()
-    with Client(address, timeout=60) as c, pytest.raises(NoriaError) as e:
+def _unavailable(address: str) -> None:
+    """A request with no worker ends with `engine_unavailable`: one still waiting when
+    --worker-wait runs out, or one refused on arrival after it. One left waiting for good
+    would end with the client's own `timeout` instead."""
+    with Client(address, timeout=120) as c, pytest.raises(NoriaError) as e:
         c.generate("anyone there?", GREEDY)
     assert e.value.code == "engine_unavailable" and "no worker" in e.value.message
-    elapsed = time.monotonic() - t0
-    assert elapsed < seconds, f"engine_unavailable came after {elapsed:.1f}s"
-    return elapsed
 
 
 def _wait_healthy(http: str) -> None:
@@ -63,13 +61,14 @@ def _wait_healthy(http: str) -> None:
 
 
 def test_serve_comes_up_without_a_worker_and_says_why(remote):
-    served, link, _ = remote
+    served, link, log = remote
     status, body = health(served.http)
     assert status == 503 and body["status"] == "unavailable"
     assert "no worker" in body["reason"] and link in body["reason"]
-    # Up for less than --worker-wait: the request waits, then fails; past it: at once.
-    _unavailable_within(served.address, WORKER_WAIT + 5)
-    assert _unavailable_within(served.address, 2) < 2
+    # Up for less than --worker-wait: the request waits, then fails; past it: refused on arrival.
+    _unavailable(served.address)
+    wait_for("the scheduler's log of the waiting requests failed", lambda: "no worker for" in log.read_text(), 60)
+    _unavailable(served.address)
 
 
 def test_a_remote_worker_serves_dies_and_a_later_one_brings_it_back(remote, demo_path):
@@ -82,9 +81,9 @@ def test_a_remote_worker_serves_dies_and_a_later_one_brings_it_back(remote, demo
         assert _generate(served.address) == local
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
-        wait_for("/health 503", lambda: health(served.http)[0] == 503, 10)
+        wait_for("/health 503", lambda: health(served.http)[0] == 503, 60)
         assert "connection to worker rank 0" in health(served.http)[1]["reason"]
-        _unavailable_within(served.address, WORKER_WAIT + 5)
+        _unavailable(served.address)
         worker = start_worker(link)
         _wait_healthy(served.http)
         assert _generate(served.address) == local
@@ -106,7 +105,7 @@ def test_a_worker_with_another_model_is_refused_on_both_sides(remote, demo_path,
     assert worker.returncode == 1
     assert "refused rank 0" in out and "config.json differs" in out
     wait_for("the scheduler's log of the refusal",
-             lambda: "refused worker rank 0" in log.read_text() and "config.json differs" in log.read_text(), 10)
+             lambda: "refused worker rank 0" in log.read_text() and "config.json differs" in log.read_text(), 60)
 
 
 def test_a_worker_of_another_protocol_version_is_refused_on_both_sides(remote):
@@ -123,15 +122,13 @@ def test_a_worker_of_another_protocol_version_is_refused_on_both_sides(remote):
         ctx.term()
     assert isinstance(refused, Refused) and f"worker protocol version 999 != {WORKER_PROTOCOL_VERSION}" in refused.reason
     wait_for("the scheduler's log of the refusal",
-             lambda: "refused worker rank 0 (elsewhere pid 4242): worker protocol version 999" in log.read_text(), 10)
+             lambda: "refused worker rank 0 (elsewhere pid 4242): worker protocol version 999" in log.read_text(), 60)
 
 
 def test_a_worker_without_a_scheduler_gives_up(tmp_path: Path):
-    t0 = time.monotonic()
     worker = start_worker(f"tcp://127.0.0.1:{free_tcp_port()}", "--scheduler-wait", "2")
-    out, _ = worker.communicate(timeout=60)
+    out, _ = worker.communicate(timeout=120)  # one that never gave up would hang here
     assert worker.returncode == 1 and "no scheduler answered" in out
-    assert time.monotonic() - t0 < 30
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "*"])
