@@ -346,7 +346,7 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> tuple[dict[str,
                     probed = run(name, tag, runs["noria-llm"][-1] if name == "ceiling" else None)
         # After the last run too (if it was not a recorded one, just probed): the peak is the best of
         # the probes (Machine.best), and on a host whose speed drifts a single probe at the start
-        # under-reads it as often as not (session 9: a probe of 106 GFLOP/s, then prefill steps of
+        # under-reads it as often as not (2026-11-23: a probe of 106 GFLOP/s, then prefill steps of
         # the same job at 122).
         if not probed:
             measure()

@@ -70,6 +70,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    set_process_env()  # the doctor runs kernels under torch in this process, as a worker would
     from noria.worker.doctor import cmd_doctor
 
     return cmd_doctor(args)

@@ -14,8 +14,8 @@ import msgspec
 import torch
 
 from noria.kernels.instances import AttentionConfig, all_configs, decode_module, prefill_module
+from noria.protocol import switches
 from noria.protocol.doctor import GenerationProbe, GenerationRun
-from noria.worker.attention_select import EMULATED_KERNELS_ENV
 
 if TYPE_CHECKING:
     from noria.worker.doctor import Report
@@ -142,9 +142,9 @@ def _generate(flags: dict[str, Any], max_tokens: int) -> tuple[list[tuple[list[i
     engine = {k: v for k, v in flags.items() if k != "emulated"}
     engine.setdefault("num_kv_blocks", 64)
     probe = GenerationProbe(prompts=prompts, max_tokens=max_tokens, engine=engine)
-    env = {k: v for k, v in os.environ.items() if k != EMULATED_KERNELS_ENV}
+    env = {k: v for k, v in os.environ.items() if k != switches.EMULATED_KERNELS}
     if flags.get("emulated"):
-        env[EMULATED_KERNELS_ENV] = "1"
+        env[switches.EMULATED_KERNELS] = "1"
     with tempfile.TemporaryDirectory(prefix="noria-doctor-") as tmp:
         out = Path(tmp) / "run.json"
         # stdout stays the doctor's report: the child's (and its engine's) output goes to stderr.
