@@ -210,7 +210,8 @@ def test_playground_streams_and_stops_in_a_browser(served, tmp_path):
             page.wait_for_function("document.querySelector('#status').textContent.startsWith('abort')", timeout=30_000)
             assert page.is_enabled("#send") and not page.is_enabled("#stop")
             stopped = page.text_content("#output")
-            page.wait_for_timeout(500)
+            # Once the engine has let go of the request nothing more can come for it.
+            assert engine_idle(wait_metrics(served.http, engine_idle))
             assert page.text_content("#output") == stopped, "text kept coming after stop"
             page.screenshot(path=str(tmp_path / "playground.png"))
 

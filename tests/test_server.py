@@ -155,10 +155,9 @@ def test_children_exit_when_the_server_is_killed(demo_path):
     import signal
     import subprocess
     import sys
-    import time
 
     from noria.protocol.sockets import free_tcp_port
-    from tests.procs import alive, children_of, wait_ready
+    from tests.procs import children_of, wait_gone, wait_ready
 
     port = free_tcp_port()
     proc = subprocess.Popen([sys.executable, "-m", "noria.frontend.cli", "serve", "--zmq-port", str(port),
@@ -171,14 +170,12 @@ def test_children_exit_when_the_server_is_killed(demo_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    deadline = time.monotonic() + 10
-    while any(alive(k) for k in kids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(k) for k in kids), "engine processes outlived a killed server"
+    assert not wait_gone(kids, 60), "engine processes outlived a killed server"  # 60 s: only a hang
 
 
-def _poll_stats(address: str, ok, timeout: float = 10.0):
-    """Ask for stats until `ok(stats)` holds; returns the last answer either way."""
+def _poll_stats(address: str, ok, timeout: float = 60.0):
+    """Ask for stats until `ok(stats)` holds; returns the last answer either way (the
+    deadline only bounds a hang)."""
     import time
 
     deadline = time.monotonic() + timeout

@@ -18,6 +18,7 @@ from noria import LLM, Client, SamplingParams
 from noria.protocol.security import generate_keys
 from noria.protocol.sockets import free_tcp_port
 from tests import netns
+from tests.faults import Tripwire
 from tests.procs import serve_http
 from tests.test_engine_parity import _with_tokenizer
 from tests.test_remote_worker import ENGINE
@@ -80,16 +81,16 @@ def test_a_worker_on_host_b_serves_with_the_local_engines_output(cluster, hosts,
 def test_a_cut_network_loses_the_worker_and_mending_it_brings_it_back(cluster, hosts, local_outputs):
     served, *_ = cluster
     wait_for("/health 200", lambda: health(served.http)[0] == 200, 90)
-    deltas = [0]
+    # The cut lands on the 8th delta, from the thread that counts it: the requests are mid-way.
+    deltas = Tripwire((8, hosts.cut))
     during_cut: list[int] = []
 
     async def run() -> list:
         streams = asyncio.ensure_future(stream_all(served.address, PROMPTS, GREEDY, deltas))
-        await asyncio.to_thread(wait_for, "the first deltas", lambda: deltas[0] >= 8, 60)
-        hosts.cut()
         try:
+            await asyncio.to_thread(wait_for, "the cut", lambda: deltas.fired, 120)
             lost = await asyncio.to_thread(
-                wait_stats, served.address, lambda s: not s.stats.workers_live, "the worker to be lost", 8)
+                wait_stats, served.address, lambda s: not s.stats.workers_live, "the worker to be lost", 60)
             assert "silent" in lost.stats.worker_status
             during_cut.append(deltas[0])
             await asyncio.sleep(1.0)  # a window in which no delta may arrive, not a synchronisation

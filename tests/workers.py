@@ -59,11 +59,11 @@ def wait_for(what: str, ok: Callable[[], object], timeout: float) -> object:
 
 
 def stats(address: str) -> Stats:
-    with Client(address, timeout=10) as c:
+    with Client(address, timeout=60) as c:
         return c.stats()
 
 
-def wait_stats(address: str, ok: Callable[[Stats], bool], what: str, timeout: float = 30.0) -> Stats:
+def wait_stats(address: str, ok: Callable[[Stats], bool], what: str, timeout: float = 60.0) -> Stats:
     """Ask for stats until `ok` holds (published stats lag a query behind)."""
     last: list[Stats] = []
 
