@@ -5,7 +5,10 @@ the frontend's requests and the worker ROUTER with deadlines: drain requests and
 let the worker group handle registrations, heartbeats and results, plan a step when a group
 is live and none is in flight (with `async_scheduling`: while at most one is, so that the
 worker finds the next plan waiting when it finishes a step), publish the updates. Nothing
-here blocks without a timeout, so registrations and heartbeats are served while a step runs.
+here blocks without a timeout, so registrations and heartbeats are served while a step runs;
+while this thread is busy elsewhere (a large plan, a large request), the worker group's
+keeper thread beats in its place (scheduler/worker_group.py), so a slow step costs time,
+never the group.
 
 A lost worker group is not an engine death: its requests wait for recompute
 (`Scheduler.reset_after_worker_loss`) until a group is live again, and fail with
@@ -36,7 +39,7 @@ from noria.protocol.engine import (
 from noria.protocol.errors import ErrorCode
 from noria.protocol.model_identity import model_facts, model_identity
 from noria.protocol.security import CurveServer
-from noria.protocol.sockets import MAX_ENGINE_MESSAGE, drain_router, make_socket
+from noria.protocol.sockets import MAX_ENGINE_MESSAGE, make_socket
 from noria.protocol.step import StepResult
 from noria.scheduler.scheduler import Scheduler
 from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
@@ -44,6 +47,7 @@ from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
 log = logging.getLogger("noria.scheduler")
 
 STATS_INTERVAL = 0.5
+ROUTER_BATCH = 1024  # worker messages handled per loop at most
 
 
 class StartupFailed(Exception):
@@ -107,6 +111,7 @@ class SchedulerProcess:
     def serve(self) -> None:
         if self.ready_sent:
             self._send_ready(0, self.sched.max_model_len, self.facts.vocab_size)
+        self.group.start_keeper()
         try:
             while self.running:
                 self._poll()
@@ -120,14 +125,15 @@ class SchedulerProcess:
     def _poll(self) -> None:
         can_step = self.group.live and len(self.in_flight) < self.max_in_flight and self.sched.has_work()
         timeout = 0 if can_step else int(min(self.group.interval, STATS_INTERVAL) * 1000)
-        events = dict(self.poller.poll(timeout))
+        with self.group.lock:  # the poll reads the ROUTER's state: the keeper must not beat meanwhile
+            events = dict(self.poller.poll(timeout))
         if self.from_frontend in events:
             self._drain_frontend()
         if self.grammar_fd in events:
             self.sched.grammars_ready()
-        if self.router in events:
-            for identity, payload in drain_router(self.router, 1024):  # bounded: the frontend is never starved
-                self.group.on_message(identity, payload)
+        # Bounded, so the frontend is never starved; read even without an event, so that the
+        # ranks count as heard up to now (what arrived while this thread was busy is no silence).
+        self.group.receive(ROUTER_BATCH)
         self._handle_events()
 
     def _handle_events(self) -> None:

@@ -8,11 +8,21 @@ any rank loses the group (`GroupLost`): the others get `Disband` and register ag
 lost when a send to it fails (`ROUTER_MANDATORY`: its process died and the kernel closed its
 socket), when it has been silent for `worker_timeout`, or when it reports a failure. Messages
 carrying another epoch than the live group's are dropped, never applied.
+
+The scheduler's own stalls (planning a large step, taking a large request) must not cost the
+group: a keeper thread beats while the main thread is away from the ROUTER (`lock` says who
+holds the socket: zmq sockets may change threads behind a lock, never be used by two at
+once), and a rank's silence is measured up to `heard_until`, the moment up to which its
+messages have been read, not up to the clock: what waits unread in the socket while the
+main thread was busy is not silence.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,8 +107,29 @@ class WorkerGroup:
         self.last_loss: str | None = None
         self.events: list[Event] = []
         self.next_beat = 0.0
+        self.lock = threading.Lock()  # held by whoever uses `router`
+        # Every message that reached the socket before this time has been read (`receive`);
+        # inf where the caller reads messages itself (`on_message`) as they come.
+        self.heard_until = math.inf
+        self.stopping = threading.Event()
+        self.keeper: threading.Thread | None = None
 
     # ---- inbound ----------------------------------------------------------
+
+    def receive(self, limit: int) -> None:
+        """Handle the messages waiting on the ROUTER, at most `limit` (so that a busy rank never
+        starves the caller's other sockets); once the socket is empty, the ranks have been
+        heard up to now. A frame with no payload (a peer speaking another protocol) is skipped."""
+        with self.lock:
+            now = self.clock()
+            for _ in range(limit):
+                try:
+                    frames = self.router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    self.heard_until = now
+                    return
+                if len(frames) >= 2:
+                    self.on_message(frames[0], frames[1])
 
     def on_message(self, identity: bytes, payload: bytes) -> None:
         member = next((m for m in self.members.values() if m.identity == identity), None)
@@ -234,8 +265,9 @@ class WorkerGroup:
         plan.epoch = self.epoch
         payload = self.codec.encode(plan)
         self.plan_bytes += len(payload)
-        ok = self._broadcast(payload)
-        self.next_beat = self.clock() + self.interval  # a plan says "alive" as well as a beat
+        with self.lock:
+            ok = self._broadcast(payload)
+            self.next_beat = self.clock() + self.interval  # a plan says "alive" as well as a beat
         return ok
 
     def _broadcast(self, msg: msgspec.Struct | bytes) -> bool:
@@ -258,15 +290,20 @@ class WorkerGroup:
 
     def tick(self) -> None:
         """Heartbeats due, silent ranks lost, a group that never became ready lost."""
+        with self.lock:
+            self._tick()
+
+    def _tick(self) -> None:
         now = self.clock()
+        heard = min(now, self.heard_until)
         for m in list(self.members.values()):
             # A rank loading its model on a busy host can starve its link's keeper thread for seconds
             # (safetensors and weight packing hold the GIL); it gets LOADING_SILENCE timeouts,
             # still bounded by startup_timeout. A dead local rank is seen at once anyway: the
             # heartbeat's send to its closed socket fails.
             allowed = self.timeout * (LOADING_SILENCE if self.welcomed and m.ready is None else 1)
-            if now - m.last_seen > allowed:
-                self._lose(m, f"{m.name} has been silent for {now - m.last_seen:.1f}s "
+            if heard - m.last_seen > allowed:
+                self._lose(m, f"{m.name} has been silent for {heard - m.last_seen:.1f}s "
                               f"(worker timeout {allowed:g}s)")
         if self.welcomed and not self.live and now - self.welcomed_at > self.config.startup_timeout:
             slow = next(m for m in self.members.values() if m.ready is None)
@@ -285,7 +322,33 @@ class WorkerGroup:
         waiting = f"waiting for worker rank(s) {missing} to register on {self.address}"
         return f"{self.last_loss}; {waiting}" if self.last_loss else waiting
 
+    def start_keeper(self) -> None:
+        """Beat from a thread of its own whenever the main thread is away from the socket."""
+        self.keeper = threading.Thread(target=self._keep, name="scheduler-beats", daemon=True)
+        self.keeper.start()
+
+    def _keep(self) -> None:
+        while not self.stopping.wait(self.interval / 2):
+            if not self.lock.acquire(blocking=False):
+                continue  # the main thread is at the socket, and beats itself
+            try:
+                now = self.clock()
+                if now < self.next_beat or not self.members:
+                    continue
+                self.next_beat = now + self.interval
+                beat = self.codec.encode(Heartbeat(self.epoch))
+                for m in list(self.members.values()):
+                    # A failed send is left to the main thread, which meets it at its own
+                    # next send and loses the rank there (events are the main thread's).
+                    with contextlib.suppress(zmq.ZMQError):
+                        self.router.send_multipart([m.identity, beat], zmq.NOBLOCK)
+            finally:
+                self.lock.release()
+
     def shutdown(self) -> None:
+        self.stopping.set()
+        if self.keeper is not None:
+            self.keeper.join()
         for m in self.members.values():
             self._send(m.identity, WorkerShutdown())
 

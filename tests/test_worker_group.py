@@ -253,6 +253,39 @@ def test_heartbeats_go_out_and_silence_is_counted_from_the_last_word(rig):
     assert isinstance(lost, GroupLost) and "silent for 5.5s" in lost.reason
 
 
+def test_the_schedulers_own_stall_is_not_a_ranks_silence(rig):
+    d, w = join(rig)
+    rig.group.receive(64)  # nothing waiting: every rank is heard up to now
+    rig.clock.now += 6.0  # the scheduler plans a huge step and reads nothing meanwhile
+    rig.group.tick()
+    assert rig.events() == [] and rig.group.live
+    d.send(CODEC.encode(Heartbeat(w.epoch)))  # the rank's beat waited in the socket
+    wait_for("the beat to reach the ROUTER", lambda: rig.router.poll(0), 5)
+    rig.group.receive(64)
+    rig.clock.now += 4.0
+    rig.group.tick()
+    assert rig.events() == [] and rig.group.live
+    rig.clock.now += 1.5  # now it really has been silent, with the socket read empty
+    rig.group.receive(64)
+    rig.group.tick()
+    (lost,) = rig.events()
+    assert isinstance(lost, GroupLost) and "silent for 5.5s" in lost.reason
+
+
+def test_the_keeper_beats_while_the_main_thread_is_away(rig):
+    d, w = join(rig)
+    rig.group.start_keeper()
+    try:
+        for _ in range(3):  # the test's thread never touches the socket: only the keeper can beat
+            rig.clock.now += rig.group.interval
+            assert wait_for("a heartbeat from the keeper", lambda: d.poll(50), 10)
+            assert CODEC.decode(d.recv()) == Heartbeat(w.epoch)
+    finally:
+        rig.group.stopping.set()
+        assert rig.group.keeper is not None
+        rig.group.keeper.join()
+
+
 def test_a_loading_rank_may_be_silent_longer_but_not_for_ever(rig):
     d = rig.dealer()
     rig.send(d, hello())
