@@ -27,6 +27,9 @@ class EngineRequest(msgspec.Struct, array_like=True, gc=False, tag="req"):
     # as outputs (max_tokens, min_tokens, penalties, the seeded noise's position), so the
     # rest is what an undisturbed run would have produced.
     output_token_ids: list[int] = []
+    # Mixed into the key of the first prompt block: requests with different salts (or a
+    # salt and none) never share prefix-cache blocks (the client's `cache_salt`).
+    cache_salt: str | None = None
 
 
 class EngineAbort(msgspec.Struct, array_like=True, gc=False, tag="abort"):

@@ -3,6 +3,13 @@
 A block is either owned (ref_cnt > 0) or free. Free blocks sit in one ordered
 dict used as an LRU: uncached blocks at the front (taken first), freed cached
 blocks at the back, so a cached prefix survives as long as possible.
+
+A cached block is found by its key (a digest: kv_cache_manager.py) and served only
+if it holds what the asker's block would: the same tokens after the same content.
+"The same content" is a content id, given to each block whose KV is registered and
+never reused; two blocks share one only when they were computed from equal tokens
+after equal content. The check costs a compare per hit, and with it even two
+requests whose keys collide can never read each other's blocks.
 """
 
 from __future__ import annotations
@@ -14,9 +21,18 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block key -> block id
+        # Of a filled block: the id of its content (None: a private block, see `cache`),
+        # valid while the block is owned or cached.
+        self.content_id: list[int | None] = [None] * num_blocks
+        # Of a cached block: what it was computed after (its request's root for a first
+        # block, else the content id of the block before) and its token ids, packed as
+        # digested (bytes: compared at C speed, and nothing for the garbage collector).
+        self.parent: list[bytes | int | None] = [None] * num_blocks
+        self.tokens: list[bytes | None] = [None] * num_blocks
+        self._last_content_id = 0
 
     @property
     def num_free(self) -> int:
@@ -42,8 +58,12 @@ class BlockPool:
         self.ref_cnt[block] = 1
         return block
 
-    def lookup(self, block_hash: int) -> int | None:
-        return self.cached.get(block_hash)
+    def lookup(self, block_hash: bytes, parent: bytes | int | None, tokens: bytes) -> int | None:
+        """The cached block under `block_hash` if it holds `tokens` after `parent`."""
+        block = self.cached.get(block_hash)
+        if block is None or self.parent[block] != parent or self.tokens[block] != tokens:
+            return None
+        return block
 
     def touch(self, blocks: list[int]) -> None:
         """Add a reference to each block (a prefix hit or a shared fork)."""
@@ -62,20 +82,39 @@ class BlockPool:
                 if self.block_hash[block] is None:
                     self.free.move_to_end(block, last=False)
 
-    def cache(self, block: int, block_hash: int) -> None:
-        """Register a full block's contents; an existing entry for the hash wins
-        (no dedup: block tables stay append-only)."""
+    def cache(self, block: int, block_hash: bytes, parent: bytes | int | None, tokens: bytes) -> None:
+        """Register a just-filled block, which holds `tokens` after `parent` (as in
+        `lookup`), and give it its content id. An entry with the same content wins
+        (no dedup: block tables stay append-only) and lends the block its id."""
         if self.block_hash[block] is not None:
+            return  # a prefix hit: registered, with its id, already
+        if parent is None:  # after a private block: nobody can ask for this one either
+            self.content_id[block] = None
             return
-        if block_hash in self.cached:
-            return
+        existing = self.cached.get(block_hash)
+        if existing is not None:
+            if self.tokens[existing] == tokens and self.parent[existing] == parent:
+                self.content_id[block] = self.content_id[existing]
+                return
+            if self.ref_cnt[existing]:
+                # The key is taken by other content in use (a collision): this block stays
+                # private, and so do the blocks after it.
+                self.content_id[block] = None
+                return
+            self._uncache(existing)  # an idle entry for other content gives way
+            self.free.move_to_end(existing, last=False)
+        self._last_content_id += 1
+        self.content_id[block] = self._last_content_id
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
+        self.parent[block] = parent
+        self.tokens[block] = tokens
 
     def _uncache(self, block: int) -> None:
         h = self.block_hash[block]
         if h is not None:
             self.block_hash[block] = None
+            self.tokens[block] = self.parent[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
 
@@ -87,5 +126,7 @@ class BlockPool:
                 return f"block {b}: ref_cnt={self.ref_cnt[b]} free={b in self.free}"
         for h, b in self.cached.items():
             if self.block_hash[b] != h:
-                return f"cache entry {h} -> block {b} whose hash is {self.block_hash[b]}"
+                return f"cache entry {h.hex()} -> block {b} whose key is {self.block_hash[b]}"
+            if self.content_id[b] is None or self.parent[b] is None or self.tokens[b] is None:
+                return f"cached block {b} has no content id, parent or tokens"
         return None

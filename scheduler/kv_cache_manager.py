@@ -6,26 +6,52 @@ preemption decision. Exactly one place (`free`) releases a request's device
 blocks; `free_swapped` its CPU blocks. Only full blocks are ever shared (prefix
 hits, which is also how the n samples of a request share their prompt), and a
 full block is never written again, so no block ever needs a copy-on-write.
+
+Prefix-cache keys. A full block's key is the sha256 digest of its parent's key
+and its token ids (little-endian int64); the first block's "parent" is the
+request's root: a fixed root digest followed by the request's extra keys, each
+tagged with its kind and length-prefixed (`extra_key`), so that a salt and some
+other key spelled alike never meet. The extra keys are the `cache_salt` (requests
+with different salts, or a salt and none, never share a block) and, with prefix
+caching off, the request's sample group (the samples of one client request share
+their prompt with each other only). Through the chain, every key covers every
+token and extra key before it.
+
+Why a cryptographic digest: a key that is a short unkeyed hash can be matched on
+purpose, and a request that finds another tenant's key reads that tenant's KV
+(vLLM's GHSA-rm76-4mrf-v9r8); a salt separates tenants only if keys cannot be
+forged. Digests are made once per full block, incrementally. Why the hit check
+too: even a colliding digest (`new_digest` is swapped for one in tests) must not
+serve a block computed for other tokens, so a hit must also hold the same tokens
+after the same content as the request's own (`BlockPool.lookup`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 from noria.scheduler.block_pool import BlockPool
 from noria.scheduler.request import Request
 
-# Root of every hash chain; hashing a tuple of ints is stable across processes.
-_ROOT_HASH = 0x6E6F726961
+# The hash that makes the keys: a block's key is `new_digest(parent + packed_tokens).digest()`.
+# Read at each use, so that a test may swap in a colliding one.
+new_digest = hashlib.sha256
+_ROOT = hashlib.sha256(b"noria prefix cache").digest()  # where every chain starts, before the extra keys
 _NO_BLOCKS: list[int] = []  # shared, never mutated: "no block added"
 
 
-def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+def extra_key(kind: bytes, value: str) -> bytes:
+    """One extra key, tagged with its kind and length-prefixed: unambiguous in a sequence."""
+    raw = value.encode(errors="surrogatepass")
+    return kind + b":" + len(raw).to_bytes(8, "little") + raw
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_cpu_blocks: int = 0) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        self._pack = struct.Struct(f"<{block_size}q").pack  # a full block's token ids, as digested
         self.enable_prefix_caching = enable_prefix_caching
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
@@ -34,24 +60,28 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    def hash_root(self, sample_group: int | None) -> int | None:
-        """Where a request's hash chain starts: the common root with prefix caching
-        on. With it off, the samples of one client request (same `sample_group`)
-        still share their prompt blocks, with each other only: their chain starts
-        at a root of their own. None: nothing hashed, nothing shared."""
+    def hash_root(self, sample_group: int | None, cache_salt: str | None = None) -> bytes | None:
+        """Where a request's key chain starts (its first block's parent): the root
+        digest, then the request's extra keys. With prefix caching on, requests with
+        the same `cache_salt` (or none) share blocks. With it off, the samples of one
+        client request (same `sample_group`) still share their prompt blocks, with
+        each other only. None: nothing hashed, nothing shared."""
         if self.enable_prefix_caching:
-            return _ROOT_HASH
-        # Not chain_hash: no block's tokens are behind this root.
-        return None if sample_group is None else hash((_ROOT_HASH, sample_group))
+            root = _ROOT
+        elif sample_group is None:
+            return None
+        else:
+            root = _ROOT + extra_key(b"group", str(sample_group))
+        return root if cache_salt is None else root + extra_key(b"salt", cache_salt)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _ensure_hashes(self, req: Request, num_full_blocks: int) -> None:
-        hashes, bs, tokens = req.block_hashes, self.block_size, req.token_ids
+        hashes, bs, tokens, pack, digest = req.block_hashes, self.block_size, req.token_ids, self._pack, new_digest
         parent = hashes[-1] if hashes else req.hash_root
         for i in range(len(hashes), num_full_blocks):
-            parent = chain_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            parent = digest(parent + pack(*tokens[i * bs : (i + 1) * bs])).digest()
             hashes.append(parent)
 
     def get_computed_blocks(self, req: Request) -> list[int]:
@@ -61,14 +91,20 @@ class KVCacheManager:
         """
         if req.hash_root is None or req.needs_prompt_logits:
             return []
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
         self._ensure_hashes(req, max_blocks)
+        pool, tokens, pack = self.pool, req.token_ids, self._pack
+        parent: bytes | int | None = req.hash_root
         hits: list[int] = []
-        for h in req.block_hashes[:max_blocks]:
-            block = self.pool.lookup(h)
+        for i, h in enumerate(req.block_hashes[:max_blocks]):
+            if h not in pool.cached:
+                break
+            block = pool.lookup(h, parent, pack(*tokens[i * bs : (i + 1) * bs]))
             if block is None:
                 break
             hits.append(block)
+            parent = pool.content_id[block]
         return hits
 
     def allocate_slots(
@@ -113,11 +149,15 @@ class KVCacheManager:
             full = min(total, len(req.token_ids)) // bs
             cached = req.num_cached_blocks
             if full == cached + 1 and len(req.block_hashes) == cached:  # exactly one block filled
-                tokens = req.token_ids
-                h = chain_hash(req.block_hashes[-1] if cached else req.hash_root,
-                               tuple(tokens[cached * bs : full * bs]))
+                packed = self._pack(*req.token_ids[cached * bs : full * bs])
+                pool = self.pool
+                if cached:
+                    h = new_digest(req.block_hashes[-1] + packed).digest()
+                    pool.cache(block_ids[cached], h, pool.content_id[block_ids[cached - 1]], packed)
+                else:
+                    h = new_digest(req.hash_root + packed).digest()
+                    pool.cache(block_ids[0], h, req.hash_root, packed)
                 req.block_hashes.append(h)
-                self.pool.cache(block_ids[cached], h)
                 req.num_cached_blocks = full
             elif full > cached:
                 self._cache_full_blocks(req, full)
@@ -128,9 +168,14 @@ class KVCacheManager:
         # attends, so even a request planned later in the same step may hit it.
         if num_full <= req.num_cached_blocks:
             return
-        self._ensure_hashes(req, num_full)
+        pool, bs, tokens, block_ids, hashes = self.pool, self.block_size, req.token_ids, req.block_ids, req.block_hashes
+        pack, digest = self._pack, new_digest
         for i in range(req.num_cached_blocks, num_full):
-            self.pool.cache(req.block_ids[i], req.block_hashes[i])
+            packed = pack(*tokens[i * bs : (i + 1) * bs])
+            if i == len(hashes):
+                hashes.append(digest((hashes[i - 1] if i else req.hash_root) + packed).digest())
+            # In order: the block before has its content id by now.
+            pool.cache(block_ids[i], hashes[i], pool.content_id[block_ids[i - 1]] if i else req.hash_root, packed)
         req.num_cached_blocks = num_full
 
     def free(self, req: Request) -> None:

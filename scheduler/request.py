@@ -42,7 +42,7 @@ class Request:
         "swapped_blocks", "num_preemptions", "sort_key", "hash_root",
     )
 
-    def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: int | None) -> None:
+    def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: bytes | None) -> None:
         self.req_id = msg.req_id
         self.token_ids: list[int] = list(msg.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -56,8 +56,8 @@ class Request:
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of the full blocks so far
-        self.hash_root = hash_root  # where the chain starts; None: its blocks are never shared
+        self.block_hashes: list[bytes] = []  # chained keys (digests) of the full blocks so far
+        self.hash_root = hash_root  # its first block's parent key; None: its blocks are never shared
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.in_worker = False  # the worker holds state for it
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache

@@ -125,7 +125,7 @@ class Scheduler(StepResults):
         if refused is not None:
             return self.reject(msg.req_id, *refused)
         max_tokens = msg.params.max_tokens or self.max_model_len - n_prompt
-        req = Request(msg, self._arrivals, max_tokens, self.kv.hash_root(msg.sample_group))
+        req = Request(msg, self._arrivals, max_tokens, self.kv.hash_root(msg.sample_group, msg.cache_salt))
         req.set_decode_limit(self.max_model_len)
         self._arrivals += 1
         self.requests[req.req_id] = req

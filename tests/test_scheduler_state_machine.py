@@ -15,6 +15,8 @@ runs the plans in order, and outputs must still equal the model's token for toke
 
 from __future__ import annotations
 
+import struct
+
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -31,13 +33,15 @@ EOS = VOCAB - 1
 BS = 4
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27], []]
 
-_hashed: dict[int, tuple[int, ...]] = {}  # chain hash -> every token it covers
-_real_chain_hash = kvm.chain_hash
+_hashed: dict[bytes, tuple[int, ...]] = {}  # block key -> every token it covers
+_real_new_digest = kvm.new_digest
 
 
-def _recording_chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
-    h = _real_chain_hash(parent, tokens)
-    _hashed[h] = _hashed.get(parent, ()) + tokens
+def _recording_new_digest(data: bytes):
+    """A block's key is the digest of its parent's key (or root) and its packed token ids."""
+    h = _real_new_digest(data)
+    parent, tokens = data[: -8 * BS], data[-8 * BS :]
+    _hashed[h.digest()] = _hashed.get(parent, ()) + struct.unpack(f"<{BS}q", tokens)
     return h
 
 
@@ -52,7 +56,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         ahead=st.booleans(),
     )
     def setup(self, num_blocks, budget, max_seqs, swap, cpu_blocks, caching, ahead):
-        kvm.chain_hash = _recording_chain_hash
+        kvm.new_digest = _recording_new_digest
         cfg = EngineConfig(
             block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
             preemption_mode="swap" if swap else "recompute", enable_prefix_caching=caching,
@@ -71,7 +75,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.in_flight = None  # the result of the step planned before the last one (ahead only)
 
     def teardown(self):
-        kvm.chain_hash = _real_chain_hash
+        kvm.new_digest = _real_new_digest
         if hasattr(self, "s"):
             st_ = self.s.stats
             # Coverage signals, shown by --hypothesis-show-statistics.
