@@ -17,6 +17,7 @@ from noria.protocol.config import (
     Dtype,
     EngineConfig,
     PreemptionMode,
+    SchedulingPolicy,
     WorkerLinkConfig,
 )
 from noria.protocol.errors import NoriaError
@@ -38,6 +39,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the device KV cache")
     g.add_argument("--swap-space", type=float, default=None, help="GiB of CPU memory for swapped KV blocks")
     g.add_argument("--preemption-mode", choices=_choices(PreemptionMode), default=None)
+    g.add_argument("--scheduling-policy", choices=_choices(SchedulingPolicy), default=None,
+                   help="fcfs (default): arrival order, and a request with a non-zero `priority` is refused; "
+                        "priority: lower `priority` first, then arrival")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -65,6 +69,36 @@ def add_limit_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-requests-per-connection", type=int, default=DEFAULT_MAX_PER_CONNECTION, metavar="N",
                     help="requests in flight per ZMQ client, websocket or HTTP client address; more are refused as "
                          "`overloaded` (HTTP 429); 0: no cap")
+
+
+def add_input_limit_args(ap: argparse.ArgumentParser) -> None:
+    """The frontend's request-size limits (frontend/processor.py InputLimits; docs/protocol.md)."""
+    from noria.frontend.processor import InputLimits
+
+    d = InputLimits()
+    g = ap.add_argument_group("request size limits (a larger request is refused, naming the field)")
+    g.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                   help="characters of a prompt, chat messages counted over every field (default: max_model_len "
+                        "times the longest vocabulary entry)")
+    g.add_argument("--max-messages", type=int, default=d.max_messages, metavar="N",
+                   help=f"chat messages per request (default {d.max_messages})")
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, metavar="N",
+                   help=f"stop strings per request (default {d.max_stop_strings})")
+    g.add_argument("--max-bad-words", type=int, default=d.max_bad_words, metavar="N",
+                   help=f"bad_words per request (default {d.max_bad_words})")
+    g.add_argument("--max-word-chars", type=int, default=d.max_word_chars, metavar="N",
+                   help=f"characters of a request's stop strings together, and of its bad words together "
+                        f"(default {d.max_word_chars})")
+    g.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias, metavar="N",
+                   help=f"logit_bias entries per request (default {d.max_logit_bias})")
+
+
+def input_limits(args: argparse.Namespace) -> Any:
+    from noria.frontend.processor import InputLimits
+    from noria.protocol.validation import convert
+
+    names = set(InputLimits.__struct_fields__)
+    return convert({k: v for k, v in vars(args).items() if k in names and v is not None}, InputLimits)
 
 
 def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -114,7 +148,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(args)  # before any child starts: none of them may inherit it
     config = make_config(args.model, **engine_flags(args))
     link = worker_link_config(args)  # refuses a clear-text network bind before anything starts
-    core = start_core(config, link, Limits(args.max_queued_requests or None, args.max_requests_per_connection or None))
+    core = start_core(config, link, Limits(args.max_queued_requests or None, args.max_requests_per_connection or None),
+                      input_limits(args))
     address = f"tcp://{args.zmq_host}:{args.zmq_port}"
     if not args.zmq_curve_keys and not is_loopback(address):
         print(f"noria: warning: the ZMQ client API on {address} is open to the network without authentication "
@@ -210,6 +245,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         f"at most N times per {RESTART_WINDOW:g} s; past that the server exits non-zero "
                         f"(default {DEFAULT_SCHEDULER_RESTARTS}; 0: never)")
     add_limit_args(s)
+    add_input_limit_args(s)
     add_api_key_args(s)
     s.set_defaults(fn=cmd_serve)
 

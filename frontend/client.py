@@ -111,14 +111,18 @@ class AsyncClient:
         inbox = conn.open_inbox(rid)
         finished = False
         try:
-            conn.send(msg)
+            try:
+                conn.send(msg)
+            except (OverflowError, RecursionError) as e:  # a value msgpack cannot carry: nothing was sent
+                finished = True
+                raise NoriaError(ErrorCode.INVALID_REQUEST, f"the request cannot be encoded: {e}") from None
             while True:
                 out = await inbox.get(loop, self.timeout)
                 if out is None:
                     raise NoriaError(ErrorCode.TIMEOUT, f"no answer from {self.address} for request {rid} within {self.timeout}s")
                 if isinstance(out, Error):
                     finished = True
-                    raise NoriaError(out.code, out.message)
+                    raise NoriaError(out.code, out.message, param=out.param)
                 yield out
                 if isinstance(out, Done):
                     finished = True

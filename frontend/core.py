@@ -103,7 +103,7 @@ class FrontendCore:
         try:
             prompt_ids, params = self.processor.process(msg)
         except NoriaError as e:
-            sink(Error(request_id=msg.request_id, code=e.code, message=e.message))
+            sink(Error(request_id=msg.request_id, code=e.code, message=e.message, param=e.param))
             return
         group = self._next_id if params.n > 1 else None  # any id unique to this request
         req = _Request(key, client, msg.request_id, sink, prompt_ids, params, msg.priority, group)

@@ -85,7 +85,7 @@ class LLM:
         errors = [c.final for c in builders if isinstance(c.final, Error)]
         if errors:
             e = errors[0]
-            raise NoriaError(e.code, f"request {e.request_id}: {e.message}")
+            raise NoriaError(e.code, f"request {e.request_id}: {e.message}", param=e.param)
         return [c.output() for c in builders]
 
     def _pump(self, timeout_ms: int) -> None:

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
 
 from noria.frontend.bad_words import bad_words_token_ids
 from noria.protocol.client import Generate
-from noria.protocol.errors import ErrorCode, NoriaError
+from noria.protocol.config import SchedulingPolicy
+from noria.protocol.errors import ErrorCode, NoriaError, ParamError
 from noria.protocol.sampling import SamplingParams, check_sampling
+
+Positive = Annotated[int, Meta(ge=1)]
 
 
 def load_tokenizer(model_path: str) -> Any:
@@ -34,15 +40,42 @@ def eos_token_ids(model_path: str, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
+# Lower runs first (vLLM's meaning); honoured only with --scheduling-policy priority.
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
+
+
+class InputLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """How large one request may be. Each is checked before any tokenizing, in time
+    proportional to the request's size: the frontend's one thread serves every client,
+    and a request that kept it busy for seconds stalled them all. `noria serve` flags
+    set them (frontend/cli.py); docs/protocol.md lists them."""
+
+    # Characters of a text prompt, or of chat messages counted over every field (roles,
+    # names, content parts, tool calls...). None: max_model_len times the longest
+    # vocabulary entry, more than any prompt that fits can spell.
+    max_prompt_chars: Positive | None = None
+    max_messages: Positive = 4096
+    max_stop_strings: Positive = 256
+    max_bad_words: Positive = 1024
+    # Characters of the stop strings together, and of the bad words together.
+    max_word_chars: Positive = 65536
+    max_logit_bias: Positive = 1024
+
+
 class InputProcessor:
-    def __init__(self, tokenizer: Any, eos_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, eos_ids: list[int], vocab_size: int, max_model_len: int,
+                 limits: InputLimits | None = None, scheduling_policy: SchedulingPolicy = "fcfs") -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.limits = limits or InputLimits()
+        self.scheduling_policy = scheduling_policy
         # No token spells more characters than the longest vocabulary entry, so a longer
         # text cannot fit and is refused before the tokenizer spends seconds on it.
-        self.max_prompt_chars = max_model_len * _longest_token(tokenizer)
+        longest = max_model_len * _longest_token(tokenizer)
+        given = self.limits.max_prompt_chars
+        self.max_prompt_chars = longest if given is None else min(given, longest)
 
     def process(self, msg: Generate) -> tuple[list[int], SamplingParams]:
         """Tokenize and validate; raises NoriaError naming the problem."""
@@ -53,6 +86,8 @@ class InputProcessor:
             )
         if not msg.request_id:
             raise NoriaError(ErrorCode.INVALID_REQUEST, "request_id must be a non-empty string")
+        self.check_sizes(msg)
+        self.check_priority(msg.priority)
         params = msg.sampling_params()
         check_sampling(params, self.vocab_size)
         params.bad_words_token_ids = (
@@ -61,18 +96,68 @@ class InputProcessor:
         ids = self.tokenize(msg)
         if not ids:
             raise NoriaError(ErrorCode.INVALID_REQUEST, "prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise NoriaError(
-                ErrorCode.INVALID_REQUEST, f"prompt_token_ids out of vocabulary range [0, {self.vocab_size}): {bad[:5]}"
-            )
         if len(ids) >= self.max_model_len:
             raise NoriaError(
                 ErrorCode.PROMPT_TOO_LONG,
                 f"prompt has {len(ids)} tokens but this engine accepts at most {self.max_model_len - 1} "
                 f"(max_model_len {self.max_model_len})",
             )
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ParamError("prompt_token_ids", f"prompt_token_ids out of vocabulary range [0, {self.vocab_size}): "
+                             f"{bad[:5]}")
+        # As vLLM's OpenAI server: a length that cannot fit is an error, not silently cut.
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ParamError("max_tokens", f"max_tokens ({params.max_tokens}) + prompt tokens ({len(ids)}) > "
+                             f"max_model_len ({self.max_model_len}): ask for at most "
+                             f"{self.max_model_len - len(ids)} tokens, or send a shorter prompt")
         return ids, params
+
+    def check_priority(self, priority: int) -> None:
+        if not priority:
+            return
+        if self.scheduling_policy != "priority":
+            raise ParamError("priority", f"priority {priority} needs a server started with --scheduling-policy "
+                             "priority (this one schedules first come, first served)")
+        if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise ParamError("priority", f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority}")
+
+    def check_sizes(self, msg: Generate) -> None:
+        """Refuse a request larger than `self.limits` allow, naming the field; each check
+        reads lengths only, or stops counting at its limit."""
+        lim = self.limits
+        if msg.prompt is not None and len(msg.prompt) > self.max_prompt_chars:
+            raise ParamError("prompt", f"prompt has {len(msg.prompt)} characters, more than the "
+                             f"{self.max_prompt_chars} this server accepts (max_model_len {self.max_model_len})",
+                             ErrorCode.PROMPT_TOO_LONG)
+        if msg.prompt_token_ids is not None and len(msg.prompt_token_ids) >= self.max_model_len:
+            raise ParamError("prompt_token_ids", f"prompt has {len(msg.prompt_token_ids)} tokens but this engine "
+                             f"accepts at most {self.max_model_len - 1} (max_model_len {self.max_model_len})",
+                             ErrorCode.PROMPT_TOO_LONG)
+        if msg.messages is not None:
+            if len(msg.messages) > lim.max_messages:
+                raise ParamError("messages", f"{len(msg.messages)} messages, more than the {lim.max_messages} "
+                                 "this server accepts")
+            size = json_size(msg.messages, self.max_prompt_chars)
+            if size > self.max_prompt_chars:
+                raise ParamError("messages", f"messages hold more than {self.max_prompt_chars} characters (every "
+                                 f"field counted), more than max_model_len {self.max_model_len} tokens can spell",
+                                 ErrorCode.PROMPT_TOO_LONG)
+        for name, words, cap in (("stop", msg.stop, lim.max_stop_strings), ("bad_words", msg.bad_words,
+                                                                           lim.max_bad_words)):
+            if words is None:
+                continue
+            if len(words) > cap:
+                raise ParamError(name, f"{name} has {len(words)} entries, more than the {cap} this server accepts")
+            if sum(len(w) for w in words) > lim.max_word_chars:
+                raise ParamError(name, f"{name} holds more than {lim.max_word_chars} characters together, more "
+                                 "than this server accepts")
+        if msg.logit_bias is not None and len(msg.logit_bias) > lim.max_logit_bias:
+            raise ParamError("logit_bias", f"logit_bias has {len(msg.logit_bias)} entries, more than the "
+                             f"{lim.max_logit_bias} this server accepts")
+        for name, ids in (("allowed_token_ids", msg.allowed_token_ids), ("stop_token_ids", msg.stop_token_ids)):
+            if ids is not None and len(ids) > self.vocab_size:
+                raise ParamError(name, f"{name} has {len(ids)} entries, more than the vocabulary's {self.vocab_size}")
 
     def tokenize(self, msg: Generate) -> list[int]:
         if msg.prompt_token_ids is not None:
@@ -80,16 +165,10 @@ class InputProcessor:
         if msg.prompt is not None:
             if not msg.prompt:
                 return []
-            if len(msg.prompt) > self.max_prompt_chars:
-                raise NoriaError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(msg.prompt)} characters, more than "
-                                 f"max_model_len {self.max_model_len} tokens can spell")
             return list(self.tokenizer(msg.prompt)["input_ids"])
         assert msg.messages is not None
         if not msg.messages:
             raise NoriaError(ErrorCode.INVALID_REQUEST, "messages is empty")
-        if sum(len(c) for m in msg.messages if isinstance(m, dict) and isinstance(c := m.get("content"), str)) > self.max_prompt_chars:
-            raise NoriaError(ErrorCode.PROMPT_TOO_LONG, f"messages hold more characters than max_model_len "
-                             f"{self.max_model_len} tokens can spell")
         for m in msg.messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise NoriaError(ErrorCode.INVALID_REQUEST, "each message needs 'role' and 'content'")
@@ -103,6 +182,28 @@ class InputProcessor:
             raise NoriaError(ErrorCode.INVALID_REQUEST, f"chat template failed: {e}") from e
         # The template already holds the special tokens it wants.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def json_size(value: Any, limit: int) -> int:
+    """The characters of every string in a decoded JSON/msgpack value (keys included), and
+    one for every other item, so that no field or nesting goes uncounted; counting stops
+    once past `limit`. A loop, not recursion: the value may nest thousands deep."""
+    total, todo = 0, [value]
+    while todo and total <= limit:
+        v = todo.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            total += len(v)
+            for k, x in v.items():
+                total += len(k) if isinstance(k, str) else 1
+                todo.append(x)
+        elif isinstance(v, list | tuple):
+            total += len(v)
+            todo.extend(v)
+        else:
+            total += 1
+    return total
 
 
 def _longest_token(tokenizer: Any) -> int:

@@ -11,7 +11,7 @@ import msgspec
 from noria.frontend.core import FrontendCore, Limits
 from noria.frontend.demo_model import resolve_model
 from noria.frontend.engine_client import EngineClient
-from noria.frontend.processor import InputProcessor, eos_token_ids, load_tokenizer
+from noria.frontend.processor import InputLimits, InputProcessor, eos_token_ids, load_tokenizer
 from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig, WorkerLinkConfig
 from noria.protocol.model_identity import model_facts
@@ -31,7 +31,8 @@ def make_config(model: str | os.PathLike[str] = "demo", **flags: Any) -> EngineC
     return convert({"model": os.fspath(model), **{k: v for k, v in flags.items() if v is not None}}, EngineConfig)
 
 
-def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limits: Limits | None = None) -> FrontendCore:
+def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limits: Limits | None = None,
+               input_limits: InputLimits | None = None) -> FrontendCore:
     """Start the engine (its worker link as `link` says: local ranks over ipc by default)."""
     model_path = resolve_model(config.model)
     check_checkpoint(model_path)  # a bad checkpoint is one sentence here, not a worker's traceback
@@ -46,7 +47,8 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
                  ready.max_model_len)
     else:  # remote workers only: requests wait until one has registered
         log.info("engine ready, waiting for workers to register; max_model_len %d", ready.max_model_len)
-    processor = InputProcessor(tokenizer, eos_token_ids(model_path, tokenizer), ready.vocab_size, ready.max_model_len)
+    processor = InputProcessor(tokenizer, eos_token_ids(model_path, tokenizer), ready.vocab_size, ready.max_model_len,
+                               input_limits, config.scheduling_policy)
     return FrontendCore(engine, processor, limits)
 
 

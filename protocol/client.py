@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.sampling import Int64, SamplingParams
 
 
 class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
@@ -23,8 +23,8 @@ class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
     request_id: str
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    prompt_token_ids: list[int] | None = None
-    priority: int = 0
+    prompt_token_ids: list[Int64] | None = None
+    priority: Int64 = 0
     add_generation_prompt: bool = True
 
     def sampling_params(self) -> SamplingParams:
@@ -83,12 +83,15 @@ class Done(msgspec.Struct, kw_only=True, tag="done", tag_field="type"):
     prompt_token_ids: list[int] | None = None
 
 
-class Error(msgspec.Struct, kw_only=True, tag="error", tag_field="type"):
+class Error(msgspec.Struct, kw_only=True, tag="error", tag_field="type", omit_defaults=True):
     """The one final message of a failed request (or a reply to an undecodable message)."""
 
     request_id: str | None
     code: str
     message: str
+    # The request field at fault, where one is (the bridge's OpenAI `param`); left out
+    # of the message when None, so readers that predate it see the same map.
+    param: str | None = None
 
 
 class Ready(msgspec.Struct, kw_only=True, tag="ready", tag_field="type"):

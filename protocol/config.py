@@ -11,6 +11,7 @@ from msgspec import Meta
 Dtype = Literal["auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"]
 Device = Literal["auto", "cpu", "cuda"]
 PreemptionMode = Literal["recompute", "swap"]
+SchedulingPolicy = Literal["fcfs", "priority"]  # vLLM's --scheduling-policy
 BlockSize = Literal[8, 16, 32, 64, 128]
 AtLeastOne = Annotated[int, Meta(ge=1)]
 GiB = Annotated[float, Meta(ge=0.0)]
@@ -38,6 +39,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_cache_memory: Annotated[float, Meta(gt=0.0)] | None = None  # GiB for the device KV cache; None = computed
     swap_space: GiB = 4.0  # GiB of CPU memory for swapped KV blocks
     preemption_mode: PreemptionMode = "recompute"
+    # fcfs: arrival order, a request's `priority` is refused; priority: lower `priority` first,
+    # then arrival (the frontend refuses a non-zero priority under fcfs, the scheduler ignores it).
+    scheduling_policy: SchedulingPolicy = "fcfs"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False  # plan step N+1 while the worker runs step N (scheduler/process.py)

@@ -19,40 +19,51 @@ from noria.protocol.validation import check_fields
 MAX_LOGPROBS = 20
 MAX_N = 64
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias, [-100, 100]
+# Outside it, dividing or multiplying a logit by the penalty vanishes or overflows in
+# float32/bf16 (1e-300 is 0 there, and every logit then became inf).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-TokenId = Annotated[int, Meta(ge=0)]
+# The wire types of integer fields: what msgpack carries as a signed 64-bit integer. A
+# larger one (JSON has no bound) then fails where it is decoded, naming its field, instead
+# of overflowing when the message is encoded again on its way to the engine.
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+# A seed is signed or unsigned 64 bits, as torch takes one; msgspec bounds no integer past
+# int64, so below 2**64 is checked in `check_sampling`.
+Seed = Annotated[int, Meta(ge=-(2**63))]
+TokenId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """vLLM's sampling parameters with vLLM's meanings and defaults."""
 
-    n: int = 1
-    max_tokens: int | None = 16
+    n: Int64 = 1
+    max_tokens: Int64 | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: Int64 = 0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: Seed | None = None
     stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: int | None = None
+    min_tokens: Int64 = 0
+    logprobs: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     # Added to the logits of the named token ids before penalties and sampling.
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[Int64, float] | None = None
     # Per prompt token: its logprob and the top-k alternatives (the first is None).
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int64 | None = None
     # Only these token ids may be sampled.
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[Int64] | None = None
     # Words never to generate (vLLM's meaning: see worker/logits_processors.py).
     bad_words: list[str] | None = None
     # Set by the frontend from `bad_words` with the model's tokenizer (whatever a
     # client sends here is replaced): the token-id sequences the worker bans.
-    bad_words_token_ids: list[list[int]] | None = None
+    bad_words_token_ids: list[list[Int64]] | None = None
     structured_output: StructuredOutput | None = None  # guided decoding (protocol/structured.py)
 
     # The range each field must fall in, checked through msgspec by `check_sampling`
@@ -62,19 +73,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # while a wrongly typed field fails to decode as `invalid_message`.
     CHECKED: ClassVar[dict[str, Any]] = {
         "n": Annotated[int, Meta(ge=1, le=MAX_N)],
-        "max_tokens": Annotated[int, Meta(ge=1)] | None,
+        "max_tokens": Annotated[int, Meta(ge=1, le=2**63 - 1)] | None,
         "temperature": Annotated[float, Meta(ge=0.0)],
         "top_p": Annotated[float, Meta(gt=0.0, le=1.0)],
-        "top_k": Annotated[int, Meta(ge=-1)],  # 0 and -1 both mean off
+        "top_k": Annotated[int, Meta(ge=-1, le=2**63 - 1)],  # 0 and -1 both mean off
         "min_p": Annotated[float, Meta(ge=0.0, le=1.0)],
-        "seed": Annotated[int, Meta(ge=-(2**63))] | None,  # < 2**64 is checked in code
+        "seed": Seed | None,
         "stop": list[Annotated[str, Meta(min_length=1)]] | None,
-        "stop_token_ids": list[Annotated[int, Meta(ge=0)]] | None,
-        "min_tokens": Annotated[int, Meta(ge=0)],
+        "stop_token_ids": list[TokenId] | None,
+        "min_tokens": Count,
         "logprobs": Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None,
         "presence_penalty": Penalty,
         "frequency_penalty": Penalty,
-        "repetition_penalty": Annotated[float, Meta(gt=0.0)],
+        "repetition_penalty": Annotated[float, Meta(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)],
         "logit_bias": dict[TokenId, Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None,
         "prompt_logprobs": Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None,
         "allowed_token_ids": Annotated[list[TokenId], Meta(min_length=1)] | None,

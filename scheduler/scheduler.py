@@ -25,6 +25,8 @@ from bisect import insort
 from operator import attrgetter
 from typing import Any
 
+import msgspec
+
 from noria.protocol.client import SchedulerStats
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest, RequestUpdate
@@ -51,6 +53,8 @@ class Scheduler(StepResults):
         self.max_num_seqs = config.max_num_seqs
         self.chunked_prefill = config.enable_chunked_prefill
         self.swap = config.preemption_mode == "swap"
+        # Under fcfs (vLLM's default) a request's priority orders nothing, whoever set it.
+        self.by_priority = config.scheduling_policy == "priority"
         self.stats = SchedulerStats()
         self.requests: dict[int, Request] = {}
         self.waiting: list[tuple[tuple[int, int], int]] = []  # heap of (sort_key, req_id)
@@ -125,6 +129,8 @@ class Scheduler(StepResults):
         if refused is not None:
             return self.reject(msg.req_id, *refused)
         max_tokens = msg.params.max_tokens or self.max_model_len - n_prompt
+        if msg.priority and not self.by_priority:
+            msg = msgspec.structs.replace(msg, priority=0)
         req = Request(msg, self._arrivals, max_tokens, self.kv.hash_root(msg.sample_group, msg.cache_salt))
         req.set_decode_limit(self.max_model_len)
         self._arrivals += 1

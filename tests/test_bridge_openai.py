@@ -24,7 +24,7 @@ from tests.procs import engine_idle, scrape_metrics, serve_http, wait_http, wait
 
 @pytest.fixture(scope="module")
 def served(demo_path):
-    # Long enough that a 3000-token request is still running when the test hangs up.
+    # Long enough that a 2000-token request is still running when the test hangs up.
     with serve_http("--num-kv-blocks", "256", "--max-model-len", "2048") as s:
         yield s
 
@@ -314,7 +314,7 @@ def test_hanging_up_an_http_stream_aborts_the_request(served, oai):
     aborted = 'noria_request_success_total{finish_reason="abort"}'
     before = wait_metrics(served.http, engine_idle)
     stream = oai.chat.completions.create(model="demo", messages=[{"role": "user", "content": "go on"}],
-                                         max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
+                                         max_tokens=2000, stream=True, extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -328,7 +328,7 @@ def test_hanging_up_an_http_stream_aborts_the_request(served, oai):
     # A non-streaming request whose client gives up is aborted too.
     # It hangs up once the engine runs the request (a client timeout of its own might come
     # after a fast engine's last token, or before a slow one's first).
-    _hang_up_while_running(served.http, model="demo", prompt="slow", max_tokens=3000, extra_body={"ignore_eos": True})
+    _hang_up_while_running(served.http, model="demo", prompt="slow", max_tokens=2000, extra_body={"ignore_eos": True})
     idle = wait_metrics(served.http, engine_idle)
     assert engine_idle(idle), idle
     assert idle[aborted] == before.get(aborted, 0) + 2

@@ -144,7 +144,7 @@ def test_an_engine_request_is_one_sequence():
 
 
 def test_priority_runs_first_and_preempts_the_lowest_latest():
-    s, w = make(10, block_size=4, max_num_seqs=2)
+    s, w = make(10, block_size=4, max_num_seqs=2, scheduling_policy="priority")
     s.add_request(req(0, [1] * 4, priority=1, max_tokens=30))
     s.add_request(req(1, [2] * 4, priority=0, max_tokens=30))
     s.add_request(req(2, [3] * 4, priority=2, max_tokens=30))
@@ -158,6 +158,16 @@ def test_priority_runs_first_and_preempts_the_lowest_latest():
     done = run(s, w)
     for i, p in enumerate(([1] * 4, [2] * 4, [3] * 4)):
         assert done[i][0] == reference(p, 30)
+
+
+def test_fcfs_ignores_priority():
+    """The default policy boards in arrival order whatever priority a request carries."""
+    s, w = make(64, block_size=4, max_num_seqs=2)
+    s.add_request(req(0, [1] * 4, priority=5, max_tokens=3))
+    s.add_request(req(1, [2] * 4, priority=0, max_tokens=3))
+    s.add_request(req(2, [3] * 4, priority=-5, max_tokens=3))
+    plan = step(s, w)
+    assert sorted(r for r, _ in plan.scheduled) == [0, 1]  # under "priority", 2 and 1 would run
 
 
 def test_swap_out_and_back_in_preserves_outputs():

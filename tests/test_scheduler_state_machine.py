@@ -60,6 +60,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         cfg = EngineConfig(
             block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
             preemption_mode="swap" if swap else "recompute", enable_prefix_caching=caching,
+            scheduling_policy="priority",  # the arrivals draw priorities: let them order the queues
         )
         self.s = Scheduler(cfg, num_blocks, 10_000, cpu_blocks)
         self.w = FakeWorker(num_blocks, BS, vocab=VOCAB, num_cpu_blocks=cpu_blocks)

@@ -59,7 +59,7 @@ def test_staggered_arrivals_give_the_same_greedy_text(server):
     async def staggered() -> tuple[list[list[int]], str | None]:
         async with AsyncClient(server) as c:
             # A long request keeps a batch decoding for every arrival to board.
-            anchor = c.stream("anchor", SamplingParams(max_tokens=2000, ignore_eos=True), request_id="anchor")
+            anchor = c.stream("anchor", SamplingParams(max_tokens=None, ignore_eos=True), request_id="anchor")
             await anext(anchor)
             tasks = []
             for q in prompts:
@@ -196,7 +196,7 @@ def test_a_vanished_client_has_its_requests_aborted(server):
     s = ctx.socket(zmq.DEALER)
     s.connect(server)
     for i in range(3):
-        s.send(msgspec.msgpack.encode({"type": "generate", "request_id": f"v{i}", "prompt": "go", "max_tokens": 3000, "ignore_eos": True}))
+        s.send(msgspec.msgpack.encode({"type": "generate", "request_id": f"v{i}", "prompt": "go", "max_tokens": None, "ignore_eos": True}))
     assert msgspec.msgpack.decode(s.recv())["type"] == "delta"
     # Published stats lag a little behind: ask until they show the three requests.
     busy = _poll_stats(server, lambda st: st.stats.num_running + st.stats.num_waiting >= 1 and st.num_open_requests >= 3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 import weakref
 from collections import Counter
@@ -11,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import WSCloseCode, web
 
-from noria.frontend.bridge.errors import error_response
+from noria.frontend.bridge.errors import error_response, internal_error
 from noria.frontend.bridge.gateway import Gateway
 from noria.frontend.bridge.metrics import CONTENT_TYPE, BridgeMetrics
 from noria.frontend.bridge.openai_api import (
@@ -35,6 +36,7 @@ from noria.frontend.bridge.websocket import handle_stream
 from noria.frontend.client import AsyncClient
 from noria.protocol.errors import ErrorCode, NoriaError
 
+log = logging.getLogger("noria.bridge")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATS_TIMEOUT = 2.0
 
@@ -143,13 +145,19 @@ _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own errors (404, 405, 413) in OpenAI's shape too."""
+    """aiohttp's own errors (404, 405, 413) in OpenAI's shape too, and a bug's: a 500 with
+    a JSON body (its traceback logged once, here), never aiohttp's text page."""
     try:
         return await handler(request)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         return error_response(e.status, e.reason if e.status != 404 else f"no route for {request.method} {request.path}")
+    except ConnectionError:
+        raise  # the client has gone: nobody to answer
+    except Exception as e:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return internal_error(e)
 
 
 async def _close_websockets(app: web.Application) -> None:

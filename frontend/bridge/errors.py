@@ -57,9 +57,31 @@ def from_noria(e: NoriaError) -> web.Response:
     return error_response(status_of(e.code), e.message, e.code, e.param)
 
 
-def from_decode(e: msgspec.DecodeError | msgspec.ValidationError) -> web.Response:
+# What decoding untrusted JSON raises besides msgspec's own errors: RecursionError for
+# nesting deeper than msgspec follows, UnicodeDecodeError (a ValueError) for bytes that
+# are not UTF-8.
+UNDECODABLE = (msgspec.DecodeError, RecursionError, ValueError)
+
+
+def undecodable_message(e: BaseException) -> str:
+    """One line saying why a message is not JSON the bridge can read."""
+    if isinstance(e, RecursionError):
+        return "invalid JSON: nested too deeply"
+    if isinstance(e, UnicodeDecodeError):
+        return f"invalid JSON: not UTF-8 ({e.reason})"
+    return f"invalid JSON: {e}"[:500]
+
+
+def from_decode(e: Exception) -> web.Response:
     """A body that is not JSON (a body that does not fit its type is a BadRequest with its param)."""
-    return error_response(400, f"invalid request body: {e}", ErrorCode.INVALID_MESSAGE)
+    if isinstance(e, msgspec.ValidationError):
+        return error_response(400, f"invalid request body: {e}", ErrorCode.INVALID_MESSAGE)
+    return error_response(400, f"invalid request body: {undecodable_message(e)}", ErrorCode.INVALID_MESSAGE)
+
+
+def internal_error(e: BaseException) -> web.Response:
+    """The answer to a bug: 500 in OpenAI's shape, saying what failed (the traceback is logged)."""
+    return error_response(500, f"internal error: {type(e).__name__}: {e}"[:500], ErrorCode.INTERNAL)
 
 
 class BadRequest(Exception):

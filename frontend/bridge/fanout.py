@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from contextlib import aclosing
 
 from noria.frontend.bridge.gateway import Gateway
 from noria.protocol.client import Delta, Done, Generate
-from noria.protocol.errors import NoriaError
+from noria.protocol.errors import ErrorCode, NoriaError
+
+log = logging.getLogger("noria.bridge")
 
 Event = tuple[int, Delta | Done | NoriaError]  # (prompt index, what came)
 
@@ -40,6 +43,9 @@ class Fanout:
                     put((index, out))
         except NoriaError as e:
             put((index, e))
+        except Exception as e:  # a bug must end this prompt with an error, not leave the response waiting
+            log.exception("internal error relaying a request")
+            put((index, NoriaError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:500])))
 
     async def next_batch(self) -> list[Event]:
         """At least one event (everything already queued, so writes can be coalesced);

@@ -7,6 +7,8 @@ later errors arrive as an `error` event before `data: [DONE]`.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -36,8 +38,9 @@ from noria.frontend.bridge.openai_schema import (
 )
 from noria.frontend.bridge.state import GATEWAY, STARTED
 from noria.protocol.client import Generate
-from noria.protocol.errors import NoriaError
+from noria.protocol.errors import ErrorCode, NoriaError
 
+log = logging.getLogger("noria.bridge")
 _encode = msgspec.json.Encoder().encode
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -139,20 +142,32 @@ async def _stream(request: web.Request, fan: Fanout, builder: CompletionBuilder 
             return from_noria(ev)
     resp = web.StreamResponse(headers=_SSE_HEADERS)
     await resp.prepare(request)
+    try:
+        await _events(resp, fan, builder, batch)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:  # a bug after the headers went out: the stream still ends, with an error event
+        log.exception("internal error while streaming a response")
+        await _write(resp, [error_body(500, f"internal error: {type(e).__name__}: {e}"[:500],
+                                       ErrorCode.INTERNAL)], done=True)
+    return resp
+
+
+async def _events(resp: web.StreamResponse, fan: Fanout, builder: CompletionBuilder | ChatBuilder,
+                  batch: list[Any]) -> None:
     chunks = builder.start()
     while batch:
         for prompt, ev in batch:
             if isinstance(ev, NoriaError):
-                chunks.append(error_body(status_of(ev.code), ev.message, ev.code))
+                chunks.append(error_body(status_of(ev.code), ev.message, ev.code, ev.param))
                 await _write(resp, chunks, done=True)
-                return resp
+                return
             chunks.extend(builder.add(prompt, ev))
         await _write(resp, chunks)
         chunks = []
         batch = await fan.next_batch()
     chunks.extend(builder.end())
     await _write(resp, chunks, done=True)
-    return resp
 
 
 async def _write(resp: web.StreamResponse, chunks: list[bytes], *, done: bool = False) -> None:

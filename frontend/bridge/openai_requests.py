@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from noria.frontend.bridge.errors import BadRequest
+from noria.frontend.bridge.errors import UNDECODABLE, BadRequest, undecodable_message
 from noria.frontend.bridge.openai_refused import unsupported_field
 from noria.frontend.bridge.openai_schema import ChatRequest, CompletionRequest, SamplingFields
 from noria.frontend.bridge.openai_structured import structured_output
@@ -20,6 +20,8 @@ from noria.protocol.validation import field_error
 
 R = TypeVar("R", CompletionRequest, ChatRequest)
 MAX_PROMPTS = 128
+# Samples one completions request may draw (n x prompts): each is an engine request.
+MAX_SAMPLES = 256
 
 
 async def read_body(request: web.Request, kind: type[R]) -> R:
@@ -29,9 +31,14 @@ async def read_body(request: web.Request, kind: type[R]) -> R:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
-        bad = field_error(kind, msgspec.json.decode(body))
+        try:
+            bad = field_error(kind, msgspec.json.decode(body))
+        except UNDECODABLE:  # of the right shape for a moment only: nested too deeply further in
+            bad = None
         raise BadRequest(f"invalid request body: {e}", bad.param if bad else None,
                          code=ErrorCode.INVALID_MESSAGE) from None
+    except UNDECODABLE as e:  # not JSON, not UTF-8, nested too deeply
+        raise BadRequest(f"invalid request body: {undecodable_message(e)}", code=ErrorCode.INVALID_MESSAGE) from None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -98,6 +105,9 @@ def completion_generates(req: CompletionRequest, new_id: Callable[[], str]) -> l
             max_tokens = 1
     prompt_logprobs = req.logprobs if req.echo else None
     params = _sampling(req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+    if params.n * len(prompts) > MAX_SAMPLES:
+        raise BadRequest(f"n ({params.n}) x prompts ({len(prompts)}) is {params.n * len(prompts)} samples, more "
+                         f"than the {MAX_SAMPLES} one request may draw", "n")
     return [make_generate(new_id(), p, params, priority=req.priority) for p in prompts]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from noria.frontend.bridge.openai_structured import StructuredFields
+from noria.protocol.sampling import Int64, Seed
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -20,48 +21,51 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 
 class SamplingFields(StructuredFields, kw_only=True):  # response_format, guided_*: openai_structured.py
-    """Fields shared by both endpoints; the vLLM extras (top_k ... priority) too."""
+    """Fields shared by both endpoints; the vLLM extras (top_k ... priority) too.
+
+    Integers are 64-bit (`Int64`): a larger one is refused where the body is decoded, naming
+    its field, rather than failing to encode on its way upstream."""
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int64 = 0
+    stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool = True
-    priority: int = 0
-    allowed_token_ids: list[int] | None = None
+    priority: Int64 = 0
+    allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     # str, list of str, list of token ids, or list of token-id lists: checked in openai_api
     prompt: str | list[Any]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
 
 class ChatRequest(SamplingFields, kw_only=True):
     messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     echo: bool = False  # vLLM's: refused (see chat_generate)
 

@@ -10,19 +10,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from contextlib import aclosing
 
 import msgspec
 from aiohttp import WSMsgType, web
 
+from noria.frontend.bridge.errors import UNDECODABLE, undecodable_message
 from noria.frontend.bridge.gateway import Gateway
 from noria.frontend.bridge.state import GATEWAY, LIMIT, WEBSOCKETS
-from noria.protocol.client import Abort, Delta, Done, Error, Generate
+from noria.protocol.client import Abort, Delta, Done, Error, Generate, Usage
 from noria.protocol.errors import ErrorCode, NoriaError
+from noria.protocol.validation import field_error
 
 _decoder = msgspec.json.Decoder(Generate | Abort)
 _encoder = msgspec.json.Encoder()
-_rid_of = msgspec.json.Decoder(dict)
+_any = msgspec.json.Decoder()
+log = logging.getLogger("noria.bridge")
+
+
+class _Relay:
+    """One request of a socket: its upstream id, its task, and whether its `generate` has
+    gone upstream yet (an abort that overtakes it must not be lost)."""
+
+    __slots__ = ("upstream", "task", "sent", "aborted")
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.task: asyncio.Task[None] | None = None
+        self.sent = False
+        self.aborted = False
 
 
 class StreamSession:
@@ -30,7 +47,7 @@ class StreamSession:
         self.ws = ws
         self.gateway = gateway
         self.limit = limit  # requests in flight on this socket, at most (0: no cap)
-        self.relays: dict[str, tuple[str, asyncio.Task[None]]] = {}  # client id -> (upstream id, task)
+        self.relays: dict[str, _Relay] = {}  # client id -> its relay
 
     async def send(self, msg: Delta | Done | Error) -> None:
         await self.ws.send_frame(_encoder.encode(msg), WSMsgType.TEXT)
@@ -48,16 +65,28 @@ class StreamSession:
             await self.cancel_all()
 
     async def on_message(self, data: bytes | str) -> None:
+        """Answer one client message; whatever is wrong with it costs that message (an
+        `error` event), never the socket and the other requests on it."""
         try:
             msg = _decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            await self.send(Error(request_id=_request_id_of(data), code=ErrorCode.INVALID_MESSAGE, message=str(e)))
+        except msgspec.ValidationError as e:  # JSON, but not a message: answer under its id, naming the field
+            raw = _raw(data)
+            bad = field_error(Generate, raw) if isinstance(raw, dict) and raw.get("type") == "generate" else None
+            await self.send(Error(request_id=_request_id_of(raw), code=ErrorCode.INVALID_MESSAGE, message=str(e),
+                                  param=bad.param if bad else None))
+            return
+        except UNDECODABLE as e:  # not JSON, not UTF-8, nested too deeply
+            await self.send(Error(request_id=None, code=ErrorCode.INVALID_MESSAGE, message=undecodable_message(e)))
             return
         rid = msg.request_id
         if isinstance(msg, Abort):
-            entry = self.relays.get(rid)
-            if entry is not None:
-                await self.gateway.client.abort(entry[0])
+            relay = self.relays.get(rid)
+            if relay is None:
+                return
+            if relay.sent:
+                await self.gateway.client.abort(relay.upstream)
+            else:  # its task has not run yet: it ends with "abort" without going upstream
+                relay.aborted = True
             return
         if not rid:
             await self.send(Error(request_id=rid, code=ErrorCode.INVALID_REQUEST, message="request_id must be a non-empty string"))
@@ -69,38 +98,53 @@ class StreamSession:
                                   f"{self.limit} requests in flight, its limit; retry later"))
         else:
             upstream = msgspec.structs.replace(msg, request_id=self.gateway.new_id())
-            task = asyncio.get_running_loop().create_task(self.relay(rid, upstream))
-            self.relays[rid] = (upstream.request_id, task)
+            relay = _Relay(upstream.request_id)
+            self.relays[rid] = relay
+            relay.task = asyncio.get_running_loop().create_task(self.relay(rid, upstream, relay))
 
-    async def relay(self, rid: str, upstream: Generate) -> None:
+    async def relay(self, rid: str, upstream: Generate, relay: _Relay) -> None:
         try:
+            if relay.aborted:
+                await self.send(Done(request_id=rid, finish_reason="abort",
+                                     usage=Usage(prompt_tokens=0, completion_tokens=0)))
+                return
+            # The generate goes out in the stream's first step, with no await before it: an
+            # abort read after this line is sent after it, on the same connection.
+            relay.sent = True
             async with aclosing(self.gateway.stream(upstream)) as outs:
                 async for out in outs:
                     await self.send(msgspec.structs.replace(out, request_id=rid))
         except NoriaError as e:
             with contextlib.suppress(ConnectionError):
-                await self.send(Error(request_id=rid, code=e.code, message=e.message))
+                await self.send(Error(request_id=rid, code=e.code, message=e.message, param=e.param))
         except ConnectionError:
             pass  # the socket closed under us; leaving the loop aborted the request upstream
+        except Exception as e:  # a bug costs this request an error, not a request that never ends
+            log.exception("internal error relaying a websocket request")
+            with contextlib.suppress(ConnectionError):
+                await self.send(Error(request_id=rid, code=ErrorCode.INTERNAL,
+                                      message=f"internal error: {type(e).__name__}: {e}"[:500]))
         finally:
-            entry = self.relays.get(rid)
-            if entry is not None and entry[0] == upstream.request_id:
+            if self.relays.get(rid) is relay:
                 del self.relays[rid]
 
     async def cancel_all(self) -> None:
-        tasks = [t for _, t in self.relays.values()]
+        tasks = [r.task for r in self.relays.values() if r.task is not None]
         for t in tasks:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _request_id_of(data: bytes | str) -> str | None:
+def _raw(data: bytes | str) -> object:
     try:
-        raw = _rid_of.decode(data)
-    except msgspec.DecodeError:
+        return _any.decode(data)
+    except UNDECODABLE:
         return None
-    rid = raw.get("request_id")
+
+
+def _request_id_of(raw: object) -> str | None:
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
     return rid if isinstance(rid, str) else None
 
 
