@@ -56,7 +56,14 @@ class StreamSession:
         try:
             async for frame in self.ws:
                 if frame.type in (WSMsgType.TEXT, WSMsgType.BINARY):
-                    await self.on_message(frame.data)
+                    try:
+                        await self.on_message(frame.data)
+                    except ConnectionError:
+                        raise
+                    except Exception as e:  # a bug costs the message an error event, not the socket
+                        log.exception("internal error on a websocket message")
+                        await self.send(Error(request_id=None, code=ErrorCode.INTERNAL,
+                                              message=f"internal error: {type(e).__name__}: {e}"[:500]))
                 elif frame.type == WSMsgType.ERROR:
                     break
         except ConnectionError:
