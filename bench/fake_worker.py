@@ -40,7 +40,8 @@ class FakeWorker:
         for nr in plan.new_requests:
             assert nr.req_id not in self.reqs, f"req {nr.req_id} sent twice as new"
             # The last token a request may compute: its last output token is sampled, never fed back.
-            last = nr.num_prompt_tokens + nr.params.max_tokens - 1 if nr.params.max_tokens else None
+            max_tokens = plan.params[nr.params].max_tokens
+            last = nr.num_prompt_tokens + max_tokens - 1 if max_tokens else None
             self.reqs[nr.req_id] = {"tokens": list(nr.token_ids), "blocks": list(nr.block_ids),
                                     "computed": nr.num_computed_tokens, "last": last}
         for cr in plan.cached_requests:

@@ -20,7 +20,7 @@ from pathlib import Path
 from noria.protocol.codec import Codec
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.sampling import EngineSamplingParams, SamplingParams
 from noria.protocol.step import StepResult
 from noria.protocol.worker_link import SchedulerToWorker
 from noria.scheduler.scheduler import Scheduler
@@ -31,7 +31,7 @@ def measure(num_running: int, num_waiting: int, steps: int) -> dict[str, float]:
     prompt_len = 128
     blocks = num_running * (prompt_len + steps + 64) // 16 + 64
     s = Scheduler(cfg, blocks, 4096)
-    params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    params = EngineSamplingParams(max_tokens=100_000, ignore_eos=True)
     for i in range(num_running + num_waiting):
         s.add_request(EngineRequest(i, [(i * 7 + j) % 30000 for j in range(prompt_len)], params, [2]))
     codec: Codec[SchedulerToWorker] = Codec(SchedulerToWorker)

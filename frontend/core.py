@@ -4,6 +4,11 @@ Maps client requests (a key plus n samples) to engine requests, one per
 sample (this class alone knows which engine ids are one request's), feeds
 engine updates through each sample's detokenizer and stop strings, and makes
 sure every request ends with exactly one final message (done or error).
+
+What the engine needs of a request is made once for all its samples
+(`prepare`: token ids, `EngineSamplingParams`, the indexed stop strings) and
+crosses to the scheduler in one `EngineRequest`; stop strings and other text
+stay here. `prepare` touches no state, so a server may run it on another thread.
 """
 
 from __future__ import annotations
@@ -13,13 +18,13 @@ from collections.abc import Callable, Hashable
 
 import msgspec
 
-from noria.frontend.detokenizer import IncrementalDetokenizer
+from noria.frontend.detokenizer import IncrementalDetokenizer, StopStrings
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.processor import InputProcessor
 from noria.protocol.client import Delta, Done, Error, Generate, Logprob, SchedulerStats, Usage
-from noria.protocol.engine import EngineOutputs, EngineRequest, RequestUpdate
+from noria.protocol.engine import EngineOutputs, EngineRequest, EngineSample, RequestUpdate
 from noria.protocol.errors import ErrorCode, NoriaError
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.sampling import EngineSamplingParams, SamplingParams
 
 Sink = Callable[[Delta | Done | Error], None]
 
@@ -42,12 +47,25 @@ class _Sample:
         self.prompt_logprobs: list[Logprob | None] | None = None  # until a delta carries them
 
 
+class Prepared:
+    """A `Generate` turned into what its engine request is made of (`FrontendCore.prepare`)."""
+
+    __slots__ = ("prompt_ids", "params", "engine_params", "stop")
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, engine_params: EngineSamplingParams,
+                 stop: StopStrings | None) -> None:
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.engine_params = engine_params
+        self.stop = stop
+
+
 class _Request:
     __slots__ = ("key", "client", "started", "request_id", "sink", "prompt_ids", "samples", "open",
                  "num_cached_tokens", "params", "priority", "group", "resumed")
 
     def __init__(self, key: Hashable, client: Hashable, request_id: str, sink: Sink, prompt_ids: list[int],
-                 params: SamplingParams, priority: int, group: int | None) -> None:
+                 params: EngineSamplingParams, priority: int, group: int | None) -> None:
         self.key = key
         self.client = client
         self.started = False  # the engine has sent something for it: it left the waiting queue
@@ -92,32 +110,48 @@ class FrontendCore:
     def num_open(self) -> int:
         return len(self.by_key)
 
-    def submit(self, key: Hashable, msg: Generate, sink: Sink, stream: bool = True, client: Hashable = None) -> None:
+    def prepare(self, msg: Generate) -> Prepared:
+        """Validate, template and tokenize `msg`; raises NoriaError naming the problem.
+        Reads the processor only, so it may run on another thread than the rest."""
+        prompt_ids, params = self.processor.process(msg)
+        engine_params = self.processor.engine_params(params)
+        return Prepared(prompt_ids, params, engine_params, StopStrings(params.stop) if params.stop else None)
+
+    def submit(self, key: Hashable, msg: Generate, sink: Sink, stream: bool = True, client: Hashable = None,
+               prepared: Prepared | NoriaError | None = None) -> None:
         """Start a request; `sink` gets its messages. With `stream=False` the
         sink gets one delta per sample when it finishes (cheaper: offline use).
-        `client` names the connection, for the per-connection cap."""
+        `client` names the connection, for the per-connection cap. `prepared`: what
+        `prepare(msg)` returned or raised, if it already ran."""
         refusal = self._refusal(key, msg.request_id, client)
         if refusal is not None:
             sink(Error(request_id=msg.request_id, code=refusal[0], message=refusal[1]))
             return
-        try:
-            prompt_ids, params = self.processor.process(msg)
-        except NoriaError as e:
-            sink(Error(request_id=msg.request_id, code=e.code, message=e.message, param=e.param))
+        if prepared is None:
+            try:
+                prepared = self.prepare(msg)
+            except NoriaError as e:
+                prepared = e
+        if isinstance(prepared, NoriaError):
+            sink(Error(request_id=msg.request_id, code=prepared.code, message=prepared.message,
+                       param=prepared.param))
             return
-        group = self._next_id if params.n > 1 else None  # any id unique to this request
-        req = _Request(key, client, msg.request_id, sink, prompt_ids, params, msg.priority, group)
+        params, prompt_ids = prepared.params, prepared.prompt_ids
+        first = self._next_id
+        self._next_id += params.n
+        group = first if params.n > 1 else None  # any id unique to this request
+        req = _Request(key, client, msg.request_id, sink, prompt_ids, prepared.engine_params, msg.priority, group)
         tok = self.processor.tokenizer
         for i in range(params.n):
-            rid = self._next_id
-            self._next_id += 1
-            detok = IncrementalDetokenizer(tok, prompt_ids, params.stop, params.skip_special_tokens)
+            rid = first + i
+            detok = IncrementalDetokenizer(tok, prompt_ids, prepared.stop, params.skip_special_tokens)
             # Stop strings need the text as it grows, so such samples always stream inside.
             sample = _Sample(rid, i, detok, stream or bool(params.stop))
             req.samples.append(sample)
             self.by_rid[rid] = (req, sample)
-            self.engine.add(EngineRequest(rid, prompt_ids, _sample_params(params, i), self.processor.eos_ids,
-                                          msg.priority, group))
+        self.engine.add(EngineRequest(first, prompt_ids, prepared.engine_params, self.processor.eos_ids,
+                                      msg.priority, group,
+                                      more_samples=[EngineSample(first + i, i) for i in range(1, params.n)]))
         req.open = params.n
         self.by_key[key] = req
         self.num_queued += 1
@@ -228,16 +262,20 @@ class FrontendCore:
 
     def resubmit_all(self) -> int:
         """Send every open sample to a restarted scheduler, which has none of them: the same
-        engine id, prompt and parameters, with the outputs the client already has as
-        `output_token_ids`, so the sample goes on where it stopped. Returns how many."""
+        engine id, index, prompt and parameters, with the outputs the client already has as
+        `output_token_ids`, so the sample goes on where it stopped (a sample that has output
+        tokens has had its prompt logprobs). One engine request per client request.
+        Returns how many samples."""
         eos = self.processor.eos_ids
-        for rid, (req, s) in self.by_rid.items():
-            req.resumed = req.resumed or bool(s.ids)
-            params = _sample_params(req.params, s.index)
-            if s.ids:  # its prompt logprobs came with its first token: the frontend has them already
-                params = msgspec.structs.replace(params, prompt_logprobs=None)
-            self.engine.add(EngineRequest(rid, req.prompt_ids, params, eos, req.priority, req.group,
-                                          output_token_ids=s.ids))
+        for req in self.by_key.values():
+            open_samples = [s for s in req.samples if s.rid in self.by_rid]
+            if not open_samples:
+                continue
+            req.resumed = req.resumed or any(s.ids for s in open_samples)
+            first, *rest = open_samples
+            self.engine.add(EngineRequest(first.rid, req.prompt_ids, req.params, eos, req.priority, req.group,
+                                          output_token_ids=first.ids, sample_index=first.index,
+                                          more_samples=[EngineSample(s.rid, s.index, s.ids) for s in rest]))
         return len(self.by_rid)
 
     def _fail(self, req: _Request, code: str, message: str) -> None:
@@ -277,18 +315,3 @@ class FrontendCore:
             prompt_token_ids=req.prompt_ids,
         )
 
-
-def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    if params.n == 1:
-        return params
-    # Sample i of a seeded request uses seed + i, as vLLM does; past 2**64 - 1 it wraps
-    # (a seed is 64 bits on the wire and in torch).
-    seed = params.seed
-    if seed is not None:
-        seed += index
-        if seed >= 2**64:
-            seed -= 2**64
-    # The prompt is the same for every sample: sample 0 alone computes its logprobs, so
-    # the others may still share its blocks through the prefix cache.
-    prompt_logprobs = params.prompt_logprobs if index == 0 else None
-    return msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)

@@ -8,6 +8,10 @@ window starts inside the prompt so leading spaces come out as in a full
 decode. Stop strings are checked on the text; the last
 `max(len(stop)) - 1` characters are held back from the stream so that a stop
 string is never partly sent before it is recognised.
+
+A request's stop strings are indexed once (`StopStrings`) for all its samples:
+each new character costs one set lookup per distinct stop-string length, not
+one search per stop string, so thousands of them cost what a few do.
 """
 
 from __future__ import annotations
@@ -18,21 +22,51 @@ _PROMPT_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
 
 
+class StopStrings:
+    """Stop strings grouped by length."""
+
+    __slots__ = ("by_length", "longest")
+
+    def __init__(self, stop: list[str]) -> None:
+        by_length: dict[int, set[str]] = {}
+        for s in stop:
+            if s:
+                by_length.setdefault(len(s), set()).add(s)
+        self.by_length = sorted(by_length.items())
+        self.longest = self.by_length[-1][0] if self.by_length else 0
+
+    def first_hit(self, text: str, new_from: int) -> int:
+        """Where the earliest stop string that ends at or after `new_from` starts in
+        `text`; -1 if none does. Strings that end earlier were looked for before."""
+        hit = -1
+        for end in range(new_from + 1, len(text) + 1):
+            for length, words in self.by_length:
+                start = end - length
+                if start < 0:
+                    break
+                if (hit == -1 or start < hit) and text[start:end] in words:
+                    hit = start
+        return hit
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
         tokenizer: Any,
         prompt_ids: list[int],
-        stop: list[str] | None,
+        stop: StopStrings | list[str] | None,
         skip_special_tokens: bool = True,
     ) -> None:
+        """`stop`: a request's `StopStrings`, made once for its samples (or a list of them)."""
         self._decode = tokenizer.backend_tokenizer.decode
         self._skip = skip_special_tokens
         self._ids = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0  # window start
         self._read_offset = len(self._ids)  # tokens before this are in `text`
-        self._stop = stop or []
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._stop = stop if isinstance(stop, StopStrings) or stop is None else StopStrings(stop)
+        if self._stop is not None and not self._stop.longest:
+            self._stop = None
+        self._hold = max(1, self._stop.longest if self._stop else 1) - 1
         self.text = ""
         self._sent = 0
         self.stopped = False
@@ -56,16 +90,12 @@ class IncrementalDetokenizer:
         return ""
 
     def _append(self, chunk: str) -> bool:
-        start = max(0, len(self.text) - self._hold)
+        new_from = len(self.text)
         self.text += chunk
-        return bool(self._stop) and self._check_stop(start)
+        return self._stop is not None and self._check_stop(self._stop, new_from)
 
-    def _check_stop(self, start: int) -> bool:
-        hit = -1
-        for s in self._stop:
-            i = self.text.find(s, start)
-            if i != -1 and (hit == -1 or i < hit):
-                hit = i
+    def _check_stop(self, stop: StopStrings, new_from: int) -> bool:
+        hit = stop.first_hit(self.text, new_from)
         if hit == -1:
             return False
         self.text = self.text[:hit]

@@ -13,7 +13,13 @@ from noria.frontend.bad_words import bad_words_token_ids
 from noria.protocol.client import Generate
 from noria.protocol.config import SchedulingPolicy
 from noria.protocol.errors import ErrorCode, NoriaError, ParamError
-from noria.protocol.sampling import SamplingParams, check_sampling
+from noria.protocol.sampling import (
+    MAX_ENGINE_PARAMS_BYTES,
+    EngineSamplingParams,
+    SamplingParams,
+    check_sampling,
+    engine_params,
+)
 
 Positive = Annotated[int, Meta(ge=1)]
 
@@ -90,9 +96,6 @@ class InputProcessor:
         self.check_priority(msg.priority)
         params = msg.sampling_params()
         check_sampling(params, self.vocab_size)
-        params.bad_words_token_ids = (
-            bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) if params.bad_words else None
-        )
         ids = self.tokenize(msg)
         if not ids:
             raise NoriaError(ErrorCode.INVALID_REQUEST, "prompt is empty")
@@ -112,6 +115,19 @@ class InputProcessor:
                              f"max_model_len ({self.max_model_len}): ask for at most "
                              f"{self.max_model_len - len(ids)} tokens, or send a shorter prompt")
         return ids, params
+
+    def engine_params(self, params: SamplingParams) -> EngineSamplingParams:
+        """The engine's part of checked `params` (bad words as token ids), for all of a
+        request's samples; refused past MAX_ENGINE_PARAMS_BYTES encoded, so that no
+        request's parameters can make a step's plan too large to send in time."""
+        words = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size) if params.bad_words else None
+        out = engine_params(params, words)
+        size = len(msgspec.msgpack.encode(out))
+        if size > MAX_ENGINE_PARAMS_BYTES:
+            raise NoriaError(ErrorCode.INVALID_REQUEST, f"the sampling parameters take {size} bytes in the engine, "
+                             f"more than the {MAX_ENGINE_PARAMS_BYTES} it accepts per request (logit_bias, "
+                             "allowed_token_ids, stop_token_ids, bad_words and structured_output together)")
+        return out
 
     def check_priority(self, priority: int) -> None:
         if not priority:

@@ -1,7 +1,13 @@
 """The frontend's ZMQ ROUTER API: clients (DEALER) send msgpack maps, get deltas back.
 
 One thread polls the client socket and the scheduler's output socket; it
-blocks when there is nothing to do. A scheduler that dies is restarted and its
+blocks when there is nothing to do. A large `generate` (a frame over
+LARGE_REQUEST bytes) is validated, templated and tokenized on a helper thread
+instead (`FrontendCore.prepare`), so that one request never holds up the others'
+deltas or the liveness answers (`hello`, `stats`); its result comes back to the
+loop through a pipe. A client's `generate` and `abort` messages still take
+effect in the order it sent them: behind a request being prepared, its later
+ones wait (an abort then finds the request it names). A scheduler that dies is restarted and its
 requests resubmitted (frontend/supervisor.py); past `--max-scheduler-restarts`,
 every in-flight and new request gets an `engine_dead` error and `serve_forever`
 returns non-zero. SIGTERM drains: new requests get `shutting_down`, open ones
@@ -12,17 +18,21 @@ nothing: a child that exits then ends the open requests at once (frontend/superv
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shutil
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import zmq
 
-from noria.frontend.core import FrontendCore
+from noria.frontend.core import FrontendCore, Prepared
 from noria.frontend.supervisor import Supervisor
 from noria.protocol import PROTOCOL_VERSION
 from noria.protocol.client import (
@@ -39,13 +49,25 @@ from noria.protocol.client import (
     Stats,
 )
 from noria.protocol.codec import Codec
-from noria.protocol.errors import ErrorCode
+from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.security import CurveServer, bridge_key_folder
 from noria.protocol.sockets import CLIENT_HWM, MAX_CLIENT_MESSAGE, drain_router, make_socket
 
 log = logging.getLogger("noria.frontend")
 
 SAME_STOP = 1.0  # s: a second SIGTERM sooner than this is not a second request (see install_signal_handlers)
+LARGE_REQUEST = 32 << 10  # bytes: a `generate` frame larger than this is prepared off the I/O loop
+MAX_BACKLOG = 256  # messages of one client waiting behind a request being prepared
+
+
+class _Waiting:
+    """A client message that takes effect after those the client sent before it."""
+
+    __slots__ = ("msg", "prepared")
+
+    def __init__(self, msg: Generate | Abort, prepared: Future[Prepared | NoriaError] | None) -> None:
+        self.msg = msg
+        self.prepared = prepared  # being made on the helper thread; None: nothing to wait for
 
 
 class FrontendServer:
@@ -73,6 +95,13 @@ class FrontendServer:
         self.gone: set[bytes] = set()
         self.codec: Codec[ClientToServer] = Codec(ClientToServer)
         self.stop_event = threading.Event()
+        # Large requests are prepared here, one at a time (the tokenizer is shared), and each
+        # client's messages behind one wait in its backlog, in order.
+        self.preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noria-prepare")
+        self.backlog: dict[bytes, deque[_Waiting]] = {}
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
         # Called once when the drain begins, possibly from a signal handler (so: no locks), e.g.
         # to stop restarting the bridge.
         self.on_drain: list[Callable[[], None]] = []
@@ -99,18 +128,33 @@ class FrontendServer:
                 Error(request_id=_request_id_of(payload), code=ErrorCode.INVALID_MESSAGE, message=str(e)[:500])
             )
             return
+        self._guarded(identity, msg, lambda: self._dispatch(identity, msg, len(payload)))
+
+    def _guarded(self, identity: bytes, msg: ClientToServer, act: Callable[[], None]) -> None:
         try:
-            self._dispatch(identity, msg)
+            act()
         except Exception as e:  # a bug must cost one request, not the server
             log.exception("internal error on a client message")
             rid = getattr(msg, "request_id", None)
             self._sink(identity)(Error(request_id=rid, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}"[:500]))
 
-    def _dispatch(self, identity: bytes, msg: ClientToServer) -> None:
-        if isinstance(msg, Generate):
-            self.core.submit((identity, msg.request_id), msg, self._sink(identity), client=identity)
-        elif isinstance(msg, Abort):
-            self.core.abort((identity, msg.request_id))
+    def _dispatch(self, identity: bytes, msg: ClientToServer, size: int = 0) -> None:
+        if isinstance(msg, Generate | Abort):
+            waiting = self.backlog.get(identity)
+            large = isinstance(msg, Generate) and size > LARGE_REQUEST
+            if waiting is None and not large:
+                self._apply(identity, msg, None)
+                return
+            if waiting is not None and len(waiting) >= MAX_BACKLOG:
+                self._sink(identity)(Error(request_id=msg.request_id, code=ErrorCode.OVERLOADED,
+                                           message=f"{MAX_BACKLOG} messages of this connection already wait "
+                                                   "behind a large request; retry later"))
+                return
+            future = self.preparer.submit(self._prepare, msg) if large else None
+            if future is not None:
+                future.add_done_callback(self._wake)
+            self.backlog.setdefault(identity, deque()).append(_Waiting(msg, future))
+            self._release(identity)
         elif isinstance(msg, Hello):
             ready = self.core.engine.ready
             self._sink(identity)(Ready(
@@ -128,6 +172,56 @@ class FrontendServer:
             self._sink(identity)(Stats(stats=stats, num_open_requests=self.core.num_open, status=status, reason=reason,
                                        scheduler_restarts=self.supervisor.restarts))
 
+    def _prepare(self, msg: Generate) -> Prepared | NoriaError:
+        """On the helper thread: what `submit` needs, or why the request is refused."""
+        try:
+            return self.core.prepare(msg)
+        except NoriaError as e:
+            return e
+        except Exception as e:  # a bug must cost one request, not the server
+            log.exception("internal error preparing a request")
+            return NoriaError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:500])
+
+    def _wake(self, _future: Future[Prepared | NoriaError]) -> None:
+        with contextlib.suppress(BlockingIOError):  # a full pipe wakes the loop just as well
+            os.write(self.wake_w, b"\0")
+
+    def _apply(self, identity: bytes, msg: Generate | Abort, prepared: Prepared | NoriaError | None) -> None:
+        if isinstance(msg, Generate):
+            self.core.submit((identity, msg.request_id), msg, self._sink(identity), client=identity,
+                             prepared=prepared)
+        else:
+            self.core.abort((identity, msg.request_id))
+
+    def _release(self, identity: bytes) -> None:
+        """Apply the client's waiting messages in order, up to one still being prepared."""
+        waiting = self.backlog[identity]
+        while waiting and (waiting[0].prepared is None or waiting[0].prepared.done()):
+            w = waiting.popleft()
+            prepared = w.prepared.result() if w.prepared is not None else None
+            self._guarded(identity, w.msg, lambda: self._apply(identity, w.msg, prepared))  # noqa: B023 - called at once
+        if not waiting:
+            del self.backlog[identity]
+
+    def _on_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.wake_r, 4096):
+                pass
+        for identity in [i for i, w in self.backlog.items() if w[0].prepared is None or w[0].prepared.done()]:
+            self._release(identity)
+
+    def _answer_backlog(self) -> None:
+        """Before the loop ends: every waiting request gets its final message (the core, which
+        takes no more requests by then, refuses each with its reason)."""
+        for identity, waiting in list(self.backlog.items()):
+            for w in waiting:
+                if w.prepared is not None:
+                    w.prepared.cancel()
+                if isinstance(w.msg, Generate):
+                    self._guarded(identity, w.msg, lambda: self._apply(
+                        identity, w.msg, NoriaError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")))  # noqa: B023
+        self.backlog.clear()
+
     def status(self) -> tuple[str, str]:
         """("ok" | "draining" | "restarting", why) for `stats` and the bridge's /health."""
         if self.drain_deadline is not None:
@@ -140,6 +234,7 @@ class FrontendServer:
         """Serve until drained (0) or until the engine dies for good (1)."""
         poller, pull = zmq.Poller(), None
         poller.register(self.router, zmq.POLLIN)
+        poller.register(self.wake_r, zmq.POLLIN)
         while True:
             if self.stop_event.is_set():
                 self.drain(0.0)
@@ -155,9 +250,12 @@ class FrontendServer:
             events = dict(poller.poll(250))
             if self.router in events:
                 self._read_clients()
+            if self.wake_r in events:
+                self._on_wake()
             dead = self.supervisor.pump(0)
             if dead:
                 log.error("engine died: %s", dead)
+                self._answer_backlog()
                 return 1
             if self.gone:
                 self._abort_gone()
@@ -182,7 +280,9 @@ class FrontendServer:
             n = self.core.end_all(ErrorCode.SHUTTING_DOWN, "the server is shutting down: the request was still "
                                   "open at the drain deadline")
             log.warning("drain deadline: %d request(s) ended with shutting_down", n)
-        return self.core.num_open == 0
+        if self.core.num_open == 0 and self.backlog:
+            self._answer_backlog()  # refused now: the server is shutting down
+        return self.core.num_open == 0 and not self.backlog
 
     def _read_clients(self) -> None:
         for identity, payload in drain_router(self.router, 256):  # bounded: engine outputs are never starved
@@ -190,6 +290,10 @@ class FrontendServer:
 
     def _abort_gone(self) -> None:
         gone, self.gone = self.gone, set()
+        for identity in gone:
+            for w in self.backlog.pop(identity, ()):  # nobody is left to answer
+                if w.prepared is not None:
+                    w.prepared.cancel()
         n = self.core.abort_where(lambda key: key[0] in gone)
         if n:
             log.info("aborted %d request(s) of %d vanished client(s)", n, len(gone))
@@ -218,6 +322,9 @@ class FrontendServer:
         signal.signal(signal.SIGTERM, term)
 
     def close(self) -> None:
+        self.preparer.shutdown(wait=True, cancel_futures=True)
+        os.close(self.wake_r)
+        os.close(self.wake_w)
         self.router.close(linger=200)
         if self.curve is not None:
             self.curve.stop()

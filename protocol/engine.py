@@ -1,8 +1,9 @@
 """Frontend <-> scheduler messages (internal, array-like for speed).
 
 Requests are identified by small integers chosen by the frontend; the
-frontend maps them back to (client, request_id). One engine request is one
-sequence: the frontend sends each of a client request's n samples as its own.
+frontend maps them back to (client, request_id). In the scheduler one engine
+request is one sequence, but the n samples of a client request cross the link
+in one `EngineRequest`: the prompt and the parameters travel once, not n times.
 """
 
 from __future__ import annotations
@@ -10,13 +11,27 @@ from __future__ import annotations
 import msgspec
 
 from noria.protocol.client import Logprob, SchedulerStats
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.sampling import EngineSamplingParams
+
+
+class EngineSample(msgspec.Struct, array_like=True, gc=False):
+    """One more sample of an `EngineRequest`: its engine id, its index among the client
+    request's samples (its seed is `sample_seed(params.seed, index)`; only index 0
+    computes prompt logprobs) and its outputs so far (see `output_token_ids`)."""
+
+    req_id: int
+    index: int
+    output_token_ids: list[int] = []
 
 
 class EngineRequest(msgspec.Struct, array_like=True, gc=False, tag="req"):
+    """A client request's samples that share a prompt and parameters: the first one's id,
+    index and outputs inline, the others in `more_samples`. The scheduler makes each
+    sample a request of its own (`samples`)."""
+
     req_id: int
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: EngineSamplingParams
     eos_token_ids: list[int]
     priority: int = 0
     # The samples of one client request carry the same group (the frontend's
@@ -27,9 +42,15 @@ class EngineRequest(msgspec.Struct, array_like=True, gc=False, tag="req"):
     # as outputs (max_tokens, min_tokens, penalties, the seeded noise's position), so the
     # rest is what an undisturbed run would have produced.
     output_token_ids: list[int] = []
+    sample_index: int = 0  # the first sample's index (EngineSample.index)
+    more_samples: list[EngineSample] = []
     # Mixed into the key of the first prompt block: requests with different salts (or a
     # salt and none) never share prefix-cache blocks (the client's `cache_salt`).
     cache_salt: str | None = None
+
+    def samples(self) -> list[EngineSample]:
+        """Every sample this message carries, the first one included."""
+        return [EngineSample(self.req_id, self.sample_index, self.output_token_ids), *self.more_samples]
 
 
 class EngineAbort(msgspec.Struct, array_like=True, gc=False, tag="abort"):

@@ -1,7 +1,10 @@
-"""Sampling parameters: the public `SamplingParams` and its validation.
+"""Sampling parameters: the public `SamplingParams`, its validation, and the engine's part.
 
-The same Struct travels inside engine requests, so the scheduler and the worker
-see exactly what the user asked for.
+`SamplingParams` is what a client asks for, text included (stop strings, bad words).
+The scheduler and the workers get `EngineSamplingParams` instead: only the fields they
+read, with text already turned into token ids by the frontend, made once per client
+request and shared by its n samples (each sample's seed follows from its index,
+`sample_seed`). Stop strings never leave the frontend.
 """
 
 from __future__ import annotations
@@ -61,9 +64,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     allowed_token_ids: list[Int64] | None = None
     # Words never to generate (vLLM's meaning: see worker/logits_processors.py).
     bad_words: list[str] | None = None
-    # Set by the frontend from `bad_words` with the model's tokenizer (whatever a
-    # client sends here is replaced): the token-id sequences the worker bans.
-    bad_words_token_ids: list[list[Int64]] | None = None
     structured_output: StructuredOutput | None = None  # guided decoding (protocol/structured.py)
 
     # The range each field must fall in, checked through msgspec by `check_sampling`
@@ -136,3 +136,78 @@ def check_sampling(p: SamplingParams, vocab_size: int | None = None) -> None:
         bad = [t for t in ids or () if t >= vocab_size]
         if bad:
             raise ParamError(name, f"{name} out of vocabulary range [0, {vocab_size}): {bad[:8]}")
+
+
+# The largest encoded `EngineSamplingParams` a request may have: it crosses to the
+# scheduler once, and to the workers once in every plan that starts one of its samples,
+# so one request can never make a plan too big to send in time.
+MAX_ENGINE_PARAMS_BYTES = 4 << 20
+
+
+class EngineSamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """What the scheduler and the workers read of a request's sampling parameters.
+
+    Made by the frontend from `SamplingParams` (`engine_params`), once per client
+    request, for all of its samples: no text (stop strings and bad words stay in the
+    frontend), token-id lists without repeats, and the request's own `seed`, from which
+    each sample derives its own (`sample_seed`). Sample 0 alone computes
+    `prompt_logprobs`. The workers get it without `structured_output` (the scheduler
+    sends them the grammar's masks instead).
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    # The token-id sequences never to generate: `bad_words` as the frontend's tokenizer
+    # spells them (frontend/bad_words.py).
+    bad_words_token_ids: list[list[int]] | None = None
+    structured_output: StructuredOutput | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def engine_params(p: SamplingParams, bad_words_token_ids: list[list[int]] | None = None) -> EngineSamplingParams:
+    """The engine's part of checked parameters; `bad_words_token_ids`: `p.bad_words` tokenized."""
+    return EngineSamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        seed=p.seed, stop_token_ids=_unique(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens, logprobs=p.logprobs, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+        logit_bias=p.logit_bias or None, prompt_logprobs=p.prompt_logprobs,
+        allowed_token_ids=_unique(p.allowed_token_ids),
+        bad_words_token_ids=[list(w) for w in dict.fromkeys(map(tuple, bad_words_token_ids or ()))] or None,
+        structured_output=p.structured_output,
+    )
+
+
+def _unique(ids: list[int] | None) -> list[int] | None:
+    # Both lists are sets in meaning; a client's repeats would only fatten every message.
+    return sorted(set(ids)) if ids else None
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed: the request's seed + index, as vLLM does; past 2**64 - 1 it
+    wraps (a seed is 64 bits on the wire and in torch)."""
+    if seed is None or index == 0:
+        return seed
+    seed += index
+    return seed - 2**64 if seed >= 2**64 else seed

@@ -5,7 +5,9 @@ is typed by) is in protocol/worker_link.py.
 
 The worker keeps per-request state (token ids, block table, sampling params)
 across steps, so a plan carries only what changed: full data for requests the
-worker has not seen, new block ids for the others.
+worker has not seen, new block ids for the others. Sampling parameters go once per
+plan however many samples share them: a new request names its entry in
+`StepPlan.params`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from noria.protocol.client import Logprob
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.sampling import EngineSamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -21,15 +23,18 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
 
     `token_ids` holds every token known so far (prompt plus outputs of a resumed
     request); KV of the first `num_computed_tokens` is already in `block_ids`.
+    `params` indexes the plan's `params`; `sample_index` is the request's index among
+    its client request's samples (its seed: `sample_seed`; prompt logprobs: index 0).
     """
 
     req_id: int
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
-    params: SamplingParams
+    params: int
     num_prompt_tokens: int
     eos_token_ids: list[int] = []
+    sample_index: int = 0
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -73,6 +78,8 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     swap_in: list[tuple[int, int]] = []
     epoch: int = 0  # the worker group's incarnation (set by the scheduler process when it sends)
     grammar: GrammarBitmask | None = None  # masks for this step's constrained samples
+    # The sampling parameters of this plan's new requests, each once (samples share one).
+    params: list[EngineSamplingParams] = []
 
 
 class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from noria.protocol.engine import EngineRequest
+from noria.protocol.engine import EngineRequest, EngineSample
 from noria.protocol.errors import ErrorCode
 
 
-def refusal(msg: EngineRequest, max_model_len: int, token_budget: int, chunked_prefill: bool) -> tuple[str, str] | None:
-    """(error code, message) for a request this engine cannot take, else None."""
+def refusal(msg: EngineRequest, sample: EngineSample, max_model_len: int, token_budget: int,
+            chunked_prefill: bool) -> tuple[str, str] | None:
+    """(error code, message) for a sample of `msg` this engine cannot take, else None."""
     n_prompt = len(msg.prompt_token_ids)
-    if msg.params.n != 1:
-        return ErrorCode.INVALID_REQUEST, f"n={msg.params.n}: each sample must be an engine request of its own"
     if n_prompt == 0:
         return ErrorCode.INVALID_REQUEST, "prompt is empty"
     if n_prompt >= max_model_len:
@@ -21,6 +20,6 @@ def refusal(msg: EngineRequest, max_model_len: int, token_budget: int, chunked_p
         return (ErrorCode.PROMPT_TOO_LONG,
                 f"prompt has {n_prompt} tokens, more than max_num_batched_tokens {token_budget} "
                 "with chunked prefill disabled")
-    if msg.output_token_ids and n_prompt + len(msg.output_token_ids) >= max_model_len:
+    if sample.output_token_ids and n_prompt + len(sample.output_token_ids) >= max_model_len:
         return ErrorCode.INVALID_REQUEST, "a resumed request's prompt and outputs fill max_model_len"
     return None

@@ -4,6 +4,8 @@ Each request is written into the plan the moment it is scheduled (it is never
 un-scheduled: preemption only takes requests not yet planned), so the plan's lists
 come out in batch order without a second pass over the batch. A plain decode adds
 only its `(req_id, 1)` pair (the scheduler's hot path appends to `scheduled` itself).
+New requests that share their parameters (the samples of one client request) share
+one entry of the plan's `params`.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from noria.protocol.client import SchedulerStats
+from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.step import CachedRequestData, NewRequestData
 from noria.scheduler.request import Request
 
 
 class PlanBuilder:
-    __slots__ = ("scheduled", "new_requests", "cached", "masked", "stats")
+    __slots__ = ("scheduled", "new_requests", "cached", "masked", "stats", "params", "params_index", "params_bytes")
 
     def __init__(self, stats: SchedulerStats) -> None:
         self.scheduled: list[tuple[int, int]] = []
@@ -24,15 +27,30 @@ class PlanBuilder:
         self.cached: list[CachedRequestData] = []
         self.masked: list[tuple[int, Any]] = []  # (req_id, matcher) of the constrained samples
         self.stats = stats
+        self.params: list[EngineSamplingParams] = []
+        self.params_index: dict[int, int] = {}  # id() of a SharedParams -> its entry in `params`
+        self.params_bytes = 0  # encoded size of `params`
+
+    def has_room_for_params(self, req: Request, budget: int) -> bool:
+        """Whether `req` may start in this plan without its parameters taking the plan past
+        `budget` bytes (the first new request always may: each request's are capped smaller)."""
+        return (not self.params or req.in_worker or id(req.shared) in self.params_index
+                or self.params_bytes + req.shared.nbytes <= budget)
 
     def add(self, req: Request, num_new: int, added: list[int]) -> None:
         """Schedule `num_new` tokens of `req`, whose block table grew by `added`."""
         c = req.num_computed_tokens
         if not req.in_worker:
+            shared = req.shared
+            index = self.params_index.get(id(shared))
+            if index is None:  # `shared` lives as long as `req`: its id is not reused during the plan
+                index = self.params_index[id(shared)] = len(self.params)
+                self.params.append(shared.worker_params)
+                self.params_bytes += shared.nbytes
             self.new_requests.append(
                 NewRequestData(
-                    req.req_id, list(req.token_ids), list(req.block_ids), c, req.params,
-                    req.num_prompt_tokens, sorted(req.eos_token_ids),
+                    req.req_id, list(req.token_ids), list(req.block_ids), c, index,
+                    req.num_prompt_tokens, shared.worker_eos, req.sample_index,
                 )
             )
             req.in_worker = True

@@ -5,8 +5,10 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from noria.protocol.engine import EngineRequest
-from noria.protocol.sampling import SamplingParams
+import msgspec
+
+from noria.protocol.engine import EngineRequest, EngineSample
+from noria.protocol.sampling import EngineSamplingParams
 from noria.scheduler.structured_output import advance
 
 _SETS: dict[frozenset[int], frozenset[int]] = {}
@@ -18,6 +20,24 @@ def _shared(ids: frozenset[int]) -> frozenset[int]:
     if len(_SETS) > 4096:  # many distinct stop sets: stop interning rather than grow
         return _SETS.get(ids, ids)
     return _SETS.setdefault(ids, ids)
+
+
+class SharedParams:
+    """What the samples of one engine request share, made once for all of them: the
+    parameters, the workers' copy of them (no grammar: the workers get masks) and the
+    stop-token sets the per-token check reads, and the workers' copy's encoded size (a
+    plan's budget for parameters counts it)."""
+
+    __slots__ = ("params", "worker_params", "eos_token_ids", "worker_eos", "stop_ids", "nbytes")
+
+    def __init__(self, msg: EngineRequest) -> None:
+        p = msg.params
+        self.params: EngineSamplingParams = p
+        self.worker_params = p if p.structured_output is None else msgspec.structs.replace(p, structured_output=None)
+        self.eos_token_ids = _shared(frozenset(() if p.ignore_eos else msg.eos_token_ids))
+        self.worker_eos = sorted(self.eos_token_ids)
+        self.stop_ids = _shared(frozenset(p.stop_token_ids or ()))
+        self.nbytes = len(msgspec.msgpack.encode(self.worker_params))
 
 
 class Status(enum.IntEnum):
@@ -37,19 +57,26 @@ class Request:
     __slots__ = (
         "req_id", "num_computed_tokens", "num_worker_tokens", "decode_limit", "decode_entry", "token_ids",
         "length_cap", "stop_any", "matcher", "num_cached_tokens", "status", "min_len",
-        "num_prompt_tokens", "params", "eos_token_ids", "stop_ids", "priority", "arrival_seq",
+        "num_prompt_tokens", "params", "shared", "sample_index", "eos_token_ids", "stop_ids", "priority",
+        "arrival_seq",
         "max_tokens", "block_ids", "block_hashes", "num_cached_blocks", "in_worker",
         "swapped_blocks", "num_preemptions", "sort_key", "hash_root",
     )
 
-    def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: bytes | None) -> None:
-        self.req_id = msg.req_id
+    def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: bytes | None,
+                 sample: EngineSample | None = None, shared: SharedParams | None = None) -> None:
+        """One sample of `msg` (default: its first), with what its samples share."""
+        sample = sample or EngineSample(msg.req_id, msg.sample_index, msg.output_token_ids)
+        shared = shared or SharedParams(msg)
+        self.req_id = sample.req_id
+        self.sample_index = sample.index
         self.token_ids: list[int] = list(msg.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.token_ids += msg.output_token_ids  # resumed after a scheduler restart: outputs so far
-        self.params: SamplingParams = msg.params
-        self.eos_token_ids = _shared(frozenset(() if self.params.ignore_eos else msg.eos_token_ids))
-        self.stop_ids = _shared(frozenset(self.params.stop_token_ids or ()))
+        self.token_ids += sample.output_token_ids  # resumed after a scheduler restart: outputs so far
+        self.shared = shared
+        self.params = shared.params
+        self.eos_token_ids = shared.eos_token_ids
+        self.stop_ids = shared.stop_ids
         self.priority = msg.priority
         self.arrival_seq = arrival_seq
         self.max_tokens = max_tokens
@@ -99,7 +126,8 @@ class Request:
     def needs_prompt_logits(self) -> bool:
         """Its prompt logprobs are still due (they come with the first token): every prompt
         position must be computed, so no prefix-cache hits and no swap (worker/prompt_logprobs.py)."""
-        return self.params.prompt_logprobs is not None and len(self.token_ids) == self.num_prompt_tokens
+        return (self.params.prompt_logprobs is not None and self.sample_index == 0
+                and len(self.token_ids) == self.num_prompt_tokens)
 
     def stop_reason(self, tok: int, max_model_len: int) -> str | None:
         """Why the token just appended ends the request, if it does; vLLM's order: length

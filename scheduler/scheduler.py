@@ -29,14 +29,14 @@ import msgspec
 
 from noria.protocol.client import SchedulerStats
 from noria.protocol.config import EngineConfig
-from noria.protocol.engine import EngineRequest, RequestUpdate
+from noria.protocol.engine import EngineRequest, EngineSample, RequestUpdate
 from noria.protocol.errors import ErrorCode
 from noria.protocol.step import StepPlan
 from noria.scheduler.admission import refusal
 from noria.scheduler.block_check import check_blocks
 from noria.scheduler.kv_cache_manager import KVCacheManager
 from noria.scheduler.plan_builder import PlanBuilder
-from noria.scheduler.request import Request, Status
+from noria.scheduler.request import Request, SharedParams, Status
 from noria.scheduler.results import StepResults
 from noria.scheduler.structured_output import StructuredOutputManager, resume
 
@@ -122,28 +122,36 @@ class Scheduler(StepResults):
     # ---- input -----------------------------------------------------------
 
     def add_request(self, msg: EngineRequest) -> None:
-        n_prompt = len(msg.prompt_token_ids)
-        if msg.req_id in self.requests:
-            return self.reject(msg.req_id, ErrorCode.DUPLICATE_REQUEST, f"request {msg.req_id} is already in flight")
-        refused = refusal(msg, self.max_model_len, self.token_budget, self.chunked_prefill)
-        if refused is not None:
-            return self.reject(msg.req_id, *refused)
-        max_tokens = msg.params.max_tokens or self.max_model_len - n_prompt
+        """Queue each sample `msg` carries as a request of its own; they share its parameters."""
         if msg.priority and not self.by_priority:
             msg = msgspec.structs.replace(msg, priority=0)
-        req = Request(msg, self._arrivals, max_tokens, self.kv.hash_root(msg.sample_group, msg.cache_salt))
+        shared = SharedParams(msg)
+        max_tokens = msg.params.max_tokens or self.max_model_len - len(msg.prompt_token_ids)
+        hash_root = self.kv.hash_root(msg.sample_group, msg.cache_salt)
+        for sample in msg.samples():
+            self._add_sample(msg, sample, shared, max_tokens, hash_root)
+
+    def _add_sample(self, msg: EngineRequest, sample: EngineSample, shared: SharedParams, max_tokens: int,
+                    hash_root: bytes | None) -> None:
+        rid = sample.req_id
+        if rid in self.requests:
+            return self.reject(rid, ErrorCode.DUPLICATE_REQUEST, f"request {rid} is already in flight")
+        refused = refusal(msg, sample, self.max_model_len, self.token_budget, self.chunked_prefill)
+        if refused is not None:
+            return self.reject(rid, *refused)
+        req = Request(msg, self._arrivals, max_tokens, hash_root, sample, shared)
         req.set_decode_limit(self.max_model_len)
         self._arrivals += 1
-        self.requests[req.req_id] = req
-        self.stats.prompt_tokens += n_prompt
+        self.requests[rid] = req
+        self.stats.prompt_tokens += req.num_prompt_tokens
         if msg.params.structured_output is not None:
-            matcher = self.grammars.submit(req.req_id, msg.params.structured_output, msg.eos_token_ids)
+            matcher = self.grammars.submit(rid, msg.params.structured_output, msg.eos_token_ids)
             if matcher is None:  # queues in `grammars_ready` once its grammar has compiled
                 req.status = Status.WAITING_GRAMMAR
                 return
             self._with_grammar(req, matcher)
             return
-        heapq.heappush(self.waiting, (req.sort_key, req.req_id))
+        heapq.heappush(self.waiting, (req.sort_key, rid))
 
     def grammars_ready(self) -> None:  # queue requests whose grammar compiled, fail those whose did not
         for rid, matcher, error in self.grammars.take_ready():
@@ -274,6 +282,8 @@ class Scheduler(StepResults):
                 continue
             if req.num_in_flight:
                 break  # preempted while its token was on its way: back once it has arrived
+            if not plan.has_room_for_params(req, PLAN_PARAMS_BYTES):
+                break  # its parameters go with the next plan: no plan grows too large to send in time
             hits = self.kv.get_computed_blocks(req)
             num_computed = len(hits) * self.block_size
             num_new = req.num_tokens - num_computed
@@ -301,7 +311,8 @@ class Scheduler(StepResults):
         swap_out, self._swap_out = self._swap_out, []
         masked = plan.masked
         return StepPlan(self.step_id, plan.scheduled, plan.new_requests, plan.cached, drop, swap_out=swap_out,
-                        swap_in=swap_in, grammar=self.grammars.fill_bitmask(masked) if masked else None)
+                        swap_in=swap_in, grammar=self.grammars.fill_bitmask(masked) if masked else None,
+                        params=plan.params)
 
     # ---- state changes ---------------------------------------------------
 
@@ -356,3 +367,7 @@ class Scheduler(StepResults):
 
 
 _sort_key = attrgetter("sort_key")  # (priority, arrival)
+# The sampling parameters one plan may carry for the requests it starts, encoded: many
+# requests with large parameters (each at most MAX_ENGINE_PARAMS_BYTES) start over several
+# steps rather than in one plan that takes the workers seconds to read.
+PLAN_PARAMS_BYTES = 16 << 20

@@ -96,7 +96,7 @@ def test_discovery_finds_the_links_and_their_payloads() -> None:
     assert {"ClientToServer", "ServerToClient", "FrontendToScheduler", "SchedulerToFrontend",
             "SchedulerToWorker", "WorkerToScheduler"} <= set(unions)
     names = {c.__name__ for c in wire_structs()}
-    assert {"StepPlan", "StepResult", "RequestUpdate", "NewRequestData", "SamplingParams", "Logprob"} <= names
+    assert {"StepPlan", "StepResult", "RequestUpdate", "NewRequestData", "EngineSamplingParams", "Logprob"} <= names
 
 
 def test_every_message_and_link_type_is_named() -> None:

@@ -18,6 +18,7 @@ from noria import LLM, SamplingParams, StructuredOutput
 from noria.bench.fake_worker import FakeWorker, next_token
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest
+from noria.protocol.sampling import EngineSamplingParams
 from noria.scheduler.scheduler import Scheduler
 
 EOS = 99
@@ -27,14 +28,14 @@ def test_a_reused_id_gets_no_token_of_the_ended_request():
     s = Scheduler(EngineConfig(block_size=4), 32, 1000)
     w = FakeWorker(32, 4, vocab=100)
     w.forced[7] = [EOS, 5]  # request 7 stops on its first token; step 2 was planned before it was known
-    s.add_request(EngineRequest(7, [1, 2, 3], SamplingParams(max_tokens=10), [EOS]))
+    s.add_request(EngineRequest(7, [1, 2, 3], EngineSamplingParams(max_tokens=10), [EOS]))
     r1 = w.execute(s.schedule())
     r2 = w.execute(s.schedule())  # planned ahead: request 7 decodes the token on its way
     assert r2.req_ids == [7] and s.requests[7].num_in_flight == 2
     s.update_from_result(r1)
     (done,) = s.take_updates()
     assert (done.new_token_ids, done.finish_reason) == ([EOS], "stop")
-    s.add_request(EngineRequest(7, [4, 5, 6, 7, 8], SamplingParams(max_tokens=3), [EOS]))  # the id again
+    s.add_request(EngineRequest(7, [4, 5, 6, 7, 8], EngineSamplingParams(max_tokens=3), [EOS]))  # the id again
     s.update_from_result(r2)  # the ended request's token: not the new one's
     assert s.take_updates() == [] and s.stats.tokens_discarded == 1
     out: list[int] = []

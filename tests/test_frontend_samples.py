@@ -1,6 +1,6 @@
-"""n > 1 from the frontend's side, in one process: FrontendCore fans a request out
-into one engine request per sample, a real Scheduler with the brute-force worker
-runs them, and the engine's updates flow back through the core."""
+"""n > 1 from the frontend's side, in one process: FrontendCore sends a request's
+samples in one engine request, a real Scheduler with the brute-force worker runs
+each as a sequence of its own, and the engine's updates flow back through the core."""
 
 from __future__ import annotations
 
@@ -55,17 +55,21 @@ def _expected(max_tokens: int) -> list[int]:
     return toks[len(PROMPT):]
 
 
-def test_each_sample_is_an_engine_request_of_its_own(setup):
+def _sample_ids(engine: InProcessEngine) -> list[int]:
+    return [s.req_id for r in engine.sent for s in r.samples()]
+
+
+def test_samples_cross_in_one_engine_request_and_run_as_sequences_of_their_own(setup):
     engine, core = setup
     got: list[Delta | Done | Error] = []
-    core.submit("a", Generate(request_id="a", prompt_token_ids=PROMPT, n=3, seed=7, max_tokens=5, ignore_eos=True),
-                got.append)
+    core.submit("a", Generate(request_id="a", prompt_token_ids=PROMPT, n=3, seed=7, max_tokens=5, ignore_eos=True,
+                              stop=["never said"]), got.append)
     core.submit("b", Generate(request_id="b", prompt_token_ids=PROMPT, seed=7, max_tokens=5), got.append)
-    a, b = engine.sent[:3], engine.sent[3]
-    assert len({r.req_id for r in engine.sent}) == 4
-    assert [r.params.seed for r in a] == [7, 8, 9] and {r.params.n for r in a} == {1}
-    assert len({r.sample_group for r in a}) == 1 and a[0].sample_group is not None
-    assert b.sample_group is None and b.params.seed == 7
+    a, b = engine.sent  # the parameters and the prompt cross once for the three samples
+    assert [s.index for s in a.samples()] == [0, 1, 2] and len(set(_sample_ids(engine))) == 4
+    assert a.params.seed == 7 and b.params.seed == 7  # sample i draws with seed + i (sample_seed)
+    assert a.sample_group is not None and b.sample_group is None
+    assert len(engine.sched.requests) == 4
     while core.num_open:
         engine.step(core)
     done = [m for m in got if isinstance(m, Done) and m.request_id == "a"]
@@ -86,7 +90,7 @@ def test_abort_of_the_client_request_aborts_every_sample_and_frees_its_blocks(se
         engine.step(core)
     assert engine.sched.kv.num_free_blocks < NUM_BLOCKS
     core.abort("a")
-    assert sorted(engine.aborted) == sorted(r.req_id for r in engine.sent)
+    assert sorted(engine.aborted) == sorted(_sample_ids(engine))
     engine.step(core)
     assert engine.sched.kv.num_free_blocks == NUM_BLOCKS and not engine.sched.requests
     assert isinstance(got[-1], Done) and got[-1].finish_reasons == ["abort"] * 4
@@ -101,3 +105,29 @@ def test_an_engine_error_ends_the_request_once(demo_tokenizer):
     engine.step(core)
     assert [type(m) for m in got] == [Error] and got[0].code == "prompt_too_long"
     assert core.num_open == 0 and not engine.sched.has_work()
+
+
+def test_a_restarted_scheduler_gets_each_request_once_with_its_open_samples(setup):
+    engine, core = setup
+    got: list[Delta | Done | Error] = []
+    core.submit("a", Generate(request_id="a", prompt_token_ids=PROMPT, n=3, seed=7, max_tokens=6, ignore_eos=True),
+                got.append)
+    for _ in range(3):
+        engine.step(core)
+    [first] = engine.sent
+    # Sample 1 ends here (as a stop string would end it); the scheduler then restarts empty.
+    req, sample = core.by_rid[first.req_id + 1]
+    core._finish_sample(req, sample, "stop")
+    fresh = InProcessEngine()
+    core.engine = fresh  # type: ignore[assignment]
+    assert core.resubmit_all() == 2
+    [again] = fresh.sent
+    assert [(s.req_id, s.index) for s in again.samples()] == [(first.req_id, 0), (first.req_id + 2, 2)]
+    assert all(s.output_token_ids == _expected(6)[:len(s.output_token_ids)] and s.output_token_ids
+               for s in again.samples())
+    assert again.params is first.params and again.sample_group == first.sample_group
+    while core.num_open:
+        fresh.step(core)
+    for i in (0, 2):  # the resumed samples end as if undisturbed
+        ids = [t for m in got if isinstance(m, Delta) and m.index == i for t in m.token_ids]
+        assert ids == _expected(6)

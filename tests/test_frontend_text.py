@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from noria.frontend.detokenizer import IncrementalDetokenizer
+from noria.frontend.detokenizer import IncrementalDetokenizer, StopStrings
 from noria.frontend.processor import InputProcessor, eos_token_ids
 from noria.protocol.client import Generate
 from noria.protocol.errors import NoriaError
@@ -58,6 +58,36 @@ def test_stop_strings_truncate_and_are_never_partly_streamed(demo_tokenizer, sto
     for p in parts[:-1]:
         sent += p
         assert all(s not in sent for s in stop)
+
+
+def _first_stop(text: str, start: int, stop: list[str]) -> int:
+    """The reference: the earliest of each stop string's first occurrence from `start`."""
+    hits = [i for i in (text.find(s, start) for s in stop) if i != -1]
+    return min(hits, default=-1)
+
+
+@given(st.lists(st.text("ab c", min_size=1, max_size=6), min_size=1, max_size=12), st.lists(st.text("ab c", max_size=5),
+       max_size=12))
+@settings(max_examples=300, deadline=None)
+def test_indexed_stop_strings_find_what_searching_each_finds(stop, chunks):
+    index = StopStrings(stop)
+    hold = max(map(len, stop)) - 1
+    text = ""
+    for chunk in chunks:
+        new_from = len(text)
+        text += chunk
+        want = _first_stop(text, max(0, new_from - hold), stop)
+        assert index.first_hit(text, new_from) == want
+        if want != -1:
+            break
+
+
+def test_thousands_of_stop_strings_are_indexed_once_for_every_sample(demo_tokenizer):
+    stop = [f"zq{i}" for i in range(20_000)] + ["world"]
+    index = StopStrings(stop)
+    out = demo_tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"]
+    samples = [IncrementalDetokenizer(demo_tokenizer, [0], index) for _ in range(3)]
+    assert all("".join(_stream(det, out)) == "Hello, " for det in samples)
 
 
 @pytest.fixture

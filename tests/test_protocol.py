@@ -29,6 +29,7 @@ from noria.protocol.engine import (
     EngineOutputs,
     EngineReady,
     EngineRequest,
+    EngineSample,
     EngineShutdown,
     FrontendToScheduler,
     RequestUpdate,
@@ -37,7 +38,13 @@ from noria.protocol.engine import (
 )
 from noria.protocol.errors import ParamError
 from noria.protocol.model_identity import ModelIdentity, WeightFile
-from noria.protocol.sampling import SamplingParams, check_sampling
+from noria.protocol.sampling import (
+    EngineSamplingParams,
+    SamplingParams,
+    check_sampling,
+    engine_params,
+    sample_seed,
+)
 from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
 from noria.protocol.worker_link import (
     Disband,
@@ -54,6 +61,7 @@ from noria.protocol.worker_link import (
 
 LP = Logprob(token_id=3, logprob=-0.5, top_token_ids=[3, 4], top_logprobs=[-0.5, -1.5])
 PARAMS = SamplingParams(n=2, max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=["x"], logprobs=2)
+ENGINE_PARAMS = engine_params(PARAMS, [[5, 6], [7]])
 
 CLIENT_MSGS = [
     Generate(request_id="r1", prompt="hi", max_tokens=5, temperature=0.0, stop=["\n"]),
@@ -128,15 +136,16 @@ def test_bad_client_messages_name_the_problem(raw, words):
 IDENTITY = ModelIdentity("ab" * 32, [WeightFile("model.safetensors", 1234, "cd" * 32)])
 
 INTERNAL = [
-    (FrontendToScheduler, EngineRequest(1, [1, 2], PARAMS, [0], 2)),
+    (FrontendToScheduler, EngineRequest(1, [1, 2], ENGINE_PARAMS, [0], 2)),
+    (FrontendToScheduler, EngineRequest(1, [1, 2], ENGINE_PARAMS, [0], 0, 1, [9], 0, [EngineSample(2, 1, [8])])),
     (FrontendToScheduler, EngineAbort([1, 2])),
     (FrontendToScheduler, EngineShutdown()),
     (FrontendToScheduler, StatsQuery()),
     (SchedulerToFrontend, EngineOutputs([RequestUpdate(1, [5], "stop", [LP])], SchedulerStats(num_running=2))),
     (SchedulerToFrontend, EngineReady(10, 16, 2048, 706)),
     (SchedulerToFrontend, EngineDead("boom")),
-    (SchedulerToWorker, StepPlan(3, [(1, 5)], [NewRequestData(1, [1, 2], [0], 0, PARAMS, 2, [0])],
-                                 [CachedRequestData(2, [4])], [7], [(3, 0)], [(0, 3)], epoch=4)),
+    (SchedulerToWorker, StepPlan(3, [(1, 5)], [NewRequestData(1, [1, 2], [0], 0, 0, 2, [0], 1)],
+                                 [CachedRequestData(2, [4])], [7], [(3, 0)], [(0, 3)], epoch=4, params=[ENGINE_PARAMS])),
     (SchedulerToWorker, WorkerShutdown()),
     (SchedulerToWorker, Welcome(2, EngineConfig(model="/m", tensor_parallel_size=2), IDENTITY, 1.0, 5.0,
                                 "tcp://10.0.0.2:29500")),
@@ -222,3 +231,16 @@ def test_checked_types_name_real_fields():
     # The wire type stays loose: an out-of-range value decodes (and is rejected later, with its request id).
     g = msgspec.msgpack.decode(msgspec.msgpack.encode({"type": "generate", "request_id": "r", "n": 0}), type=Generate)
     assert g.n == 0
+
+
+def test_engine_params_carry_token_ids_only_once_each():
+    p = SamplingParams(n=4, seed=2**64 - 2, stop=["zebra crossing"], bad_words=["giraffe"], stop_token_ids=[9, 3, 9],
+                       allowed_token_ids=[5, 5, 1], skip_special_tokens=False)
+    e = engine_params(p, [[7, 8], [7, 8], [4]])
+    wire = msgspec.msgpack.encode(EngineRequest(0, [1], e, [2], more_samples=[EngineSample(i, i) for i in range(1, 4)]))
+    assert b"zebra" not in wire and b"giraffe" not in wire  # text stays in the frontend
+    assert e.stop_token_ids == [3, 9] and e.allowed_token_ids == [1, 5] and e.bad_words_token_ids == [[7, 8], [4]]
+    assert set(EngineSamplingParams.__struct_fields__) <= set(SamplingParams.__struct_fields__) | {"bad_words_token_ids"}
+    # Sample i's seed is the request's + i, wrapping at 2**64 (vLLM's rule, 64 bits in torch).
+    assert [sample_seed(e.seed, i) for i in range(4)] == [2**64 - 2, 2**64 - 1, 0, 1]
+    assert sample_seed(None, 3) is None

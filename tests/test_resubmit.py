@@ -14,13 +14,13 @@ import zmq
 from noria.frontend.engine_client import engine_sockets
 from noria.protocol.config import EngineAddresses
 from noria.protocol.engine import EngineRequest
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.sampling import SamplingParams, engine_params
 from noria.protocol.sockets import MAX_ENGINE_MESSAGE
 from tests.test_scheduler_basic import EOS, make, reference, run
 
 
 def _resumed(rid: int, prompt: list[int], outputs: list[int], **params) -> EngineRequest:
-    return EngineRequest(rid, prompt, SamplingParams(**params), [EOS], output_token_ids=outputs)
+    return EngineRequest(rid, prompt, engine_params(SamplingParams(**params)), [EOS], output_token_ids=outputs)
 
 
 @pytest.mark.parametrize("split", [1, 7, 19])

@@ -12,7 +12,7 @@ import torch
 from noria import LLM, NoriaError, SamplingParams
 from noria.frontend.bad_words import bad_words_token_ids
 from noria.protocol.errors import ParamError
-from noria.protocol.sampling import check_sampling
+from noria.protocol.sampling import EngineSamplingParams, check_sampling
 from noria.worker.logits_processors import apply_processors, make_processors
 from noria.worker.sampler import Sampler, SamplingState
 from tests.sampling_reference import (
@@ -73,7 +73,7 @@ def test_bad_words_tokenize_with_and_without_a_leading_space(demo_tokenizer):
 # ---- the worker's batched edits against per-row masks ----------------------
 
 
-def _random_params(rng: random.Random, vocab: int) -> SamplingParams:
+def _random_params(rng: random.Random, vocab: int) -> EngineSamplingParams:
     kw: dict = {}
     if rng.random() < 0.6:
         kw["logit_bias"] = {rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.randint(1, 6))}
@@ -81,10 +81,10 @@ def _random_params(rng: random.Random, vocab: int) -> SamplingParams:
         kw["allowed_token_ids"] = rng.sample(range(vocab), rng.randint(1, 12))
     if rng.random() < 0.6:
         kw["bad_words_token_ids"] = [[rng.randrange(vocab) for _ in range(rng.randint(1, 3))] for _ in range(4)]
-    return SamplingParams(**kw)
+    return EngineSamplingParams(**kw)
 
 
-def _expected(logits: torch.Tensor, p: SamplingParams, outputs: list[int]) -> torch.Tensor:
+def _expected(logits: torch.Tensor, p: EngineSamplingParams, outputs: list[int]) -> torch.Tensor:
     row = logits.clone()
     if p.allowed_token_ids:
         row = allowed_edit(p.allowed_token_ids)(row, outputs)
@@ -114,8 +114,8 @@ def test_batched_edits_equal_each_rows_own_mask():
 
 def test_a_banned_or_disallowed_token_is_never_sampled_whatever_its_bias():
     vocab = 40
-    params = SamplingParams(temperature=1.0, seed=3, allowed_token_ids=[5, 6, 7],
-                            logit_bias={1: 100.0, 5: 100.0}, bad_words_token_ids=[[5]])
+    params = EngineSamplingParams(temperature=1.0, seed=3, allowed_token_ids=[5, 6, 7],
+                                  logit_bias={1: 100.0, 5: 100.0}, bad_words_token_ids=[[5]])
     state = SamplingState(params, [1, 2], 2, [], vocab, CPU)
     sampler = Sampler(vocab, CPU)
     for _ in range(30):

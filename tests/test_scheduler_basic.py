@@ -7,7 +7,7 @@ import random
 from noria.bench.fake_worker import FakeWorker, next_token
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.sampling import SamplingParams, engine_params
 from noria.scheduler.scheduler import Scheduler
 
 EOS = 999
@@ -19,7 +19,7 @@ def make(num_blocks: int = 64, block_size: int = 4, max_len: int = 256, **kw) ->
 
 
 def req(rid: int, prompt: list[int], priority: int = 0, **params) -> EngineRequest:
-    return EngineRequest(rid, prompt, SamplingParams(**params), [EOS], priority)
+    return EngineRequest(rid, prompt, engine_params(SamplingParams(**params)), [EOS], priority)
 
 
 def run(s: Scheduler, w: FakeWorker, max_steps: int = 10_000) -> dict[int, tuple[list[int], str]]:

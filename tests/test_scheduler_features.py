@@ -6,8 +6,8 @@ import pytest
 
 from noria.bench.fake_worker import FakeWorker
 from noria.protocol.config import EngineConfig
-from noria.protocol.engine import EngineRequest
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.engine import EngineRequest, EngineSample
+from noria.protocol.sampling import SamplingParams, engine_params
 from noria.scheduler.scheduler import Scheduler
 from tests.test_scheduler_basic import EOS, reference, run
 
@@ -18,7 +18,7 @@ def make(num_blocks: int, block_size: int = 16, cpu_blocks: int = 0, **kw) -> tu
 
 
 def req(rid, prompt, priority=0, **p):
-    return EngineRequest(rid, prompt, SamplingParams(**p), [EOS], priority)
+    return EngineRequest(rid, prompt, engine_params(SamplingParams(**p)), [EOS], priority)
 
 
 def step(s, w):
@@ -80,8 +80,10 @@ def test_last_prompt_token_is_always_computed():
 
 
 def samples(first_rid, prompt, n, **p):
-    """The engine requests the frontend sends for one client request with n samples."""
-    return [EngineRequest(first_rid + i, prompt, SamplingParams(**p), [EOS], 0, first_rid) for i in range(n)]
+    """The engine requests the frontend sends for one client request with n samples: one."""
+    more = [EngineSample(first_rid + i, i) for i in range(1, n)]
+    return [EngineRequest(first_rid, prompt, engine_params(SamplingParams(**p)), [EOS], 0, first_rid,
+                          more_samples=more)]
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -136,11 +138,23 @@ def test_samples_survive_preemption(mode):
     assert len(s.kv.cpu_free) == s.kv.num_cpu_blocks
 
 
-def test_an_engine_request_is_one_sequence():
-    s, _ = make(64)
-    s.add_request(req(0, [1, 2, 3], n=2))
-    assert [(u.req_id, u.error_code) for u in s.take_updates()] == [(0, "invalid_request")]
-    assert not s.has_work()
+def test_samples_cross_as_one_engine_request_and_their_params_go_once_per_plan():
+    s, w = make(64)
+    [msg] = samples(5, [1, 2, 3], 3, max_tokens=2, seed=9, prompt_logprobs=1)
+    s.add_request(msg)
+    s.add_request(req(9, [4, 5], max_tokens=2))
+    assert sorted(s.requests) == [5, 6, 7, 9]
+    assert s.requests[5].params is s.requests[7].params  # shared, not copied per sample
+    plan = s.schedule()
+    news = {n.req_id: n for n in plan.new_requests}
+    assert len(plan.params) == 2
+    assert {n.params for rid, n in news.items() if rid != 9} == {0}, "one entry for the three samples"
+    assert [news[r].sample_index for r in (5, 6, 7, 9)] == [0, 1, 2, 0]
+    assert plan.params[news[9].params].seed is None and plan.params[0].seed == 9
+    # Only sample 0 computes the prompt's logprobs, so the others may hit its blocks.
+    assert [s.requests[r].needs_prompt_logits for r in (5, 6, 7)] == [True, False, False]
+    s.update_from_result(w.execute(plan))
+    assert s.schedule().params == [], "a plan without new requests carries no params"
 
 
 def test_priority_runs_first_and_preempts_the_lowest_latest():
@@ -209,3 +223,18 @@ def test_abort_of_swapped_and_waiting_requests_frees_everything():
     s.abort([r.req_id for r in s.swapped] + [rid for _, rid in s.waiting])
     run(s, w)
     assert len(s.kv.cpu_free) == 32
+
+
+def test_requests_with_large_params_start_over_several_plans(monkeypatch):
+    import noria.scheduler.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "PLAN_PARAMS_BYTES", 2000)
+    s, w = make(64)
+    big = list(range(1000, 1600))  # ~1.8 kB encoded: two do not fit the budget, one always does
+    for rid in range(3):
+        s.add_request(req(rid, [1, 2, 3], max_tokens=2, allowed_token_ids=big + [EOS + rid]))
+    s.add_request(req(3, [4, 5], max_tokens=2))  # small: waits its turn behind them (FCFS)
+    started = [sorted(n.req_id for n in step(s, w).new_requests) for _ in range(3)]
+    assert started == [[0], [1], [2, 3]]
+    run(s, w)
+    assert not s.requests and s.check_blocks() is None

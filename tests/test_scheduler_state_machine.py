@@ -24,8 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import noria.scheduler.kv_cache_manager as kvm
 from noria.bench.fake_worker import FakeWorker, next_token
 from noria.protocol.config import EngineConfig
-from noria.protocol.engine import EngineRequest
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.engine import EngineRequest, EngineSample
+from noria.protocol.sampling import EngineSamplingParams
 from noria.scheduler.scheduler import Scheduler
 
 VOCAB = 40
@@ -116,15 +116,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _arrive(self, prompt, max_tokens, n, priority):
         first = self.next_id
-        for _ in range(n):  # one engine request per sample, as the frontend sends them
+        for _ in range(n):
             rid = self.next_id
             self.next_id += 1
             self.prompts[rid] = prompt
             self.outputs[rid] = []
             self.max_tokens[rid] = max_tokens
             self.group[rid] = first
-            params = SamplingParams(max_tokens=max_tokens)
-            self.s.add_request(EngineRequest(rid, prompt, params, [EOS], priority, first if n > 1 else None))
+        # One engine request carries every sample, as the frontend sends them.
+        params = EngineSamplingParams(max_tokens=max_tokens)
+        more = [EngineSample(first + i, i) for i in range(1, n)]
+        self.s.add_request(EngineRequest(first, prompt, params, [EOS], priority, first if n > 1 else None,
+                                         more_samples=more))
         self._collect()
 
     @rule(data=st.data(), whole=st.booleans())

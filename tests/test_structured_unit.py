@@ -17,7 +17,7 @@ import torch
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest
 from noria.protocol.errors import ParamError
-from noria.protocol.sampling import SamplingParams, check_sampling
+from noria.protocol.sampling import EngineSamplingParams, SamplingParams, check_sampling
 from noria.protocol.step import GrammarBitmask, StepPlan, StepResult
 from noria.protocol.structured import StructuredOutput, check_structured, spec_text
 from noria.scheduler.request import Status
@@ -99,7 +99,7 @@ def test_manager_compiles_off_thread_caches_and_reports_errors(demo_path):
 
 
 def _request(rid: int, n_prompt: int, so: StructuredOutput | None) -> EngineRequest:
-    return EngineRequest(rid, list(range(3, 3 + n_prompt)), SamplingParams(max_tokens=8, structured_output=so), [2])
+    return EngineRequest(rid, list(range(3, 3 + n_prompt)), EngineSamplingParams(max_tokens=8, structured_output=so), [2])
 
 
 def test_scheduler_waits_for_the_grammar_and_masks_only_sampling_steps(demo_path):
@@ -172,7 +172,7 @@ def test_a_resumed_request_goes_on_from_its_outputs_in_the_grammar(demo_path):
     sched.abort([1])
     tok = sched.grammars._tokenizer
     a, b = tok.tokenize_str("a")[0], tok.tokenize_str("b")[0]
-    params = SamplingParams(max_tokens=8, structured_output=so)
+    params = EngineSamplingParams(max_tokens=8, structured_output=so)
     sched.add_request(EngineRequest(2, [3, 4, 5, 6], params, [2], output_token_ids=[a]))
     sched.add_request(EngineRequest(3, [3, 4, 5, 6], params, [2], output_token_ids=[a, a]))
     (broken,) = [u for u in sched.take_updates() if u.req_id == 3]

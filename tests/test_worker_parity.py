@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from noria.protocol.config import EngineConfig
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
 from noria.worker.model_runner import ModelRunner
 from tests.tiny_models import ALL_ARCHS, load_reference, make_checkpoint, reference_greedy
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+GREEDY = EngineSamplingParams(temperature=0.0, max_tokens=None)
 
 
 @dataclass
@@ -99,12 +99,12 @@ class Driver:
             scheduled.append((req.rid, n))
             if not req.known_to_worker:
                 new.append(NewRequestData(req.rid, list(req.tokens), list(req.blocks), req.computed,
-                                          GREEDY, req.num_prompt))
+                                          0, req.num_prompt))
                 req.known_to_worker = True
             elif added:
                 cached.append(CachedRequestData(req.rid, added))
         plan = StepPlan(step_id=self.step_id, scheduled=scheduled, new_requests=new,
-                        cached_requests=cached, finished_req_ids=self.finished)
+                        cached_requests=cached, finished_req_ids=self.finished, params=[GREEDY])
         result = self.runner.execute(plan)
         self.finished = []
         expect_sampled = []
@@ -238,17 +238,18 @@ def test_decode_batch_equals_single_sequence_runs(checkpoints: dict[str, Path]) 
     news = []
     for rid, prompt in enumerate(prompts):
         n = -(-len(prompt) // 16) + 1
-        news.append(NewRequestData(rid, prompt, list(range(next_block, next_block + n)), 0,
-                                   SamplingParams(temperature=0.0, logprobs=5), len(prompt)))
+        news.append(NewRequestData(rid, prompt, list(range(next_block, next_block + n)), 0, 0, len(prompt)))
         next_block += n
-    first = runner.execute(StepPlan(0, [(r.req_id, len(r.token_ids)) for r in news], new_requests=news))
+    params = [EngineSamplingParams(temperature=0.0, logprobs=5)]
+    first = runner.execute(StepPlan(0, [(r.req_id, len(r.token_ids)) for r in news], new_requests=news,
+                                    params=params))
     batched = runner.execute(StepPlan(1, [(r.req_id, 1) for r in news]))
     assert batched.logprobs is not None
     for i, new in enumerate(news):
         alone = _runner(path)
         tokens = new.token_ids + [first.token_ids[i]]
         single = alone.execute(StepPlan(0, [(0, len(tokens))], new_requests=[
-            NewRequestData(0, tokens, new.block_ids, 0, new.params, len(new.token_ids))]))
+            NewRequestData(0, tokens, new.block_ids, 0, 0, len(new.token_ids))], params=params))
         assert single.token_ids[0] == batched.token_ids[i]
         assert single.logprobs is not None
         a, b = single.logprobs[0], batched.logprobs[i]
@@ -262,11 +263,17 @@ def test_plan_errors_are_clear(checkpoints: dict[str, Path]) -> None:
     with pytest.raises(KeyError, match="request 5"):
         runner.execute(StepPlan(0, [(5, 1)]))
     with pytest.raises(ValueError, match="block id out of range"):
-        runner.execute(StepPlan(1, [(1, 3)], new_requests=[NewRequestData(1, [5, 6, 7], [10_000], 0, GREEDY, 3)]))
+        runner.execute(StepPlan(1, [(1, 3)], new_requests=[NewRequestData(1, [5, 6, 7], [10_000], 0, 0, 3)],
+                                      params=[GREEDY]))
     with pytest.raises(ValueError, match="needs 2 blocks"):
-        runner.execute(StepPlan(2, [(2, 20)], new_requests=[NewRequestData(2, list(range(3, 23)), [0], 0, GREEDY, 20)]))
+        runner.execute(StepPlan(2, [(2, 20)], new_requests=[NewRequestData(2, list(range(3, 23)), [0], 0, 0, 20)],
+                                      params=[GREEDY]))
     # The worker still serves after a bad plan.
-    ok = runner.execute(StepPlan(3, [(3, 3)], new_requests=[NewRequestData(3, [5, 6, 7], [1], 0, GREEDY, 3)]))
+    with pytest.raises(ValueError, match="params entry 1"):
+        runner.execute(StepPlan(3, [(4, 3)], new_requests=[NewRequestData(4, [5, 6, 7], [1], 0, 1, 3)],
+                                params=[GREEDY]))
+    ok = runner.execute(StepPlan(3, [(3, 3)], new_requests=[NewRequestData(3, [5, 6, 7], [1], 0, 0, 3)],
+                                 params=[GREEDY]))
     assert ok.req_ids == [3]
 
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from noria.protocol.config import EngineConfig
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.step import NewRequestData, StepPlan
 from noria.worker.kv_cache import KVCache, KVLayout
 from noria.worker.model_runner import ModelRunner
 from tests.tiny_models import load_reference, make_checkpoint, reference_greedy
 
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = EngineSamplingParams(temperature=0.0)
 
 
 def _filled_cache(dtype: torch.dtype) -> KVCache:
@@ -108,21 +108,21 @@ def test_swap_preemption_matches_transformers(qwen2: Path) -> None:
 
     def run(plan_kw: dict) -> list[int]:
         nonlocal step
-        result = runner.execute(StepPlan(step_id=step, **plan_kw))
+        result = runner.execute(StepPlan(step_id=step, params=[GREEDY], **plan_kw))
         step += 1
         return result.token_ids
 
-    out_a += run({"scheduled": [(0, 37)], "new_requests": [NewRequestData(0, pa, [0, 1, 2], 0, GREEDY, 37)]})
+    out_a += run({"scheduled": [(0, 37)], "new_requests": [NewRequestData(0, pa, [0, 1, 2], 0, 0, 37)]})
     for _ in range(4):
         out_a += run({"scheduled": [(0, 1)]})
     # Preempt A: drop it from the worker and move its 3 blocks to CPU blocks 4, 0, 2.
     tokens_a = pa + out_a
     out_b = run({"scheduled": [(1, 45)], "finished_req_ids": [0], "swap_out": [(0, 4), (1, 0), (2, 2)],
-                 "new_requests": [NewRequestData(1, pb, [2, 0, 1, 3], 0, GREEDY, 45)]})
+                 "new_requests": [NewRequestData(1, pb, [2, 0, 1, 3], 0, 0, 45)]})
     for _ in range(3):
         out_b += run({"scheduled": [(1, 1)]})
     # Resume A in fresh blocks; its last sampled token is not computed yet.
-    resumed = NewRequestData(0, tokens_a, [7, 5, 9], len(tokens_a) - 1, GREEDY, 37)
+    resumed = NewRequestData(0, tokens_a, [7, 5, 9], len(tokens_a) - 1, 0, 37)
     toks = run({"scheduled": [(1, 1), (0, 1)], "new_requests": [resumed], "swap_in": [(7, 4), (5, 0), (9, 2)]})
     out_b.append(toks[0])
     out_a.append(toks[1])

@@ -5,7 +5,7 @@ penalties and sampling: the allowed-ids mask, the bad-words ban, then the bias.
 A banned token's logit is -inf, so a bias cannot bring it back.
 
 Bad words (the frontend tokenizes each word with and without a leading space,
-`SamplingParams.bad_words_token_ids`): a one-token word is never sampled; the
+`EngineSamplingParams.bad_words_token_ids`): a one-token word is never sampled; the
 last token of a longer word is banned whenever the request's latest output
 tokens equal the rest of that word. As in vLLM only output tokens count, not
 the prompt.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.sampling import EngineSamplingParams
 
 
 class LogitsProcessors:
@@ -23,7 +23,7 @@ class LogitsProcessors:
 
     __slots__ = ("bias_ids", "bias_values", "disallowed", "always_banned", "prefixed", "recent", "keep")
 
-    def __init__(self, params: SamplingParams, output_ids: list[int], vocab_size: int, device: torch.device) -> None:
+    def __init__(self, params: EngineSamplingParams, output_ids: list[int], vocab_size: int, device: torch.device) -> None:
         bias = {t: v for t, v in (params.logit_bias or {}).items() if 0 <= t < vocab_size and v != 0.0}
         self.bias_ids = list(bias)
         self.bias_values = list(bias.values())
@@ -60,7 +60,7 @@ class LogitsProcessors:
 
 
 def make_processors(
-    params: SamplingParams, output_ids: list[int], vocab_size: int, device: torch.device
+    params: EngineSamplingParams, output_ids: list[int], vocab_size: int, device: torch.device
 ) -> LogitsProcessors | None:
     if not (params.logit_bias or params.allowed_token_ids or params.bad_words_token_ids):
         return None

@@ -26,6 +26,7 @@ import torch
 from noria.protocol.client import Logprob
 from noria.protocol.config import EngineConfig
 from noria.protocol.model_shapes import ShardedShapes, tensor_parallel_error
+from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
 from noria.worker.attention import AttentionMetadata
 from noria.worker.attention_select import attention_layers, get_attention_backend
@@ -147,7 +148,7 @@ class ModelRunner:
         for req_id in plan.finished_req_ids:
             self._drop(req_id)
         for new in plan.new_requests:
-            self._add(new)
+            self._add(new, plan.params)
         for cached in plan.cached_requests:
             self._update(cached, plan.step_id)
         # The order the protocol fixes (see StepPlan).
@@ -203,24 +204,27 @@ class ModelRunner:
 
     # -- request state ----------------------------------------------------------
 
-    def _add(self, new: NewRequestData) -> None:
+    def _add(self, new: NewRequestData, plan_params: list[EngineSamplingParams]) -> None:
         # A request seen before (e.g. preempted and resumed) is rebuilt from scratch.
         self._drop(new.req_id)
         what = f"request {new.req_id}"
         if not new.token_ids:
             raise ValueError(f"{what}: no token ids")
+        if not 0 <= new.params < len(plan_params):
+            raise ValueError(f"{what}: params entry {new.params} outside the plan's {len(plan_params)}")
+        params = plan_params[new.params]
         if not 0 <= new.num_computed_tokens <= len(new.token_ids):
             raise ValueError(f"{what}: num_computed_tokens {new.num_computed_tokens} outside "
                              f"[0, {len(new.token_ids)}]")
         bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{what}: token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
-        tracker = PromptLogprobs.for_request(new)
+        tracker = PromptLogprobs.for_request(new, params)
         self.kv_cache.check_blocks(new.block_ids, what)
         sampling = None
         if self.sampler is not None:
-            sampling = SamplingState(new.params, new.token_ids, new.num_prompt_tokens, new.eos_token_ids,
-                                     self.vocab_size, self.device)
+            sampling = SamplingState(params, new.token_ids, new.num_prompt_tokens, new.eos_token_ids,
+                                     self.vocab_size, self.device, new.sample_index)
         self.requests[new.req_id] = RequestState(
             req_id=new.req_id,
             token_ids=list(new.token_ids),

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from noria.protocol.client import Logprob
+from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.step import NewRequestData
 
 # Rows of [rows, vocab] float32 logits made at once: bounds the memory of a long prefill chunk.
@@ -43,10 +44,10 @@ class PromptLogprobs:
         self.next_pos = 0  # the first position no chunk has covered yet (on every rank)
 
     @classmethod
-    def for_request(cls, new: NewRequestData) -> PromptLogprobs | None:
-        k = new.params.prompt_logprobs
-        if k is None or len(new.token_ids) > new.num_prompt_tokens:
-            return None  # not asked for, or already sent with the first output token
+    def for_request(cls, new: NewRequestData, params: EngineSamplingParams) -> PromptLogprobs | None:
+        k = params.prompt_logprobs
+        if k is None or new.sample_index != 0 or len(new.token_ids) > new.num_prompt_tokens:
+            return None  # not asked for, another sample's to compute, or sent with the first output token
         if new.num_computed_tokens:
             raise ValueError(f"request {new.req_id} wants prompt logprobs but starts with "
                              f"{new.num_computed_tokens} tokens computed (they have no logits)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from noria.protocol.client import Logprob
-from noria.protocol.sampling import SamplingParams
+from noria.protocol.sampling import EngineSamplingParams, sample_seed
 from noria.worker.fused_kernels import argmax_rows
 from noria.worker.logits_processors import apply_processors, make_processors
 
@@ -39,14 +39,18 @@ class SamplingState:
 
     def __init__(
         self,
-        params: SamplingParams,
+        params: EngineSamplingParams,
         token_ids: list[int],
         num_prompt_tokens: int,
         eos_token_ids: list[int],
         vocab_size: int,
         device: torch.device,
+        sample_index: int = 0,
     ) -> None:
+        """`params` may be shared by the samples of one client request: this one's seed
+        follows from its `sample_index`."""
         self.params = params
+        self.seed = sample_seed(params.seed, sample_index)
         self.greedy = params.temperature < 1e-5
         self.num_outputs = len(token_ids) - num_prompt_tokens
         stop = [] if params.ignore_eos else list(eos_token_ids)
@@ -54,7 +58,7 @@ class SamplingState:
         # Ids outside the vocabulary cannot be sampled anyway.
         self.min_tokens_stop_ids = sorted({t for t in stop if 0 <= t < vocab_size})
         self.generator: torch.Generator | None = None
-        if params.seed is not None:
+        if self.seed is not None:
             self.generator = torch.Generator(device=device)
         self.prompt_mask: torch.Tensor | None = None
         self.output_counts: torch.Tensor | None = None
@@ -153,15 +157,15 @@ class Sampler:
             ).exponential_(generator=self.generator)
         for i, s in enumerate(states):
             if s.generator is not None:
-                assert s.params.seed is not None
-                s.generator.manual_seed(step_seed(s.params.seed, s.num_outputs))
+                assert s.seed is not None
+                s.generator.manual_seed(step_seed(s.seed, s.num_outputs))
                 noise[i].exponential_(generator=s.generator)
         # Exponential race: argmax p_i / E_i picks i with probability p_i. A zero
         # draw would turn a masked 0/0 into NaN, so keep the noise positive.
         return (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
 
     def _top_k_top_p(
-        self, logits: torch.Tensor, params: list[SamplingParams], use_top_k: bool, use_top_p: bool
+        self, logits: torch.Tensor, params: list[EngineSamplingParams], use_top_k: bool, use_top_p: bool
     ) -> torch.Tensor:
         device = logits.device
         sorted_logits, order = logits.sort(dim=-1, descending=True)
