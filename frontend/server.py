@@ -57,7 +57,7 @@ log = logging.getLogger("noria.frontend")
 
 SAME_STOP = 1.0  # s: a second SIGTERM sooner than this is not a second request (see install_signal_handlers)
 LARGE_REQUEST = 32 << 10  # bytes: a `generate` frame larger than this is prepared off the I/O loop
-MAX_BACKLOG = 256  # messages of one client waiting behind a request being prepared
+MAX_BACKLOG = 256  # messages of one client waiting behind a request being prepared (aborts always may)
 
 
 class _Waiting:
@@ -145,7 +145,7 @@ class FrontendServer:
             if waiting is None and not large:
                 self._apply(identity, msg, None)
                 return
-            if waiting is not None and len(waiting) >= MAX_BACKLOG:
+            if isinstance(msg, Generate) and waiting is not None and len(waiting) >= MAX_BACKLOG:
                 self._sink(identity)(Error(request_id=msg.request_id, code=ErrorCode.OVERLOADED,
                                            message=f"{MAX_BACKLOG} messages of this connection already wait "
                                                    "behind a large request; retry later"))
