@@ -134,3 +134,15 @@ def test_any_token_sequence_streams_to_its_full_decode(demo_tokenizer, ids, prom
     p = demo_tokenizer(prompt)["input_ids"]
     parts = _stream(IncrementalDetokenizer(demo_tokenizer, p, None), ids)
     assert "".join(parts) == demo_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_engine_params_hold_bad_words_as_ids_and_are_capped(processor, demo_tokenizer, monkeypatch):
+    import noria.frontend.processor as processor_module
+    from noria.protocol.sampling import SamplingParams
+
+    e = processor.engine_params(SamplingParams(bad_words=["little"], stop=["never sent on"]))
+    assert e.bad_words_token_ids == [demo_tokenizer.encode("little", add_special_tokens=False)]
+    monkeypatch.setattr(processor_module, "MAX_ENGINE_PARAMS_BYTES", 100)
+    processor.engine_params(SamplingParams(allowed_token_ids=[1, 2]))
+    with pytest.raises(NoriaError, match="bytes in the engine"):
+        processor.engine_params(SamplingParams(allowed_token_ids=list(range(60))))
