@@ -26,6 +26,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from noria.bench import fuzz_hostile as hostile
 from noria.bench import fuzz_inputs as inputs
 from noria.bench.fuzz_drivers import (
     Violation,
@@ -147,22 +148,59 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inputs", type=int, default=10_000, help="inputs in all, over every surface")
     ap.add_argument("--check-every", type=int, default=1000, help="engine invariants every this many inputs")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--hostile", choices=["on", "off", "only"], default="on",
+                    help="after the drawn inputs, the hostile shapes with a victim stream (bench/fuzz_hostile.py) on "
+                         "a server of their own; `only`: those alone")
+    ap.add_argument("--hostile-scale", type=float, default=1.0, metavar="F",
+                    help="sizes of the hostile shapes' lists, depths and strings, times F (1: 100,000 stop strings...)")
+    ap.add_argument("--shape", action="append", default=None, help="run this hostile shape only (repeatable)")
     args = ap.parse_args(argv)
+    report: dict[str, Any] = {"inputs": args.inputs, "violations": 0, "cpus": os.cpu_count()}
+    rc = 0
     with tempfile.TemporaryDirectory(prefix="noria-fuzz-") as tmp:
-        session = FuzzSession(Path(tmp) / "server.log", check_every=args.check_every)
-        try:
-            for surface, n in split(args.inputs).items():
-                session.run(surface, n, shrink=False)
-                print(f"{surface}: {n} inputs in {session.seconds[surface]:.1f}s: {dict(session.counts[surface])}",
-                      flush=True)
-        finally:
-            rc = session.close()
-    report = {"inputs": args.inputs, "server_exit": rc, "violations": 0, "seconds": session.seconds,
-              "answers": {s: dict(c) for s, c in session.counts.items()}, "cpus": os.cpu_count()}
+        if args.hostile != "only":
+            session = FuzzSession(Path(tmp) / "server.log", check_every=args.check_every)
+            try:
+                for surface, n in split(args.inputs).items():
+                    session.run(surface, n, shrink=False)
+                    print(f"{surface}: {n} inputs in {session.seconds[surface]:.1f}s: {dict(session.counts[surface])}",
+                          flush=True)
+            finally:
+                rc = session.close()
+            report.update(server_exit=rc, seconds=session.seconds,
+                          answers={s: dict(c) for s, c in session.counts.items()})
+        if args.hostile != "off":
+            results, hostile_rc = run_hostile_session(Path(tmp) / "hostile.log", args.hostile_scale, args.shape)
+            rc = rc or hostile_rc
+            report.update(hostile=hostile.as_json(results), hostile_scale=args.hostile_scale, hostile_exit=hostile_rc)
+            print(hostile.table(results))
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0 if rc == 0 else 1
+
+
+def run_hostile_session(log_path: Path, scale: float, only: list[str] | None = None,
+                        ) -> tuple[list[hostile.ShapeResult], int]:
+    """The hostile shapes against a server of their own; (results, its exit code). Raises
+    Violation if an answer breaks the protocol, the engine does not come back to idle or its
+    greedy output changed, or the server logged a traceback."""
+    with open(log_path, "wb") as log:
+        server = LocalServer(*hostile.SERVER_FLAGS, log=log)
+        try:
+            server.wait(http=True)
+            reference = reference_output(server.address, PROBE_PROMPT)
+            url = urlsplit(server.http)
+            results = hostile.run_hostile(url.hostname or "127.0.0.1", int(url.port or 80), scale, only,
+                                          log=lambda line: print(line, flush=True))
+            check_engine(server.address, PROBE_PROMPT, reference)
+        finally:
+            rc = server.stop()
+    text = log_path.read_text(errors="replace")
+    if "Traceback" in text:
+        start = text.index("Traceback")
+        raise Violation(f"the server logged a traceback:\n{text[start:start + 3000]}")
+    return results, rc
 
 
 if __name__ == "__main__":

@@ -67,8 +67,44 @@ DEFAULT_MAX_PER_CONNECTION = 1024
 
 def add_limit_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-requests-per-connection", type=int, default=DEFAULT_MAX_PER_CONNECTION, metavar="N",
-                    help="requests in flight per ZMQ client, websocket or HTTP client address; more are refused as "
-                         "`overloaded` (HTTP 429); 0: no cap")
+                    help="requests in flight per ZMQ connection, and sequences (prompts x n) in flight per HTTP or "
+                         "websocket client address; more are refused as `overloaded` (HTTP 429); 0: no cap")
+
+
+def add_bridge_limit_args(ap: argparse.ArgumentParser) -> None:
+    """The HTTP/websocket bridge's own caps (frontend/bridge/limits.py; docs/protocol.md "Limits")."""
+    from noria.frontend.bridge import limits as d
+
+    g = ap.add_argument_group("HTTP and websocket limits")
+    g.add_argument("--stream-buffer", type=int, default=d.DEFAULT_STREAM_BUFFER, metavar="BYTES",
+                   help="output a stream (SSE response or websocket) may hold for a client that does not read; past "
+                        f"it the stream's requests are aborted and its connection dropped (default {d.DEFAULT_STREAM_BUFFER}"
+                        "; 0: no bound)")
+    g.add_argument("--http-header-timeout", type=_seconds, default=d.DEFAULT_HEADER_TIMEOUT, metavar="S",
+                   help="a connection that has not sent a whole request head this long after connecting or after "
+                        f"its previous response is closed (default {d.DEFAULT_HEADER_TIMEOUT:g}; 0: never)")
+    g.add_argument("--http-body-timeout", type=_seconds, default=d.DEFAULT_BODY_TIMEOUT, metavar="S",
+                   help=f"a request body not all there this long after its head is answered 408 "
+                        f"(default {d.DEFAULT_BODY_TIMEOUT:g}; 0: never)")
+    g.add_argument("--max-connections", type=int, default=d.DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="open HTTP and websocket connections; one more is answered 503 and closed "
+                        f"(default {d.DEFAULT_MAX_CONNECTIONS}; 0: no cap)")
+
+
+_BRIDGE_LIMIT_FLAGS = ("stream_buffer", "http_header_timeout", "http_body_timeout", "max_connections")
+
+
+def bridge_limit_argv(args: argparse.Namespace) -> list[str]:
+    """`noria serve`'s bridge flags, for its bridge child's command line."""
+    return [a for f in _BRIDGE_LIMIT_FLAGS for a in ("--" + f.replace("_", "-"), str(getattr(args, f)))]
+
+
+def bridge_limits(args: argparse.Namespace) -> Any:
+    from noria.frontend.bridge.limits import BridgeLimits
+
+    return BridgeLimits(per_client=args.max_requests_per_connection or 0, stream_buffer=args.stream_buffer,
+                        header_timeout=args.http_header_timeout, body_timeout=args.http_body_timeout,
+                        max_connections=args.max_connections)
 
 
 def add_input_limit_args(ap: argparse.ArgumentParser) -> None:
@@ -161,7 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The bridge is a separate process and a ZMQ client like any other; if it dies it
     # is restarted (bounded), and if it cannot start (say its port is taken), the whole
     # server goes down non-zero.
-    extra = ["--max-requests-per-connection", str(args.max_requests_per_connection)]
+    extra = ["--max-requests-per-connection", str(args.max_requests_per_connection), *bridge_limit_argv(args)]
     if server.bridge_keys is not None:
         extra += ["--zmq-curve-keys", server.bridge_keys]
     bridge = BridgeProcess(engine_address(args.zmq_host, args.zmq_port), args.host, args.port, api_key, extra=extra)
@@ -205,7 +241,7 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     from noria.frontend.bridge.main import run
 
     return run(args.engine, args.host, args.port, resolve_api_key(args), parent_pid=args.parent_pid,
-               max_per_client=args.max_requests_per_connection or None, curve_keys=args.zmq_curve_keys)
+               limits=bridge_limits(args), curve_keys=args.zmq_curve_keys)
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -245,6 +281,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         f"at most N times per {RESTART_WINDOW:g} s; past that the server exits non-zero "
                         f"(default {DEFAULT_SCHEDULER_RESTARTS}; 0: never)")
     add_limit_args(s)
+    add_bridge_limit_args(s)
     add_input_limit_args(s)
     add_api_key_args(s)
     s.set_defaults(fn=cmd_serve)
@@ -265,6 +302,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     br.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
                     help="connect to the engine with CURVE: DIR holds the server's public key and one client pair")
     add_limit_args(br)
+    add_bridge_limit_args(br)
     add_api_key_args(br)
     br.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # set by `noria serve`
     br.set_defaults(fn=cmd_bridge)

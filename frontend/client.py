@@ -142,9 +142,12 @@ class AsyncClient:
         messages: list[dict[str, Any]] | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Delta | Done]:
-        """Yields each Delta as it comes, then the final Done; raises NoriaError on an error."""
-        msg = make_generate(request_id or self.new_request_id(), prompt, params, messages=messages, priority=priority)
+        """Yields each Delta as it comes, then the final Done; raises NoriaError on an error.
+        Requests with different `cache_salt`s (or a salt and none) share no prefix-cache blocks."""
+        msg = make_generate(request_id or self.new_request_id(), prompt, params, messages=messages, priority=priority,
+                            cache_salt=cache_salt)
         async with aclosing(self.stream_request(msg)) as upstream:
             async for out in upstream:
                 yield out
@@ -157,8 +160,10 @@ class AsyncClient:
         messages: list[dict[str, Any]] | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestOutput:
-        msg = make_generate(request_id or self.new_request_id(), prompt, params, messages=messages, priority=priority)
+        msg = make_generate(request_id or self.new_request_id(), prompt, params, messages=messages, priority=priority,
+                            cache_salt=cache_salt)
         builder = OutputBuilder(msg.request_id, msg.prompt, msg.n)
         async with aclosing(self.stream_request(msg)) as upstream:
             async for out in upstream:

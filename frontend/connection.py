@@ -89,8 +89,9 @@ class Connection:
     """Bound to the event loop it is first started on; every method runs on that loop."""
 
     def __init__(self, address: str, *, heartbeat_interval: float, heartbeat_timeout: float,
-                 curve_keys: str | os.PathLike[str] | None = None) -> None:
+                 curve_keys: str | os.PathLike[str] | None = None, relay: bool = False) -> None:
         self.address = address
+        self._hello = Hello(relay=relay)
         self.curve_keys = curve_keys
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -157,7 +158,7 @@ class Connection:
         assert self._loop is not None
         fut: asyncio.Future[Ready] = self._loop.create_future()
         self._hello_waiters.append(fut)
-        self.send(Hello())
+        self.send(self._hello)
         return fut
 
     def ask_stats(self) -> asyncio.Future[Stats]:
@@ -216,6 +217,10 @@ class Connection:
         # ZeroMQ's fd only signals changes: whatever is already pending needs one look.
         self._loop.call_soon(self._on_monitor)
         self._schedule_drain()
+        if self._hello.relay:
+            # First in the new socket's queue: the server knows the connection for a relay
+            # before any request of it arrives.
+            self.send(self._hello)
 
     def _close_socket(self) -> None:
         sock, monitor = self._sock, self._monitor
@@ -282,7 +287,7 @@ class Connection:
             except zmq.ZMQError:  # zmq.Again included
                 break
             if event["event"] == zmq.EVENT_CONNECTED:
-                self.send(Hello())  # learn at once that the server is there
+                self.send(self._hello)  # learn at once that the server is there
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 lost = True
         if lost:
@@ -320,7 +325,8 @@ class Connection:
             self._on_monitor()
             self._drain()
             silent = loop.time() - self._last_heard
-            if silent >= self.heartbeat_interval:
-                self.send(Hello())
+            # A relay says so in every heartbeat: the server keeps only the latest relays.
+            if silent >= self.heartbeat_interval or self._hello.relay:
+                self.send(self._hello)
             if silent >= self.heartbeat_timeout and self._state != _DOWN:
                 self._go_down(f"no answer from {self.address} for {silent:.1f}s")

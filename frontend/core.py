@@ -62,10 +62,11 @@ class Prepared:
 
 class _Request:
     __slots__ = ("key", "client", "started", "request_id", "sink", "prompt_ids", "samples", "open",
-                 "num_cached_tokens", "params", "priority", "group", "resumed")
+                 "num_cached_tokens", "params", "priority", "group", "resumed", "cache_salt")
 
     def __init__(self, key: Hashable, client: Hashable, request_id: str, sink: Sink, prompt_ids: list[int],
-                 params: EngineSamplingParams, priority: int, group: int | None) -> None:
+                 params: EngineSamplingParams, priority: int, group: int | None,
+                 cache_salt: str | None = None) -> None:
         self.key = key
         self.client = client
         self.started = False  # the engine has sent something for it: it left the waiting queue
@@ -79,6 +80,7 @@ class _Request:
         self.params = params
         self.priority = priority
         self.group = group
+        self.cache_salt = cache_salt
         self.resumed = False
 
 
@@ -140,7 +142,8 @@ class FrontendCore:
         first = self._next_id
         self._next_id += params.n
         group = first if params.n > 1 else None  # any id unique to this request
-        req = _Request(key, client, msg.request_id, sink, prompt_ids, prepared.engine_params, msg.priority, group)
+        req = _Request(key, client, msg.request_id, sink, prompt_ids, prepared.engine_params, msg.priority, group,
+                       msg.cache_salt)
         tok = self.processor.tokenizer
         for i in range(params.n):
             rid = first + i
@@ -151,7 +154,8 @@ class FrontendCore:
             self.by_rid[rid] = (req, sample)
         self.engine.add(EngineRequest(first, prompt_ids, prepared.engine_params, self.processor.eos_ids,
                                       msg.priority, group,
-                                      more_samples=[EngineSample(first + i, i) for i in range(1, params.n)]))
+                                      more_samples=[EngineSample(first + i, i) for i in range(1, params.n)],
+                                      cache_salt=msg.cache_salt))
         req.open = params.n
         self.by_key[key] = req
         self.num_queued += 1
@@ -275,7 +279,8 @@ class FrontendCore:
             first, *rest = open_samples
             self.engine.add(EngineRequest(first.rid, req.prompt_ids, req.params, eos, req.priority, req.group,
                                           output_token_ids=first.ids, sample_index=first.index,
-                                          more_samples=[EngineSample(s.rid, s.index, s.ids) for s in rest]))
+                                          more_samples=[EngineSample(s.rid, s.index, s.ids) for s in rest],
+                                          cache_salt=req.cache_salt))
         return len(self.by_rid)
 
     def _fail(self, req: _Request, code: str, message: str) -> None:

@@ -21,6 +21,7 @@ def make_generate(
     messages: list[dict[str, Any]] | None = None,
     priority: int = 0,
     add_generation_prompt: bool = True,
+    cache_salt: str | None = None,
 ) -> Generate:
     """A text prompt, a token-id prompt or chat `messages` (give one), with every
     SamplingParams field laid flat beside the request's own fields."""
@@ -30,4 +31,4 @@ def make_generate(
     elif prompt is not None:
         fields["prompt_token_ids"] = list(prompt)
     return Generate(request_id=request_id, messages=messages, priority=priority,
-                    add_generation_prompt=add_generation_prompt, **fields)
+                    add_generation_prompt=add_generation_prompt, cache_salt=cache_salt, **fields)

@@ -10,7 +10,7 @@ import msgspec
 from msgspec import Meta
 
 from noria.frontend.bad_words import bad_words_token_ids
-from noria.protocol.client import Generate
+from noria.protocol.client import Generate, cache_salt_problem
 from noria.protocol.config import SchedulingPolicy
 from noria.protocol.errors import ErrorCode, NoriaError, ParamError
 from noria.protocol.sampling import (
@@ -94,6 +94,9 @@ class InputProcessor:
             raise NoriaError(ErrorCode.INVALID_REQUEST, "request_id must be a non-empty string")
         self.check_sizes(msg)
         self.check_priority(msg.priority)
+        salt_problem = cache_salt_problem(msg.cache_salt)
+        if salt_problem:
+            raise ParamError("cache_salt", salt_problem)
         params = msg.sampling_params()
         check_sampling(params, self.vocab_size)
         ids = self.tokenize(msg)

@@ -58,6 +58,7 @@ log = logging.getLogger("noria.frontend")
 SAME_STOP = 1.0  # s: a second SIGTERM sooner than this is not a second request (see install_signal_handlers)
 LARGE_REQUEST = 32 << 10  # bytes: a `generate` frame larger than this is prepared off the I/O loop
 MAX_BACKLOG = 256  # messages of one client waiting behind a request being prepared (aborts always may)
+MAX_RELAYS = 1024  # connections known for relays (hello `relay`), the latest ones
 
 
 class _Waiting:
@@ -156,6 +157,8 @@ class FrontendServer:
             self.backlog.setdefault(identity, deque()).append(_Waiting(msg, future))
             self._release(identity)
         elif isinstance(msg, Hello):
+            if msg.relay:
+                self._mark_relay(identity)
             ready = self.core.engine.ready
             self._sink(identity)(Ready(
                 protocol_version=PROTOCOL_VERSION, model=self.model_name,
@@ -221,6 +224,16 @@ class FrontendServer:
                     self._guarded(identity, w.msg, lambda: self._apply(
                         identity, w.msg, NoriaError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")))  # noqa: B023
         self.backlog.clear()
+
+    def _mark_relay(self, identity: bytes) -> None:
+        relays = self.core.relays
+        relays.pop(identity, None)
+        relays[identity] = None
+        if len(relays) > MAX_RELAYS:
+            # A ROUTER is not told of a peer that left, so the identities of relays that
+            # reconnected stay behind: the oldest go. A relay says so in every heartbeat,
+            # so one still there is back within a second.
+            del relays[next(iter(relays))]
 
     def status(self) -> tuple[str, str]:
         """("ok" | "draining" | "restarting", why) for `stats` and the bridge's /health."""

@@ -26,10 +26,23 @@ class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
     prompt_token_ids: list[Int64] | None = None
     priority: Int64 = 0
     add_generation_prompt: bool = True
+    # Requests with different salts (or a salt and none) never share prefix-cache blocks:
+    # one tenant cannot learn from timing what another's prompts began with (vLLM's field).
+    cache_salt: str | None = None
 
     def sampling_params(self) -> SamplingParams:
         fields = {f: getattr(self, f) for f in SamplingParams.__struct_fields__}
         return SamplingParams(**fields)
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def cache_salt_problem(salt: object) -> str | None:
+    """Why `salt` cannot be a request's `cache_salt`, or None if it can (None is no salt)."""
+    if salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        return None
+    return f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"
 
 
 class Abort(msgspec.Struct, kw_only=True, tag="abort", tag_field="type"):

@@ -34,3 +34,19 @@ def test_fuzz_surface(fuzz, surface, n):
         assert counts["done:length"] + counts["done:stop"] > 0 and counts["invalid_message"] > 0
     if surface == "http":
         assert counts["200"] > 0 and counts["400"] > 0
+
+
+def test_hostile_shapes_at_a_tiny_scale(demo_path, tmp_path):
+    """Each hostile shape, small, with a victim stream beside it: a documented answer, the
+    victim's text untouched, the non-reader cut off, every raced abort ended once (a
+    Violation otherwise), and the engine idle with its greedy output unchanged after."""
+    from noria.bench.fuzz import run_hostile_session
+
+    results, rc = run_hostile_session(tmp_path / "hostile.log", scale=0.001)
+    assert rc == 0
+    by_shape = {r.shape: r for r in results}
+    assert all(r.victim_unchanged and r.victim_completions >= 1 for r in results), results
+    assert by_shape["non_reader"].answer == "aborted by the bridge (slow reader)"
+    assert "ended once each" in by_shape["abort_race"].answer
+    for shape in ("deep_json", "bad_utf8", "2**64_max_tokens", "2**64_priority"):  # wrong at any size
+        assert "400" in by_shape[shape].answer or "error" in by_shape[shape].answer, by_shape[shape]

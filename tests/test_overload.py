@@ -107,8 +107,8 @@ def _check_zmq_like(replies: dict[str, list[dict]], reference: list[int]) -> tup
 def test_flood_beyond_the_caps(served):
     reference = reference_output(served.address, PROMPT, MAX_TOKENS)
 
-    # One surface after the other: the bridge is one connection of the ZMQ API, so its
-    # websocket and HTTP clients share that connection's cap of 4 there.
+    # One surface after the other: the websocket and the HTTP client share one address, so
+    # they share its cap of 4 in the bridge.
     zmq_replies = _zmq_flood(served.address, 5, 8)
     ws_replies = asyncio.run(_ws_flood(served.http.replace("http://", "ws://") + "/v1/stream", 10))
     http_answers = asyncio.run(_http_flood(served.http, 12))

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
 import weakref
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import WSCloseCode, web
 
 from noria.frontend.bridge.errors import error_response, internal_error
 from noria.frontend.bridge.gateway import Gateway
+from noria.frontend.bridge.limits import BridgeLimits, ClientBudgets
 from noria.frontend.bridge.metrics import CONTENT_TYPE, BridgeMetrics
 from noria.frontend.bridge.openai_api import (
     handle_chat,
@@ -25,16 +26,16 @@ from noria.frontend.bridge.openai_schema import Health
 from noria.frontend.bridge.playground import handle_playground
 from noria.frontend.bridge.state import (
     API_KEY,
+    BUDGETS,
     GATEWAY,
-    IN_FLIGHT,
-    LIMIT,
+    LIMITS,
     METRICS,
     STARTED,
     WEBSOCKETS,
 )
 from noria.frontend.bridge.websocket import handle_stream
 from noria.frontend.client import AsyncClient
-from noria.protocol.errors import ErrorCode, NoriaError
+from noria.protocol.errors import NoriaError
 
 log = logging.getLogger("noria.bridge")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -42,11 +43,16 @@ STATS_TIMEOUT = 2.0
 
 
 def make_app(engine: str, api_key: str | None = None, max_per_client: int | None = None,
-             curve_keys: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[_errors, _auth, _per_client_cap], client_max_size=64 * 2**20)
+             curve_keys: str | None = None, limits: BridgeLimits | None = None) -> web.Application:
+    """`max_per_client`: sequences in flight per client address (None: no cap); `limits`, the
+    bridge's other caps (its defaults when None)."""
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=64 * 2**20)
     app[API_KEY] = api_key or ""
-    app[LIMIT] = max_per_client or 0
-    app[IN_FLIGHT] = Counter()
+    limits = limits or BridgeLimits()
+    if max_per_client is not None:
+        limits = dataclasses.replace(limits, per_client=max_per_client)
+    app[LIMITS] = limits
+    app[BUDGETS] = ClientBudgets(limits.per_client)
     app[METRICS] = BridgeMetrics()
     app[WEBSOCKETS] = weakref.WeakSet()
     app[STARTED] = int(time.time())
@@ -54,7 +60,9 @@ def make_app(engine: str, api_key: str | None = None, max_per_client: int | None
     async def upstream(app: web.Application) -> AsyncIterator[None]:
         # No per-message timeout: a request may wait long in a busy engine; the
         # heartbeat is what tells a dead engine from a slow one.
-        client = AsyncClient(engine, timeout=None, curve_keys=curve_keys)
+        # A relay: the engine's per-connection cap would count all the bridge's clients as
+        # one; the bridge caps each of them itself (BUDGETS).
+        client = AsyncClient(engine, timeout=None, curve_keys=curve_keys, relay=True)
         app[GATEWAY] = Gateway(client, app[METRICS])
         await client.connect()
         yield
@@ -119,28 +127,6 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
             why = "missing" if not given else "incorrect"
             return error_response(401, f"{why} API key: send `Authorization: Bearer KEY`", "invalid_api_key")
     return await handler(request)
-
-
-@web.middleware
-async def _per_client_cap(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """At most LIMIT generation requests in flight per client address; more get 429."""
-    limit, in_flight = request.app[LIMIT], request.app[IN_FLIGHT]
-    if not limit or request.method != "POST" or request.path not in _GENERATION_PATHS:
-        return await handler(request)
-    who = request.remote or ""
-    if in_flight[who] >= limit:
-        return error_response(429, f"{who} already has {limit} requests in flight, the limit per client; retry later",
-                              ErrorCode.OVERLOADED)
-    in_flight[who] += 1
-    try:
-        return await handler(request)
-    finally:
-        in_flight[who] -= 1
-        if not in_flight[who]:
-            del in_flight[who]
-
-
-_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @web.middleware

@@ -90,6 +90,12 @@ class BridgeMetrics:
         self.e2e = Histogram("noria_e2e_request_latency_seconds", "Time from request to its final message.", buckets=_E2E_BUCKETS, registry=r)
         self.success = Counter("noria_request_success", "Requests that ended with done, by finish reason.", ["finish_reason"], registry=r)
         self.failure = Counter("noria_request_failure", "Requests that ended with an error, by error code.", ["code"], registry=r)
+        self.slow_readers = Counter("noria_slow_reader_aborts", "Streams aborted because their client left more than "
+                                    "--stream-buffer bytes unread, by surface.", ["surface"], registry=r)
+        self.refused = Counter("noria_connections_refused", "Connections answered 503 at once: --max-connections "
+                               "were open.", registry=r)
+        self.body_timeouts = Counter("noria_http_body_timeouts", "Requests answered 408: their body did not come "
+                                     "within --http-body-timeout.", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,7 +17,14 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from noria.frontend.bridge.errors import BadRequest, error_body, from_decode, from_noria, status_of
+from noria.frontend.bridge.errors import (
+    BadRequest,
+    error_body,
+    error_response,
+    from_decode,
+    from_noria,
+    status_of,
+)
 from noria.frontend.bridge.fanout import Fanout
 from noria.frontend.bridge.gateway import Gateway
 from noria.frontend.bridge.openai_builders import ChatBuilder, CompletionBuilder
@@ -36,7 +43,7 @@ from noria.frontend.bridge.openai_schema import (
     ModelList,
     SamplingFields,
 )
-from noria.frontend.bridge.state import GATEWAY, STARTED
+from noria.frontend.bridge.state import BUDGETS, GATEWAY, LIMITS, METRICS, STARTED
 from noria.protocol.client import Generate
 from noria.protocol.errors import ErrorCode, NoriaError
 
@@ -102,14 +109,44 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, kind: type[R], to_messages: Callable[[R, Callable[[], str]], list[Generate]],
                  make_builder: Callable[[R, str, int], Any]) -> web.StreamResponse:
     """Read and check the body, then fan its generate messages out and build OpenAI's answer."""
-    gateway = request.app[GATEWAY]
+    app = request.app
+    gateway, limits, budgets = app[GATEWAY], app[LIMITS], app[BUDGETS]
     try:
+        try:
+            # Read whole under a deadline (a client that sends its body slowly holds a
+            # connection and a buffer); read_body then finds it read.
+            async with asyncio.timeout(limits.body_timeout or None):
+                await request.read()
+        except TimeoutError:
+            app[METRICS].body_timeouts.inc()
+            resp = error_response(408, f"the request body did not come within {limits.body_timeout:g}s "
+                                  "(--http-body-timeout)", "request_timeout")
+            resp.force_close()  # the rest of the body is not worth waiting for
+            return resp
         req = await read_body(request, kind)
         messages = to_messages(req, gateway.new_id)
         model = await _served_model(gateway, req.model)
+        who, cost = request.remote or "", sum(m.n for m in messages)
+        budgets.take(who, cost)
     except _INPUT_ERRORS as e:
         return _error_response(e)
-    return await _run(request, Fanout(gateway, messages), make_builder(req, model, len(messages)))
+    try:
+        fan = Fanout(gateway, messages, limits.stream_buffer if req.stream else 0)
+        fan.on_overflow = lambda held: _slow_reader(request, held, cost)
+        return await _run(request, fan, make_builder(req, model, len(messages)))
+    finally:
+        budgets.give(who, cost)
+
+
+def _slow_reader(request: web.Request, held: int, sequences: int) -> None:
+    """A stream's client has left more than --stream-buffer bytes unread: its requests were
+    aborted upstream (Fanout); the connection is dropped, which ends the handler."""
+    app = request.app
+    app[METRICS].slow_readers.labels("sse").inc()
+    log.warning("aborted a stream to %s: its client left %d bytes unread, over --stream-buffer %d; %d sequence(s) "
+                "aborted upstream", request.remote, held, app[LIMITS].stream_buffer, sequences)
+    if request.transport is not None:
+        request.transport.abort()
 
 
 def _include_usage(req: SamplingFields) -> bool:

@@ -35,10 +35,13 @@ def token_str(token_id: int) -> str:
 
 
 class _Choices:
-    """What has come so far, per choice and per prompt."""
+    """What has come so far, per choice and per prompt. `keep` False (a stream): only what
+    the chunks still to come need (text offsets, finish reasons, usage), none of the text
+    and logprobs already sent."""
 
-    def __init__(self, num_prompts: int, n: int) -> None:
+    def __init__(self, num_prompts: int, n: int, keep: bool = True) -> None:
         self.n = n
+        self.keep = keep
         size = num_prompts * n
         self.texts: list[list[str]] = [[] for _ in range(size)]
         self.lengths = [0] * size
@@ -56,8 +59,10 @@ class _Choices:
         """Record a delta; returns (choice index, text offset where it starts)."""
         i = prompt * self.n + d.index
         start = self.lengths[i]
-        self.texts[i].append(d.text)
         self.lengths[i] += len(d.text)
+        if not self.keep:
+            return i, start
+        self.texts[i].append(d.text)
         if d.prompt_logprobs is not None:
             self.prompt_logprobs[prompt] = d.prompt_logprobs
         if d.logprobs:
@@ -71,7 +76,8 @@ class _Choices:
         self.prompt_tokens += done.usage.prompt_tokens
         self.completion_tokens += done.usage.completion_tokens
         self.cached_tokens += done.usage.cached_tokens
-        self.prompt_ids[prompt] = done.prompt_token_ids or []
+        if self.keep:
+            self.prompt_ids[prompt] = done.prompt_token_ids or []
         first = prompt * self.n
         for k, r in enumerate(reasons[: self.n]):
             self.finish[first + k] = r
@@ -144,7 +150,7 @@ class CompletionBuilder(_Usage):
                  *, logprobs: bool, stream: bool, include_usage: bool = False,
                  echo: list[str] | None = None, echo_only: bool = False) -> None:
         self.rid, self.model, self.created = rid, model, created
-        self.choices = _Choices(num_prompts, n)
+        self.choices = _Choices(num_prompts, n, keep=not stream)
         self.want_logprobs = logprobs
         self.stream = stream
         self.include_usage = include_usage
@@ -208,7 +214,7 @@ class ChatBuilder(_Usage):
     def __init__(self, rid: str, model: str, created: int, n: int,
                  *, logprobs: bool, stream: bool, include_usage: bool = False) -> None:
         self.rid, self.model, self.created = rid, model, created
-        self.choices = _Choices(1, n)
+        self.choices = _Choices(1, n, keep=not stream)
         self.want_logprobs = logprobs
         self.stream = stream
         self.include_usage = include_usage

@@ -13,7 +13,7 @@ from noria.frontend.bridge.openai_refused import unsupported_field
 from noria.frontend.bridge.openai_schema import ChatRequest, CompletionRequest, SamplingFields
 from noria.frontend.bridge.openai_structured import structured_output
 from noria.frontend.inputs import make_generate
-from noria.protocol.client import Generate
+from noria.protocol.client import Generate, cache_salt_problem
 from noria.protocol.errors import ErrorCode, ParamError
 from noria.protocol.sampling import SamplingParams, check_sampling
 from noria.protocol.validation import field_error
@@ -92,6 +92,13 @@ def _sampling(req: SamplingFields, *, max_tokens: int | None, logprobs: int | No
     return params
 
 
+def _cache_salt(req: SamplingFields) -> str | None:
+    problem = cache_salt_problem(req.cache_salt)
+    if problem:
+        raise BadRequest(problem, "cache_salt")
+    return req.cache_salt
+
+
 def completion_generates(req: CompletionRequest, new_id: Callable[[], str]) -> list[Generate]:
     if req.suffix:
         raise BadRequest("suffix is not supported", "suffix")
@@ -108,7 +115,8 @@ def completion_generates(req: CompletionRequest, new_id: Callable[[], str]) -> l
     if params.n * len(prompts) > MAX_SAMPLES:
         raise BadRequest(f"n ({params.n}) x prompts ({len(prompts)}) is {params.n * len(prompts)} samples, more "
                          f"than the {MAX_SAMPLES} one request may draw", "n")
-    return [make_generate(new_id(), p, params, priority=req.priority) for p in prompts]
+    salt = _cache_salt(req)
+    return [make_generate(new_id(), p, params, priority=req.priority, cache_salt=salt) for p in prompts]
 
 
 def echo_prompts(req: CompletionRequest, prompts: list[str | list[int]]) -> list[str] | None:
@@ -155,7 +163,8 @@ def chat_generate(req: ChatRequest, new_id: Callable[[], str]) -> Generate:
         raise BadRequest("echo is not supported on chat completions", "echo")
     params = _sampling(req, max_tokens=max_tokens, logprobs=logprobs, names=names)
     return make_generate(new_id(), None, params, messages=[_message(m) for m in req.messages],
-                         priority=req.priority, add_generation_prompt=req.add_generation_prompt)
+                         priority=req.priority, add_generation_prompt=req.add_generation_prompt,
+                         cache_salt=_cache_salt(req))
 
 
 def _message(m: dict[str, Any]) -> dict[str, Any]:

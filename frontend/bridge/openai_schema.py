@@ -48,6 +48,7 @@ class SamplingFields(StructuredFields, kw_only=True):  # response_format, guided
     priority: Int64 = 0
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
+    cache_salt: str | None = None  # vLLM's: different salts never share prefix-cache blocks
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

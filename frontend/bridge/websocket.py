@@ -11,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
+from collections.abc import Callable
 from contextlib import aclosing
 
 import msgspec
 from aiohttp import WSMsgType, web
 
-from noria.frontend.bridge.errors import UNDECODABLE, undecodable_message
+from noria.frontend.bridge.errors import UNDECODABLE, BadRequest, undecodable_message
 from noria.frontend.bridge.gateway import Gateway
-from noria.frontend.bridge.state import GATEWAY, LIMIT, WEBSOCKETS
+from noria.frontend.bridge.limits import ClientBudgets
+from noria.frontend.bridge.state import BUDGETS, GATEWAY, LIMITS, METRICS, WEBSOCKETS
 from noria.protocol.client import Abort, Delta, Done, Error, Generate, Usage
 from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.validation import field_error
@@ -43,16 +46,60 @@ class _Relay:
 
 
 class StreamSession:
-    def __init__(self, ws: web.WebSocketResponse, gateway: Gateway, limit: int = 0) -> None:
+    """One socket. Its requests count against its client address's budget (`budgets`, `who`).
+
+    Replies go out through one writer task, so that no relay waits on the client: a client
+    that does not read lets at most `buffer` bytes of replies pile up here (0: no bound), and
+    past them every request of the socket is aborted upstream and the connection dropped
+    (`on_overflow(bytes held)` is told first)."""
+
+    def __init__(self, ws: web.WebSocketResponse, gateway: Gateway, budgets: ClientBudgets | None = None,
+                 who: str = "", buffer: int = 0) -> None:
         self.ws = ws
         self.gateway = gateway
-        self.limit = limit  # requests in flight on this socket, at most (0: no cap)
+        self.budgets = budgets or ClientBudgets(0)
+        self.who = who
         self.relays: dict[str, _Relay] = {}  # client id -> its relay
+        self.buffer = buffer
+        self.outbox: deque[bytes] = deque()
+        self.held = 0  # bytes in the outbox
+        self.broken = False  # overflowed, or the socket failed a write: nothing more goes out
+        self.on_overflow: Callable[[int], None] | None = None
+        self._wake: asyncio.Event = asyncio.Event()
 
     async def send(self, msg: Delta | Done | Error) -> None:
-        await self.ws.send_frame(_encoder.encode(msg), WSMsgType.TEXT)
+        """Queue `msg` for the writer; raises ConnectionResetError once nothing can go out."""
+        if self.broken:
+            raise ConnectionResetError("the websocket is closing")
+        frame = _encoder.encode(msg)
+        self.outbox.append(frame)
+        self.held += len(frame)
+        if self.buffer and self.held > self.buffer:
+            held = self.held
+            self.broken = True
+            self.outbox.clear()
+            self.held = 0
+            if self.on_overflow is not None:
+                self.on_overflow(held)
+            raise ConnectionResetError("the client does not read")
+        self._wake.set()
+
+    async def _write(self) -> None:
+        outbox = self.outbox
+        try:
+            while True:
+                while not outbox:
+                    self._wake.clear()
+                    await self._wake.wait()
+                frame = outbox.popleft()
+                self.held -= len(frame)
+                # Waits while the transport holds more than its high-water mark unsent.
+                await self.ws.send_frame(frame, WSMsgType.TEXT)
+        except ConnectionError:
+            self.broken = True
 
     async def run(self) -> None:
+        writer = asyncio.get_running_loop().create_task(self._write())
         try:
             async for frame in self.ws:
                 if frame.type in (WSMsgType.TEXT, WSMsgType.BINARY):
@@ -70,6 +117,7 @@ class StreamSession:
             pass  # closed while we answered; the relays are cancelled below
         finally:
             await self.cancel_all()
+            writer.cancel()
 
     async def on_message(self, data: bytes | str) -> None:
         """Answer one client message; whatever is wrong with it costs that message (an
@@ -100,14 +148,19 @@ class StreamSession:
         elif rid in self.relays:
             await self.send(Error(request_id=rid, code=ErrorCode.DUPLICATE_REQUEST,
                                   message=f"request_id {rid!r} is already in flight on this socket"))
-        elif self.limit and len(self.relays) >= self.limit:
-            await self.send(Error(request_id=rid, code=ErrorCode.OVERLOADED, message=f"this socket already has "
-                                  f"{self.limit} requests in flight, its limit; retry later"))
         else:
+            cost = max(msg.n, 1)  # a wrong n is the engine's to name
+            try:
+                self.budgets.take(self.who, cost)
+            except BadRequest as e:
+                await self.send(Error(request_id=rid, code=e.code, message=e.message, param=e.param))
+                return
             upstream = msgspec.structs.replace(msg, request_id=self.gateway.new_id())
             relay = _Relay(upstream.request_id)
             self.relays[rid] = relay
             relay.task = asyncio.get_running_loop().create_task(self.relay(rid, upstream, relay))
+            # A done callback: it runs even for a task cancelled before it started.
+            relay.task.add_done_callback(lambda _: self.budgets.give(self.who, cost))
 
     async def relay(self, rid: str, upstream: Generate, relay: _Relay) -> None:
         try:
@@ -160,8 +213,19 @@ async def handle_stream(request: web.Request) -> web.WebSocketResponse:
     await ws.prepare(request)
     sockets = request.app[WEBSOCKETS]
     sockets.add(ws)
+    app = request.app
+    session = StreamSession(ws, app[GATEWAY], app[BUDGETS], request.remote or "", app[LIMITS].stream_buffer)
+
+    def overflow(held: int) -> None:
+        app[METRICS].slow_readers.labels("websocket").inc()
+        log.warning("aborted websocket %s: its client left %d bytes unread, over --stream-buffer %d; its %d "
+                    "request(s) aborted upstream", request.remote, held, app[LIMITS].stream_buffer, len(session.relays))
+        if request.transport is not None:
+            request.transport.abort()  # ends the read loop, which cancels the relays
+
+    session.on_overflow = overflow
     try:
-        await StreamSession(ws, request.app[GATEWAY], request.app[LIMIT]).run()
+        await session.run()
     finally:
         sockets.discard(ws)
     return ws
