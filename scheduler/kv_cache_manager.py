@@ -171,11 +171,14 @@ class KVCacheManager:
         pool, bs, tokens, block_ids, hashes = self.pool, self.block_size, req.token_ids, req.block_ids, req.block_hashes
         pack, digest = self._pack, new_digest
         for i in range(req.num_cached_blocks, num_full):
+            block = block_ids[i]
+            if pool.block_hash[block] is not None:
+                continue  # a prefix hit: registered, with its content id, already
             packed = pack(*tokens[i * bs : (i + 1) * bs])
             if i == len(hashes):
                 hashes.append(digest((hashes[i - 1] if i else req.hash_root) + packed).digest())
             # In order: the block before has its content id by now.
-            pool.cache(block_ids[i], hashes[i], pool.content_id[block_ids[i - 1]] if i else req.hash_root, packed)
+            pool.cache(block, hashes[i], pool.content_id[block_ids[i - 1]] if i else req.hash_root, packed)
         req.num_cached_blocks = num_full
 
     def free(self, req: Request) -> None:
