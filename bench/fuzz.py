@@ -7,6 +7,11 @@ accepted. Every `--check-every` inputs (and at the end) the engine must be idle
 with no KV block in use, its block check consistent, and a greedy request must
 give what it gave before the first input. At the end the server's log must hold
 no traceback, and the server must exit 0 on Ctrl-C.
+
+Then, on a server of their own, the hostile shapes of bench/fuzz_hostile.py (huge lists
+and integers, abort races, a client that does not read, deep JSON, bad UTF-8), each with
+a victim stream beside it: per shape the answer, the victim's largest gap between chunks
+and whether its text was unchanged (`--hostile off|only`, `--hostile-scale`).
 """
 
 from __future__ import annotations

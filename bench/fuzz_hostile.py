@@ -141,8 +141,12 @@ def _answer(status: int, data: bytes) -> str:
     return f"{status}"
 
 
+Action = Callable[[], str]  # sends a prepared shape; what it got, in a few words
+
+
 class Attacker:
-    """The shapes; each returns what it got, in a few words."""
+    """The shapes. Each method prepares its bytes (which may take this process a while: not
+    while the victim is timed) and returns the action that sends them."""
 
     def __init__(self, host: str, port: int, scale: float) -> None:
         self.host, self.port, self.scale = host, port, scale
@@ -150,67 +154,76 @@ class Attacker:
     def n(self, full: int) -> int:
         return max(2, int(full * self.scale))
 
-    def post(self, path: str, doc: Any) -> str:
-        return _answer(*_http(self.host, self.port, "POST", path, json.dumps(doc).encode()))
+    def post(self, path: str, body: bytes) -> Action:
+        return lambda: _answer(*_http(self.host, self.port, "POST", path, body))
 
-    def completion(self, **fields: Any) -> str:
-        return self.post("/v1/completions", {"model": "demo", "prompt": "hello", "max_tokens": 4, **fields})
+    def completion(self, **fields: Any) -> Action:
+        doc = {"model": "demo", "prompt": "hello", "max_tokens": 4, **fields}
+        return self.post("/v1/completions", json.dumps(doc).encode())
 
-    def chat(self, messages: Any, **fields: Any) -> str:
-        return self.post("/v1/chat/completions", {"model": "demo", "messages": messages, "max_tokens": 4, **fields})
+    def chat(self, messages: Any, **fields: Any) -> Action:
+        doc = {"model": "demo", "messages": messages, "max_tokens": 4, **fields}
+        return self.post("/v1/chat/completions", json.dumps(doc).encode())
 
     # ---- the shapes --------------------------------------------------------
 
-    def stop_strings(self) -> str:
+    def stop_strings(self) -> Action:
         return self.completion(stop=[f"s{i}" for i in range(self.n(100_000))])
 
-    def bad_words(self) -> str:
+    def bad_words(self) -> Action:
         return self.ws_final({"bad_words": [f"w{i}" for i in range(self.n(100_000))]})
 
-    def logit_bias(self) -> str:
+    def logit_bias(self) -> Action:
         return self.completion(logit_bias={str(i): 1.0 for i in range(self.n(100_000))})
 
-    def messages(self) -> str:
+    def messages(self) -> Action:
         return self.chat([{"role": "user", "content": "hi"}] * self.n(100_000))
 
-    def huge_role(self) -> str:
+    def huge_role(self) -> Action:
         return self.chat([{"role": "r" * self.n(8 << 20), "content": "hi"}])
 
-    def big_int(self, field: str) -> Callable[[], str]:
-        def shape() -> str:
-            http_answer = self.completion(**{field: BIG})
-            return f"http {http_answer}; ws {self.ws_final({field: BIG})}"
-        return shape
+    def big_int(self, field: str) -> Callable[[], Action]:
+        def prepare() -> Action:
+            http, ws = self.completion(**{field: BIG}), self.ws_final({field: BIG})
+            return lambda: f"http {http()}; ws {ws()}"
+        return prepare
 
-    def batches(self) -> str:
+    def batches(self) -> Action:
         """Eight requests of 128 prompts at once from one address: its whole budget by default."""
         prompts = [f"batch {i}" for i in range(self.n(128))]
         body = json.dumps({"model": "demo", "prompt": prompts, "max_tokens": 16, "temperature": 0.0,
                            "ignore_eos": True}).encode()
-        results: list[str] = []
+        def act() -> str:
+            results: list[str] = []
 
-        def one() -> None:
-            status, data = _http(self.host, self.port, "POST", "/v1/completions", body)
-            results.append(_answer(status, data).split(":")[0])
+            def one() -> None:
+                status, data = _http(self.host, self.port, "POST", "/v1/completions", body)
+                results.append(_answer(status, data).split(":")[0])
 
-        threads = [threading.Thread(target=one) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
-        return ", ".join(f"{k} x{v}" for k, v in sorted(Counter(results).items()))
+            threads = [threading.Thread(target=one) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(600)
+            return ", ".join(f"{k} x{v}" for k, v in sorted(Counter(results).items()))
 
-    def abort_race(self) -> str:
+        return act
+
+    def abort_race(self) -> Action:
         """Websocket generates, each aborted at once; every one must end exactly once."""
+        count = self.n(200)
+        frames = [json.dumps(m) for i in range(count)
+                  for m in ({"type": "generate", "request_id": f"a{i}", "prompt": "race", "max_tokens": 200,
+                             "ignore_eos": True}, {"type": "abort", "request_id": f"a{i}"})]
+        return lambda: self._race(frames, count)
+
+    def _race(self, frames: list[str], count: int) -> str:
         from websockets.sync.client import connect
 
-        count = self.n(200)
         finals: Counter[str] = Counter()
         with connect(f"ws://{self.host}:{self.port}/v1/stream", max_size=None, ping_interval=None) as ws:
-            for i in range(count):
-                ws.send(json.dumps({"type": "generate", "request_id": f"a{i}", "prompt": "race",
-                                    "max_tokens": 200, "ignore_eos": True}))
-                ws.send(json.dumps({"type": "abort", "request_id": f"a{i}"}))
+            for frame in frames:
+                ws.send(frame)
             ended: Counter[str] = Counter()
             while len(ended) < count:
                 msg = json.loads(ws.recv(timeout=300))
@@ -223,15 +236,18 @@ class Attacker:
                 raise Violation(f"abort race: {twice[:5]} ended more than once")
         return f"{count} ended once each: " + ", ".join(f"{k} x{v}" for k, v in sorted(finals.items()))
 
-    def non_reader(self) -> str:
+    def non_reader(self) -> Action:
         """An SSE stream whose client never reads: the bridge must abort it, not buffer it."""
+        # Tens of megabytes of events: far more than the socket buffers on both sides hold.
+        body = json.dumps({"model": "demo", "prompt": [f"unread {i}" for i in range(64)], "max_tokens": 440,
+                           "temperature": 0.0, "ignore_eos": True, "stream": True, "logprobs": 5}).encode()
+        return lambda: self._unread(body)
+
+    def _unread(self, body: bytes) -> str:
         before = self.slow_reader_aborts()
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect((self.host, self.port))
-        # Tens of megabytes of events: far more than the socket buffers on both sides hold.
-        body = json.dumps({"model": "demo", "prompt": [f"unread {i}" for i in range(64)], "max_tokens": 440,
-                           "temperature": 0.0, "ignore_eos": True, "stream": True, "logprobs": 5}).encode()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.monotonic() + 120
@@ -244,24 +260,23 @@ class Attacker:
             s.close()
         return "aborted by the bridge (slow reader)"
 
-    def deep_json(self) -> str:
+    def deep_json(self) -> Action:
         depth = self.n(100_000)
-        body = b'{"model":"demo","prompt":' + b"[" * depth + b"]" * depth + b"}"
-        http_answer = _answer(*_http(self.host, self.port, "POST", "/v1/completions", body))
+        http = self.post("/v1/completions", b'{"model":"demo","prompt":' + b"[" * depth + b"]" * depth + b"}")
         frame = b'{"type":"generate","request_id":"d","prompt":' + b"[" * depth
-        return f"http {http_answer}; ws {self.ws_raw(frame)}"
+        return lambda: f"http {http()}; ws {self.ws_raw(frame)}"
 
-    def bad_utf8(self) -> str:
-        body = b'{"model":"demo","prompt":"\xff\xfe\xc3(","max_tokens":4}'
-        http_answer = _answer(*_http(self.host, self.port, "POST", "/v1/completions", body))
+    def bad_utf8(self) -> Action:
+        http = self.post("/v1/completions", b'{"model":"demo","prompt":"\xff\xfe\xc3(","max_tokens":4}')
         frame = b'{"type":"generate","request_id":"u","prompt":"\xff\xfe","max_tokens":4}'
-        return f"http {http_answer}; ws {self.ws_raw(frame)}"
+        return lambda: f"http {http()}; ws {self.ws_raw(frame)}"
 
     # ---- helpers -------------------------------------------------------------
 
-    def ws_final(self, fields: dict[str, Any]) -> str:
-        msg = {"type": "generate", "request_id": "h", "prompt": "hello", "max_tokens": 4, **fields}
-        return self.ws_raw(json.dumps(msg).encode())
+    def ws_final(self, fields: dict[str, Any]) -> Action:
+        frame = json.dumps({"type": "generate", "request_id": "h", "prompt": "hello", "max_tokens": 4,
+                            **fields}).encode()
+        return lambda: self.ws_raw(frame)
 
     def ws_raw(self, frame: bytes) -> str:
         """Send one websocket message (as bytes: a binary frame); its final reply, in a few words."""
@@ -282,8 +297,9 @@ class Attacker:
         m = re.search(r'^noria_slow_reader_aborts_total\{surface="sse"\} (\S+)$', text, re.M)
         return float(m.group(1)) if m else 0.0
 
-    def shapes(self) -> dict[str, Callable[[], str]]:
-        out: dict[str, Callable[[], str]] = {
+    def shapes(self) -> dict[str, Callable[[], Action]]:
+        """Name -> what prepares the shape."""
+        out: dict[str, Callable[[], Action]] = {
             "stop_strings": self.stop_strings, "bad_words": self.bad_words, "logit_bias": self.logit_bias,
             "messages": self.messages, "huge_role": self.huge_role,
         }
@@ -300,15 +316,16 @@ def run_hostile(host: str, port: int, scale: float = 1.0, only: list[str] | None
     (the victim alone). Raises Violation where an answer breaks the protocol."""
     reference = Victim(host, port).one()
     attacker = Attacker(host, port, scale)
-    shapes: dict[str, Callable[[], str]] = {"baseline (victim alone)": lambda: "-"}
+    shapes: dict[str, Callable[[], Action]] = {"baseline (victim alone)": lambda: lambda: "-"}
     shapes.update({k: v for k, v in attacker.shapes().items() if not only or k in only})
     results = []
-    for name, shape in shapes.items():
+    for name, prepare in shapes.items():
+        action = prepare()
         victim = Victim(host, port, reference)
         victim.start()
         t0 = time.perf_counter()
         try:
-            answer = shape()
+            answer = action()
         finally:
             seconds = time.perf_counter() - t0
             victim.stop()

@@ -32,9 +32,9 @@ from noria.frontend.bridge.openai_requests import (
     R,
     chat_generate,
     completion_generates,
+    decode_body,
     echo_prompts,
     prompts_of,
-    read_body,
 )
 from noria.frontend.bridge.openai_schema import (
     ChatRequest,
@@ -49,6 +49,7 @@ from noria.protocol.errors import ErrorCode, NoriaError
 
 log = logging.getLogger("noria.bridge")
 _encode = msgspec.json.Encoder().encode
+LARGE_BODY = 64 << 10  # bytes: a body larger than this is decoded off the event loop
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -113,18 +114,22 @@ async def _serve(request: web.Request, kind: type[R], to_messages: Callable[[R, 
     gateway, limits, budgets = app[GATEWAY], app[LIMITS], app[BUDGETS]
     try:
         try:
-            # Read whole under a deadline (a client that sends its body slowly holds a
-            # connection and a buffer); read_body then finds it read.
+            # Read whole under a deadline: a client that sends its body slowly holds a
+            # connection and a buffer.
             async with asyncio.timeout(limits.body_timeout or None):
-                await request.read()
+                body = await request.read()
         except TimeoutError:
             app[METRICS].body_timeouts.inc()
             resp = error_response(408, f"the request body did not come within {limits.body_timeout:g}s "
                                   "(--http-body-timeout)", "request_timeout")
             resp.force_close()  # the rest of the body is not worth waiting for
             return resp
-        req = await read_body(request, kind)
-        messages = to_messages(req, gateway.new_id)
+        if len(body) > LARGE_BODY:
+            # Hundreds of milliseconds of decoding and converting for a body with 100,000
+            # messages: on a thread, so that the event loop keeps relaying everyone's streams.
+            req, messages = await asyncio.to_thread(_decode, body, kind, to_messages, gateway.new_id)
+        else:
+            req, messages = _decode(body, kind, to_messages, gateway.new_id)
         model = await _served_model(gateway, req.model)
         who, cost = request.remote or "", sum(m.n for m in messages)
         budgets.take(who, cost)
@@ -136,6 +141,12 @@ async def _serve(request: web.Request, kind: type[R], to_messages: Callable[[R, 
         return await _run(request, fan, make_builder(req, model, len(messages)))
     finally:
         budgets.give(who, cost)
+
+
+def _decode(body: bytes, kind: type[R], to_messages: Callable[[R, Callable[[], str]], list[Generate]],
+            new_id: Callable[[], str]) -> tuple[R, list[Generate]]:
+    req = decode_body(body, kind)
+    return req, to_messages(req, new_id)
 
 
 def _slow_reader(request: web.Request, held: int, sequences: int) -> None:

@@ -27,7 +27,11 @@ MAX_SAMPLES = 256
 async def read_body(request: web.Request, kind: type[R]) -> R:
     """Decode a JSON body: one that is not JSON raises msgspec's DecodeError, one that
     does not fit `kind` a BadRequest naming the field (OpenAI's `param`)."""
-    body = await request.read()
+    return decode_body(await request.read(), kind)
+
+
+def decode_body(body: bytes, kind: type[R]) -> R:
+    """`read_body` once the body is read (touches nothing shared: may run on a thread)."""
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
