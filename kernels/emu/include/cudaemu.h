@@ -10,3 +10,4 @@
 #include "cudaemu/collectives.h"
 #include "cudaemu/intrinsics.h"
 #include "cudaemu/memcheck.h"
+#include "cudaemu/tensor_core.h"

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <stdint.h>
+#include <string.h>
 
 #include "runtime.h"
 
@@ -29,6 +30,9 @@ CUDAEMU_RUNTIME inline unsigned shfl_source(Op op, unsigned lane, int param, int
   *in_range = ok;
   return ok ? static_cast<unsigned>(j) : lane;
 }
+
+// mma / ldmatrix: defined in tensor_core.h.
+CUDAEMU_RUNTIME inline void complete_tensor_collective(Worker* w, const Pending& p, unsigned warp);
 
 CUDAEMU_RUNTIME inline void complete_collective(Worker* w, WarpState& ws, const Pending& p, unsigned warp) {
   Thread* lanes = w->threads + warp * 32;
@@ -80,7 +84,8 @@ CUDAEMU_RUNTIME inline void complete_collective(Worker* w, WarpState& ws, const 
   (void)ws;
 }
 
-CUDAEMU_RUNTIME inline uint64_t collective(Op op, uint32_t mask, uint64_t value, int param, int pred, int width) {
+CUDAEMU_RUNTIME inline uint64_t collective(Op op, uint32_t mask, uint64_t value, int param, int pred, int width,
+                                           const char* file = nullptr, unsigned line = 0) {
   Worker* w = cur_worker();
   Thread* t = w->cur;
   const uint32_t bit = 1u << t->lane;
@@ -103,11 +108,18 @@ CUDAEMU_RUNTIME inline uint64_t collective(Op op, uint32_t mask, uint64_t value,
       fail("lanes of warp %u meet in different collectives: %s(mask 0x%08x) while lanes 0x%08x "
            "wait in %s(mask 0x%08x, width %d)",
            t->warp, op_name(op), mask, q.arrived, op_name(q.op), q.mask, q.width);
+    if (q.line != line || (q.file != file && (q.file == nullptr || file == nullptr ||
+                                              strcmp(q.file, file) != 0)))
+      fail("lanes of warp %u execute %s at different places (divergent; .aligned needs the "
+           "whole warp at the same instruction): lane %u at %s:%u while lanes 0x%08x wait at "
+           "%s:%u",
+           t->warp, op_name(op), t->lane, file ? file : "?", line, q.arrived,
+           q.file ? q.file : "?", q.line);
     p = &q;
   }
   if (p == nullptr) {
     p = &ws.pending[ws.npending++];
-    *p = Pending{mask, 0u, op, width};
+    *p = Pending{mask, 0u, op, width, file, line};
   }
   t->value = value;
   t->param = param;
@@ -118,7 +130,10 @@ CUDAEMU_RUNTIME inline uint64_t collective(Op op, uint32_t mask, uint64_t value,
   if (p->arrived == mask) {
     const Pending done = *p;
     *p = ws.pending[--ws.npending];
-    complete_collective(w, ws, done, t->warp);
+    if (is_tensor_op(done.op))
+      complete_tensor_collective(w, done, t->warp);
+    else
+      complete_collective(w, ws, done, t->warp);
   }
   yield(w, t);
   return t->result;

@@ -102,6 +102,18 @@ CUDAEMU_RUNTIME inline void poison_shared(Span tls, Span* dyn, int ndyn, size_t 
   tl_memcheck = saved;
 }
 
+// Copies still in flight when a block ends never landed for anyone: drop them.
+CUDAEMU_RUNTIME inline void async_reset(Worker* w) {
+  AsyncState& as = w->async;
+  if (as.shadow != nullptr)
+    for (unsigned i = 0; i < as.n; ++i) {
+      const AsyncCopy& c = as.copies[i];
+      const size_t first = (reinterpret_cast<uintptr_t>(c.dst) - w->tls_lo) / 4;
+      for (size_t k = 0; k < c.bytes / 4 && first + k < as.words; ++k) as.shadow[first + k] = 0;
+    }
+  as.n = 0;
+}
+
 struct StackPool {
   pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
   Stack* items = nullptr;
@@ -156,6 +168,8 @@ CUDAEMU_RUNTIME inline void run_block(Worker* w, unsigned long long b, Span tls,
     t.warp = i / 32;
     t.lane = i % 32;
     t.wait = Wait::None;
+    t.async_groups = 0;
+    t.async_pending = 0;
     FiberHeader* h = stack_header(w->stacks[i]);
     h->thread = &t;
     h->worker = w;
@@ -167,6 +181,7 @@ CUDAEMU_RUNTIME inline void run_block(Worker* w, unsigned long long b, Span tls,
     w->warps[wi].exited = 0;
     w->warps[wi].npending = 0;
   }
+  async_reset(w);
   for (unsigned i = 0; i < kWords; ++i) w->runnable[i] = 0;
   for (unsigned i = 0; i < w->nthreads; ++i) mark_runnable(w, i);
   w->live = w->nthreads;
@@ -202,7 +217,10 @@ CUDAEMU_RUNTIME inline void* worker_main(void* arg) {
   const int ndyn = a->module->dynamic_smem ? a->module->dynamic_smem(dyn, 16) : 0;
   const ModuleVars& mv = module_vars();
   const uintptr_t tls_lo = reinterpret_cast<uintptr_t>(tls.ptr);
-  MemCheck mc{tls_lo, tls_lo + tls.size, mv.vars, mv.nvars, L->margs, L->nmargs, L->dynamic_smem};
+  w->tls_lo = tls_lo;
+  w->tls_hi = tls_lo + tls.size;
+  MemCheck mc{tls_lo, tls_lo + tls.size, mv.vars, mv.nvars, L->margs, L->nmargs, L->dynamic_smem,
+              &w->async};
   tl_memcheck = L->memcheck ? &mc : nullptr;
   for (;;) {
     if (__atomic_load_n(&L->failed, __ATOMIC_ACQUIRE)) break;
@@ -280,6 +298,8 @@ CUDAEMU_RUNTIME inline int launch(const KernelEntry& k, const ModuleInfo& module
   for (unsigned i = 0; i < nw; ++i) {
     for (unsigned t = 0; t < n; ++t) stack_give(ws[i].stacks[t]);
     free(ws[i].stacks);
+    free(ws[i].async.copies);
+    free(ws[i].async.shadow);
     free(ws[i].threads);
     free(ws[i].warps);
   }

@@ -57,6 +57,7 @@ struct MemCheck {
   const MemArg* args;
   int nargs;
   uint64_t dynamic_bytes;
+  const AsyncState* async;  // this worker's cp.async copies in flight
 };
 
 static thread_local MemCheck* tl_memcheck;
@@ -83,6 +84,37 @@ __attribute__((no_sanitize_address)) inline bool view_has(const MemArg& a, uintp
   return off < a.itemsize;
 }
 
+// An access to shared memory that a cp.async has in flight: the copy may land at any moment
+// up to the issuing thread's cp.async.wait_group that covers it, so the read sees old or new
+// bytes (and a write may be overwritten) depending on timing.
+__attribute__((no_sanitize_address, noinline)) inline void memcheck_async(
+    const MemCheck* mc, uintptr_t addr, size_t n, bool store, const MemVar* var) {
+  const AsyncState* as = mc->async;
+  const uint64_t off = addr - mc->tls_lo;
+  for (uint64_t word = off / 4; word <= (off + n - 1) / 4 && word < as->words; ++word) {
+    if (as->shadow[word] == 0) continue;
+    const unsigned issuer = as->shadow[word] - 1u;
+    unsigned group = 0;
+    for (unsigned i = 0; i < as->n; ++i) {
+      const AsyncCopy& c = as->copies[i];
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(c.dst);
+      if (c.thread == issuer && mc->tls_lo + word * 4 >= lo && mc->tls_lo + word * 4 < lo + c.bytes)
+        group = c.group;
+    }
+    const Worker* w = cur_worker();
+    const uint3 tid = w->threads[issuer].tid;
+    const bool self = w->cur != nullptr && w->cur->index == issuer;
+    tl_memcheck = nullptr;  // the report itself runs instrumented runtime code
+    fail("shared memory %s of %zu bytes (variable %s, byte offset %llu) while %s cp.async to it "
+         "is in flight: group %u of thread (%u,%u,%u) is not covered by a cp.async.wait_group of "
+         "that thread yet%s",
+         store ? "write" : "read", n, var != nullptr ? var->name : "?",
+         static_cast<unsigned long long>(var != nullptr ? off - var->offset : off),
+         self ? "this thread's" : "another thread's", group, tid.x, tid.y, tid.z,
+         self ? "" : " (wait_group, then __syncthreads, before other threads use the data)");
+  }
+}
+
 __attribute__((no_sanitize_address, noinline)) inline void memcheck_shared(
     const MemCheck* mc, uintptr_t addr, size_t n, bool store) {
   const uint64_t off = addr - mc->tls_lo;
@@ -90,7 +122,11 @@ __attribute__((no_sanitize_address, noinline)) inline void memcheck_shared(
   for (int i = 0; i < mc->nvars && mc->vars[i].offset <= off; ++i) below = &mc->vars[i];
   if (below != nullptr) {
     const uint64_t size = below->dynamic ? mc->dynamic_bytes : below->size;
-    if (off + n <= below->offset + size) return;
+    if (off + n <= below->offset + size) {
+      if (mc->async != nullptr && mc->async->n != 0 && mc->async->shadow != nullptr)
+        memcheck_async(mc, addr, n, store, below);
+      return;
+    }
   }
   const char* what = store ? "write" : "read";
   tl_memcheck = nullptr;  // the report itself runs instrumented runtime code

@@ -21,15 +21,29 @@ enum class Wait : uint8_t { None, Barrier, Collective, Done };
 
 enum class Op : uint8_t {
   SyncWarp, ShflIdx, ShflUp, ShflDown, ShflXor, Ballot, Any, All, ReduceAddU, ReduceAddI,
-  ReduceMinU, ReduceMinI, ReduceMaxU, ReduceMaxI
+  ReduceMinU, ReduceMinI, ReduceMaxU, ReduceMaxI,
+  // Tensor-core instructions (tensor_core.h): warp-wide, each lane's operands behind `value`.
+  MmaK16Bf16, MmaK16F16, MmaK8Bf16, MmaK8F16, LdmX1, LdmX2, LdmX4, LdmX1T, LdmX2T, LdmX4T
 };
+
+CUDAEMU_RUNTIME inline bool is_tensor_op(Op op) { return op >= Op::MmaK16Bf16; }
 
 CUDAEMU_RUNTIME inline const char* op_name(Op op) {
   static const char* names[] = {"__syncwarp", "__shfl_sync", "__shfl_up_sync",
                                 "__shfl_down_sync", "__shfl_xor_sync", "__ballot_sync",
                                 "__any_sync", "__all_sync", "__reduce_add_sync",
                                 "__reduce_add_sync", "__reduce_min_sync", "__reduce_min_sync",
-                                "__reduce_max_sync", "__reduce_max_sync"};
+                                "__reduce_max_sync", "__reduce_max_sync",
+                                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+                                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+                                "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32",
+                                "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32",
+                                "ldmatrix.sync.aligned.m8n8.x1.shared.b16",
+                                "ldmatrix.sync.aligned.m8n8.x2.shared.b16",
+                                "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                                "ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16",
+                                "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16",
+                                "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"};
   return names[static_cast<int>(op)];
 }
 
@@ -44,12 +58,17 @@ struct Thread {
   int param;        // per-lane operand: source lane, delta or xor mask
   int pred;         // predicate for votes and __syncthreads_count/and/or
   uint64_t result;  // filled in by whoever completes the collective
+  unsigned async_groups;   // cp.async.commit_group count: the id of the group now open
+  unsigned async_pending;  // this thread's cp.async copies that have not landed
 };
 
 struct Pending {  // one warp collective that some lanes have reached
   uint32_t mask, arrived;
   Op op;
   int width;
+  // Call site of a .aligned instruction (tensor_core.h): every lane must execute the same one.
+  const char* file;
+  unsigned line;
 };
 
 struct WarpState {
@@ -82,8 +101,28 @@ struct Launch {
 constexpr unsigned kMaxThreads = 1024;
 constexpr unsigned kWords = kMaxThreads / 64;
 
+// One cp.async in flight: it lands (the bytes are copied) at the issuing thread's
+// cp.async.wait_group that covers its group, not before (tensor_core.h).
+struct AsyncCopy {
+  char* dst;
+  const char* src;
+  unsigned bytes, src_bytes;  // bytes past src_bytes are zero-filled
+  unsigned thread, group;
+};
+
+struct AsyncState {
+  AsyncCopy* copies;  // every thread's copies in flight, in issue order
+  unsigned n, cap;
+  // With the memory check on: per 4-byte word of shared memory (the TLS segment), 1 + the
+  // index of the thread whose cp.async has it in flight, 0 if none (memcheck.h reads it).
+  uint16_t* shadow;
+  size_t words;
+};
+
 struct Worker {
   Launch* L;
+  uintptr_t tls_lo, tls_hi;  // this OS thread's shared memory (the module's TLS segment)
+  AsyncState async;
   uint64_t runnable[kWords];  // bit i: thread i can be resumed
   Thread* threads;
   unsigned nthreads;
