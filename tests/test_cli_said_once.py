@@ -51,7 +51,10 @@ def test_verbose_shows_each_process_log_and_the_reason_in_the_worker_s_only(demo
 
 def test_a_quiet_run_prints_the_completion_only_and_verbose_names_the_cpu_op_paths(demo_path: Path) -> None:
     quiet = _generate(demo_path, "--device", "cpu")
-    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.strip(), quiet.stderr
+    assert quiet.returncode == 0 and quiet.stdout.strip(), quiet.stderr
+    # Nothing routine: a warning (say, a kernel that did not build) is all that may show.
+    assert all(line.startswith("noria: warning: ") for line in quiet.stderr.splitlines()), quiet.stderr
+    assert "cpu ops: " not in quiet.stderr
     verbose = _generate(demo_path, "--device", "cpu", "-v")
     assert verbose.returncode == 0, verbose.stderr
     paths = [line for line in verbose.stderr.splitlines() if "cpu ops: " in line]
