@@ -199,7 +199,6 @@ def test_half_sent_requests_are_closed_after_the_header_and_body_timeouts(served
             s = socket.create_connection(("127.0.0.1", port))
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")  # and never the rest
             heads.append(s)
-        _wait_for(lambda: _open_fds(pid) >= baseline + len(heads), "the bridge to accept every connection")
         for s in heads:
             _drained_until_closed(s)  # returns once the server has closed it (EOF or a reset)
             s.close()

@@ -20,6 +20,9 @@ DEFAULT_STREAM_BUFFER = 4 << 20  # bytes of output a stream may hold for a clien
 DEFAULT_HEADER_TIMEOUT = 30.0  # s to send a request's head, from connecting or from the previous response
 DEFAULT_BODY_TIMEOUT = 60.0  # s to send a request's body once its head has come
 DEFAULT_MAX_CONNECTIONS = 4096  # open HTTP and websocket connections
+# s an SSE write may wait for a client that takes none of it (a websocket's heartbeat, 30 s,
+# finds such a client on its own).
+STREAM_STALL = 60.0
 
 
 @dataclass(frozen=True)

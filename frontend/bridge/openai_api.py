@@ -27,6 +27,7 @@ from noria.frontend.bridge.errors import (
 )
 from noria.frontend.bridge.fanout import Fanout
 from noria.frontend.bridge.gateway import Gateway
+from noria.frontend.bridge.limits import STREAM_STALL
 from noria.frontend.bridge.openai_builders import ChatBuilder, CompletionBuilder
 from noria.frontend.bridge.openai_requests import (
     R,
@@ -137,8 +138,9 @@ async def _serve(request: web.Request, kind: type[R], to_messages: Callable[[R, 
         return _error_response(e)
     try:
         fan = Fanout(gateway, messages, limits.stream_buffer if req.stream else 0)
-        fan.on_overflow = lambda held: _slow_reader(request, held, cost)
-        return await _run(request, fan, make_builder(req, model, len(messages)))
+        fan.on_overflow = lambda held: _slow_reader(request, f"left {held} bytes unread, over --stream-buffer "
+                                                             f"{limits.stream_buffer}", cost)
+        return await _run(request, fan, make_builder(req, model, len(messages)), cost)
     finally:
         budgets.give(who, cost)
 
@@ -149,13 +151,12 @@ def _decode(body: bytes, kind: type[R], to_messages: Callable[[R, Callable[[], s
     return req, to_messages(req, new_id)
 
 
-def _slow_reader(request: web.Request, held: int, sequences: int) -> None:
-    """A stream's client has left more than --stream-buffer bytes unread: its requests were
-    aborted upstream (Fanout); the connection is dropped, which ends the handler."""
-    app = request.app
-    app[METRICS].slow_readers.labels("sse").inc()
-    log.warning("aborted a stream to %s: its client left %d bytes unread, over --stream-buffer %d; %d sequence(s) "
-                "aborted upstream", request.remote, held, app[LIMITS].stream_buffer, sequences)
+def _slow_reader(request: web.Request, why: str, sequences: int) -> None:
+    """A stream's client does not read (`why`): the connection is dropped, which ends the
+    handler and with it the stream's requests upstream (if the Fanout has not already)."""
+    request.app[METRICS].slow_readers.labels("sse").inc()
+    log.warning("aborted a stream to %s: its client %s; %d sequence(s) aborted upstream", request.remote, why,
+                sequences)
     if request.transport is not None:
         request.transport.abort()
 
@@ -164,13 +165,14 @@ def _include_usage(req: SamplingFields) -> bool:
     return bool(req.stream and req.stream_options and req.stream_options.include_usage)
 
 
-async def _run(request: web.Request, fan: Fanout, builder: CompletionBuilder | ChatBuilder) -> web.StreamResponse:
+async def _run(request: web.Request, fan: Fanout, builder: CompletionBuilder | ChatBuilder,
+               sequences: int = 0) -> web.StreamResponse:
     # Whatever ends this handler (done, error, a client that hung up and got the
     # handler cancelled) aborts what is still running upstream.
     try:
         if builder.stream:
             try:
-                return await _stream(request, fan, builder)
+                return await _stream(request, fan, builder, sequences)
             except ConnectionResetError:  # the client hung up between two writes
                 return web.Response(status=499)
         while batch := await fan.next_batch():
@@ -183,7 +185,8 @@ async def _run(request: web.Request, fan: Fanout, builder: CompletionBuilder | C
         fan.close()
 
 
-async def _stream(request: web.Request, fan: Fanout, builder: CompletionBuilder | ChatBuilder) -> web.StreamResponse:
+async def _stream(request: web.Request, fan: Fanout, builder: CompletionBuilder | ChatBuilder,
+                  sequences: int) -> web.StreamResponse:
     batch = await fan.next_batch()
     for _, ev in batch:
         if isinstance(ev, NoriaError):
@@ -194,6 +197,8 @@ async def _stream(request: web.Request, fan: Fanout, builder: CompletionBuilder 
         await _events(resp, fan, builder, batch)
     except (ConnectionResetError, asyncio.CancelledError):
         raise
+    except TimeoutError:  # _write: the output waiting for the client stays there, the client takes none of it
+        _slow_reader(request, f"took nothing for {STREAM_STALL:g}s", sequences)
     except Exception as e:  # a bug after the headers went out: the stream still ends, with an error event
         log.exception("internal error while streaming a response")
         await _write(resp, [error_body(500, f"internal error: {type(e).__name__}: {e}"[:500],
@@ -223,7 +228,10 @@ async def _write(resp: web.StreamResponse, chunks: list[bytes], *, done: bool = 
     if done:
         chunks.append(b"[DONE]")
     if chunks:
-        await resp.write(b"".join(b"data: " + c + b"\n\n" for c in chunks))
+        # resp.write waits while the transport holds more than its high-water mark; a client
+        # that takes nothing that long is gone in all but name (it may still ACK with a closed window).
+        async with asyncio.timeout(STREAM_STALL):
+            await resp.write(b"".join(b"data: " + c + b"\n\n" for c in chunks))
     if done:
         await resp.write_eof()
 
