@@ -38,16 +38,19 @@ class AsyncClient:
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
         curve_keys: str | os.PathLike[str] | None = None,
+        relay: bool = False,
     ) -> None:
         """`timeout`: seconds to wait for each message of a request before raising
         NoriaError("timeout"); None waits as long as the heartbeat says the engine
         is alive. `heartbeat_timeout`: seconds of silence (despite probes) after
         which the engine counts as unreachable. `curve_keys`: a folder with the server's
         public key (`scheduler.key`) and this client's pair, for a server started with
-        `--zmq-curve-keys` (docs/protocol.md)."""
+        `--zmq-curve-keys` (docs/protocol.md). `relay`: this client forwards many clients'
+        requests and caps each of them itself (the bridge); the server then does not apply its
+        per-connection cap to it."""
         self.timeout = timeout
         self._conn = Connection(address, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
-                                curve_keys=curve_keys)
+                                curve_keys=curve_keys, relay=relay)
         self._ids = itertools.count()
         self._prefix = f"c{os.getpid():x}{id(self) & 0xFFFF:x}-"
 

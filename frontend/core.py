@@ -99,6 +99,9 @@ class FrontendCore:
         self.limits = limits or Limits()
         self.num_queued = 0
         self.per_client: Counter[Hashable] = Counter()
+        # Connections that said they relay many clients (the bridge) and cap each one
+        # themselves: `max_per_client` does not apply to them, `max_queued` does.
+        self.relays: dict[Hashable, None] = {}  # in the order they last said so
         self._next_id = 0
         self.by_rid: dict[int, tuple[_Request, _Sample]] = {}
         self.by_key: dict[Hashable, _Request] = {}
@@ -170,10 +173,10 @@ class FrontendCore:
             return ErrorCode.DUPLICATE_REQUEST, f"request_id {request_id!r} is already in flight"
         cap = self.limits.max_queued
         if cap is not None and self.num_queued >= cap:
-            return ErrorCode.OVERLOADED, f"the server is overloaded: {self.num_queued} requests wait to start; retry later"
+            return ErrorCode.OVERLOADED, f"the server is overloaded, engine queue full: {self.num_queued} requests wait to start; retry later"
         cap = self.limits.max_per_client
-        if cap is not None and self.per_client[client] >= cap:
-            return ErrorCode.OVERLOADED, f"this connection already has {cap} requests in flight, its limit; retry later"
+        if cap is not None and self.per_client[client] >= cap and client not in self.relays:
+            return ErrorCode.OVERLOADED, f"per-connection limit: this connection already has {cap} requests in flight; retry later"
         return None
 
     def abort(self, key: Hashable) -> None:

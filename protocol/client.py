@@ -53,6 +53,9 @@ class Hello(msgspec.Struct, kw_only=True, tag="hello", tag_field="type"):
     """Asks the server who it is; answered by `Ready`. Also a liveness probe."""
 
     protocol_version: int = 1
+    # The connection speaks for many clients of its own (the bridge) and caps each of them
+    # itself: the server's per-connection cap would let one of them lock the others out.
+    relay: bool = False
 
 
 class Logprob(msgspec.Struct, kw_only=True):
