@@ -241,3 +241,25 @@ def test_the_connection_past_the_cap_is_refused(served):
         assert scrape_metrics(url)["noria_connections_refused_total"] >= 1
         for s in held:
             s.close()
+
+
+def test_a_stream_keeps_none_of_what_it_has_sent():
+    from noria.frontend.bridge.openai_builders import ChatBuilder, CompletionBuilder
+    from noria.protocol.client import Delta, Done, Logprob, Usage
+
+    lp = [Logprob(token_id=5, logprob=-0.5, top_token_ids=[5, 6], top_logprobs=[-0.5, -1.0])]
+    for builder in (CompletionBuilder("c", "demo", 0, 2, 1, logprobs=True, stream=True),
+                    ChatBuilder("c", "demo", 0, 2, logprobs=True, stream=True)):
+        prompts = 2 if isinstance(builder, CompletionBuilder) else 1
+        for step in range(100):
+            for p in range(prompts):
+                chunks = builder.add(p, Delta(request_id="r", text=f"t{step} ", token_ids=[5], index=p % builder.choices.n,
+                                              logprobs=lp))
+                assert chunks and f"t{step} ".encode() in chunks[0]
+        choices = builder.choices
+        assert all(not t for t in choices.texts) and all(not lps for lps in choices.logprobs)
+        assert all(not o for o in choices.offsets)
+        # What the chunks still to come need is kept: text offsets, for logprobs' text_offset.
+        assert choices.lengths[0] == sum(len(f"t{s} ") for s in range(100))
+        for p in range(prompts):
+            builder.add(p, Done(request_id="r", finish_reason="length", usage=Usage(prompt_tokens=1, completion_tokens=100)))
