@@ -4,6 +4,7 @@ collects this module only when CUDA is available; every dtype x head size x bloc
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,3 +83,123 @@ def test_reshape_and_cache_and_swap(dtype: str) -> None:
     back = [torch.empty_like(k_gpu) for _ in range(2)]
     ops.copy_blocks(cpu, back, mapping[:, [1, 0]])
     assert torch.equal(back[1].cpu().nan_to_num(7.0), v_cache.nan_to_num(7.0))
+
+
+# ---- tensor_core.cuh on the device: the emulator's model of each instruction must agree ----
+
+
+def _gpu_launch(name: str, grid: int, block: int, args: tuple) -> None:
+    """Runs a probe kernel (tests/kernels/tensor_core_probe_kernels.cu) through CuPy: numpy
+    arrays go to the device and come back in place, numpy scalars go by value."""
+    import cupy
+    from test_emu_tensor_core import PROBES
+
+    from noria.kernels.options import compile_options
+
+    module = cupy.RawModule(code=PROBES.read_text(), options=compile_options())
+    dev = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+    module.get_function(name)((grid,), (block,), tuple(dev))
+    cupy.cuda.Device().synchronize()
+    for a, d in zip(args, dev, strict=True):
+        if isinstance(a, np.ndarray):
+            np.copyto(a, d.get())
+
+
+@pytest.mark.parametrize("k", [16, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_mma_fragments_on_the_device(k: int, dtype: torch.dtype) -> None:
+    import test_emu_tensor_core as tc
+
+    a, b, c = tc._random_operands(k, dtype, 2, seed=k)
+    a_regs = np.zeros((2, 32, k // 4), np.uint32)
+    b_regs = np.zeros((2, 32, k // 8), np.uint32)
+    c_regs = np.zeros((2, 32, 4), np.float32)
+    for w in range(2):
+        for lane in range(32):
+            a_regs[w, lane] = tc._pack(tc._bits(a[w]), tc._a_coords(lane, k))
+            b_regs[w, lane] = tc._pack(tc._bits(b[w]), tc._b_coords(lane, k))
+            c_regs[w, lane] = [float(c[w, r, col]) for r, col in tc._c_coords(lane)]
+    args = (a_regs, b_regs, c_regs, None, np.int32(dtype == torch.bfloat16))
+    d_gpu = np.full((2, 32, 4), np.nan, np.float32)
+    d_emu = d_gpu.copy()
+    name = "mma_k16" if k == 16 else "mma_k8"
+    _gpu_launch(name, 2, 32, (*args[:3], d_gpu, args[4]))
+    tc.probes().get_function(name)(2, 32, (*args[:3], d_emu, args[4]))
+    expected = a.double() @ b.double() + c.double()
+    for w in range(2):
+        for lane in range(32):
+            want = [float(expected[w, r, col]) for r, col in tc._c_coords(lane)]
+            np.testing.assert_allclose(d_gpu[w, lane], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_gpu, d_emu, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num", [1, 2, 4])
+@pytest.mark.parametrize("trans", [False, True], ids=["plain", "trans"])
+def test_ldmatrix_on_the_device(num: int, trans: bool) -> None:
+    import test_emu_tensor_core as tc
+
+    rng = np.random.default_rng(num + 10 * trans)
+    tile = rng.integers(0, 65536, (32, 8)).astype(np.uint16)
+    row_of_lane = rng.permutation(32).astype(np.int32)
+    out = np.zeros((32, 4), np.uint32)
+    _gpu_launch("ldmatrix_probe", 1, 32, (tile, row_of_lane, out, np.int32(num), np.int32(trans)))
+    assert np.array_equal(
+        out[:, :num], tc._ldmatrix_expected(tile, row_of_lane, num, trans)[:, :num]
+    )
+
+
+def test_cp_async_and_tile_on_the_device() -> None:
+    import test_emu_tensor_core as tc
+
+    src = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
+    out = np.full((128, 12), np.nan, np.float32)
+    _gpu_launch("cp_async_groups", 1, 128, (src, out))
+    assert np.array_equal(out, tc._cp_async_expected(src, 128))
+    g = torch.Generator().manual_seed(3)
+    for dtype, name in ((torch.bfloat16, "tile_gemm_bf16"), (torch.float16, "tile_gemm_f16")):
+        a = torch.randn(16, 16, generator=g).to(dtype)
+        b = torch.randn(16, 8, generator=g).to(dtype)
+        d = np.full((16, 8), np.nan, np.float32)
+        _gpu_launch(name, 1, 32, (tc._bits(a), tc._bits(b), d))
+        np.testing.assert_allclose(d, (a.double() @ b.double()).numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [c for c in all_configs() if c.dtype != "float32"], ids=repr)
+def test_prefill_tc(cfg: AttentionConfig) -> None:
+    """prefill_attention_tc.cu (not behind ops yet) on the device, every 16-bit config."""
+    from test_prefill_attention_tc import SOURCE, TILE_Q, _name
+
+    from noria.kernels.backends import CupyBackend
+    from noria.kernels.instances import ModuleSpec
+
+    bs = cfg.block_size
+    batch = [(1, 1), (bs + 1, bs + 1), (2 * bs + 5, 7), (2000, 40), (300, 300), (3 * bs, 1), (0, 0)]
+    scene = make_scene(cfg, [c for c, _ in batch], num_kv_heads=2, seed=3)
+    qsl = torch.zeros(len(batch) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor([q for _, q in batch]).cumsum(0)
+    g = torch.Generator().manual_seed(4)
+    query = torch.randn(int(qsl[-1]), 8, cfg.head_dim, generator=g).to(TORCH_DTYPES[cfg.dtype])
+    expected = reference.paged_attention_prefill(
+        query, scene.k_cache, scene.v_cache, scene.block_tables, scene.seq_lens, qsl, SCALE
+    )
+    k, v, tables, seq_lens = on_gpu(scene)
+    q, qsl_gpu = query.to(CUDA), qsl.to(CUDA)
+    out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=CUDA)
+    be = CupyBackend()
+    kern = be.kernel(ModuleSpec(SOURCE, (_name(cfg),)), _name(cfg))
+    args = (
+        be.ptr(out),
+        be.ptr(q),
+        be.ptr(k),
+        be.ptr(v),
+        be.ptr(tables),
+        be.ptr(seq_lens),
+        be.ptr(qsl_gpu),
+        np.float32(SCALE),
+        np.int32(2),
+        np.int32(q.stride(0)),
+        np.int32(tables.stride(0)),
+    )
+    with be.launch_context(CUDA):
+        kern((-(-300 // TILE_Q), 8, len(batch)), (128,), args)
+    assert_matches(out.cpu(), expected, cfg.dtype)
