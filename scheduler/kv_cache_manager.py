@@ -131,8 +131,11 @@ class KVCacheManager:
 
     def append_slot(self, req: Request) -> list[int] | None:
         """`allocate_slots(req, 1)` for a decode (no prefix hit), without the general
-        case's work: every step calls it for the running requests at a block edge, an
-        eighth of them at the default block size (one starts a block, one fills one)."""
+        case's work: every step calls it for the running requests that start a block, a
+        sixteenth of them at the default block size. It keys the block filled before
+        (the scheduler calls nothing when a decode fills a block): a block is hashed a
+        step after it fills, before any request of a later step looks it up, and a
+        request that ends as it fills a block leaves that block unkeyed."""
         bs = self.block_size
         total = req.num_computed_tokens + 1
         block_ids = req.block_ids
@@ -145,7 +148,7 @@ class KVCacheManager:
             added = [pool.take()] if need == 1 else pool.allocate(need) or _NO_BLOCKS
             block_ids += added
         if req.hash_root is not None:
-            # A block that the token on its way (async scheduling) fills is hashed a step later.
+            # A block filled by the token on its way (async scheduling) waits for the next call.
             full = min(total, len(req.token_ids)) // bs
             cached = req.num_cached_blocks
             if full == cached + 1 and len(req.block_hashes) == cached:  # exactly one block filled

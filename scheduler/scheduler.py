@@ -208,8 +208,10 @@ class Scheduler(StepResults):
             k = req.num_worker_tokens
             num_new = k - c
             if num_new == 1:
-                if c % bs and (c + 1) % bs and k < req.decode_limit:
-                    # Hot path: a plain decode that neither starts nor fills a block.
+                if c % bs and k < req.decode_limit:
+                    # Hot path: a plain decode that starts no block. A block it fills is
+                    # keyed for prefix hits when the next one starts (`append_slot`): a
+                    # digest per block, kept off this path.
                     schedule_one(req.decode_entry)
                     req.num_computed_tokens = c + 1
                     req.num_worker_tokens = k + 1
@@ -219,7 +221,7 @@ class Scheduler(StepResults):
                     # Async scheduling: its last token may be on its way, or its grammar
                     # needs the token on its way: it waits for the result.
                     continue
-                added: list[int] | None = _NO_BLOCKS if c % bs and (c + 1) % bs else kv.append_slot(req)
+                added: list[int] | None = _NO_BLOCKS if c % bs else kv.append_slot(req)
             else:
                 num_new = min(num_new, budget)
                 added = kv.allocate_slots(req, num_new)

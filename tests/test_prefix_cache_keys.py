@@ -320,3 +320,22 @@ def test_a_hit_is_checked_by_comparing_bytes_not_by_rehashing():
     pool.tokens[first] = struct.pack(f"<{BS}q", *([0] * BS))
     _add(s, 1, prompt)
     assert _drain(s, w)[1][1] == 0
+
+
+def test_a_block_a_decode_fills_is_keyed_once_the_next_one_starts():
+    """Decoded tokens are shared too (a conversation's next turn repeats the answer): the
+    block a decode fills is keyed when the request's next block starts."""
+    s, w = _make()
+    outputs: dict[int, list[int]] = {}
+    cached: dict[int, int] = {}
+    _add(s, 0, list(range(1, 2 * BS + 1)), max_tokens=40)
+    req = s.requests[0]
+    while req.num_computed_tokens <= 3 * BS:  # past its third block: the fourth has started
+        _step(s, w, outputs, cached)
+    turn = req.token_ids[: 3 * BS] + [7]
+    _add(s, 1, turn, max_tokens=2)
+    _step(s, w, outputs, cached)
+    assert cached[1] == 3 * BS
+    s.abort([0])
+    _drain(s, w, outputs, cached)
+    assert outputs[1] == _model(turn, 2)
