@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import websockets
 from noria import AsyncClient, NoriaError, SamplingParams
 from noria.protocol.client import Delta, Done
 from tests.procs import children_of
+from tests.workers import stats
 
 
 @dataclass
@@ -52,6 +54,13 @@ class Tripwire(list[int]):
                 return
             self.actions.pop(0)
             self.fired.append(self[0])
+
+
+def open_requests(address: str) -> int:
+    """The server's count of open requests now; callable from an event loop's own thread (a
+    Tripwire's action), as the blocking client runs on a thread of its own."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: stats(address).num_open_requests).result(120)
 
 
 def children_named(server_pid: int, marker: bytes) -> list[int]:

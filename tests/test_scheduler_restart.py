@@ -12,7 +12,9 @@ the engine: the tokenizer's decode of each stream's token ids.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -22,8 +24,8 @@ import pytest
 from noria import Client, NoriaError, SamplingParams
 from noria.frontend.local_server import LocalServer
 from noria.frontend.processor import load_tokenizer
-from tests.faults import Tripwire, children_named, kill_named, mixed_load
-from tests.procs import engine_idle, serve_http, wait_metrics
+from tests.faults import Stream, Tripwire, children_named, kill_named, mixed_load, open_requests
+from tests.procs import Served, engine_idle, serve_http, wait_metrics
 from tests.workers import health, stats, wait_for, wait_stats
 
 SCHEDULER = b"noria.scheduler"
@@ -37,9 +39,11 @@ PARAMS = [
                    frequency_penalty=0.4, presence_penalty=0.2, repetition_penalty=1.1)
     for i in range(N)
 ]
-# Six at a time: the load lasts long enough for the kill to land in the middle of it. A
-# generous --worker-wait: on a busy machine the new worker may take long to load the model.
-FLAGS = ("--num-kv-blocks", "64", "--max-num-seqs", "6", "--max-model-len", "256", "--worker-wait", "120")
+# Six at a time, so that most requests wait while the first ones run. A generous --worker-wait:
+# on a busy machine the new worker may take long to load the model; a generous --worker-timeout:
+# the worker is stopped while the load arrives.
+FLAGS = ("--num-kv-blocks", "64", "--max-num-seqs", "6", "--max-model-len", "256", "--worker-wait", "120",
+         "--worker-timeout", "120")
 LATE = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -55,6 +59,25 @@ def _watch_health(http: str, seen: list[tuple[int, str]], stop: threading.Event)
     return t
 
 
+def _all_open_then_run(served: Served, progress: list[int]) -> list[Stream]:
+    """The mixed load with every request open before the first token: its worker stopped until
+    the server holds them all (ZMQ requests are sent at once; HTTP and websocket ones come
+    through the bridge later, and would otherwise find the ZMQ ones done)."""
+    (worker,) = children_named(served.proc.pid, b"noria.worker")
+    os.kill(worker, signal.SIGSTOP)
+    got: list[list[Stream]] = []
+    load = threading.Thread(target=lambda: got.append(
+        mixed_load(served.address, served.http, PROMPTS, PARAMS, progress)), daemon=True)
+    load.start()
+    try:
+        wait_for(f"{N} open requests", lambda: stats(served.address).num_open_requests == N, 120)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    load.join(600)
+    assert got, "the load did not end"
+    return got[0]
+
+
 def test_sigkilled_scheduler_under_load_loses_nothing(demo_path, tmp_path):
     tok = load_tokenizer(str(demo_path))
     log = tmp_path / "serve.log"
@@ -65,30 +88,38 @@ def test_sigkilled_scheduler_under_load_loses_nothing(demo_path, tmp_path):
             late_calm = c.generate("a late arrival", LATE).outputs[0].token_ids
 
         seen, stop, late, killed = [], threading.Event(), [], threading.Event()
+        helpers: list[threading.Thread] = []
         total = sum(len(s.token_ids) or MAX_TOKENS for s in calm)
 
-        def kill_scheduler() -> None:
-            kill_named(served.proc.pid, SCHEDULER)
-            killed.set()
-
-        # The kill lands on the delta that makes a third of the load, from the thread that counts it.
-        progress = Tripwire((total // 3, kill_scheduler))
-
         def late_arrival() -> None:
-            wait_for("the kill", killed.is_set, 300)
             # A request that arrives while the new scheduler starts waits for it.
             wait_for("/health 503", lambda: any(code == 503 for code, _ in seen), 60)
             with Client(served.address, timeout=120) as c:
                 late.append(c.generate("a late arrival", LATE).outputs[0].token_ids)
 
-        arrival = threading.Thread(target=late_arrival, daemon=True)
-        arrival.start()
-        watcher = _watch_health(served.http, seen, stop)
-        hurt = mixed_load(served.address, served.http, PROMPTS, PARAMS, progress)
-        arrival.join(180)
+        def kill_if_open() -> None:
+            # On a loaded machine the clients may trail the engine by most of the load: the kill
+            # needs requests the engine still holds, asked for at this very delta.
+            if open_requests(served.address) < 3:
+                return
+            kill_named(served.proc.pid, SCHEDULER)
+            killed.set()
+            helpers.append(_watch_health(served.http, seen, stop))
+            helpers.append(threading.Thread(target=late_arrival, daemon=True))
+            helpers[-1].start()
+
+        # The kill lands on the delta that makes a third of the load, from the thread that counts
+        # it; had the engine ended every request by then, the load runs again with the kill earlier.
+        mark = total // 3
+        while True:
+            hurt = _all_open_then_run(served, Tripwire((mark, kill_if_open)))
+            if killed.is_set() or mark == 1:
+                break
+            mark //= 2
+        assert killed.is_set(), "the engine ended every request before its clients had their first delta"
+        helpers[1].join(180)
         stop.set()
-        watcher.join(15)
-        assert progress.fired == [total // 3]
+        helpers[0].join(15)
         assert late == [late_calm]
 
         # The kill found requests open (the test means nothing otherwise): the server's own count.
