@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +73,21 @@ def children_named(server_pid: int, marker: bytes) -> list[int]:
         except OSError:
             continue
     return out
+
+
+@contextmanager
+def worker_stopped(server_pid: int) -> Iterator[int]:
+    """The server's local worker stopped (SIGSTOP) for the block and resumed after it: what
+    arrives meanwhile stays open, so a load sent over ZMQ, SSE and the websocket is all open
+    at once (ZMQ requests are sent at once, the bridge's come later and would find them done).
+    The server needs a --worker-timeout longer than the block."""
+    (worker,) = children_named(server_pid, b"noria.worker")
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        yield worker
+    finally:
+        with suppress(ProcessLookupError):  # a worker the block killed may be gone
+            os.kill(worker, signal.SIGCONT)
 
 
 def kill_named(server_pid: int, marker: bytes) -> int:

@@ -30,11 +30,13 @@ import websockets
 from noria import Client, NoriaError, SamplingParams
 from noria.frontend.local_server import LocalServer
 from noria.protocol.sockets import free_tcp_port
-from tests.faults import children_named, mixed_load, ws_message
+from tests.faults import mixed_load, worker_stopped, ws_message
 from tests.procs import children_of, serve_http, wait_gone
 from tests.workers import health, stats, wait_for
 
 PARAMS = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+# The worker may be stopped (tests.faults.worker_stopped) for as long as a busy machine takes.
+STOPPABLE = ("--worker-timeout", "120")
 
 
 def _post(http: str, body: dict) -> tuple[int, dict]:
@@ -150,13 +152,18 @@ def test_a_draining_server_refuses_new_requests_and_keeps_the_open_ones(demo_pat
 
 def test_sigterm_lets_in_flight_requests_finish(demo_path, tmp_path):
     prompts = [f"Request {i} asks the water wheel" for i in range(6)]
-    params = [msgspec.structs.replace(PARAMS, max_tokens=400)] * 6  # long enough for all six to be open at once
+    params = [msgspec.structs.replace(PARAMS, max_tokens=400)] * 6
     log_path = tmp_path / "serve.log"
-    with log_path.open("w") as err, serve_http("--num-kv-blocks", "256", "--max-num-seqs", "3", stderr=err) as served:
+    # A drain timeout no run reaches: the six must finish, however slowly.
+    with log_path.open("w") as err, serve_http("--num-kv-blocks", "256", "--max-num-seqs", "3", "--drain-timeout",
+                                               "3600", *STOPPABLE, stderr=err) as served:
         calm = mixed_load(served.address, served.http, prompts, params)
-        load, got = _in_background(mixed_load, served.address, served.http, prompts, params)
-        wait_for("6 open requests", lambda: stats(served.address).num_open_requests == 6, 60)
-        served.proc.send_signal(signal.SIGTERM)
+        # The drain begins with all six open: the worker waits until the server holds them and drains.
+        with worker_stopped(served.proc.pid):
+            load, got = _in_background(mixed_load, served.address, served.http, prompts, params)
+            wait_for("6 open requests", lambda: stats(served.address).num_open_requests == 6, 120)
+            served.proc.send_signal(signal.SIGTERM)
+            wait_for("the drain", lambda: "draining:" in log_path.read_text(), 60)
         load.join(300)
         assert not load.is_alive(), "the drained requests did not finish"
         assert served.proc.wait(60) == 0
@@ -184,10 +191,13 @@ def _one_final_each(streams) -> list[tuple]:
 
 
 def _start_load(server: LocalServer, params: SamplingParams) -> tuple[threading.Thread, list]:
-    """One stream each over ZMQ, SSE and the websocket, under way (a delta seen) when this returns."""
+    """One stream each over ZMQ, SSE and the websocket, all open and under way (deltas seen)
+    when this returns."""
     progress = [0]
-    load, got = _in_background(mixed_load, server.address, server.http, ["a", "b", "c"], [params] * 3, progress)
-    wait_for("3 streams under way", lambda: stats(server.address).num_open_requests == 3 and progress[0] >= 3, 60)
+    with worker_stopped(server.proc.pid):
+        load, got = _in_background(mixed_load, server.address, server.http, ["a", "b", "c"], [params] * 3, progress)
+        wait_for("3 open requests", lambda: stats(server.address).num_open_requests == 3, 120)
+    wait_for("3 streams under way", lambda: progress[0] >= 3, 120)
     return load, got
 
 
@@ -198,18 +208,22 @@ def test_a_signal_to_the_process_group_drains_and_restarts_nothing(demo_path, tm
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
         # A drain timeout no run reaches: a Ctrl-C that waited it out would hang past the bounds below.
-        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "3600", log=log, new_session=True)
+        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "3600", *STOPPABLE, log=log,
+                             new_session=True)
         try:
             server.wait(http=True)
             kids = children_of(server.proc.pid)
             load, got = _start_load(server, msgspec.structs.replace(PARAMS, max_tokens=500))
-            os.killpg(server.proc.pid, sig)
+            with worker_stopped(server.proc.pid):  # the signal lands with all three streams open
+                os.killpg(server.proc.pid, sig)
+                wait_for("the drain", lambda: "draining:" in log_path.read_text(errors="replace"), 60)
             load.join(300)
             assert not load.is_alive(), "the streams did not end"
             assert server.proc.wait(60) == 0
         finally:
             server.stop()
     (streams,) = got
+    assert "draining: 3 open request(s)" in log_path.read_text(errors="replace")
     if sig == signal.SIGTERM:
         assert [(s.error, s.finals, s.late, s.finish_reason) for s in streams] == [(None, 1, 0, "length")] * 3
         assert [len(s.token_ids) for s in streams if s.kind != "sse"] == [500, 500]
@@ -225,7 +239,8 @@ def test_sigterm_to_every_process_ends_the_drain_at_once(demo_path, tmp_path):
     server exits 0 long before its drain timeout."""
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "3600", log=log, new_session=True)
+        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "3600", *STOPPABLE, log=log,
+                             new_session=True)
         try:
             server.wait(http=True)
             kids = children_of(server.proc.pid)
@@ -243,17 +258,16 @@ def test_sigterm_to_every_process_ends_the_drain_at_once(demo_path, tmp_path):
 def test_a_worker_that_dies_while_the_server_drains_is_not_restarted(demo_path, tmp_path):
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "3600", log=log)
+        server = LocalServer("--num-kv-blocks", "256", "--drain-timeout", "3600", *STOPPABLE, log=log)
         try:
             server.wait(http=True)
             kids = children_of(server.proc.pid)
             load, got = _start_load(server, LONG)
             # The worker stops before the drain begins, so the streams are still open when it dies.
-            (worker,) = children_named(server.proc.pid, b"noria.worker")
-            os.kill(worker, signal.SIGSTOP)
-            server.proc.send_signal(signal.SIGTERM)
-            wait_for("draining", lambda: health(server.http)[1].get("reason") == "draining", 60)
-            os.kill(worker, signal.SIGKILL)
+            with worker_stopped(server.proc.pid) as worker:
+                server.proc.send_signal(signal.SIGTERM)
+                wait_for("draining", lambda: health(server.http)[1].get("reason") == "draining", 60)
+                os.kill(worker, signal.SIGKILL)
             load.join(120)
             assert server.proc.wait(60) == 0
         finally:

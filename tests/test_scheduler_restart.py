@@ -12,9 +12,7 @@ the engine: the tokenizer's decode of each stream's token ids.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import threading
 import time
@@ -24,7 +22,15 @@ import pytest
 from noria import Client, NoriaError, SamplingParams
 from noria.frontend.local_server import LocalServer
 from noria.frontend.processor import load_tokenizer
-from tests.faults import Stream, Tripwire, children_named, kill_named, mixed_load, open_requests
+from tests.faults import (
+    Stream,
+    Tripwire,
+    children_named,
+    kill_named,
+    mixed_load,
+    open_requests,
+    worker_stopped,
+)
 from tests.procs import Served, engine_idle, serve_http, wait_metrics
 from tests.workers import health, stats, wait_for, wait_stats
 
@@ -60,19 +66,13 @@ def _watch_health(http: str, seen: list[tuple[int, str]], stop: threading.Event)
 
 
 def _all_open_then_run(served: Served, progress: list[int]) -> list[Stream]:
-    """The mixed load with every request open before the first token: its worker stopped until
-    the server holds them all (ZMQ requests are sent at once; HTTP and websocket ones come
-    through the bridge later, and would otherwise find the ZMQ ones done)."""
-    (worker,) = children_named(served.proc.pid, b"noria.worker")
-    os.kill(worker, signal.SIGSTOP)
+    """The mixed load with every request open before the first token (see worker_stopped)."""
     got: list[list[Stream]] = []
     load = threading.Thread(target=lambda: got.append(
         mixed_load(served.address, served.http, PROMPTS, PARAMS, progress)), daemon=True)
-    load.start()
-    try:
+    with worker_stopped(served.proc.pid):
+        load.start()
         wait_for(f"{N} open requests", lambda: stats(served.address).num_open_requests == N, 120)
-    finally:
-        os.kill(worker, signal.SIGCONT)
     load.join(600)
     assert got, "the load did not end"
     return got[0]
