@@ -1,7 +1,10 @@
 """`noria bench kernels`: attention kernel timings per shape.
 
-On a GPU: the CUDA decode kernel (one query per sequence over the paged cache; single pass or
-split-K, as `choose_num_partitions` picks) in time per step and GB/s of K/V read, against the
+On a GPU: the CUDA decode kernel (one query per sequence over the paged cache; for float16 /
+bfloat16 the tensor-core GQA kernel, split as `plan_decode_split` balances the work; for
+float32 the CUDA-core kernel, single pass or split-K as `choose_num_partitions` picks) in time
+per step and GB/s of K/V read (each K/V byte once: what a kernel that shares loads across a
+GQA group must reach), against the
 device's peak (memory clock x bus width) and a device-to-device copy; then the ragged prefill
 kernel in time and TFLOP/s.
 Without a GPU the CUDA emulator is a correctness tool, not a performance target (it runs

@@ -141,8 +141,9 @@ def decode_timing(
     seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=dev)
     q = torch.randn(num_seqs, num_heads, cfg.head_dim, dtype=dtype, device=dev)
     out = torch.empty_like(q)
+    lens_host = [context] * num_seqs  # as the worker passes them: the split plan needs no sync
     seconds = time_cuda(lambda: ops.paged_attention_decode(
-        out, q, k, v, tables, seq_lens, 0.1, max_seq_len=context, split=split))
+        out, q, k, v, tables, seq_lens, 0.1, max_seq_len=context, split=split, seq_lens_host=lens_host))
     kv_bytes = 2 * num_seqs * context * num_kv_heads * cfg.head_dim * k.element_size()
     return DecodeTiming(cfg, num_seqs, context, num_heads, num_kv_heads, seconds, kv_bytes)
 

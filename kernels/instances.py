@@ -13,8 +13,12 @@ COPY_UNITS: dict[int, str] = {16: "uint4", 4: "unsigned int"}
 
 CACHE_OPS = "cache_ops.cu"
 DECODE = "decode_attention.cu"
+DECODE_GQA = "decode_attention_gqa.cu"
 PREFILL = "prefill_attention.cu"
-SOURCES: tuple[str, ...] = (CACHE_OPS, DECODE, PREFILL)
+SOURCES: tuple[str, ...] = (CACHE_OPS, DECODE, DECODE_GQA, PREFILL)
+# Dtypes whose decode runs on tensor cores (decode_attention_gqa.cu); float32 keeps the
+# CUDA-core kernel (decode_attention.cu).
+TENSOR_CORE_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,18 @@ def reduce_name(cfg: AttentionConfig) -> str:
     return f"paged_attention_reduce<{cfg.ctype}, {cfg.head_dim}>"
 
 
+def decode_gqa_name(cfg: AttentionConfig) -> str:
+    return f"paged_attention_decode_gqa<{cfg.ctype}, {cfg.head_dim}, {cfg.block_size}>"
+
+
+def decode_gqa_merge_name(cfg: AttentionConfig) -> str:
+    return f"paged_attention_decode_gqa_merge<{cfg.ctype}, {cfg.head_dim}>"
+
+
+def uses_gqa_decode(cfg: AttentionConfig) -> bool:
+    return cfg.dtype in TENSOR_CORE_DTYPES
+
+
 def prefill_name(cfg: AttentionConfig) -> str:
     return f"paged_attention_prefill<{cfg.ctype}, {cfg.head_dim}, {cfg.block_size}>"
 
@@ -65,6 +81,10 @@ def copy_name(unit_bytes: int) -> str:
 
 
 def decode_module(cfg: AttentionConfig) -> ModuleSpec:
+    """The decode kernels of a configuration: the tensor-core GQA kernel and its merge for
+    16-bit dtypes, the CUDA-core kernel and its split-K reduce for float32."""
+    if uses_gqa_decode(cfg):
+        return ModuleSpec(DECODE_GQA, (decode_gqa_name(cfg), decode_gqa_merge_name(cfg)))
     return ModuleSpec(DECODE, (decode_name(cfg), reduce_name(cfg)))
 
 

@@ -10,6 +10,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests" / "kernels"
 _DECODE_TESTS = (str(TESTS / "test_decode_attention.py") + "::test_decode_matches_reference",)
 _PREFILL_TESTS = (str(TESTS / "test_prefill_attention.py") + "::test_prefill_matches_reference",)
+_GQA_TESTS = (str(TESTS / "test_decode_attention_gqa.py") + "::test_gqa_decode_matches_reference",)
+# float16 (the tighter 16-bit tolerance), 3 pipeline stages, 10 key tiles per long context,
+# partitions of 48 tokens that end inside a key tile.
+_GQA_KEYWORD = "float16-d96-b16"
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,105 @@ MUTANTS: tuple[Mutant, ...] = (
         "for (int idx = threadIdx.x; idx < kKeyTile * kChunks; idx += kNumThreads)",
         "for (int idx = threadIdx.x; idx <= kKeyTile * kChunks; idx += kNumThreads)",
         _PREFILL_TESTS,
+    ),
+    Mutant(
+        "gqa-no-stage-barrier",
+        "removed `__syncthreads` (after waiting for a K/V stage: other threads' copies unseen)",
+        "decode_attention_gqa.cu",
+        "    cp_async_wait<kStages - 2>();  // this thread's copies of `tile` (and Q) have landed\n    __syncthreads();",
+        "    cp_async_wait<kStages - 2>();  // this thread's copies of `tile` (and Q) have landed",
+        _GQA_TESTS,
+        keyword=_GQA_KEYWORD,
+    ),
+    Mutant(
+        "gqa-wait-one-group-short",
+        "`cp_async_wait` one group short (a K/V stage read while its copies are in flight)",
+        "decode_attention_gqa.cu",
+        "cp_async_wait<kStages - 2>();",
+        "cp_async_wait<kStages - 1>();",
+        _GQA_TESTS,
+        keyword=_GQA_KEYWORD,
+    ),
+    Mutant(
+        "gqa-no-softmax-barrier",
+        "removed `__syncthreads` (between P in shared memory and P V)",
+        "decode_attention_gqa.cu",
+        "      if (pl == 0) corr_s[prow] = corr;\n    }\n    __syncthreads();",
+        "      if (pl == 0) corr_s[prow] = corr;\n    }",
+        _GQA_TESTS,
+        keyword=_GQA_KEYWORD,
+    ),
+    Mutant(
+        "gqa-head-mapping",
+        "wrong GQA head mapping (a CTA's first query head is its KV head's index)",
+        "decode_attention_gqa.cu",
+        "const int head0 = kv_head * group + (blockIdx.y % head_groups) * kRows;",
+        "const int head0 = kv_head + (blockIdx.y % head_groups) * kRows;",
+        _GQA_TESTS,
+        keyword=_GQA_KEYWORD,
+    ),
+    Mutant(
+        "gqa-table-prefetch-stale",
+        "off-by-one in the block index (prefetched table entries of the tile just issued)",
+        "decode_attention_gqa.cu",
+        "      issue(next % kStages);  // into the stage tile - 1 used\n      plan(next + 1);",
+        "      issue(next % kStages);  // into the stage tile - 1 used\n      plan(next);",
+        _GQA_TESTS,
+        keyword=_GQA_KEYWORD,
+    ),
+    Mutant(
+        "gqa-softmax-scale",
+        "wrong softmax scale (scale not applied)",
+        "decode_attention_gqa.cu",
+        "        x *= scale;",
+        "        x *= 1.0f;",
+        _GQA_TESTS,
+        keyword=_GQA_KEYWORD,
+    ),
+    Mutant(
+        "gqa-row-max-short",
+        "reduction one level short (a row's max over its 8 threads)",
+        "decode_attention_gqa.cu",
+        "for (int offset = 4; offset > 0; offset >>= 1)\n        tmax",
+        "for (int offset = 4; offset > 1; offset >>= 1)\n        tmax",
+        _GQA_TESTS,
+        keyword=_GQA_KEYWORD,
+    ),
+    Mutant(
+        "gqa-no-rescale",
+        "online softmax without rescaling (O and l keep stale maxima)",
+        "decode_attention_gqa.cu",
+        "const float corr = __expf(m_run - base);",
+        "const float corr = m_run == neg_inf() ? 0.0f : 1.0f;",
+        _GQA_TESTS,
+        keyword=_GQA_KEYWORD,
+    ),
+    Mutant(
+        "gqa-partition-overlap",
+        "off-by-one in the partition bounds (every partition runs to the context's end)",
+        "decode_attention_gqa.cu",
+        "const int end = part == num_parts - 1 ? ctx : min(ctx, start + chunk);",
+        "const int end = ctx;",
+        _GQA_TESTS,
+        keyword=_GQA_KEYWORD,
+    ),
+    Mutant(
+        "gqa-copy-past-end",
+        "off-by-one past the end (the slot after a partition is copied: a stale cache row)",
+        "decode_attention_gqa.cu",
+        "if (idx < kKeys * kChunks && tile < num_tiles && pos < end) {",
+        "if (idx < kKeys * kChunks && tile < num_tiles && pos <= end) {",
+        _GQA_TESTS,
+        keyword=_GQA_KEYWORD,
+    ),
+    Mutant(
+        "gqa-merge-weight",
+        "wrong split-K merge weight (partition maxima ignored)",
+        "decode_attention_gqa.cu",
+        "const float w = part_sum[ih] * __expf(part_max[ih] - mx);",
+        "const float w = part_sum[ih];",
+        _GQA_TESTS,
+        keyword=_GQA_KEYWORD + " and split",
     ),
 )
 

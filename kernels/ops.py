@@ -13,7 +13,9 @@ tensors run under the CPU emulator (tests), unless a backend is given. Layouts:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,9 @@ PREFILL_TILE = 16  # query rows per prefill CTA
 DEFAULT_PARTITION_SIZE = 512  # tokens per split-K partition
 SPLIT_MIN_CONTEXT = 1024  # below this one CTA per (head, sequence) is always enough
 SINGLE_PARTITION = 1 << 30  # a partition size no context reaches
+GQA_ROWS = 16  # query heads per CTA of the tensor-core decode kernel (the mma's M)
+GQA_MIN_CHUNK = 256  # tokens: a shorter partition costs more in partials and merge than it gives
+GQA_CTAS_PER_SM = 2  # the balanced split aims at this many CTAs per SM
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -135,6 +140,59 @@ def choose_num_partitions(
     return parts
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """How the tensor-core decode kernel splits a step: partitions of `chunk` tokens (a
+    sequence's last one takes the rest), `parts[s]` of them for sequence s."""
+
+    chunk: int
+    parts: tuple[int, ...]
+
+    @property
+    def num_items(self) -> int:
+        return sum(self.parts)
+
+    @property
+    def max_parts(self) -> int:
+        return max(self.parts, default=1)
+
+
+def plan_decode_split(
+    seq_lens_host: Sequence[int],
+    ctas_per_item: int,
+    sm_count: int,
+    block_size: int,
+    *,
+    min_chunk: int = GQA_MIN_CHUNK,
+    ctas_per_sm: int = GQA_CTAS_PER_SM,
+) -> DecodePlan:
+    """Work-balanced split-K for one launch. Without a split the grid has one CTA group per
+    sequence and the longest sequence sets the step's time; with a chunk of C tokens sequence s
+    becomes ceil(len_s / C) work items, so long sequences split and short ones do not. The
+    chunk is the smallest multiple of the block size (at least min_chunk) whose items still fit
+    in ctas_per_sm x sm_count CTAs (ctas_per_item CTAs each: KV heads x head groups): as much
+    parallelism for the long sequences as the GPU takes in about one wave. Steps that already
+    fill the GPU, or whose contexts are all short, are not split."""
+    lens = [max(0, int(n)) for n in seq_lens_host]
+    max_len = max(lens, default=0)
+    target = ctas_per_sm * sm_count
+    if len(lens) * ctas_per_item >= target or max_len <= min_chunk:
+        return DecodePlan(SINGLE_PARTITION, (1,) * len(lens))
+
+    def items(chunk: int) -> int:
+        return sum(max(1, -(-n // chunk)) for n in lens)
+
+    lo, hi = -(-min_chunk // block_size), -(-max_len // block_size)  # chunk in blocks
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if items(mid * block_size) * ctas_per_item <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    chunk = lo * block_size
+    return DecodePlan(chunk, tuple(max(1, -(-n // chunk)) for n in lens))
+
+
 def paged_attention_decode(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -147,14 +205,19 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     split: bool | None = None,
     partition_size: int = DEFAULT_PARTITION_SIZE,
+    seq_lens_host: Sequence[int] | None = None,
     backend: KernelBackend | None = None,
 ) -> None:
     """One query token per sequence: out[s] = softmax(scale * q[s] K^T) V over the first
     seq_lens[s] cached tokens of sequence s. An empty context gives zeros.
 
-    max_seq_len (a host int, at least max(seq_lens); computed with a device sync if omitted)
-    sizes the split-K grid.
-    split=None lets choose_num_partitions decide; True / False force split-K (partitions of
+    float16 / bfloat16 run the tensor-core GQA kernel (one CTA per sequence partition, KV head
+    and group of up to 16 query heads); split=None splits by work balance
+    (plan_decode_split, from seq_lens_host: the host's copy of seq_lens, read from the device
+    with a sync if omitted), True splits every sequence longer than partition_size tokens,
+    False never splits. float32 runs the CUDA-core kernel: max_seq_len (a host int, at least
+    max(seq_lens); computed with a device sync if omitted) sizes its split-K grid, split=None
+    lets choose_num_partitions decide, True / False force split-K (partitions of
     partition_size tokens) or a single pass."""
     block_size, num_kv_heads, head_dim = _check_decode_args(out, query, k_cache, v_cache, block_tables, seq_lens)
     num_seqs, num_heads = query.shape[0], query.shape[1]
@@ -162,6 +225,12 @@ def paged_attention_decode(
         return
     if partition_size % block_size != 0:
         raise ValueError("partition_size must be a multiple of the block size")
+    cfg = AttentionConfig(_dtype_name(k_cache), head_dim, block_size)
+    if instances.uses_gqa_decode(cfg):
+        be = _backend(k_cache, backend)
+        plan = _gqa_plan(be, query, k_cache, seq_lens, seq_lens_host, split, partition_size)
+        _launch_gqa_decode(be, cfg, out, query, k_cache, v_cache, block_tables, seq_lens, scale, plan)
+        return
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
     be = _backend(k_cache, backend)
@@ -171,7 +240,6 @@ def paged_attention_decode(
         )
     else:
         num_partitions = max(1, -(-max_seq_len // partition_size)) if split else 1
-    cfg = AttentionConfig(_dtype_name(k_cache), head_dim, block_size)
     spec = instances.decode_module(cfg)
     decode = be.kernel(spec, instances.decode_name(cfg))
     device = k_cache.device
@@ -378,3 +446,79 @@ def _launch_split_decode(
         raise ValueError(f"{num_partitions} partitions exceed the merge kernel's shared memory")
     reduce((num_heads, num_seqs), (NUM_THREADS,),
            (*parts, be.ptr(seq_lens), np.int32(num_partitions), np.int32(partition_size)), shared_mem=smem)
+
+
+def _gqa_plan(
+    be: KernelBackend, query: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor,
+    seq_lens_host: Sequence[int] | None, split: bool | None, partition_size: int,
+) -> DecodePlan:
+    num_seqs, num_heads = query.shape[0], query.shape[1]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if split is False:
+        return DecodePlan(SINGLE_PARTITION, (1,) * num_seqs)
+    lens = seq_lens.tolist() if seq_lens_host is None else list(seq_lens_host)
+    if len(lens) != num_seqs:
+        raise ValueError(f"seq_lens_host has {len(lens)} entries for {num_seqs} sequences")
+    if split:
+        return DecodePlan(partition_size, tuple(max(1, -(-n // partition_size)) for n in lens))
+    ctas = num_kv_heads * -(-(num_heads // num_kv_heads) // GQA_ROWS)
+    return plan_decode_split(lens, ctas, be.sm_count, block_size, min_chunk=GQA_MIN_CHUNK)
+
+
+@functools.lru_cache(maxsize=8)
+def _work_layout(parts: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(work_seq, part_start) of a plan on the device: the sequence of every work item and an
+    exclusive prefix sum of the partition counts. Every layer of a step has the same plan, so
+    the cache makes this one small host-to-device copy per step."""
+    counts = np.asarray(parts, dtype=np.int64)
+    part_start = np.zeros(len(parts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=part_start[1:])
+    work_seq = np.repeat(np.arange(len(parts), dtype=np.int32), counts)
+    tensors = (torch.from_numpy(work_seq), torch.from_numpy(part_start))
+    if device.type == "cuda":  # pinned, so the copies are asynchronous
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)  # type: ignore[return-value]
+    return tensors
+
+
+def _launch_gqa_decode(
+    be: KernelBackend, cfg: AttentionConfig, out: torch.Tensor, query: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, plan: DecodePlan,
+) -> None:
+    """The tensor-core decode kernel over the plan's work items, then the merge kernel for the
+    sequences it split."""
+    num_seqs, num_heads, head_dim = out.shape
+    num_kv_heads = k_cache.shape[2]
+    head_groups = -(-(num_heads // num_kv_heads) // GQA_ROWS)
+    device = out.device
+    spec = instances.decode_module(cfg)
+    if query.data_ptr() % 16 or query.stride(0) * query.element_size() % 16:
+        query = query.clone(memory_format=torch.contiguous_format)  # cp.async takes 16-byte rows
+    work_seq, part_start = _work_layout(plan.parts, device)
+    split = plan.max_parts > 1
+    if split:
+        smem = 4 * plan.max_parts
+        if smem > 48 * 1024:
+            raise ValueError(f"{plan.max_parts} partitions exceed the merge kernel's shared memory")
+        part_out = be.scratch((plan.num_items, num_heads, head_dim), device)
+        part_max = be.scratch((plan.num_items, num_heads), device)
+        part_sum = be.scratch((plan.num_items, num_heads), device)
+        parts = (be.ptr(out), be.ptr(part_out), be.ptr(part_max), be.ptr(part_sum))
+    else:
+        unused = be.ptr(out)  # no sequence is split: the partial-result pointers are never touched
+        parts = (unused, unused, unused, unused)
+    decode = be.kernel(spec, instances.decode_gqa_name(cfg))
+    with be.launch_context(device):
+        decode(
+            (plan.num_items, num_kv_heads * head_groups),
+            (NUM_THREADS,),
+            (
+                *parts, be.ptr(query), be.ptr(k_cache), be.ptr(v_cache), be.ptr(block_tables),
+                be.ptr(seq_lens), be.ptr(work_seq), be.ptr(part_start), np.float32(scale),
+                np.int32(num_heads), np.int32(num_kv_heads), np.int32(query.stride(0)),
+                np.int32(block_tables.stride(0)), np.int32(min(plan.chunk, SINGLE_PARTITION)),
+            ),
+        )
+        if split:
+            merge = be.kernel(spec, instances.decode_gqa_merge_name(cfg))
+            merge((num_heads, num_seqs), (NUM_THREADS,), (*parts, be.ptr(part_start)), shared_mem=smem)

@@ -12,7 +12,7 @@ import torch
 from kernel_matrix import EMU_CONFIGS, cfg_id, configs_param, schedules_param
 
 from noria.kernels import ops, reference
-from noria.kernels.instances import AttentionConfig, ModuleSpec, decode_module
+from noria.kernels.instances import AttentionConfig, ModuleSpec, decode_module, uses_gqa_decode
 from noria.kernels.scenes import TORCH_DTYPES, Scene, assert_matches, edge_lengths, make_scene
 
 SCALE = 0.37  # deliberately not 1/sqrt(head_dim): a kernel that drops or redoes it fails
@@ -86,10 +86,14 @@ def test_decode_head_layouts(
 def test_decode_long_context_takes_split_path(
     emu: Any, cfg: AttentionConfig, schedule: str
 ) -> None:
-    """With the default partition size and few sequences, a 3001-token context is split."""
+    """With the default plan and few sequences, a 3001-token context is split (float32:
+    choose_num_partitions; 16-bit: the tensor-core kernel's balanced plan)."""
     lens = (3001, 700, 7)
     backend = emu(schedule)
-    assert ops.choose_num_partitions(max(lens), len(lens), 4, backend.sm_count) > 1
+    if uses_gqa_decode(cfg):
+        assert ops.plan_decode_split(lens, 2, backend.sm_count, cfg.block_size).max_parts > 1
+    else:
+        assert ops.choose_num_partitions(max(lens), len(lens), 4, backend.sm_count) > 1
     scene, query, expected = decode_case(cfg, 4, 2, lens)
     assert_matches(run_decode(backend, scene, query), expected, cfg.dtype)
 

@@ -54,10 +54,11 @@ def cache(blocks: int = 8, bs: int = 16, kvh: int = 2, d: int = 64, dtype: Any =
 
 
 def test_scalar_arguments_have_exact_widths() -> None:
-    """CuPy packs numpy scalars by their own size, so every scalar must be a sized numpy type."""
+    """CuPy packs numpy scalars by their own size, so every scalar must be a sized numpy type.
+    float32: the CUDA-core decode kernel (the 16-bit one: test_decode_attention_gqa.py)."""
     rec = Recorder()
-    k, v = cache()
-    q = torch.zeros(3, 4, 64, dtype=torch.float16)
+    k, v = cache(dtype=torch.float32)
+    q = torch.zeros(3, 4, 64, dtype=torch.float32)
     ops.paged_attention_decode(
         torch.empty_like(q),
         q,
@@ -77,8 +78,8 @@ def test_scalar_arguments_have_exact_widths() -> None:
 
 def test_split_decode_launches_partials_and_merge() -> None:
     rec = Recorder()
-    k, v = cache()
-    q = torch.zeros(2, 4, 64, dtype=torch.float16)
+    k, v = cache(dtype=torch.float32)
+    q = torch.zeros(2, 4, 64, dtype=torch.float32)
     ops.paged_attention_decode(
         torch.empty_like(q),
         q,
