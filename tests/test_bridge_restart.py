@@ -15,7 +15,7 @@ import openai
 import websockets
 
 from noria import Client, SamplingParams
-from tests.faults import children_named, kill_named, ws_message, zmq_stream
+from tests.faults import children_named, kill_named, worker_stopped, ws_message, zmq_stream
 from tests.procs import serve_http, wait_http
 from tests.workers import stats, wait_for, wait_stats
 
@@ -63,16 +63,17 @@ async def _load(served, progress: list[int]) -> tuple[list[str], list[int]]:
 
 
 def test_a_killed_bridge_is_restarted_and_its_clients_requests_are_aborted(demo_path):
-    with serve_http("--num-kv-blocks", "256", "--max-model-len", "2048") as served:
+    with serve_http("--num-kv-blocks", "256", "--max-model-len", "2048", "--worker-timeout", "120") as served:
         with Client(served.address, timeout=60) as c:
             reference = c.generate("after the restart", SHORT).outputs[0].text
             calm_zmq = c.generate("the ZMQ client's story", MEDIUM).outputs[0].token_ids
         before = stats(served.address).stats
         progress, result = [0], []
         t = threading.Thread(target=lambda: result.append(asyncio.run(_load(served, progress))), daemon=True)
-        t.start()
-        wait_for("5 open requests and some deltas",
-                 lambda: progress[0] >= 4 and stats(served.address).num_open_requests == 5, 60)
+        with worker_stopped(served.proc.pid):  # all five open at once: the ZMQ one comes first
+            t.start()
+            wait_for("5 open requests", lambda: stats(served.address).num_open_requests == 5, 120)
+        wait_for("some deltas", lambda: progress[0] >= 4, 120)
         old = kill_named(served.proc.pid, BRIDGE)
         t.join(120)
 
