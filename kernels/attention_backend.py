@@ -28,6 +28,7 @@ class _StepTensors:
     query_start_loc: torch.Tensor  # int32
     max_query_len: int
     max_seq_len: int
+    plan: ops.StepPlan  # the step's decode / prefill split and prefill work lists
     fallback_data: Any  # what the fallback's prepare() left in meta.backend_data
 
 
@@ -95,6 +96,7 @@ class KernelAttentionBackend:
             query_start_loc=meta.query_start_loc.to(torch.int32),
             max_query_len=max(meta.query_lens_host),
             max_seq_len=max(meta.seq_lens_host),
+            plan=ops.plan_step(meta.query_lens_host, meta.seq_lens_host, meta.seq_lens.device),
             fallback_data=fallback_data,
         )
 
@@ -135,6 +137,7 @@ class KernelAttentionBackend:
             layer.scale,
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
+            plan=step.plan,
             backend=self.backend,
         )
         return out

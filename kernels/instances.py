@@ -15,7 +15,8 @@ CACHE_OPS = "cache_ops.cu"
 DECODE = "decode_attention.cu"
 DECODE_GQA = "decode_attention_gqa.cu"
 PREFILL = "prefill_attention.cu"
-SOURCES: tuple[str, ...] = (CACHE_OPS, DECODE, DECODE_GQA, PREFILL)
+PREFILL_TC = "prefill_attention_tc.cu"
+SOURCES: tuple[str, ...] = (CACHE_OPS, DECODE, DECODE_GQA, PREFILL, PREFILL_TC)
 # Dtypes whose decode runs on tensor cores (decode_attention_gqa.cu); float32 keeps the
 # CUDA-core kernel (decode_attention.cu).
 TENSOR_CORE_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
@@ -72,6 +73,16 @@ def prefill_name(cfg: AttentionConfig) -> str:
     return f"paged_attention_prefill<{cfg.ctype}, {cfg.head_dim}, {cfg.block_size}>"
 
 
+def prefill_tc_name(cfg: AttentionConfig) -> str:
+    return f"paged_attention_prefill_tc<{cfg.ctype}, {cfg.head_dim}, {cfg.block_size}>"
+
+
+def uses_tc_prefill(cfg: AttentionConfig) -> bool:
+    """16-bit prefill runs on tensor cores (prefill_attention_tc.cu, every head size and block
+    size); float32 keeps the CUDA-core kernel (prefill_attention.cu)."""
+    return cfg.dtype in TENSOR_CORE_DTYPES
+
+
 def reshape_name(dtype: str, slot_type: str) -> str:
     return f"reshape_and_cache<{DTYPES[dtype]}, {SLOT_TYPES[slot_type]}>"
 
@@ -89,6 +100,8 @@ def decode_module(cfg: AttentionConfig) -> ModuleSpec:
 
 
 def prefill_module(cfg: AttentionConfig) -> ModuleSpec:
+    if uses_tc_prefill(cfg):
+        return ModuleSpec(PREFILL_TC, (prefill_tc_name(cfg),))
     return ModuleSpec(PREFILL, (prefill_name(cfg),))
 
 

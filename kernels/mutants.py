@@ -10,6 +10,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests" / "kernels"
 _DECODE_TESTS = (str(TESTS / "test_decode_attention.py") + "::test_decode_matches_reference",)
 _PREFILL_TESTS = (str(TESTS / "test_prefill_attention.py") + "::test_prefill_matches_reference",)
+_TC_PREFILL_TESTS = (
+    str(TESTS / "test_prefill_attention_tc.py") + "::test_tc_prefill_matches_reference",
+    str(TESTS / "test_prefill_attention_tc.py") + "::test_tc_prefill_gqa_groups",
+)
+# bfloat16 head size 64 over the ragged batch, and the 3- and 8-head GQA packings.
+_TC_PREFILL_KEYWORD = "bfloat16-d64-b16 or g3 or g8"
 _GQA_TESTS = (str(TESTS / "test_decode_attention_gqa.py") + "::test_gqa_decode_matches_reference",)
 # float16 (the tighter 16-bit tolerance), 3 pipeline stages, 10 key tiles per long context,
 # partitions of 48 tokens that end inside a key tile.
@@ -268,6 +274,78 @@ MUTANTS: tuple[Mutant, ...] = (
         "const float w = part_sum[ih];",
         _GQA_TESTS,
         keyword=_GQA_KEYWORD + " and split",
+    ),
+    Mutant(
+        "tc-prefill-wait-one-group-short",
+        "waits for all but two cp.async groups (the K/V tile about to be computed still in flight)",
+        "prefill_attention_tc.cu",
+        "cp_async_wait<1>();  // this thread's copies of tile j have landed",
+        "cp_async_wait<2>();  // this thread's copies of tile j have landed",
+        _TC_PREFILL_TESTS,
+        keyword=_TC_PREFILL_KEYWORD,
+    ),
+    Mutant(
+        "tc-prefill-prefetch-wrong-stage",
+        "prefetches the next K/V tile into the stage being computed",
+        "prefill_attention_tc.cu",
+        "T* next = smem + ((j + 1) % kStages) * 2 * kKeys * kStride;",
+        "T* next = smem + (j % kStages) * 2 * kKeys * kStride;",
+        _TC_PREFILL_TESTS,
+        keyword=_TC_PREFILL_KEYWORD,
+    ),
+    Mutant(
+        "tc-prefill-no-stage-release",
+        "removed `__syncthreads` (a stage is refilled while a slower warp still reads it)",
+        "prefill_attention_tc.cu",
+        "    __syncthreads();  // every warp is done with this stage before tile j + 2 is copied into it\n",
+        "",
+        _TC_PREFILL_TESTS,
+        keyword=_TC_PREFILL_KEYWORD,
+    ),
+    Mutant(
+        "tc-prefill-no-q-barrier",
+        "removed `__syncthreads` (after the Q fragments are read, before K/V overwrite them)",
+        "prefill_attention_tc.cu",
+        "  }\n  __syncthreads();  // every warp holds its Q before K/V copies overwrite those rows",
+        "  }",
+        _TC_PREFILL_TESTS,
+        keyword=_TC_PREFILL_KEYWORD,
+    ),
+    Mutant(
+        "tc-prefill-causal-off-by-one",
+        "off-by-one in the causal mask (a query misses itself)",
+        "prefill_attention_tc.cu",
+        "if (kpos > qpos[i >> 1]) v = neg_inf();",
+        "if (kpos >= qpos[i >> 1]) v = neg_inf();",
+        _TC_PREFILL_TESTS,
+        keyword=_TC_PREFILL_KEYWORD,
+    ),
+    Mutant(
+        "tc-prefill-gqa-packing",
+        "wrong GQA packing (a packed row's position taken as its token index times the group)",
+        "prefill_attention_tc.cu",
+        "qpos[r] = p < packed ? prefix + p / group : -1;",
+        "qpos[r] = p < packed ? prefix + p : -1;",
+        _TC_PREFILL_TESTS,
+        keyword=_TC_PREFILL_KEYWORD,
+    ),
+    Mutant(
+        "tc-prefill-last-key-tile-dropped",
+        "off-by-one in the key tile count (the diagonal's last tile skipped)",
+        "prefill_attention_tc.cu",
+        "const int num_tiles = last_pos / kKeys + 1;",
+        "const int num_tiles = last_pos / kKeys;",
+        _TC_PREFILL_TESTS,
+        keyword=_TC_PREFILL_KEYWORD,
+    ),
+    Mutant(
+        "tc-prefill-row-sum-short",
+        "reduction one level short (a row's exp-sum over its 4 lanes)",
+        "prefill_attention_tc.cu",
+        "    l[r] += __shfl_xor_sync(kFullMask, l[r], 2);\n",
+        "",
+        _TC_PREFILL_TESTS,
+        keyword=_TC_PREFILL_KEYWORD,
     ),
 )
 

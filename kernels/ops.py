@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,8 @@ from noria.kernels.instances import AttentionConfig, ModuleSpec
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SLOT_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 NUM_THREADS = 128  # decode, reduce and prefill kernels are written for 4 warps
-PREFILL_TILE = 16  # query rows per prefill CTA
+PREFILL_TILE = 16  # query rows per CUDA-core (float32) prefill CTA
+PREFILL_TC_ROWS = 64  # packed (query token, head) rows per tensor-core prefill CTA
 DEFAULT_PARTITION_SIZE = 512  # tokens per split-K partition
 SPLIT_MIN_CONTEXT = 1024  # below this one CTA per (head, sequence) is always enough
 SINGLE_PARTITION = 1 << 30  # a partition size no context reaches
@@ -259,6 +260,69 @@ def paged_attention_decode(
         _launch_split_decode(be, spec, cfg, decode, out, seq_lens, common, num_partitions, partition_size)
 
 
+def prefill_work_items(query_lens: Sequence[int], group: int) -> np.ndarray:
+    """The tensor-core prefill kernel's flat work list, int32 [items, 2]: (sequence, tile) for
+    every tile of PREFILL_TC_ROWS packed rows (a sequence's q_len tokens times the `group`
+    query heads of one KV head); a sequence with no query tokens has none. The grid is this
+    list (times the KV heads), so a long chunk beside many short rows launches no empty CTAs."""
+    lens = np.asarray(query_lens, dtype=np.int64).reshape(-1)
+    tiles = -(-lens * group // PREFILL_TC_ROWS)
+    seqs = np.repeat(np.arange(len(lens), dtype=np.int64), tiles)
+    first = np.repeat(np.cumsum(tiles) - tiles, tiles)  # each item's sequence's first item
+    items = np.stack([seqs, np.arange(len(seqs), dtype=np.int64) - first], axis=1)
+    return items.astype(np.int32)
+
+
+@dataclass
+class StepPlan:
+    """How one step's sequences split between the kernels, decided on the host once per step
+    (plan_step) and shared by every layer: in a mixed step the sequences with one query token
+    go to the decode kernel and the others to the prefill kernel's work list, each kernel
+    launched only over its own rows."""
+
+    query_lens: list[int]  # per sequence, this step
+    seq_lens: list[int]  # per sequence, context after this step
+    decode_seqs: list[int]  # sequences with exactly one query token
+    device: torch.device
+    # A mixed step's decode rows: slices when they are consecutive sequences, else indices.
+    decode_seq_index: slice | torch.Tensor | None = None
+    decode_token_index: slice | torch.Tensor | None = None
+    _work: dict[tuple[int, bool], torch.Tensor] = field(default_factory=dict)
+
+    def work(self, group: int, skip_decode: bool) -> torch.Tensor:
+        """The prefill work list for `group` query heads per KV head, on the step's device;
+        skip_decode leaves out the decode sequences (the decode kernel computes them)."""
+        key = (group, skip_decode)
+        if key not in self._work:
+            lens = list(self.query_lens)
+            if skip_decode:
+                for s in self.decode_seqs:
+                    lens[s] = 0
+            items = torch.from_numpy(prefill_work_items(lens, group))
+            if self.device.type == "cuda":  # pinned, so the copy does not block the host
+                items = items.pin_memory().to(self.device, non_blocking=True)
+            self._work[key] = items
+        return self._work[key]
+
+
+def plan_step(query_lens: Sequence[int], seq_lens: Sequence[int], device: torch.device) -> StepPlan:
+    """A step's plan from its per-sequence query and context lengths (the worker's host lists:
+    no device sync)."""
+    query_lens, seq_lens = [int(n) for n in query_lens], [int(n) for n in seq_lens]
+    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    plan = StepPlan(query_lens, seq_lens, decode, device)
+    if decode and len(decode) < len(query_lens):
+        starts = np.concatenate([[0], np.cumsum(query_lens, dtype=np.int64)])
+        if decode[-1] - decode[0] == len(decode) - 1:  # consecutive: views, no copies
+            first = int(starts[decode[0]])
+            plan.decode_seq_index = slice(decode[0], decode[-1] + 1)
+            plan.decode_token_index = slice(first, first + len(decode))
+        else:
+            plan.decode_seq_index = torch.tensor(decode, dtype=torch.long, device=device)
+            plan.decode_token_index = torch.from_numpy(starts[decode]).to(device)
+    return plan
+
+
 def paged_attention_prefill(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -270,11 +334,18 @@ def paged_attention_prefill(
     scale: float,
     *,
     max_query_len: int | None = None,
+    plan: StepPlan | None = None,
+    skip_decode: bool = False,
     backend: KernelBackend | None = None,
 ) -> None:
     """Ragged causal attention: the query tokens query_start_loc[s]:query_start_loc[s+1] of
     sequence s are its last q_len positions (of seq_lens[s]) and attend to every cached
-    position up to their own. Their K/V must already be in the cache."""
+    position up to their own. Their K/V must already be in the cache.
+
+    float16 / bfloat16 run the tensor-core kernel over a flat work list (from `plan`, else
+    from query_start_loc with a device sync); skip_decode (with a plan) leaves the rows of
+    one-token sequences unwritten, for the decode kernel. float32 runs the CUDA-core kernel
+    over every sequence (max_query_len sizes its grid)."""
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     num_tokens, num_heads = query.shape[0], query.shape[1]
     _check_rows("query", query, num_heads, head_dim)
@@ -288,14 +359,35 @@ def paged_attention_prefill(
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError("query_start_loc must have num_seqs + 1 entries")
+    if plan is not None and len(plan.query_lens) != num_seqs:
+        raise ValueError(f"the plan has {len(plan.query_lens)} sequences, seq_lens {num_seqs}")
     if num_tokens == 0 or num_seqs == 0:
+        return
+    be = _backend(k_cache, backend)
+    cfg = AttentionConfig(_dtype_name(k_cache), head_dim, block_size)
+    if instances.uses_tc_prefill(cfg):
+        if plan is None:
+            lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+            plan = plan_step(lens, seq_lens.tolist(), k_cache.device)
+        work = plan.work(num_heads // num_kv_heads, skip_decode)
+        if work.shape[0] == 0:
+            return
+        kern = be.kernel(instances.prefill_module(cfg), instances.prefill_tc_name(cfg))
+        with be.launch_context(k_cache.device):
+            kern(
+                (work.shape[0], num_kv_heads),
+                (NUM_THREADS,),
+                (
+                    be.ptr(out), be.ptr(query), be.ptr(k_cache), be.ptr(v_cache), be.ptr(block_tables),
+                    be.ptr(seq_lens), be.ptr(query_start_loc), be.ptr(work), np.float32(scale),
+                    np.int32(num_heads), np.int32(query.stride(0)), np.int32(block_tables.stride(0)),
+                ),
+            )
         return
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     if max_query_len <= 0:
         return
-    be = _backend(k_cache, backend)
-    cfg = AttentionConfig(_dtype_name(k_cache), head_dim, block_size)
     kern = be.kernel(instances.prefill_module(cfg), instances.prefill_name(cfg))
     tiles = -(-max_query_len // PREFILL_TILE)
     with be.launch_context(k_cache.device):
@@ -330,10 +422,14 @@ def paged_attention(
     *,
     max_query_len: int,
     max_seq_len: int,
+    plan: StepPlan | None = None,
     backend: KernelBackend | None = None,
 ) -> None:
-    """One step's attention: the decode kernel when every sequence brings one token (then
-    query row s is sequence s), the ragged prefill kernel otherwise."""
+    """One step's attention. Every sequence brings one token: the decode kernel (query row s is
+    sequence s). A mixed step with a plan and a 16-bit cache: the decode kernel over the
+    one-token sequences and the tensor-core prefill kernel over the others, neither launching a
+    CTA for the other's rows. Otherwise (no plan, or float32) the ragged prefill kernel over
+    everything; it computes decode rows too."""
     if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
         paged_attention_decode(
             out,
@@ -344,21 +440,57 @@ def paged_attention(
             seq_lens,
             scale,
             max_seq_len=max_seq_len,
+            seq_lens_host=plan.seq_lens if plan is not None else None,
             backend=backend,
         )
-    else:
-        paged_attention_prefill(
-            out,
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            max_query_len=max_query_len,
-            backend=backend,
+        return
+    mixed = (
+        plan is not None
+        and plan.decode_seq_index is not None
+        and DTYPE_NAMES.get(k_cache.dtype) in instances.TENSOR_CORE_DTYPES
+    )
+    paged_attention_prefill(
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        max_query_len=max_query_len,
+        plan=plan,
+        skip_decode=mixed,
+        backend=backend,
+    )
+    if mixed:
+        assert plan is not None
+        _decode_rows(out, query, k_cache, v_cache, block_tables, seq_lens, scale, plan, backend)
+
+
+def _decode_rows(
+    out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, plan: StepPlan,
+    backend: KernelBackend | None,
+) -> None:
+    """The decode kernel over a mixed step's one-token sequences: views of the step's tensors
+    when those sequences are consecutive, else gathered rows scattered back into `out`."""
+    seqs, tokens = plan.decode_seq_index, plan.decode_token_index
+    lens_host = [plan.seq_lens[s] for s in plan.decode_seqs]
+    if isinstance(seqs, slice) and isinstance(tokens, slice):
+        paged_attention_decode(
+            out[tokens], query[tokens], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale,
+            max_seq_len=max(lens_host), seq_lens_host=lens_host, backend=backend,
         )
+        return
+    assert isinstance(seqs, torch.Tensor) and isinstance(tokens, torch.Tensor)
+    dec_out = torch.empty((len(lens_host), *out.shape[1:]), dtype=out.dtype, device=out.device)
+    paged_attention_decode(
+        dec_out, query.index_select(0, tokens), k_cache, v_cache, block_tables.index_select(0, seqs),
+        seq_lens.index_select(0, seqs), scale, max_seq_len=max(lens_host), seq_lens_host=lens_host,
+        backend=backend,
+    )
+    out.index_copy_(0, tokens, dec_out)
 
 
 def copy_unit(block_bytes: int, addresses: Sequence[int]) -> int:

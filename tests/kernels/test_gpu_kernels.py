@@ -165,15 +165,12 @@ def test_cp_async_and_tile_on_the_device() -> None:
 
 
 @pytest.mark.parametrize("cfg", [c for c in all_configs() if c.dtype != "float32"], ids=repr)
-def test_prefill_tc(cfg: AttentionConfig) -> None:
-    """prefill_attention_tc.cu (not behind ops yet) on the device, every 16-bit config."""
-    from test_prefill_attention_tc import SOURCE, TILE_Q, _name
-
-    from noria.kernels.backends import CupyBackend
-    from noria.kernels.instances import ModuleSpec
-
+def test_mixed_step(cfg: AttentionConfig) -> None:
+    """A mixed step through ops.paged_attention with the worker's host plan, every 16-bit
+    config: the tensor-core prefill kernel over the prompts' work list (pinned, asynchronous
+    upload) and the decode kernel over decode rows that are not consecutive (gathered)."""
     bs = cfg.block_size
-    batch = [(1, 1), (bs + 1, bs + 1), (2 * bs + 5, 7), (2000, 40), (300, 300), (3 * bs, 1), (0, 0)]
+    batch = [(1, 1), (3 * bs, 1), (bs + 1, bs + 1), (2000, 40), (300, 300), (70, 1), (0, 0)]
     scene = make_scene(cfg, [c for c, _ in batch], num_kv_heads=2, seed=3)
     qsl = torch.zeros(len(batch) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor([q for _, q in batch]).cumsum(0)
@@ -183,23 +180,10 @@ def test_prefill_tc(cfg: AttentionConfig) -> None:
         query, scene.k_cache, scene.v_cache, scene.block_tables, scene.seq_lens, qsl, SCALE
     )
     k, v, tables, seq_lens = on_gpu(scene)
-    q, qsl_gpu = query.to(CUDA), qsl.to(CUDA)
+    plan = ops.plan_step([q for _, q in batch], [c for c, _ in batch], CUDA)
     out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=CUDA)
-    be = CupyBackend()
-    kern = be.kernel(ModuleSpec(SOURCE, (_name(cfg),)), _name(cfg))
-    args = (
-        be.ptr(out),
-        be.ptr(q),
-        be.ptr(k),
-        be.ptr(v),
-        be.ptr(tables),
-        be.ptr(seq_lens),
-        be.ptr(qsl_gpu),
-        np.float32(SCALE),
-        np.int32(2),
-        np.int32(q.stride(0)),
-        np.int32(tables.stride(0)),
+    ops.paged_attention(
+        out, query.to(CUDA), k, v, tables, seq_lens, qsl.to(CUDA), SCALE, max_query_len=300,
+        max_seq_len=2000, plan=plan,
     )
-    with be.launch_context(CUDA):
-        kern((-(-300 // TILE_Q), 8, len(batch)), (128,), args)
     assert_matches(out.cpu(), expected, cfg.dtype)

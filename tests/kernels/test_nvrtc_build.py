@@ -32,8 +32,12 @@ def test_no_spills_and_shared_memory_fits(records: list[nvrtc_check.CompileRecor
     # Static shared memory above 48 KB does not even launch without an opt-in.
     assert max(u.shared_bytes for u in usage) <= 48 * 1024
     # 128-thread CTAs: more than 255 registers would not compile, more than 128 halves
-    # occupancy; flag it so that a change that bloats a kernel is noticed.
-    assert max(u.registers for u in usage) <= 128
+    # occupancy; flag it so that a change that bloats a kernel is noticed. The tensor-core
+    # prefill kernel keeps a warp's Q fragments and O accumulators in registers by design
+    # (FlashAttention-2), about 250 at head size 256; it asks ptxas for one CTA per SM.
+    flat = [u for u in usage if not u.name.startswith("paged_attention_prefill_tc<")]
+    assert max(u.registers for u in flat) <= 128
+    assert max(u.registers for u in usage) <= 255
 
 
 def test_nvrtc_gets_rawmodules_options(records: list[nvrtc_check.CompileRecord]) -> None:
