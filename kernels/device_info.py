@@ -163,8 +163,10 @@ def prefill_timing(cfg: AttentionConfig, num_seqs: int, prompt: int, num_heads: 
     qsl = torch.arange(0, (num_seqs + 1) * prompt, prompt, dtype=torch.int32, device=dev)
     q = torch.randn(num_seqs * prompt, num_heads, cfg.head_dim, dtype=dtype, device=dev)
     out = torch.empty_like(q)
+    # Built once per step from host lengths, as the worker does: the work list costs no sync.
+    plan = ops.plan_step([prompt] * num_seqs, [prompt] * num_seqs, dev)
     seconds = time_cuda(lambda: ops.paged_attention_prefill(
-        out, q, k, v, tables, seq_lens, qsl, 0.1, max_query_len=prompt), iters=5, warmup=1)
+        out, q, k, v, tables, seq_lens, qsl, 0.1, max_query_len=prompt, plan=plan), iters=5, warmup=1)
     flops = 2 * 2 * num_seqs * num_heads * cfg.head_dim * prompt * (prompt + 1) / 2
     return seconds, flops / seconds / 1e12
 
