@@ -12,6 +12,7 @@ from noria.frontend.api_key import add_api_key_args, resolve_api_key
 from noria.protocol import logs
 from noria.protocol.config import (
     RESTART_WINDOW,
+    AttentionBackendChoice,
     BlockSize,
     Device,
     Dtype,
@@ -37,6 +38,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="override the computed number of KV blocks")
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the device KV cache")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of the GPU's memory the worker may use; the KV cache takes what weights and a "
+                        "profiling pass leave of it (default 0.9; --kv-cache-memory overrides)")
+    g.add_argument("--attention-backend", choices=_choices(AttentionBackendChoice), default=None,
+                   help="auto (default): the CUDA kernels where usable, else torch with one line saying why; "
+                        "kernels: refuse to start without them; torch: never the kernels")
     g.add_argument("--swap-space", type=float, default=None, help="GiB of CPU memory for swapped KV blocks")
     g.add_argument("--preemption-mode", choices=_choices(PreemptionMode), default=None)
     g.add_argument("--scheduling-policy", choices=_choices(SchedulingPolicy), default=None,

@@ -150,6 +150,10 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     # thrown away because their request had ended (a stop a step earlier, or an abort).
     steps_planned_ahead: int = 0
     tokens_discarded: int = 0
+    # What the worker group's attention runs on ("kernels" or "torch", --attention-backend)
+    # and why not the kernels for some or all layers ("" when nothing fell back); "" before a group.
+    attention_backend: str = ""
+    attention_reason: str = ""
 
 
 class GetStats(msgspec.Struct, kw_only=True, tag="get_stats", tag_field="type"):

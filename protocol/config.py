@@ -13,6 +13,9 @@ Device = Literal["auto", "cpu", "cuda"]
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]  # vLLM's --scheduling-policy
 BlockSize = Literal[8, 16, 32, 64, 128]
+# auto: the CUDA kernels where they work, else torch (said once at start-up); kernels: refuse
+# to start without them; torch: never the kernels.
+AttentionBackendChoice = Literal["auto", "kernels", "torch"]
 AtLeastOne = Annotated[int, Meta(ge=1)]
 GiB = Annotated[float, Meta(ge=0.0)]
 
@@ -37,6 +40,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: AtLeastOne | None = None
     num_kv_blocks: AtLeastOne | None = None  # override the computed number of device KV blocks
     kv_cache_memory: Annotated[float, Meta(gt=0.0)] | None = None  # GiB for the device KV cache; None = computed
+    # Share of the GPU's memory the worker may use in all (weights, activations, KV cache);
+    # the KV cache takes what the profiling pass leaves of it (worker/kv_cache.py). Unused on a CPU.
+    gpu_memory_utilization: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.9
+    attention_backend: AttentionBackendChoice = "auto"
     swap_space: GiB = 4.0  # GiB of CPU memory for swapped KV blocks
     preemption_mode: PreemptionMode = "recompute"
     # fcfs: arrival order, a request's `priority` is refused; priority: lower `priority` first,

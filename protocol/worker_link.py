@@ -18,7 +18,7 @@ from noria.protocol.config import EngineConfig
 from noria.protocol.model_identity import ModelIdentity
 from noria.protocol.step import StepPlan, StepResult
 
-WORKER_PROTOCOL_VERSION = 3
+WORKER_PROTOCOL_VERSION = 4
 """Bumped whenever a message on this link changes shape; a mismatch is refused by name."""
 
 
@@ -50,12 +50,18 @@ class Register(msgspec.Struct, array_like=True, gc=False, tag="register"):
 
 
 class WorkerReady(msgspec.Struct, array_like=True, gc=False, tag="ready"):
+    """`attention_backend`: what the rank's attention runs on ("kernels" or "torch",
+    --attention-backend); `attention_reason`: why not the kernels, for some or all layers
+    ("" when nothing fell back). The scheduler reports rank 0's in its stats (/health)."""
+
     epoch: int
     rank: int
     num_kv_blocks: int
     num_cpu_blocks: int
     vocab_size: int
     max_model_len: int
+    attention_backend: str = ""
+    attention_reason: str = ""
 
 
 class WorkerFailed(msgspec.Struct, array_like=True, gc=False, tag="failed"):

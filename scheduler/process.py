@@ -105,6 +105,7 @@ class SchedulerProcess:
         self.no_worker_total = 0.0
         self.unavailable = False  # worker_wait passed with no group: requests fail at once
         self.groups_formed = 0
+        self.attention = ("", "")  # the live group's (backend, reason) for stats (/health)
 
     # ---- the loop ---------------------------------------------------------
 
@@ -157,6 +158,7 @@ class SchedulerProcess:
 
     def _group_ready(self, ev: GroupReady) -> None:
         self.sched.install_kv(ev.num_kv_blocks, ev.num_cpu_blocks, ev.max_model_len)
+        self.attention = (ev.attention_backend, ev.attention_reason)
         self.groups_formed += 1
         if self.no_worker_since is not None:
             self.no_worker_total += time.monotonic() - self.no_worker_since
@@ -260,6 +262,7 @@ class SchedulerProcess:
             stats.workers_live = self.group.live
             stats.worker_status = self.group.status()
             stats.worker_restarts = max(0, self.groups_formed - 1)
+            stats.attention_backend, stats.attention_reason = self.attention
             gap = now - self.no_worker_since if self.no_worker_since is not None else 0.0
             stats.seconds_without_worker = self.no_worker_total + gap
             stats.plan_bytes, stats.result_bytes = self.group.plan_bytes, self.group.result_bytes

@@ -74,6 +74,8 @@ class GroupReady:
     num_cpu_blocks: int
     max_model_len: int
     vocab_size: int
+    attention_backend: str = ""  # rank 0's (WorkerReady)
+    attention_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -234,8 +236,10 @@ class WorkerGroup:
         rs = [r for r in readies if r is not None]
         self.live = True
         self.last_loss = None
+        first = min(rs, key=lambda r: r.rank)
         ready = GroupReady(self.epoch, min(r.num_kv_blocks for r in rs), min(r.num_cpu_blocks for r in rs),
-                           min(r.max_model_len for r in rs), rs[0].vocab_size)
+                           min(r.max_model_len for r in rs), rs[0].vocab_size, first.attention_backend,
+                           first.attention_reason)
         log.info("worker group of epoch %d is live: %d KV blocks", self.epoch, ready.num_kv_blocks)
         self.events.append(ready)
 

@@ -213,10 +213,11 @@ def test_a_tensor_parallel_group_forms_from_every_rank_and_falls_with_any():
         rig.send(r0, hello(rank=0, pid=20, dist="10.0.0.5:29511"))
         (w0,), (w1,) = rig.recv(r0), rig.recv(r1)
         assert w0 == w1 and w0.dist_init_method == "tcp://10.0.0.5:29511" and w0.config.tensor_parallel_size == 2
-        rig.send(r0, WorkerReady(w0.epoch, 0, 64, 8, 1000, 2048))
+        rig.send(r0, WorkerReady(w0.epoch, 0, 64, 8, 1000, 2048, "kernels", ""))
         assert rig.events() == []
-        rig.send(r1, WorkerReady(w0.epoch, 1, 48, 4, 1000, 1024))
-        assert rig.events() == [GroupReady(w0.epoch, 48, 4, 1024, 1000)], "capacity is the minimum over ranks"
+        rig.send(r1, WorkerReady(w0.epoch, 1, 48, 4, 1000, 1024, "torch", "why not"))
+        # Capacity is the minimum over ranks; the attention backend reported is rank 0's.
+        assert rig.events() == [GroupReady(w0.epoch, 48, 4, 1024, 1000, "kernels", "")]
         rig.hang_up(r1, 1)
         assert not rig.group.send_plan(StepPlan(1, [(0, 1)]))
         assert [type(e) for e in rig.events()] == [GroupLost]

@@ -4,20 +4,24 @@ On a CUDA device the CuPy kernels (noria.kernels) run every layer whose shapes, 
 block size they were built for; the torch backend runs the rest. When CuPy is missing or
 broken (no wheel, a wheel for another CUDA major, no NVRTC, a kernel that does not compile)
 every layer runs on torch. Either way the worker logs one line saying what and why, and no
-step ever reaches a kernel that was not built for its shapes.
+step ever reaches a kernel that was not built for its shapes. `--attention-backend kernels`
+turns that fallback into a start-up error; `--attention-backend torch` skips the kernels.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from noria.protocol import switches
+from noria.protocol.config import AttentionBackendChoice
 from noria.worker.attention import AttentionBackend, LayerAttention, TorchAttentionBackend
+from noria.worker.errors import WorkerFatal
 
 log = logging.getLogger("noria.worker")
 
@@ -32,6 +36,17 @@ def attention_layers(model: nn.Module) -> list[LayerAttention]:
     return [m.attn for m in model.modules() if isinstance(getattr(m, "attn", None), LayerAttention)]
 
 
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The start-up decision: the backend, its name for /health and `noria doctor` ("kernels"
+    or "torch"), and why the kernels are not used for some or all layers ("" when they are for
+    all, or when the worker is on a CPU, where torch with its native decode is the path)."""
+
+    backend: AttentionBackend
+    name: str
+    reason: str = ""
+
+
 def get_attention_backend(
     device: torch.device,
     layers: Sequence[LayerAttention] = (),
@@ -39,16 +54,40 @@ def get_attention_backend(
     block_size: int = 16,
     *,
     kernel_backend: Any = None,
+    choice: AttentionBackendChoice = "auto",
 ) -> AttentionBackend:
-    """The kernel backend (with torch for the layers it cannot run) on a CUDA device, the
-    torch backend elsewhere. `kernel_backend` (a kernels.backends.KernelBackend, e.g. the CPU
-    emulator in tests) forces the kernel path on any device."""
+    """The backend `select_attention_backend` picks."""
+    return select_attention_backend(device, layers, dtype, block_size, kernel_backend=kernel_backend,
+                                    choice=choice).backend
+
+
+def select_attention_backend(
+    device: torch.device,
+    layers: Sequence[LayerAttention] = (),
+    dtype: torch.dtype = torch.float32,
+    block_size: int = 16,
+    *,
+    kernel_backend: Any = None,
+    choice: AttentionBackendChoice = "auto",
+) -> AttentionChoice:
+    """`choice` is --attention-backend. auto: the kernel backend (with torch for the layers it
+    cannot run) on a CUDA device, the torch backend elsewhere; kernels: the same, but a worker
+    that cannot run them raises WorkerFatal (one sentence) instead of falling back; torch: the
+    torch backend. `kernel_backend` (a kernels.backends.KernelBackend, e.g. the CPU emulator in
+    tests) forces the kernel path on any device."""
+    native = device.type == "cpu"
+    if choice == "torch":
+        log.info("attention: torch backend for every layer (--attention-backend torch)")
+        return AttentionChoice(TorchAttentionBackend(native=native), "torch", "--attention-backend torch")
     if kernel_backend is None and device.type == "cpu" and switches.emulated_kernels():
         from noria.kernels.backends import EmuBackend
 
         kernel_backend = EmuBackend()
     if device.type != "cuda" and kernel_backend is None:
-        return TorchAttentionBackend()
+        if choice == "kernels":
+            raise WorkerFatal(f"--attention-backend kernels needs a CUDA device with CuPy (`{CUDA_INSTALL_HINT}`), "
+                              f"but this worker runs on {device.type}")
+        return AttentionChoice(TorchAttentionBackend(native=native), "torch")
     try:
         from noria.kernels.attention_backend import KernelAttentionBackend
 
@@ -56,20 +95,27 @@ def get_attention_backend(
         kernels.warm_up(layers, dtype, block_size, device)
     except Exception as e:  # noqa: BLE001 - any failure of an optional dependency means: use torch
         what = "CuPy is not installed" if isinstance(e, ImportError) else "CuPy does not work here"
-        log.warning("attention: torch backend for every layer: %s (%s: %s); the CUDA kernels need `%s`",
-                    what, type(e).__name__, e, CUDA_INSTALL_HINT)
-        return TorchAttentionBackend(native=device.type == "cpu")
+        why = f"{what} ({type(e).__name__}: {e})"
+        if choice == "kernels":
+            raise WorkerFatal(f"--attention-backend kernels cannot run: {why}; the CUDA kernels need "
+                              f"`{CUDA_INSTALL_HINT}`") from e
+        log.warning("attention: torch backend for every layer: %s; the CUDA kernels need `%s`",
+                    why, CUDA_INSTALL_HINT)
+        return AttentionChoice(TorchAttentionBackend(native=native), "torch", why)
     reasons = {i: kernels.unsupported(la, dtype, block_size) for i, la in enumerate(layers)}
     on_torch = {i: why for i, why in reasons.items() if why is not None}
     if layers and len(on_torch) == len(layers):
-        log.warning("attention: torch backend for every layer: %s", _describe(on_torch))
-        return TorchAttentionBackend(native=device.type == "cpu")
+        why = _describe(on_torch)
+        if choice == "kernels":
+            raise WorkerFatal(f"--attention-backend kernels: no layer of this model runs on the kernels ({why})")
+        log.warning("attention: torch backend for every layer: %s", why)
+        return AttentionChoice(TorchAttentionBackend(native=native), "torch", why)
     if on_torch:
-        log.warning("attention: kernels for %d of %d layers, torch for layers %s",
-                    len(layers) - len(on_torch), len(layers), _describe(on_torch))
-    else:
-        log.info("attention: kernels for all %d layers", len(layers))
-    return kernels
+        why = f"torch for layers {_describe(on_torch)}"
+        log.warning("attention: kernels for %d of %d layers, %s", len(layers) - len(on_torch), len(layers), why)
+        return AttentionChoice(kernels, "kernels", why)
+    log.info("attention: kernels for all %d layers", len(layers))
+    return AttentionChoice(kernels, "kernels")
 
 
 def _describe(reasons: dict[int, str | None]) -> str:

@@ -49,8 +49,9 @@ def gpu_checks(report: Report, quick: bool, max_tokens: int) -> None:
     configs = QUICK_CONFIGS if quick else all_configs()
     report.check(f"kernel contracts on the GPU ({len(configs)} configurations)",
                  lambda: _contracts(configs, "cuda", long=3001))
+    # attention_backend kernels: a silent fall back to torch would fail the check, not pass it.
     report.check("greedy generation, GPU kernels vs CPU", lambda: compare_generation(
-        {"device": "cuda"}, {"device": "cpu"}, max_tokens))
+        {"device": "cuda", "attention_backend": "kernels"}, {"device": "cpu"}, max_tokens))
     report.check("swap preemption on the GPU (copy_blocks through pinned memory) vs CPU", lambda: compare_generation(
         {"device": "cuda", **SWAP}, {"device": "cpu"}, max(max_tokens, SWAP_TOKENS)))
     report.check("decode bandwidth", lambda: _bandwidth(facts.peak_gbps))
@@ -158,6 +159,12 @@ def _generate(flags: dict[str, Any], max_tokens: int) -> tuple[list[tuple[list[i
     return _RESULTS[key]
 
 
+def attention_summary(stats: Any) -> str:
+    """The engine's attention backend as its stats report it, with why not the kernels."""
+    name = stats.attention_backend or "unknown"
+    return f"{name} ({stats.attention_reason})" if stats.attention_reason else name
+
+
 def compare_generation(flags: dict[str, Any], ref_flags: dict[str, Any], max_tokens: int) -> str:
     """Greedy tokens of the demo model must match the reference's; where they part, the
     reference's two best candidates must be a near tie (then the rest is not compared).
@@ -179,6 +186,7 @@ def compare_generation(flags: dict[str, Any], ref_flags: dict[str, Any], max_tok
     if not stats.blocks_consistent or stats.num_free_blocks != stats.num_kv_blocks:
         raise AssertionError(f"KV blocks not all returned: {stats}")
     detail = f"{sum(len(ids) for ids, _ in got)} tokens identical, max |logprob diff| {worst:.1e}"
+    detail += f", attention backend {attention_summary(stats)}"
     if flags.get("preemption_mode") == "swap":
         if stats.num_swap_outs == 0 or stats.num_swap_ins != stats.num_swap_outs:
             raise AssertionError(f"expected swaps out and back in: {stats.num_swap_outs} out, {stats.num_swap_ins} in")

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from noria.protocol.config import EngineConfig
+from noria.worker.errors import WorkerFatal
 
 GiB = 1 << 30
 # copy_blocks(src_caches, dst_caches, block_mapping [pairs, 2]): dst[c][d] = src[c][s].
@@ -44,7 +46,63 @@ class KVLayout:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
-def num_device_blocks(config: EngineConfig, layout: KVLayout, max_model_len: int) -> int:
+class DeviceMemory(Protocol):
+    """What KV cache sizing reads of a GPU, in bytes (CudaMemory; a fake one in tests)."""
+
+    def total(self) -> int:
+        """The device's memory in all."""
+
+    def free(self) -> int:
+        """Free now (after the profiling pass, its activations released): other processes and
+        the CUDA context are already out of it."""
+
+    def weights(self) -> int:
+        """Held by the loaded model."""
+
+    def peak(self) -> int:
+        """The profiling forward's peak above the weights (activations, logits, sampling)."""
+
+
+# Memory that CUDA graph capture needs beside the KV cache: none while the worker captures no
+# graphs. Graph capture returns its pool's estimate from `graph_memory_reserve` (bytes).
+GRAPH_MEMORY_RESERVE = 0
+
+
+def graph_memory_reserve(config: EngineConfig) -> int:
+    """Bytes kept back for CUDA graphs (the hook graph capture fills in)."""
+    return GRAPH_MEMORY_RESERVE
+
+
+def kv_blocks_from_memory(memory: DeviceMemory, utilization: float, bytes_per_block: int,
+                          graph_reserve: int = 0) -> int:
+    """Device KV blocks for --gpu-memory-utilization: the worker may use `utilization` x total;
+    weights, the profiled peak and the graph reserve come out of it, the cache takes the rest,
+    in whole blocks, and never more than is actually free. Raises WorkerFatal (one sentence with
+    the numbers) when not one block fits. Each tensor-parallel rank sizes its own; the scheduler
+    uses the smallest count of the group (scheduler/worker_group.py)."""
+    total, free, weights, peak = memory.total(), memory.free(), memory.weights(), memory.peak()
+    budget = int(utilization * total) - weights - peak - graph_reserve
+    available = min(budget, free)
+    blocks = max(0, available) // bytes_per_block
+    if blocks < 1:
+        raise WorkerFatal(
+            f"no room for the KV cache: --gpu-memory-utilization {utilization:g} of {_gib(total)} GiB is "
+            f"{_gib(int(utilization * total))} GiB, of which the weights take {_gib(weights)} GiB, the profiled "
+            f"peak {_gib(peak)} GiB and CUDA graphs {_gib(graph_reserve)} GiB, with {_gib(free)} GiB free, "
+            f"and one KV block needs {bytes_per_block} bytes: raise --gpu-memory-utilization, lower "
+            f"--max-num-batched-tokens, or give --kv-cache-memory"
+        )
+    return blocks
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def num_device_blocks(config: EngineConfig, layout: KVLayout, max_model_len: int,
+                      memory: DeviceMemory | None = None) -> int:
+    """--num-kv-blocks, else --kv-cache-memory, else (on a GPU, `memory` given) what
+    --gpu-memory-utilization leaves, else (a CPU) the default below."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if config.kv_cache_memory is not None:
@@ -55,11 +113,27 @@ def num_device_blocks(config: EngineConfig, layout: KVLayout, max_model_len: int
                 f"({layout.bytes_per_block} bytes each)"
             )
         return blocks
-    # Enough for every sequence at full length, but never more than a modest
+    if memory is not None:
+        return kv_blocks_from_memory(memory, config.gpu_memory_utilization, layout.bytes_per_block,
+                                     graph_memory_reserve(config))
+    # A CPU: enough for every sequence at full length, but never more than a modest
     # default, so that an idle server does not reserve the whole machine.
     per_seq = -(-max_model_len // layout.block_size)
     cap = max(1, int(DEFAULT_KV_CACHE_GIB * GiB) // layout.bytes_per_block)
     return min(config.max_num_seqs * per_seq, cap)
+
+
+def needs_profile(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the KV cache is sized from a profiling pass (a GPU with no size given)."""
+    return device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory is None
+
+
+def capacity_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
+    """The start-up line: how many sequences of full length fit at once."""
+    tokens = num_blocks * block_size
+    per_seq = -(-max_model_len // block_size)
+    return (f"KV cache: {num_blocks} blocks, {tokens} tokens, {num_blocks // per_seq} sequences of "
+            f"max_model_len {max_model_len}")
 
 
 def num_swap_blocks(config: EngineConfig, layout: KVLayout) -> int:

@@ -14,6 +14,7 @@ extend their token lists, and only its StepResult is sent (worker/process.py).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -29,15 +30,25 @@ from noria.protocol.model_shapes import ShardedShapes, tensor_parallel_error
 from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
 from noria.worker.attention import AttentionMetadata
-from noria.worker.attention_select import attention_layers, get_attention_backend
+from noria.worker.attention_select import attention_layers, select_attention_backend
 from noria.worker.block_table import BlockTables
 from noria.worker.device import resolve_device, resolve_dtype
 from noria.worker.grammar_mask import apply_grammar_bitmask
-from noria.worker.kv_cache import KVCache, KVLayout, num_device_blocks, num_swap_blocks
+from noria.worker.kv_cache import (
+    KVCache,
+    KVLayout,
+    capacity_line,
+    needs_profile,
+    num_device_blocks,
+    num_swap_blocks,
+)
 from noria.worker.loader import load_model, load_spec
+from noria.worker.memory_profile import profile_memory
 from noria.worker.models.parallel import destroy_tensor_parallel, init_tensor_parallel
 from noria.worker.prompt_logprobs import PromptLogprobs, Span, collect, take_complete
 from noria.worker.sampler import Sampler, SamplingState
+
+log = logging.getLogger("noria.worker")
 
 
 @dataclass(slots=True)
@@ -118,21 +129,28 @@ class ModelRunner:
         # Each rank caches only its own KV heads.
         layout = KVLayout(self.spec.num_layers, self.block_size, self.model.shapes.num_kv_heads,
                           self.spec.head_dim, self.dtype)
-        self.num_kv_blocks = num_device_blocks(config, layout, self.max_model_len)
-        self.num_cpu_blocks = num_swap_blocks(config, layout)
-        self.kv_cache = KVCache(layout, self.num_kv_blocks, self.num_cpu_blocks, self.device)
-        self._kv_layers = [self.kv_cache.layer(i) for i in range(self.spec.num_layers)]
 
-        # Per layer, once: kernels where they are built for the shapes, torch elsewhere.
-        self.attention = get_attention_backend(self.device, attention_layers(self.model), self.dtype, self.block_size)
-        # Swaps through the copy_blocks kernel where attention runs on kernels.
-        self.kv_cache.block_copier = getattr(self.attention, "copy_blocks", None)
+        # Per layer, once: kernels where they are built for the shapes, torch elsewhere
+        # (--attention-backend); chosen before the profiling pass, which runs on it.
+        self.attention_choice = select_attention_backend(self.device, attention_layers(self.model), self.dtype,
+                                                         self.block_size, choice=config.attention_backend)
+        self.attention = self.attention_choice.backend
         self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp.first else None
-        max_blocks = -(-self.max_model_len // self.block_size)
-        self.block_tables = BlockTables(max_blocks, self.kv_cache.null_block)
         self.requests: dict[int, RequestState] = {}
         # Who wants to know each step's shape and time (e.g. bench/step_log.py); none by default.
         self.step_observers: list[StepObserver] = []
+
+        memory = profile_memory(self, layout) if needs_profile(config, self.device) else None
+        self.num_kv_blocks = num_device_blocks(config, layout, self.max_model_len, memory)
+        self.num_cpu_blocks = num_swap_blocks(config, layout)
+        self.kv_cache = KVCache(layout, self.num_kv_blocks, self.num_cpu_blocks, self.device)
+        self._kv_layers = [self.kv_cache.layer(i) for i in range(self.spec.num_layers)]
+        # Swaps through the copy_blocks kernel where attention runs on kernels.
+        self.kv_cache.block_copier = getattr(self.attention, "copy_blocks", None)
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.block_tables = BlockTables(max_blocks, self.kv_cache.null_block)
+        if self.tp.first:
+            log.info(capacity_line(self.num_kv_blocks, self.block_size, self.max_model_len))
 
     # -- public -----------------------------------------------------------------
 

@@ -132,8 +132,9 @@ class WorkerSession:
             if self.runner.device.type == "cpu":
                 cpu_ops.log_once()
         r = self.runner
+        choice = r.attention_choice
         self.link.send(WorkerReady(welcome.epoch, self.opts.rank, r.num_kv_blocks, r.num_cpu_blocks, r.vocab_size,
-                                   r.max_model_len))
+                                   r.max_model_len, choice.name, choice.reason))
 
     def _serve(self, epoch: int) -> str | None:
         """Run the epoch's plans; why it ended (None: shut down)."""

@@ -98,7 +98,10 @@ async def handle_health(request: web.Request) -> web.Response:
     if not stats.stats.workers_live:
         reason = f"no worker: {stats.stats.worker_status}"
         return json_response(Health(status="unavailable", engine=address, model=ready.model, reason=reason), status=503)
-    return json_response(Health(status="ok", engine=address, model=ready.model))
+    st = stats.stats
+    return json_response(Health(status="ok", engine=address, model=ready.model,
+                                attention_backend=st.attention_backend or None,
+                                attention_reason=st.attention_reason or None))
 
 
 async def handle_metrics(request: web.Request) -> web.Response:

@@ -204,3 +204,6 @@ class Health(msgspec.Struct, kw_only=True):
     engine: str
     model: str | None = None
     reason: str | None = None  # why the status is not "ok"
+    # The worker group's attention backend (--attention-backend) and why not the kernels, if so.
+    attention_backend: str | None = None
+    attention_reason: str | None = None

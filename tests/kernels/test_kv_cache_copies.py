@@ -18,6 +18,7 @@ from noria.kernels.attention_backend import KernelAttentionBackend
 from noria.kernels.instances import AttentionConfig, ModuleSpec
 from noria.worker import model_runner
 from noria.worker.attention import TorchAttentionBackend
+from noria.worker.attention_select import AttentionChoice
 from noria.worker.kv_cache import KVCache
 from noria.worker.model_runner import ModelRunner
 from tests.test_worker_swap import check_swaps_exact
@@ -96,7 +97,8 @@ def test_model_runner_wires_the_kernel_copier(
     """Swaps go through the kernel exactly when the start-up choice is the kernel backend."""
     assert swap_tests._runner(qwen2_d64).kv_cache.block_copier is None  # CPU: torch attention
     kernels = KernelAttentionBackend(fallback=TorchAttentionBackend(), backend=emu("forward"))
-    monkeypatch.setattr(model_runner, "get_attention_backend", lambda *args, **kw: kernels)
+    monkeypatch.setattr(model_runner, "select_attention_backend",
+                        lambda *args, **kw: AttentionChoice(kernels, "kernels"))
     runner = swap_tests._runner(qwen2_d64)
     assert runner.attention is kernels
     assert runner.kv_cache.block_copier == kernels.copy_blocks
