@@ -40,6 +40,8 @@ TINY = {
     # is lifted (it is for the long run); nothing lost, duplicated or mismatched still decides.
     "soak": (["--minutes", "0.15", "--warmup-seconds", "5", "--burst", "64", "--sample-interval", "1", "--rss-tolerance", "10",
               "--out", "out/soak"], "every stream equal to its final text: True; ok: True"),
+    # Probe and checkpoint only: the engine phases are tests/test_bench_gpu.py's.
+    "gpu": (["--tiny", "--phases", "probe,checkpoint", "--out", "out/gpu"], "% of roofline"),
     "structured": (["--model", "demo", "--num-requests", "2", "--rounds", "1", "--sizes", "2", "--repeats", "2",
                     "--num-kv-blocks", "64"], "constrained / unconstrained tok/s"),
 }
