@@ -76,6 +76,7 @@ def test_a_phase_over_its_cap_is_cut_and_what_it_measured_is_on_disk(tmp_path):
     with budget.phase("probe") as go:
         assert go
         rep.add(gpu.Row("probe", "first figure", 1.0, "s"))
+        assert json.loads((tmp_path / "gpu.json").read_text())["rows"][0]["name"] == "first figure"
         threading.Event().wait()  # never set: only the phase's alarm ends this
     with budget.phase("ttft") as go:
         assert go
