@@ -146,8 +146,10 @@ def test_hello_and_get_stats(raw):
                   "generation_tokens": int, "num_steps": int, "blocks_consistent": bool,
                   "workers_live": bool, "worker_status": str, "worker_restarts": int,
                   "requests_requeued": int, "tokens_recomputed": int, "seconds_without_worker": float,
-                  "plan_bytes": int, "result_bytes": int, "steps_planned_ahead": int, "tokens_discarded": int}
+                  "plan_bytes": int, "result_bytes": int, "steps_planned_ahead": int, "tokens_discarded": int,
+                  "attention_backend": str, "attention_reason": str}
     assert set(stats["stats"]) == set(documented)
+    assert stats["stats"]["attention_backend"] in ("kernels", "torch")  # the live group's
     for name, kind in documented.items():
         assert isinstance(stats["stats"][name], kind), name
 
