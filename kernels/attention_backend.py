@@ -8,6 +8,12 @@ says why the kernels cannot run a layer (a sliding window, a head size, dtype or
 with no instance); such layers go to `fallback` (the worker's torch backend), so no shape
 reaches a kernel that was not built for it. `warm_up` compiles the modules a model needs at
 start-up instead of at its first step.
+
+The same backend carries the layer's fused elementwise kernels (kernels.fused_ops), so the
+worker runs them exactly where it runs the attention kernels: `add_rms_norm`,
+`silu_and_mul`, and `rotary_attention`, which applies rotary to q and k in the fused QKV
+projection, writes the cache and attends (three launches of torch operators and a cache
+write become one kernel before the attention's).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 
 import torch
 
-from noria.kernels import instances, ops
+from noria.kernels import fused_ops, instances, ops
 from noria.kernels.backends import KernelBackend, default_backend
 
 
@@ -77,7 +83,7 @@ class KernelAttentionBackend:
         head_dims = sorted({la.head_dim for la in layers if self.supports(la, dtype, block_size)})
         if not head_dims:
             return
-        specs = [instances.reshape_module(dtype_name), instances.copy_module()]
+        specs = [instances.reshape_module(dtype_name), instances.copy_module(), instances.fused_module(dtype_name)]
         for d in head_dims:
             cfg = instances.AttentionConfig(dtype_name, d, block_size)
             specs += [instances.decode_module(cfg), instances.prefill_module(cfg)]
@@ -125,6 +131,47 @@ class KernelAttentionBackend:
             finally:
                 meta.backend_data = step
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=self.backend)
+        return self._attend(layer, q, k_cache, v_cache, step)
+
+    def fuses(self, t: torch.Tensor) -> bool:
+        """Whether the fused elementwise kernels take `t`'s dtype."""
+        return t.dtype in ops.DTYPE_NAMES
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * rmsnorm(x + residual), the new residual stream): the sum is written into
+        `residual` (the stream the caller owns); without one the stream is `x`."""
+        out = fused_ops.add_rms_norm(x, residual, weight, eps, backend=self.backend)
+        return out, (x if residual is None else residual)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return fused_ops.silu_and_mul(gate_up, backend=self.backend)
+
+    def rotary_attention(
+        self,
+        layer: Any,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+    ) -> torch.Tensor | None:
+        """Attention of a layer from its fused QKV projection [tokens, (H + 2 KVH) D]: rotary
+        on q and k in place with the cache write in one kernel, then the attention kernel.
+        None (nothing done) for a layer the kernels do not run; the caller takes the
+        unfused path, whose forward() goes to the fallback."""
+        if self.unsupported(layer, k_cache.dtype, k_cache.shape[1]) is not None:
+            return None
+        q, _, _ = fused_ops.rotary_qkv_cache(
+            qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, layer.num_heads, backend=self.backend
+        )
+        return self._attend(layer, q, k_cache, v_cache, meta.backend_data)
+
+    def _attend(
+        self, layer: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: _StepTensors
+    ) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         ops.paged_attention(
             out,

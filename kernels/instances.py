@@ -16,7 +16,8 @@ DECODE = "decode_attention.cu"
 DECODE_GQA = "decode_attention_gqa.cu"
 PREFILL = "prefill_attention.cu"
 PREFILL_TC = "prefill_attention_tc.cu"
-SOURCES: tuple[str, ...] = (CACHE_OPS, DECODE, DECODE_GQA, PREFILL, PREFILL_TC)
+FUSED = "fused_ops.cu"
+SOURCES: tuple[str, ...] = (CACHE_OPS, DECODE, DECODE_GQA, PREFILL, PREFILL_TC, FUSED)
 # Dtypes whose decode runs on tensor cores (decode_attention_gqa.cu); float32 keeps the
 # CUDA-core kernel (decode_attention.cu).
 TENSOR_CORE_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
@@ -113,6 +114,37 @@ def copy_module() -> ModuleSpec:
     return ModuleSpec(CACHE_OPS, tuple(copy_name(u) for u in COPY_UNITS))
 
 
+def fused_vec(dtype: str) -> int:
+    """Elements per 16-byte access of the fused elementwise kernels (their aligned instance)."""
+    return 16 // {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+
+
+def add_rms_norm_name(dtype: str, vec: int) -> str:
+    return f"fused_add_rms_norm<{DTYPES[dtype]}, {vec}>"
+
+
+def silu_and_mul_name(dtype: str, vec: int) -> str:
+    return f"silu_and_mul<{DTYPES[dtype]}, {vec}>"
+
+
+def rotary_name(dtype: str, slot_type: str) -> str:
+    return f"rotary_qkv_cache<{DTYPES[dtype]}, {SLOT_TYPES[slot_type]}>"
+
+
+def fused_module(dtype: str) -> ModuleSpec:
+    """A dtype's fused elementwise kernels: residual add + RMSNorm and SiLU-and-mul, each
+    with 16-byte and one-element accesses; rotary + KV-cache write per slot type."""
+    vecs = (fused_vec(dtype), 1)
+    return ModuleSpec(
+        FUSED,
+        (
+            *(add_rms_norm_name(dtype, v) for v in vecs),
+            *(silu_and_mul_name(dtype, v) for v in vecs),
+            *(rotary_name(dtype, s) for s in SLOT_TYPES),
+        ),
+    )
+
+
 def all_configs() -> list[AttentionConfig]:
     return [AttentionConfig(d, h, b) for d in DTYPES for h in HEAD_SIZES for b in BLOCK_SIZES]
 
@@ -123,6 +155,6 @@ def all_instances() -> dict[str, tuple[str, ...]]:
     for cfg in all_configs():
         for spec in (decode_module(cfg), prefill_module(cfg)):
             out[spec.source].extend(n for n in spec.names if n not in out[spec.source])
-    for spec in (*(reshape_module(d) for d in DTYPES), copy_module()):
+    for spec in (*(reshape_module(d) for d in DTYPES), copy_module(), *(fused_module(d) for d in DTYPES)):
         out[spec.source].extend(n for n in spec.names if n not in out[spec.source])
     return {s: tuple(v) for s, v in out.items()}

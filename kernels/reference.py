@@ -109,3 +109,27 @@ def copy_blocks(
     dst = block_mapping[:, 1].long()
     for s_cache, d_cache in zip(src_caches, dst_caches, strict=True):
         d_cache[dst.to(d_cache.device)] = s_cache[src.to(s_cache.device)].to(d_cache.device)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rmsnorm(s) in float64, s) with s = x + residual rounded to x's dtype (the
+    residual stream is stored in that dtype), or s = x without a residual."""
+    s = x if residual is None else (x.double() + residual.double()).to(x.dtype)
+    sd = s.double()
+    normed = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.double() * normed, s
+
+
+def rotary_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated by halves in float64; cos / sin [tokens, head_dim / 2]."""
+    x = x.double()
+    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up

@@ -6,6 +6,7 @@ budget and shares prefix blocks, as the scheduler does."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from noria.kernels import instances
 from noria.kernels.attention_backend import KernelAttentionBackend
+from noria.kernels.backends import EmuBackend
 from noria.kernels.instances import AttentionConfig, ModuleSpec
 from noria.protocol.config import EngineConfig
 from noria.worker.attention import TorchAttentionBackend
@@ -24,6 +26,7 @@ from tests.tiny_models import make_checkpoint
 # hidden 256 over 4 heads: head_dim 64, a size the kernels are built for; GQA over 2 KV heads.
 OVERRIDES = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
 BLOCK_SIZE = 16
+LAYERS = 2  # tests.tiny_models' default
 
 
 def emu_specs(params: dict[str, Any]) -> list[ModuleSpec]:
@@ -31,9 +34,34 @@ def emu_specs(params: dict[str, Any]) -> list[ModuleSpec]:
     cfg = AttentionConfig(dtype, 64, BLOCK_SIZE)
     return [
         instances.reshape_module(dtype),
+        instances.fused_module(dtype),
         instances.decode_module(cfg),
         instances.prefill_module(cfg),
     ]
+
+
+def counting(be: EmuBackend) -> tuple[EmuBackend, Counter[str]]:
+    """A backend like `be` that counts its launches by kernel (template arguments dropped)."""
+    launches: Counter[str] = Counter()
+    fresh = EmuBackend(be.source_dir, be.config)
+    kernel = fresh.kernel
+
+    def counted(spec: ModuleSpec, name: str) -> Any:
+        launches[name.split("<")[0]] += 1
+        return kernel(spec, name)
+
+    fresh.kernel = counted  # type: ignore[method-assign]
+    ptr = fresh.ptr
+
+    def unobserved_ptr(t: torch.Tensor) -> Any:
+        # The emulator's argument views (numpy) are not ops of the model.
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return ptr(t)
+
+    fresh.ptr = unobserved_ptr  # type: ignore[method-assign]
+    return fresh, launches
 
 
 @pytest.fixture(scope="module")
@@ -73,17 +101,15 @@ def test_worker_tokens_match_torch_backend(emu: Any, checkpoint: Path, schedule:
     CPU and give the same tokens here. bfloat16 is left out of this exact-token check: its
     8-bit mantissa turns a near-tie of request 9 the other way (tried); the bfloat16 kernels
     are held to a tolerance against float64 in the decode / prefill tests instead."""
-    kernels = KernelAttentionBackend(fallback=TorchAttentionBackend(), backend=emu(schedule))
-    calls = {"n": 0}
-    forward = kernels.forward
-
-    def counted(*args: Any) -> torch.Tensor:
-        calls["n"] += 1
-        return forward(*args)
-
-    kernels.forward = counted  # type: ignore[method-assign]
+    be, launches = counting(emu(schedule))
+    kernels = KernelAttentionBackend(fallback=TorchAttentionBackend(), backend=be)
     got = generate(checkpoint, kernels, dtype)
-    assert calls["n"] > 0
+    # Every layer took the fused path: rotary + cache write in one kernel, the norms and the
+    # SiLU-and-mul on the kernels too, never a separate cache write.
+    assert launches["rotary_qkv_cache"] > 0 and launches["reshape_and_cache"] == 0
+    steps = launches["rotary_qkv_cache"] // LAYERS
+    assert launches["fused_add_rms_norm"] == (2 * LAYERS + 1) * steps  # two per layer, the final norm
+    assert launches["silu_and_mul"] == launches["rotary_qkv_cache"]
     assert got == generate(checkpoint, None, dtype)
 
 
@@ -103,3 +129,48 @@ def test_worker_tokens_match_torch_backend_bfloat16(emu: Any, checkpoint: Path) 
     got = generate(checkpoint, kernels, "bfloat16", hit=False)
     assert mixed["n"] > 0
     assert got == generate(checkpoint, None, "bfloat16", hit=False)
+
+
+# aten ops that launch nothing on a GPU: views, allocations, metadata.
+NO_LAUNCH = {"view", "_unsafe_view", "t", "transpose", "slice", "split", "split_with_sizes", "as_strided",
+             "empty", "empty_strided", "detach", "alias", "unsqueeze", "reshape", "expand", "select"}
+
+
+def test_decode_layer_launches(emu: Any, checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a decode layer launches on the kernel path (README: "Launches per decode layer"):
+    the four GEMMs as torch ops and five kernels (two add + RMSNorm, rotary + cache write,
+    decode attention, SiLU-and-mul), no other torch operator. float16, so the GEMMs are
+    torch's (float32 on the CPU takes the native GEMM) and the attention the tensor-core kernel."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from noria.worker.models.llama import DecoderLayer
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    be, launches = counting(emu("forward"))
+    layers_seen: list[tuple[Counter[str], Counter[str]]] = []
+    forward = DecoderLayer.forward
+
+    def observed(self: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, ctx: Any) -> Any:
+        if residual is None or any(n != 1 for n in ctx.meta.query_lens_host):
+            return forward(self, x, residual, ctx)  # the first layer has no residual add
+        before = launches.copy()
+        with Ops() as ops:
+            out = forward(self, x, residual, ctx)
+        layers_seen.append((Counter(n for n in ops.names if n not in NO_LAUNCH), launches - before))
+        return out
+
+    monkeypatch.setattr(DecoderLayer, "forward", observed)
+    generate(checkpoint, KernelAttentionBackend(fallback=TorchAttentionBackend(), backend=be), "float16", hit=False)
+    assert layers_seen
+    for torch_ops, kernels in layers_seen:
+        assert torch_ops == Counter({"linear": 4}), torch_ops
+        assert kernels == Counter({"fused_add_rms_norm": 2, "rotary_qkv_cache": 1, "silu_and_mul": 1,
+                                   "paged_attention_decode_gqa": 1}), kernels

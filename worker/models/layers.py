@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +28,16 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
-    def add_forward(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, h: torch.Tensor, residual: torch.Tensor | None,
+                    fused: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(residual + h), residual + h), or (self(h), h) without a residual.
 
-        `h` is a layer's fresh output: the fused kernel writes the sum into it.
-        The kernel is one pass instead of six operators; only the order of the
+        `h` is a layer's fresh output: the CPU's fused kernel writes the sum into it;
+        `fused` (the kernel attention backend, GPU path) writes it into `residual`.
+        Either kernel is one pass instead of six operators; only the order of the
         sum of squares differs from torch's."""
+        if fused is not None and h.dim() == 2 and fused.fuses(h) and self.weight.dtype == h.dtype:
+            return fused.add_rms_norm(h, residual, self.weight, self.eps)
         if fused_kernels.usable(h) and h.is_contiguous() and h.dim() == 2:
             return fused_kernels.add_rms_norm(h, residual, self.weight, self.eps)
         if residual is not None:
@@ -88,7 +93,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, fused: Any = None) -> torch.Tensor:
+    """`fused`: the kernel attention backend, whose kernel runs it on the GPU path."""
+    if fused is not None and gate_up.dim() == 2 and fused.fuses(gate_up):
+        return fused.silu_and_mul(gate_up)
     if gate_up.dim() == 2 and gate_up.stride(-1) == 1 and fused_kernels.usable(gate_up):
         return fused_kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

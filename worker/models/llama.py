@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,9 @@ class StepContext:
         self.kv_caches = kv_caches
         self.cos = cos
         self.sin = sin
+        # The backend when it also runs the fused elementwise kernels (the CUDA kernels' backend,
+        # on a GPU or emulated), else None: the layers keep their torch / CPU-native steps.
+        self.fused: Any = backend if callable(getattr(backend, "rotary_attention", None)) else None
 
 
 def _row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -96,12 +100,17 @@ class Attention(nn.Module):
         t = x.shape[0]
         a = self.attn
         qkv = linear(x, self.qkv_proj, self.qkv_bias, self.qkv_packed)
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        if self.q_norm is None and ctx.fused is not None and qkv.stride(-1) == 1:
+            # One kernel: rotary on q and k in qkv, k and v into the cache; then attention.
+            out = ctx.fused.rotary_attention(a, qkv, ctx.cos, ctx.sin, k_cache, v_cache, ctx.meta)
+            if out is not None:
+                return _row_parallel(out.reshape(t, self.q_size), self.o_proj, self.o_bias, self.o_packed, self.tp)
         if self.q_norm is None and fused_kernels.usable(qkv):
             # One pass: rotary on q and k (bit for bit apply_rope) and contiguous q, k, v.
             q, k, v = fused_kernels.rope_split(qkv, ctx.cos, ctx.sin, a.num_heads, a.num_kv_heads, a.head_dim)
         else:
             q, k, v = self._split_rope(qkv, ctx)
-        k_cache, v_cache = ctx.kv_caches[self.layer_index]
         out = ctx.backend.forward(a, q, k, v, k_cache, v_cache, ctx.meta)
         return _row_parallel(out.reshape(t, self.q_size), self.o_proj, self.o_bias, self.o_packed, self.tp)
 
@@ -132,9 +141,9 @@ class MLP(nn.Module):
         self.gate_up_packed = pack_linear_weight(self.gate_up_proj)
         self.down_packed = pack_linear_weight(self.down_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj, self.gate_up_bias, self.gate_up_packed)
-        return _row_parallel(silu_and_mul(gate_up), self.down_proj, self.down_bias, self.down_packed, self.tp)
+        return _row_parallel(silu_and_mul(gate_up, fused), self.down_proj, self.down_bias, self.down_packed, self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -150,10 +159,10 @@ class DecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it): the add of
         a layer's output to the stream is fused into the next norm, as in vLLM.
         `x` is the previous layer's output (or the embedding, with no residual)."""
-        normed, residual = self.input_layernorm.add_forward(x, residual)
+        normed, residual = self.input_layernorm.add_forward(x, residual, ctx.fused)
         h = self.self_attn(normed, ctx)
-        normed, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(normed), residual
+        normed, residual = self.post_attention_layernorm.add_forward(h, residual, ctx.fused)
+        return self.mlp(normed, ctx.fused), residual
 
 
 # Checkpoint name suffix -> (our fused parameter, which slice of it).
@@ -212,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
-        return self.norm.add_forward(x, residual)[0]
+        return self.norm.add_forward(x, residual, ctx.fused)[0]
 
     def _native_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       x: torch.Tensor) -> native_stack.NativeStack | None:

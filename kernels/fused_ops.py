@@ -1,0 +1,198 @@
+"""Python API over the fused elementwise kernels (csrc/fused_ops.cu): residual add + RMSNorm,
+rotary embedding of q and k in the fused QKV projection with the KV-cache write, SiLU-and-mul.
+
+Like kernels.ops: CUDA tensors run through CuPy on torch's current stream, CPU tensors under
+the emulator unless a backend is given. Rows are 2-D [tokens, features] with the features
+contiguous and the row stride free. The 16-byte instances run where the feature count, the
+row strides and every base address allow 16-byte accesses; the others take one element at a
+time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from noria.kernels import instances
+from noria.kernels.backends import KernelBackend, default_backend
+from noria.kernels.ops import SLOT_DTYPES, _check_cache, _dtype_name
+
+NORM_MAX_THREADS = 1024  # one CTA per row; fused_add_rms_norm's launch bound
+ELEMWISE_THREADS = 256
+
+
+def _check_rows(name: str, t: torch.Tensor, features: int | None = None) -> None:
+    if t.dim() != 2 or (features is not None and t.shape[1] != features):
+        want = "[tokens, features]" if features is None else f"[tokens, {features}]"
+        raise ValueError(f"{name} must be {want}, got {tuple(t.shape)}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise ValueError(f"{name}: features must be contiguous, strides {t.stride()}")
+
+
+def _vec_for(dtype: str, features: int, tensors: list[torch.Tensor]) -> int:
+    """16-byte accesses when every row of every tensor starts 16-byte aligned."""
+    vec = instances.fused_vec(dtype)
+    ok = features % vec == 0 and all(
+        t.data_ptr() % 16 == 0 and (t.dim() == 1 or t.stride(0) % vec == 0) for t in tensors
+    )
+    return vec if ok else 1
+
+
+def _threads(work: int, cap: int) -> int:
+    return max(32, min(cap, (work + 31) // 32 * 32))
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    backend: KernelBackend | None = None,
+) -> torch.Tensor:
+    """weight * rmsnorm(x + residual), with residual <- x + residual in place; without a
+    residual weight * rmsnorm(x). Rounds as torch does in x's dtype: the sum and the normalized
+    row are rounded before the next product. Returns `out` ([tokens, hidden], new if None)."""
+    _check_rows("x", x)
+    rows, hidden = x.shape
+    dtype = _dtype_name(x)
+    if residual is not None:
+        _check_rows("residual", residual, hidden)
+        if residual.shape[0] != rows:
+            raise ValueError(f"residual has {residual.shape[0]} rows, x {rows}")
+    if weight.dim() != 1 or weight.shape[0] != hidden or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [{hidden}], got {tuple(weight.shape)}")
+    if out is None:
+        out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    _check_rows("out", out, hidden)
+    tensors = [x, weight, out] + ([residual] if residual is not None else [])
+    if any(t.dtype != x.dtype for t in tensors):
+        raise TypeError("x, residual, weight and out must share one dtype")
+    if rows == 0:
+        return out
+    be = backend if backend is not None else default_backend(x.device)
+    vec = _vec_for(dtype, hidden, tensors)
+    kern = be.kernel(instances.fused_module(dtype), instances.add_rms_norm_name(dtype, vec))
+    res = residual if residual is not None else x  # not read without a residual
+    with be.launch_context(x.device):
+        kern(
+            (rows,),
+            (_threads(hidden // vec, NORM_MAX_THREADS),),
+            (
+                be.ptr(x),
+                be.ptr(res),
+                be.ptr(weight),
+                be.ptr(out),
+                np.int32(hidden),
+                np.int32(residual is not None),
+                np.int64(x.stride(0)),
+                np.int64(res.stride(0)),
+                np.int64(out.stride(0)),
+                np.float32(eps),
+            ),
+        )
+    return out
+
+
+def silu_and_mul(
+    gate_up: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    backend: KernelBackend | None = None,
+) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up] of 2 x inter features; returns [tokens, inter]."""
+    _check_rows("gate_up", gate_up)
+    rows, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up needs an even number of features, got {width}")
+    inter = width // 2
+    dtype = _dtype_name(gate_up)
+    if out is None:
+        out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+    _check_rows("out", out, inter)
+    if out.dtype != gate_up.dtype or out.shape[0] != rows:
+        raise ValueError("out must be [tokens, inter] of gate_up's dtype")
+    if rows == 0 or inter == 0:
+        return out
+    be = backend if backend is not None else default_backend(gate_up.device)
+    # The up half starts inter elements into the row: it must be aligned too.
+    vec = _vec_for(dtype, inter, [gate_up, out])
+    kern = be.kernel(instances.fused_module(dtype), instances.silu_and_mul_name(dtype, vec))
+    threads = _threads(inter // vec, ELEMWISE_THREADS)
+    with be.launch_context(gate_up.device):
+        kern(
+            (rows, -(-(inter // vec) // threads)),
+            (threads,),
+            (
+                be.ptr(gate_up),
+                be.ptr(out),
+                np.int32(inter),
+                np.int64(gate_up.stride(0)),
+                np.int64(out.stride(0)),
+            ),
+        )
+    return out
+
+
+def rotary_qkv_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    *,
+    backend: KernelBackend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Neox rotary embedding (rotate halves) of the q and k heads of a fused QKV projection
+    [tokens, (num_heads + 2 num_kv_heads) head_dim], in place, and the rotated k and v written
+    to their cache slots (reshape_and_cache's contract: negative slot = not stored). cos / sin:
+    token t's head_dim / 2 values ([tokens, head_dim / 2] or [tokens, 1, head_dim / 2]).
+    Returns q [tokens, num_heads, head_dim], k and v [tokens, num_kv_heads, head_dim]: views
+    of qkv, as the attention kernels take them."""
+    _, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    _check_rows("qkv", qkv, (num_heads + 2 * num_kv_heads) * head_dim)
+    dtype = _dtype_name(qkv)
+    if head_dim % 2:
+        raise ValueError(f"rotary needs an even head size, got {head_dim}")
+    tokens = qkv.shape[0]
+    cos2 = cos.reshape(cos.shape[0], -1) if cos.dim() else cos
+    sin2 = sin.reshape(sin.shape[0], -1) if sin.dim() else sin
+    for name, t in (("cos", cos2), ("sin", sin2)):
+        if t.dim() != 2 or t.shape[0] < tokens or t.shape[1] != head_dim // 2 or t.stride(1) != 1:
+            raise ValueError(f"{name} must hold {head_dim // 2} contiguous values per token, got {tuple(t.shape)}")
+    if cos2.stride(0) != sin2.stride(0):
+        raise ValueError("cos and sin must share one row stride")
+    if any(t.dtype != qkv.dtype for t in (cos2, sin2, k_cache)):
+        raise TypeError("qkv, cos, sin and the caches must share one dtype")
+    if slot_mapping.dtype not in SLOT_DTYPES or slot_mapping.dim() != 1 or slot_mapping.shape[0] < tokens:
+        raise ValueError("slot_mapping must be a 1-D int32 or int64 tensor with a slot per token")
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
+    if tokens == 0:
+        return q, k, v
+    be = backend if backend is not None else default_backend(qkv.device)
+    kern = be.kernel(instances.fused_module(dtype), instances.rotary_name(dtype, SLOT_DTYPES[slot_mapping.dtype]))
+    with be.launch_context(qkv.device):
+        kern(
+            (tokens,),
+            (_threads((num_heads + num_kv_heads) * head_dim // 2, ELEMWISE_THREADS),),
+            (
+                be.ptr(qkv),
+                be.ptr(cos2),
+                be.ptr(sin2),
+                be.ptr(k_cache),
+                be.ptr(v_cache),
+                be.ptr(slot_mapping.contiguous()),
+                np.int64(qkv.stride(0)),
+                np.int64(cos2.stride(0)),
+                np.int32(num_heads),
+                np.int32(num_kv_heads),
+                np.int32(head_dim),
+            ),
+        )
+    return q, k, v
