@@ -58,6 +58,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=_choices(Device), default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="never capture or replay CUDA graphs: every decode step runs eagerly")
+    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 and every multiple of 8 "
+                        "up to --max-num-seqs); a batch runs in the graph of the next size up, padded")
 
 
 DEFAULT_MAX_QUEUED = 4096

@@ -54,6 +54,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     async_scheduling: bool = False  # plan step N+1 while the worker runs step N (scheduler/process.py)
     tensor_parallel_size: AtLeastOne = 1
     num_threads: AtLeastOne | None = None  # torch intra-op threads in the worker
+    # Decode steps replay CUDA graphs captured at start-up (worker/cuda_graphs.py); True: always eager.
+    enforce_eager: bool = False
+    # Batch sizes to capture; None: 1, 2, 4, 8 and every multiple of 8 up to max_num_seqs.
+    cuda_graph_sizes: list[AtLeastOne] | None = None
     startup_timeout: Annotated[float, Meta(gt=0.0)] = 300.0
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:

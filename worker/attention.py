@@ -107,6 +107,9 @@ class TorchAttentionBackend:
 
     name = "torch"
     ROWS_MAX_LEN = 512
+    # A decode step's prepare() only takes views of the metadata's tensors and its forward()
+    # reads lengths from the device, so CUDA graphs may capture it (worker/cuda_graphs.py).
+    graph_safe = True
 
     def __init__(self, native: bool = True) -> None:
         # `native`: decode through worker/cpu_kernels on the CPU when it builds.

@@ -32,6 +32,14 @@ from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, Ste
 from noria.worker.attention import AttentionMetadata
 from noria.worker.attention_select import attention_layers, select_attention_backend
 from noria.worker.block_table import BlockTables
+from noria.worker.cuda_graphs import (
+    DecodeBuffers,
+    DecodeGraphs,
+    DecodeInputs,
+    DecodeViews,
+    capture_sizes,
+    pad_decode,
+)
 from noria.worker.device import resolve_device, resolve_dtype
 from noria.worker.grammar_mask import apply_grammar_bitmask
 from noria.worker.kv_cache import (
@@ -85,6 +93,7 @@ class _Batch:
     sample_requests: list[RequestState]
     sample_token_index: torch.Tensor  # flat index of each sampling request's last token
     prompt_spans: list[Span]  # positions whose logits give prompt logprobs
+    graph_size: int | None = None  # a decode step replaying the CUDA graph of this batch size
 
 
 class ModelRunner:
@@ -140,6 +149,13 @@ class ModelRunner:
         # Who wants to know each step's shape and time (e.g. bench/step_log.py); none by default.
         self.step_observers: list[StepObserver] = []
 
+        # Decode steps read their inputs from persistent buffers (the addresses CUDA graphs
+        # capture), sized for the largest graph; larger decode steps build their own tensors.
+        self.graph_sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
+        self.decode_buffers = DecodeBuffers(max(self.graph_sizes), -(-self.max_model_len // self.block_size),
+                                            self.device)
+        self.graphs: DecodeGraphs | None = None
+
         memory = profile_memory(self, layout) if needs_profile(config, self.device) else None
         self.num_kv_blocks = num_device_blocks(config, layout, self.max_model_len, memory)
         self.num_cpu_blocks = num_swap_blocks(config, layout)
@@ -151,6 +167,46 @@ class ModelRunner:
         self.block_tables = BlockTables(max_blocks, self.kv_cache.null_block)
         if self.tp.first:
             log.info(capacity_line(self.num_kv_blocks, self.block_size, self.max_model_len))
+        # After the KV cache, which the graphs address.
+        if self._graphs_wanted():
+            self.graphs = DecodeGraphs(self.decode_buffers, self.graph_sizes)
+            try:
+                with torch.inference_mode():  # as execute() runs: no autograd state in the graphs
+                    self.graphs.capture(self._graph_forward, self.kv_cache.null_block, self.block_size)
+            except torch.cuda.OutOfMemoryError as e:
+                # The KV cache took the memory first; serving eagerly beats not serving.
+                log.warning("cuda graphs: off, out of memory while capturing (%s); decode steps run eagerly", e)
+                self.graphs = None
+                torch.cuda.empty_cache()
+
+    def _graphs_wanted(self) -> bool:
+        """CUDA graphs on one CUDA rank, unless --enforce-eager, with an attention backend whose
+        per-step preparation launches nothing and only takes views of the buffers."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        if self.tp.size > 1 or not getattr(self.attention, "graph_safe", False):
+            log.info("cuda graphs: off (%s)", "tensor parallel" if self.tp.size > 1
+                     else f"the {self.attention.name} attention backend runs eagerly")
+            return False
+        return True
+
+    def _graph_forward(self, size: int, views: DecodeViews) -> torch.Tensor:
+        """The decode forward pass a graph of `size` rows captures: every row's block table at
+        full width (the lengths on the device bound what each row reads)."""
+        full = views.block_tables.shape[1] * self.block_size
+        meta = AttentionMetadata(
+            positions=views.positions,
+            slot_mapping=views.slot_mapping,
+            query_start_loc=views.query_start_loc,
+            seq_lens=views.seq_lens,
+            block_tables=views.block_tables,
+            block_size=self.block_size,
+            query_lens_host=[1] * size,
+            seq_lens_host=[full] * size,
+            query_start_host=list(range(size + 1)),
+        )
+        self.attention.prepare(meta)
+        return self.model(views.input_ids, views.positions, meta, self.attention, self._kv_layers)
 
     # -- public -----------------------------------------------------------------
 
@@ -177,7 +233,10 @@ class ModelRunner:
 
         batch = self._prepare(plan)
         t_model = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.meta.positions, batch.meta, self.attention, self._kv_layers)
+        if batch.graph_size is not None and self.graphs is not None:
+            hidden = self.graphs.replay(batch.graph_size, len(batch.states))
+        else:
+            hidden = self.model(batch.input_ids, batch.meta.positions, batch.meta, self.attention, self._kv_layers)
         # Advanced only once the forward pass has written the KV.
         for state, seq_len in zip(batch.states, batch.meta.seq_lens_host, strict=True):
             state.num_computed_tokens = seq_len
@@ -299,6 +358,9 @@ class ModelRunner:
     def _prepare(self, plan: StepPlan) -> _Batch:
         bs = self.block_size
         states, input_ids, query_lens, context_lens = self._scheduled_inputs(plan)
+        if (len(input_ids) == len(states) <= self.decode_buffers.max_rows
+                and max(context_lens) < self.decode_buffers.max_cols * bs):
+            return self._prepare_decode(states, input_ids, context_lens)
         seq_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
         query_start = [0, *accumulate(query_lens)]
         block_tables = self.block_tables.gather([s.row for s in states], -(-max(seq_lens) // bs))
@@ -348,4 +410,54 @@ class ModelRunner:
             sample_requests=sample_requests,
             sample_token_index=torch.tensor(sample_index, dtype=torch.long, device=dev),
             prompt_spans=spans,
+        )
+
+    def _prepare_decode(self, states: list[RequestState], input_ids: list[int], context_lens: list[int]) -> _Batch:
+        """A decode-only step (one token per sequence) through the persistent buffers: staged
+        once, one copy to the device; padded to its graph's size when one replays it."""
+        bs, num_seqs = self.block_size, len(states)
+        seq_lens = [c + 1 for c in context_lens]
+        size = self.graphs.bucket(num_seqs) if self.graphs is not None else None
+        cols = self.decode_buffers.max_cols if size is not None else -(-max(seq_lens) // bs)
+        ids = self.block_tables.ids
+        # Slots from the rows' block id lists: no tensor operators on the host.
+        slots = [ids[s.row][c // bs] * bs + c % bs for s, c in zip(states, context_lens, strict=True)]
+        inputs = DecodeInputs(input_ids, context_lens, slots, seq_lens,
+                              self.block_tables.gather([s.row for s in states], cols))
+        if size is not None:
+            inputs = pad_decode(inputs, size, self.kv_cache.null_block, bs)
+        views = self.decode_buffers.stage(inputs)
+        query_start = list(range(num_seqs + 1))
+        meta = AttentionMetadata(
+            positions=views.positions[:num_seqs],
+            slot_mapping=views.slot_mapping[:num_seqs],
+            query_start_loc=views.query_start_loc[: num_seqs + 1],
+            seq_lens=views.seq_lens[:num_seqs],
+            block_tables=views.block_tables[:num_seqs],
+            block_size=bs,
+            query_lens_host=[1] * num_seqs,
+            seq_lens_host=seq_lens,
+            query_start_host=query_start,
+        )
+        if size is None:
+            self.attention.prepare(meta)
+        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        spans: list[Span] = []
+        for i, state in enumerate(states):
+            if state.prompt_logprobs is not None:
+                first, count = state.prompt_logprobs.span(context_lens[i], 1)
+                if count:
+                    spans.append((state.prompt_logprobs, i + first - context_lens[i], first, count))
+        if len(sample_rows) == num_seqs:
+            sample_index = views.query_start_loc[:num_seqs]  # 0..B-1, already on the device
+        else:
+            sample_index = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return _Batch(
+            input_ids=views.input_ids[:num_seqs],
+            meta=meta,
+            states=states,
+            sample_requests=[states[i] for i in sample_rows],
+            sample_token_index=sample_index,
+            prompt_spans=spans,
+            graph_size=size,
         )

@@ -20,6 +20,9 @@ from noria.worker.fused_kernels import argmax_rows
 from noria.worker.logits_processors import apply_processors, make_processors
 
 _MASK64 = (1 << 64) - 1
+# Up to this top_k in every row, top-k/top-p take torch.topk's k largest and sort only those,
+# not the whole [rows, vocab]; past it a full sort is as cheap.
+TOPK_SMALL = 1024
 
 
 def _splitmix64(x: int) -> int:
@@ -110,12 +113,24 @@ class Sampler:
             tokens = argmax_rows(logits)
         else:
             tokens = self._sample_general(logits, states)
-        token_list: list[int] = tokens.tolist()
+        token_list = self._to_host(tokens)
         for state, token in zip(states, token_list, strict=True):
             state.record(token)
         if raw_logprobs is None:
             return token_list, None
-        return token_list, self._logprobs(raw_logprobs, logprob_rows, tokens, states)
+        return token_list, self._logprobs(raw_logprobs, logprob_rows, tokens, token_list, states)
+
+    def _to_host(self, tokens: torch.Tensor) -> list[int]:
+        """The sampled ids on the host. On CUDA they travel by a non-blocking copy into pinned
+        memory and the host waits on that copy's event alone, not on the whole device."""
+        if tokens.device.type != "cuda":
+            return tokens.tolist()
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        copied.synchronize()
+        return host.tolist()
 
     def _sample_general(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         penalized = [i for i, s in enumerate(states) if s.output_counts is not None]
@@ -167,11 +182,26 @@ class Sampler:
     def _top_k_top_p(
         self, logits: torch.Tensor, params: list[EngineSamplingParams], use_top_k: bool, use_top_p: bool
     ) -> torch.Tensor:
-        device = logits.device
+        """`logits` with every token outside each row's top-k and top-p set to -inf."""
+        k_max = max((p.top_k for p in params), default=0)
+        if use_top_k and all(p.top_k > 0 for p in params) and k_max <= min(TOPK_SMALL, logits.shape[1]):
+            # Every row keeps at most k_max tokens: only those are sorted (topk returns them sorted).
+            top, order = logits.topk(k_max, dim=-1)
+            top = self._mask_sorted(top, params, True, use_top_p)
+            return torch.full_like(logits, float("-inf")).scatter_(-1, order, top)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_logits = self._mask_sorted(sorted_logits, params, use_top_k, use_top_p)
+        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+    def _mask_sorted(
+        self, sorted_logits: torch.Tensor, params: list[EngineSamplingParams], use_top_k: bool, use_top_p: bool
+    ) -> torch.Tensor:
+        """Rows sorted in descending order, each a prefix of its row's sorted logits: the ranks
+        past top_k and the tail past top_p's mass set to -inf, in place."""
+        device = sorted_logits.device
         if use_top_k:
             k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=device)
-            ranks = torch.arange(logits.shape[1], device=device)
+            ranks = torch.arange(sorted_logits.shape[1], device=device)
             sorted_logits.masked_fill_(ranks[None, :] >= k[:, None], float("-inf"))
         if use_top_p:
             # Keep the smallest prefix whose mass reaches top_p: drop a token when
@@ -180,11 +210,11 @@ class Sampler:
             probs = sorted_logits.softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
             sorted_logits.masked_fill_(mass_before >= top_p[:, None], float("-inf"))
-        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        return sorted_logits
 
     @staticmethod
     def _logprobs(
-        raw: torch.Tensor, rows: list[int], tokens: torch.Tensor, states: list[SamplingState]
+        raw: torch.Tensor, rows: list[int], tokens: torch.Tensor, token_list: list[int], states: list[SamplingState]
     ) -> list[Logprob | None]:
         sampled = raw.gather(1, tokens[rows][:, None])[:, 0].tolist()
         k_max = max(states[i].params.logprobs or 0 for i in rows)
@@ -194,7 +224,6 @@ class Sampler:
             values, ids = raw.topk(k_max, dim=-1)
             top_values, top_ids = values.tolist(), ids.tolist()
         out: list[Logprob | None] = [None] * len(states)
-        token_list = tokens.tolist()
         for j, i in enumerate(rows):
             k = states[i].params.logprobs or 0
             out[i] = Logprob(

@@ -1,0 +1,202 @@
+"""Decode steps as CUDA graphs: batch-size buckets, padding, persistent input buffers, capture.
+
+A graph replays fixed kernels on fixed addresses, so a decode step runs in the graph
+captured for the next bucket size up, its inputs copied into buffers that every graph
+reads and its extra rows padded so that they touch nothing a real sequence reads: each
+padded row has position 0, a sequence length of 1, a block table of null blocks and a
+slot in the null block (worker/attention.py: the null block pads tables, and no real
+sequence reads it within its length). Their outputs are dropped.
+
+The buffers are also the eager decode path's inputs, on every device: the step's host
+lists are packed into one host staging tensor (pinned on CUDA) and copied to the device
+in one non-blocking copy, so a step stages its inputs once and the CPU runs the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("noria.worker.cuda_graphs")
+
+
+def capture_sizes(max_num_seqs: int, sizes: Sequence[int] | None = None) -> list[int]:
+    """The batch sizes to capture, ascending and distinct: `sizes` when given, else 1, 2, 4, 8
+    and every multiple of 8 up to max_num_seqs (vLLM's default), plus the multiple of 8 just
+    above it when it is not one, so that a step of max_num_seqs sequences has a graph."""
+    if sizes:
+        return sorted({int(n) for n in sizes})
+    chosen = {n for n in (1, 2, 4, 8) if n <= max_num_seqs}
+    chosen.update(range(8, max_num_seqs + 1, 8))
+    if max_num_seqs not in chosen:
+        chosen.add(max_num_seqs if max_num_seqs < 8 else -(-max_num_seqs // 8) * 8)
+    return sorted(chosen)
+
+
+def bucket_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size that holds `num_seqs` rows (`sizes` ascending), or None when
+    the batch is larger than every graph (it runs eagerly)."""
+    i = bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeInputs:
+    """One decode step's rows on the host, padded or not."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]
+    block_tables: torch.Tensor  # [rows, cols] int64, on the CPU
+
+
+def pad_decode(inputs: DecodeInputs, size: int, null_block: int, block_size: int) -> DecodeInputs:
+    """`inputs` padded to `size` rows: the extra rows read one null-block key and write their
+    K/V into the null block's first slot, so they change nothing a real row computes."""
+    n = len(inputs.input_ids)
+    if size < n:
+        raise ValueError(f"cannot pad {n} rows to {size}")
+    extra = size - n
+    tables = inputs.block_tables
+    if extra:
+        pad = torch.full((extra, tables.shape[1]), null_block, dtype=tables.dtype)
+        tables = torch.cat([tables, pad])
+    return DecodeInputs(
+        input_ids=inputs.input_ids + [0] * extra,
+        positions=inputs.positions + [0] * extra,
+        slots=inputs.slots + [null_block * block_size] * extra,
+        seq_lens=inputs.seq_lens + [1] * extra,
+        block_tables=tables,
+    )
+
+
+@dataclass(slots=True)
+class DecodeViews:
+    """Device views of the buffers for one step of `rows` rows and `cols` block-table columns."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_tables: torch.Tensor  # contiguous [rows, cols]
+
+
+class DecodeBuffers:
+    """Persistent decode inputs for up to `max_rows` rows, at fixed device addresses.
+
+    Layout of the one int64 buffer (host staging and device alike): input ids, positions,
+    slots, sequence lengths (max_rows each), query starts (max_rows + 1), then the block
+    table, rows x cols packed so that any (rows, cols) view is contiguous. A step copies only
+    the prefix it uses."""
+
+    def __init__(self, max_rows: int, max_cols: int, device: torch.device) -> None:
+        self.max_rows, self.max_cols, self.device = max_rows, max_cols, device
+        self._table_at = 5 * max_rows + 1
+        total = self._table_at + max_rows * max_cols
+        self.device_buf = torch.zeros(total, dtype=torch.long, device=device)
+        if device.type == "cuda":
+            self.staging = torch.zeros(total, dtype=torch.long, pin_memory=True)
+            self._copied: torch.cuda.Event | None = None
+        else:
+            self.staging = self.device_buf  # the CPU path writes its inputs in place
+            self._copied = None
+        # Query starts of a decode step are 0..rows: written once.
+        self.staging[4 * max_rows : 5 * max_rows + 1] = torch.arange(max_rows + 1)
+        if self.staging is not self.device_buf:
+            self.device_buf.copy_(self.staging)
+
+    def views(self, rows: int, cols: int) -> DecodeViews:
+        m, buf = self.max_rows, self.device_buf
+        return DecodeViews(
+            input_ids=buf[0:rows],
+            positions=buf[m : m + rows],
+            slot_mapping=buf[2 * m : 2 * m + rows],
+            seq_lens=buf[3 * m : 3 * m + rows],
+            query_start_loc=buf[4 * m : 4 * m + rows + 1],
+            block_tables=buf[self._table_at : self._table_at + rows * cols].view(rows, cols),
+        )
+
+    def stage(self, inputs: DecodeInputs) -> DecodeViews:
+        """Write `inputs` into the staging tensor and start one copy to the device; returns the
+        views the step reads (ordered after the copy on the current stream)."""
+        rows, cols = inputs.block_tables.shape
+        if rows > self.max_rows or cols > self.max_cols:
+            raise ValueError(f"decode inputs {rows} x {cols} exceed the buffers' {self.max_rows} x {self.max_cols}")
+        if self._copied is not None:
+            # The previous step's copy may still be reading the staging memory.
+            self._copied.synchronize()
+        m, host = self.max_rows, self.staging
+        host[0:rows] = torch.tensor(inputs.input_ids, dtype=torch.long)
+        host[m : m + rows] = torch.tensor(inputs.positions, dtype=torch.long)
+        host[2 * m : 2 * m + rows] = torch.tensor(inputs.slots, dtype=torch.long)
+        host[3 * m : 3 * m + rows] = torch.tensor(inputs.seq_lens, dtype=torch.long)
+        end = self._table_at + rows * cols
+        host[self._table_at : end].view(rows, cols).copy_(inputs.block_tables)
+        if host is not self.device_buf:
+            self.device_buf[:end].copy_(host[:end], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return self.views(rows, cols)
+
+
+# Runs the model over the views of one bucket: returns the hidden states [rows, hidden].
+DecodeForward = Callable[[int, DecodeViews], torch.Tensor]
+
+
+@dataclass(slots=True)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # the graph's output, overwritten by each replay
+
+
+class DecodeGraphs:
+    """One CUDA graph per bucket size over the shared DecodeBuffers, in one memory pool."""
+
+    def __init__(self, buffers: DecodeBuffers, sizes: Sequence[int]) -> None:
+        self.buffers = buffers
+        self.sizes = sorted(sizes)
+        self._graphs: dict[int, _Captured] = {}
+
+    def capture(self, forward: DecodeForward, null_block: int, block_size: int) -> None:
+        """Warm up and capture every size, largest first so that the smaller graphs fit in the
+        pool the largest one sized; logs the time and the pool's memory in one line."""
+        device = self.buffers.device
+        cols = self.buffers.max_cols
+        torch.cuda.synchronize(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+        t0 = time.perf_counter()
+        pool = None
+        for size in reversed(self.sizes):
+            empty = DecodeInputs([], [], [], [], torch.empty((0, cols), dtype=torch.long))
+            views = self.buffers.stage(pad_decode(empty, size, null_block, block_size))
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):  # warm-up: lazy initialisation and allocator growth
+                forward(size, views)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = forward(size, views)
+            if pool is None:
+                pool = graph.pool()
+            self._graphs[size] = _Captured(graph, hidden)
+        torch.cuda.synchronize(device)
+        used = free_before - torch.cuda.mem_get_info(device)[0]
+        log.info("cuda graphs: captured %d decode sizes (%d..%d) in %.2f s, %.0f MiB",
+                 len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - t0, used / 2**20)
+
+    def bucket(self, num_seqs: int) -> int | None:
+        return bucket_size(num_seqs, self.sizes) if self._graphs else None
+
+    def replay(self, size: int, num_seqs: int) -> torch.Tensor:
+        """Replay the graph of `size` over the staged buffers; the first num_seqs rows' hidden states."""
+        captured = self._graphs[size]
+        captured.graph.replay()
+        return captured.hidden[:num_seqs]
