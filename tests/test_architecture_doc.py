@@ -260,10 +260,12 @@ def _tree() -> set[str]:
 def _resolves(name: str, named_in: str, tree: set[str]) -> bool:
     """A path with a folder is named from the root, from the naming file's folder, or from a
     folder the text is about (`models/spec.py` in the worker's row, `csrc/common.cuh` in the
-    kernels' README): some file's path ends with it. A bare name must be some file's name."""
+    kernels' README): some file's path ends with it. A bare name must be some file's name,
+    unless its stem is all capitals: a placeholder (`OUT.md` for `--out OUT`), as a real one
+    (README.md, RESULTS.md) is named with its folder where it matters."""
     name = name.removeprefix("./")
     if "/" not in name:
-        return any(f.rsplit("/", 1)[-1] == name for f in tree)
+        return name.split(".")[0].isupper() or any(f.rsplit("/", 1)[-1] == name for f in tree)
     here = (Path(named_in).parent / name).as_posix()
     return name in tree or here in tree or any(f.endswith("/" + name) for f in tree)
 
@@ -311,7 +313,7 @@ def test_the_path_check_catches_a_missing_file() -> None:
     tree = {"scheduler/results.py", "worker/models/spec.py", "kernels/csrc/cache_ops.cu"}
     named = {"docs/architecture.md": [(1, "see `scheduler/outputs.py` and https://x.org/a.py"),
                                       (2, "`models/spec.py`, `results.py`, client.beta.chat.completions")],
-             "kernels/README.md": [(3, "`csrc/cache_ops.cu`, `csrc/gone.cu`, $root/pyproject.md")]}
+             "kernels/README.md": [(3, "`csrc/cache_ops.cu`, `csrc/gone.cu`, $root/pyproject.md, OUT.md")]}
     assert _missing(named, tree) == ["docs/architecture.md:1: scheduler/outputs.py",
                                      "kernels/README.md:3: csrc/gone.cu"]
 
