@@ -34,6 +34,9 @@ def test_doctor_on_a_cpu_host_runs_the_cpu_subset(tmp_path: Path, demo_path: Pat
                   "swap preemption on emulated kernels (copy_blocks) vs torch backend"):
         assert any(line.startswith(f"  ok    {check}") for line in lines), (check, out.stdout)
     assert "swap-outs and as many swap-ins" in out.stdout  # the swap check saw swaps
+    # The engine under test says what its attention ran on: the emulated kernels.
+    emulated = next(line for line in lines if "greedy generation, emulated kernels" in line)
+    assert "attention backend kernels" in emulated, emulated
     assert lines[-1].startswith("noria doctor: all ") and lines[-1].endswith(" checks passed")
 
 

@@ -70,10 +70,12 @@ def test_whole_blocks_only() -> None:
     assert kv_blocks_from_memory(mem, 1.0, block) == 100
 
 
-def test_never_more_than_is_free() -> None:
-    # Another process holds most of the device: 5 GiB free though the budget is 54 GiB.
+def test_never_more_than_is_free_beside_the_peak() -> None:
+    # Another process holds most of the device: 5 GiB free though the budget is 54 GiB; the
+    # step's 2 GiB peak must still fit beside the cache, and so must the graphs' 1 GiB.
     crowded = FakeMemory(total_=80 * GiB, free_=5 * GiB, weights_=16 * GiB, peak_=2 * GiB)
-    assert kv_blocks_from_memory(crowded, 0.9, 2 * MiB) == 5 * 512
+    assert kv_blocks_from_memory(crowded, 0.9, 2 * MiB) == 3 * 512
+    assert kv_blocks_from_memory(crowded, 0.9, 2 * MiB, graph_reserve=GiB) == 2 * 512
 
 
 @pytest.mark.parametrize("mem, utilization", [
@@ -117,7 +119,7 @@ def test_tensor_parallel_ranks_size_alone_and_the_group_takes_the_smallest() -> 
     # the scheduler plans with the smallest (scheduler/worker_group.py, test_worker_group.py).
     rank0 = kv_blocks_from_memory(H100, 0.9, 2 * MiB)
     rank1 = kv_blocks_from_memory(FakeMemory(80 * GiB, 30 * GiB, 16 * GiB, 2 * GiB), 0.9, 2 * MiB)
-    assert (rank0, rank1) == (54 * 512, 30 * 512)
+    assert (rank0, rank1) == (54 * 512, 28 * 512)  # rank 1: 30 GiB free less its 2 GiB peak
 
 
 def test_the_start_up_line() -> None:

@@ -77,12 +77,13 @@ def kv_blocks_from_memory(memory: DeviceMemory, utilization: float, bytes_per_bl
                           graph_reserve: int = 0) -> int:
     """Device KV blocks for --gpu-memory-utilization: the worker may use `utilization` x total;
     weights, the profiled peak and the graph reserve come out of it, the cache takes the rest,
-    in whole blocks, and never more than is actually free. Raises WorkerFatal (one sentence with
-    the numbers) when not one block fits. Each tensor-parallel rank sizes its own; the scheduler
-    uses the smallest count of the group (scheduler/worker_group.py)."""
+    in whole blocks, and never more than is actually free once the peak and the graphs have
+    their room (other processes may hold part of the device). Raises WorkerFatal (one sentence
+    with the numbers) when not one block fits. Each tensor-parallel rank sizes its own; the
+    scheduler uses the smallest count of the group (scheduler/worker_group.py)."""
     total, free, weights, peak = memory.total(), memory.free(), memory.weights(), memory.peak()
     budget = int(utilization * total) - weights - peak - graph_reserve
-    available = min(budget, free)
+    available = min(budget, free - peak - graph_reserve)
     blocks = max(0, available) // bytes_per_block
     if blocks < 1:
         raise WorkerFatal(
