@@ -25,6 +25,12 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, kVec>& x) {
   *reinterpret_cast<Pack<T, kVec>*>(p) = x;
 }
 
+// x rounded to T and widened back: where a torch operator in T would have stored it.
+template <typename T>
+__device__ __forceinline__ float rounded(float x) {
+  return to_float(from_float<T>(x));
+}
+
 // Sum over a block of whole warps (blockDim.x a multiple of 32, at most 1024 threads).
 __device__ __forceinline__ float block_sum_any(float v, float* scratch) {
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -81,7 +87,7 @@ __global__ void __launch_bounds__(1024) fused_add_rms_norm(
     Pack<T, kVec> r;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float normed = to_float(from_float<T>(to_float(a.v[j]) * inv_rms));
+      const float normed = rounded<T>(to_float(a.v[j]) * inv_rms);
       r.v[j] = from_float<T>(to_float(w.v[j]) * normed);
     }
     store_pack<T, kVec>(o + i * kVec, r);
@@ -112,8 +118,10 @@ __global__ void __launch_bounds__(256) rotary_qkv_cache(
     T* h = row + head * head_dim;
     const float x1 = to_float(h[i]), x2 = to_float(h[i + half]);
     const float cf = to_float(c[i]), sf = to_float(s[i]);
-    const T y1 = from_float<T>(x1 * cf - x2 * sf);
-    const T y2 = from_float<T>(x2 * cf + x1 * sf);
+    // As torch's x1 * cos - x2 * sin in T: each product rounded to T (and never fused into
+    // an fma), then the sum.
+    const T y1 = from_float<T>(rounded<T>(__fmul_rn(x1, cf)) - rounded<T>(__fmul_rn(x2, sf)));
+    const T y2 = from_float<T>(rounded<T>(__fmul_rn(x2, cf)) + rounded<T>(__fmul_rn(x1, sf)));
     h[i] = y1;
     h[i + half] = y2;
     if (head >= num_heads && slot >= 0) {
@@ -144,7 +152,7 @@ __global__ void __launch_bounds__(256) silu_and_mul(
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
     const float x = to_float(gv.v[j]);
-    const float silu = to_float(from_float<T>(x / (1.f + expf(-x))));
+    const float silu = rounded<T>(x / (1.f + expf(-x)));
     r.v[j] = from_float<T>(silu * to_float(uv.v[j]));
   }
   store_pack<T, kVec>(out + row * out_stride + i * kVec, r);

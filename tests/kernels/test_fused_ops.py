@@ -156,3 +156,21 @@ def test_shape_checks() -> None:
     with pytest.raises(ValueError, match="slot_mapping"):
         fused_ops.rotary_qkv_cache(torch.zeros(3, 512), torch.zeros(3, 32), torch.zeros(3, 32), cache, cache,
                                    torch.zeros(2, dtype=torch.int64), 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_rounds_as_apply_rope(emu: Any, dtype: str) -> None:
+    """Bit for bit the worker's torch rotary (worker/models/layers.apply_rope) on the CPU: each
+    product rounded to the dtype, then the sum. A kernel that rounds once is closer to float64
+    but not to the torch backend, and in bfloat16 that turned the engine's greedy tokens."""
+    from noria.worker.models.layers import apply_rope
+
+    heads, kv_heads, head_dim = 4, 2, 64
+    qkv, cos, sin = _qkv_case(dtype, 9, heads, kv_heads, head_dim, 0, 21)
+    q_size = heads * head_dim
+    exp_q = apply_rope(qkv[:, :q_size].view(9, heads, head_dim), cos, sin)
+    exp_k = apply_rope(qkv[:, q_size : q_size + kv_heads * head_dim].view(9, kv_heads, head_dim), cos, sin)
+    cache = torch.zeros(2, 16, kv_heads, head_dim, dtype=TORCH_DTYPES[dtype])
+    slots = torch.full((9,), -1, dtype=torch.int64)
+    q, k, _ = fused_ops.rotary_qkv_cache(qkv, cos, sin, cache, cache.clone(), slots, heads, backend=emu("forward"))
+    assert same_bits(q.contiguous(), exp_q) and same_bits(k.contiguous(), exp_k)
