@@ -85,6 +85,44 @@ def test_reshape_and_cache_and_swap(dtype: str) -> None:
     assert torch.equal(back[1].cpu().nan_to_num(7.0), v_cache.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("hidden", [4096, 37], ids=["aligned", "odd"])
+def test_fused_elementwise(dtype: str, hidden: int) -> None:
+    """fused_ops.cu on the device: 16-byte and one-element instances against float64."""
+    from test_fused_ops import _qkv_case
+
+    from noria.kernels import fused_ops
+
+    t = TORCH_DTYPES[dtype]
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(5, hidden, generator=g).to(t)
+    res = torch.randn(5, hidden, generator=g).to(t)
+    w = (1 + 0.5 * torch.randn(hidden, generator=g)).to(t)
+    expected, expected_sum = reference.add_rms_norm(x, res, w, 1e-5)
+    res_gpu = res.to(CUDA)
+    out = fused_ops.add_rms_norm(x.to(CUDA), res_gpu, w.to(CUDA), 1e-5)
+    assert_matches(out.cpu(), expected, dtype)
+    assert torch.equal(res_gpu.cpu(), expected_sum)
+    gate_up = torch.randn(5, 2 * hidden, generator=g).to(t)
+    assert_matches(fused_ops.silu_and_mul(gate_up.to(CUDA)).cpu(), reference.silu_and_mul(gate_up), dtype)
+    heads, kv_heads, d = 8, 2, 128
+    qkv, cos, sin = _qkv_case(dtype, 7, heads, kv_heads, d, 0, 3)
+    k_cache = torch.full((4, 16, kv_heads, d), float("nan"), dtype=t, device=CUDA)
+    v_cache = k_cache.clone()
+    slots = torch.tensor([3, -1, 17, 40, 63, -1, 0])
+    c2, s2 = cos[:, 0], sin[:, 0]
+    exp_q = reference.rotary_neox(qkv[:, : heads * d].view(7, heads, d), c2, s2)
+    exp_k = reference.rotary_neox(qkv[:, heads * d : (heads + kv_heads) * d].view(7, kv_heads, d), c2, s2)
+    q, k, v = fused_ops.rotary_qkv_cache(qkv.to(CUDA), cos.to(CUDA), sin.to(CUDA), k_cache, v_cache,
+                                         slots.to(CUDA), heads)
+    assert_matches(q.cpu(), exp_q, dtype)
+    assert_matches(k.cpu(), exp_k, dtype)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d).cpu(), v_cache.view(-1, kv_heads, d).cpu()
+    keep = slots >= 0
+    assert torch.equal(flat_k[slots[keep]], k.cpu()[keep]) and torch.equal(flat_v[slots[keep]], v.cpu()[keep])
+    assert int(torch.isnan(flat_k).any(dim=(1, 2)).sum()) == flat_k.shape[0] - int(keep.sum())
+
+
 # ---- tensor_core.cuh on the device: the emulator's model of each instruction must agree ----
 
 
