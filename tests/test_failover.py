@@ -50,7 +50,6 @@ def test_sigkilled_worker_under_load_loses_nothing(demo_path):
     with serve_http(*FLAGS) as served:
         calm = asyncio.run(stream_all(served.address, PROMPTS, GREEDY))
         before = stats(served.address).stats
-        assert before.num_preemptions > 0, "the workload must preempt for this test to mean anything"
         assert all(len(s.token_ids) == GREEDY.max_tokens for s in calm)
 
         killed: list[int] = []
@@ -75,6 +74,9 @@ def test_sigkilled_worker_under_load_loses_nothing(demo_path):
         after = wait_stats(served.address, lambda st: st.stats.workers_live and st.stats.num_running == 0
                            and st.stats.num_waiting == 0, "the engine to be idle with a live worker").stats
         assert after.worker_restarts - before.worker_restarts == 2
+        # Counted over every round: a single round was seen to preempt nothing on a 2-core machine at
+        # load average 8, where requests reach the engine spread out; the rounds together do.
+        assert after.num_preemptions > 0, "the workload must preempt for this test to mean anything"
         assert after.requests_requeued > before.requests_requeued
         assert after.tokens_recomputed > before.tokens_recomputed
         assert after.kv_cache_usage == 0 and after.num_free_blocks == after.num_kv_blocks
