@@ -6,8 +6,9 @@ request (the victim) runs: the victim is open before the hostile request is sent
 still open after its answer (else the round runs again with a longer victim). The victim
 ends with the text it has alone, the hostile request ends correctly (a stop string still
 ends each sample; the oversized one is refused, naming `stop`), and the worker group is
-never lost (no worker restart, the group stays live). How long the victim waits between
-deltas is a latency figure, for the benchmarks, not a bound a busy machine could break.
+never lost (no worker restart, the group stays live), and the victim never waits 2 s between
+two deltas (a bound that a stall breaks and a busy machine does not; `noria bench fuzz`
+reports the gaps themselves).
 
 Before, every sample carried every stop string to the scheduler and in the worker's
 plan: the scheduler spent seconds building one plan, missed its heartbeats, lost the
@@ -35,6 +36,10 @@ VICTIM_PROMPT = "Once upon a time"
 HOSTILE_PROMPT = "The water wheel turns"
 HOSTILE_TOKENS = 12
 N = 64
+# The victim's largest gap between deltas: under 0.5 s here even beside two busy-looping processes
+# on 2 cores, seconds to minutes when one request stalled the engine (3 s to 27 s seen). Only a
+# stall breaks it, not a slow machine.
+STALL = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +124,10 @@ def _beside_victim(served, body: bytes) -> tuple[Victim, int, int, dict]:
     raise AssertionError(f"a victim of {tokens} tokens ended before the hostile request: nothing was tested")
 
 
+def _largest_gap(victim: Victim) -> float:
+    return max((b - a for a, b in zip(victim.times, victim.times[1:], strict=False)), default=0.0)
+
+
 def _group_untouched(served) -> None:
     st = stats(served.address).stats
     assert st.worker_restarts == 0 and st.workers_live, st.worker_status
@@ -151,6 +160,7 @@ def test_a_hostile_request_within_the_limits_stalls_nobody(served, calm):
     assert [(c["index"], c["text"], c["finish_reason"]) for c in sorted(reply["choices"], key=lambda c: c["index"])] \
         == [(i, want, "stop") for i in range(N)]
     assert victim.text == calm["victim_text"][tokens]
+    assert _largest_gap(victim) < STALL, f"the victim waited {_largest_gap(victim):.2f} s between two deltas"
     _group_untouched(served)
 
 
@@ -160,4 +170,5 @@ def test_a_million_stop_strings_are_refused_and_stall_nobody(served, calm):
     victim, tokens, status, reply = _beside_victim(served, body)
     assert status == 400 and reply["error"]["param"] == "stop", reply
     assert victim.text == calm["victim_text"][tokens]
+    assert _largest_gap(victim) < STALL, f"the victim waited {_largest_gap(victim):.2f} s between two deltas"
     _group_untouched(served)
