@@ -55,17 +55,6 @@ constexpr int num_stages(int head_dim) {
          : smem_bytes(head_dim, 3) <= kMaxStaticSmem ? 3
                                                      : 2;
 }
-
-template <typename T>
-__device__ __forceinline__ unsigned pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
-  return pack_bf16x2(lo, hi);
-}
-template <>
-__device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
-  return pack_f16x2(lo, hi);
-}
 }  // namespace decode_gqa
 }  // namespace noria
 

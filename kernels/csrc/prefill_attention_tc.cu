@@ -49,17 +49,6 @@ constexpr int row_pad(int head_dim) {
   return smem_bytes(head_dim, key_tile(head_dim), 8) <= kMaxStaticSmem ? 8 : 0;
 }
 
-template <typename T>
-__device__ __forceinline__ unsigned pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
-  return pack_bf16x2(lo, hi);
-}
-template <>
-__device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
-  return pack_f16x2(lo, hi);
-}
-
 // Issues (does not commit) the cp.async copies of the K and V rows of positions
 // kv0 .. kv0 + KEYS - 1 of one KV head into k_s / v_s; positions past last_pos are zero-filled.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int KEYS, int STRIDE>

@@ -134,6 +134,17 @@ __device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
   return static_cast<unsigned>(__half_as_ushort(__float2half_rn(lo))) |
          (static_cast<unsigned>(__half_as_ushort(__float2half_rn(hi))) << 16);
 }
+// The same for a kernel templated on its element type.
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+  return pack_bf16x2(lo, hi);
+}
+template <>
+__device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+  return pack_f16x2(lo, hi);
+}
 
 // ---- ldmatrix: 8x8 b16 matrices from shared memory into fragments ----
 
