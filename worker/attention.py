@@ -46,6 +46,9 @@ class LayerAttention:
     head_dim: int
     scale: float
     sliding_window: int | None = None
+    # Gemma 2's attention logit soft-capping: every score s becomes cap * tanh(s / cap)
+    # before the softmax (None: scores as they are).
+    logits_soft_cap: float | None = None
 
 
 class AttentionBackend(Protocol):
