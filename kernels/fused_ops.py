@@ -149,7 +149,9 @@ def rotary_qkv_cache(
     """Neox rotary embedding (rotate halves) of the q and k heads of a fused QKV projection
     [tokens, (num_heads + 2 num_kv_heads) head_dim], in place, and the rotated k and v written
     to their cache slots (reshape_and_cache's contract: negative slot = not stored). cos / sin:
-    token t's head_dim / 2 values ([tokens, head_dim / 2] or [tokens, 1, head_dim / 2]).
+    token t's rotary_dim / 2 values ([tokens, rotary_dim / 2] or [tokens, 1, rotary_dim / 2]);
+    rotary_dim, their width times two, may be less than head_dim (partial rotary: the first
+    rotary_dim dims of each head rotate, the others pass through).
     Returns q [tokens, num_heads, head_dim], k and v [tokens, num_kv_heads, head_dim]: views
     of qkv, as the attention kernels take them."""
     _, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
@@ -160,9 +162,12 @@ def rotary_qkv_cache(
     tokens = qkv.shape[0]
     cos2 = cos.reshape(cos.shape[0], -1) if cos.dim() else cos
     sin2 = sin.reshape(sin.shape[0], -1) if sin.dim() else sin
+    rot_half = cos2.shape[1] if cos2.dim() == 2 else 0
     for name, t in (("cos", cos2), ("sin", sin2)):
-        if t.dim() != 2 or t.shape[0] < tokens or t.shape[1] != head_dim // 2 or t.stride(1) != 1:
-            raise ValueError(f"{name} must hold {head_dim // 2} contiguous values per token, got {tuple(t.shape)}")
+        if (t.dim() != 2 or t.shape[0] < tokens or not 0 < t.shape[1] <= head_dim // 2
+                or t.shape[1] != rot_half or t.stride(1) != 1):
+            raise ValueError(f"{name} must hold one count (up to {head_dim // 2}) of contiguous values per "
+                             f"token, got {tuple(t.shape)}")
     if cos2.stride(0) != sin2.stride(0):
         raise ValueError("cos and sin must share one row stride")
     if any(t.dtype != qkv.dtype for t in (cos2, sin2, k_cache)):
@@ -193,6 +198,7 @@ def rotary_qkv_cache(
                 np.int32(num_heads),
                 np.int32(num_kv_heads),
                 np.int32(head_dim),
+                np.int32(rot_half),
             ),
         )
     return q, k, v

@@ -408,6 +408,15 @@ MUTANTS: tuple[Mutant, ...] = (
         keyword="float32 and i64",
     ),
     Mutant(
+        "rotary-partial-k-pass-uncached",
+        "dropped store (partial rotary: k's dims past the rotary ones never reach the cache)",
+        "fused_ops.cu",
+        "    k_cache[slot * kv_elems + off] = k[off];\n",
+        "",
+        (_FUSED + "::test_rotary_partial_with_scaled_table",),
+        keyword="float32",
+    ),
+    Mutant(
         "silu-past-the-end",
         "off-by-one past the end (SiLU-and-mul: one access past each row)",
         "fused_ops.cu",

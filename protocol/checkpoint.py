@@ -18,10 +18,10 @@ from typing import Any
 # Mirrors worker/models/spec.py SUPPORTED_ARCHITECTURES (a test keeps them equal):
 # the worker imports torch, which the frontend must not.
 SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
 )
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit
 
 
@@ -39,7 +39,10 @@ def check_checkpoint(folder: str | Path) -> None:
     if not known:
         raise CheckpointError(f"{folder} holds a model of architecture {archs or cfg.get('model_type')}, which noria "
                               f"does not implement (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    _check_rope(cfg)
     expected = _expected_shapes(cfg)
+    if known[0] == "Phi3ForCausalLM":
+        expected = _phi3_shapes(expected)
     present: set[str] = set()
     for file in _weight_files(folder):
         for name, shape in _header_shapes(file).items():
@@ -128,6 +131,30 @@ def _generic(name: str) -> str:
     """`model.layers.7.mlp.up_proj.weight` -> `layers.N.mlp.up_proj.weight`."""
     parts = name.removeprefix("model.").split(".")
     return ".".join("N" if p.isdigit() else p for p in parts)
+
+
+# Mirrors worker/models/spec.py SUPPORTED_ROPE_TYPES (a test keeps them equal); "su" is
+# Phi-3's first name for longrope.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def _check_rope(cfg: dict[str, Any]) -> None:
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind != "su" and kind not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(f"config.json asks for rope type {kind!r}, which noria does not implement "
+                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+def _phi3_shapes(expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Phi-3 saves q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows stacked)."""
+    out = dict(expected)
+    layer = "layers.N."
+    q, k, v = (out.pop(layer + f"self_attn.{p}_proj.weight") for p in "qkv")
+    gate, up = out.pop(layer + "mlp.gate_proj.weight"), out.pop(layer + "mlp.up_proj.weight")
+    out[layer + "self_attn.qkv_proj.weight"] = (q[0] + k[0] + v[0], q[1])
+    out[layer + "mlp.gate_up_proj.weight"] = (gate[0] + up[0], gate[1])
+    return out
 
 
 def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -67,6 +67,16 @@ def tiny_config(arch: str, *, tied: bool = False, **overrides: Any) -> Any:
         cls = Qwen3Config
         # head_dim deliberately differs from hidden_size / num_attention_heads.
         kwargs["head_dim"] = 32
+    elif arch == "phi3":
+        from transformers import Phi3Config
+
+        # Fused qkv_proj / gate_up_proj, rotary on half of each head's 16 dims, and longrope
+        # whose short and long factors differ in every frequency.
+        cls = Phi3Config
+        kwargs["pad_token_id"] = 0
+        kwargs["original_max_position_embeddings"] = 256
+        kwargs["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                     "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0]}
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ALL_ARCHS}")
     cfg = cls(**{**kwargs, **overrides})

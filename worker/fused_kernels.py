@@ -31,6 +31,9 @@ def load() -> ctypes.CDLL | None:
     dll.add_rms_norm.restype = None
     dll.rope_split.argtypes = [_F32P, _I64, _F32P, _F32P, _F32P, _F32P, _F32P, _I64, _I64, _I64, _I64, ctypes.c_int]
     dll.rope_split.restype = None
+    dll.rope_split_partial.argtypes = [_F32P, _I64, _F32P, _F32P, _F32P, _F32P, _F32P, _I64, _I64, _I64, _I64, _I64,
+                                       ctypes.c_int]
+    dll.rope_split_partial.restype = None
     dll.argmax_rows.argtypes = [_F32P, _I64, _I64, _I64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
     dll.argmax_rows.restype = _I64
     dll.silu_mul.argtypes = [_F32P, _I64, _F32P, _I64, _I64, ctypes.c_int]
@@ -67,15 +70,21 @@ def add_rms_norm(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, H, D], k and v [T, KVH, D] (contiguous) from a fused qkv [T, (H + 2 KVH) D],
-    rotary applied to q and k; cos and sin [T, 1, D/2] contiguous."""
+    rotary applied to q and k; cos and sin [T, 1, R/2] contiguous, R = D or, for partial
+    rotary, fewer: the first R dims of each head rotate, the rest are copied."""
     dll = load()
     assert dll is not None and qkv.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     t = qkv.shape[0]
     q = torch.empty(t, heads, head_dim, dtype=torch.float32)
     k = torch.empty(t, kv_heads, head_dim, dtype=torch.float32)
     v = torch.empty(t, kv_heads, head_dim, dtype=torch.float32)
-    dll.rope_split(_ptr(qkv), qkv.stride(0), _ptr(cos), _ptr(sin), _ptr(q), _ptr(k), _ptr(v), t, heads, kv_heads,
-                   head_dim, torch.get_num_threads())
+    rot = 2 * cos.shape[-1]
+    if rot == head_dim:
+        dll.rope_split(_ptr(qkv), qkv.stride(0), _ptr(cos), _ptr(sin), _ptr(q), _ptr(k), _ptr(v), t, heads, kv_heads,
+                       head_dim, torch.get_num_threads())
+    else:
+        dll.rope_split_partial(_ptr(qkv), qkv.stride(0), _ptr(cos), _ptr(sin), _ptr(q), _ptr(k), _ptr(v), t, heads,
+                               kv_heads, head_dim, rot, torch.get_num_threads())
     return q, k, v
 
 

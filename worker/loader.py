@@ -20,6 +20,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
 }
 
 
@@ -35,8 +36,9 @@ def load_hf_config(path: str | Path) -> Any:
         raise ValueError(f"cannot read the config of {str(folder)!r}: {e}") from e
 
 
-def load_spec(path: str | Path) -> ModelSpec:
-    return model_spec(load_hf_config(path))
+def load_spec(path: str | Path, max_model_len: int | None = None) -> ModelSpec:
+    """`max_model_len`: the engine's context length where one is set (longrope picks its factors by it)."""
+    return model_spec(load_hf_config(path), max_model_len)
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:

@@ -118,7 +118,7 @@ class ModelRunner:
         if self.device.type == "cuda" and tp_size > 1:
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
-        self.spec = s = load_spec(config.model)
+        self.spec = s = load_spec(config.model, config.max_model_len)
         # The check `noria serve` makes too; here before joining the other ranks.
         problem = tensor_parallel_error(ShardedShapes(s.num_heads, s.num_kv_heads, s.intermediate_size), tp_size)
         if problem:

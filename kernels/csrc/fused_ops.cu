@@ -98,19 +98,22 @@ __global__ void __launch_bounds__(1024) fused_add_rms_norm(
 // place, and the KV-cache write of the rotated k and of v (reshape_and_cache's contract: a
 // negative slot is not stored). One CTA per token.
 // qkv: token t's row at qkv + t * qkv_stride: num_heads q heads, num_kv_heads k heads,
-// num_kv_heads v heads, head_dim elements each. cos / sin: token t's head_dim / 2 values at
-// t * cs_stride. k/v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+// num_kv_heads v heads, head_dim elements each. cos / sin: token t's rot_half values at
+// t * cs_stride. The first 2 * rot_half dims of a head rotate (rot_half < head_dim / 2:
+// partial rotary, Phi-3); the dims after them pass through, and k's are cached as they are.
+// k/v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
 template <typename T, typename SlotT>
 __global__ void __launch_bounds__(256) rotary_qkv_cache(
     T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin,
     T* __restrict__ k_cache, T* __restrict__ v_cache, const SlotT* __restrict__ slot_mapping,
-    long long qkv_stride, long long cs_stride, int num_heads, int num_kv_heads, int head_dim) {
+    long long qkv_stride, long long cs_stride, int num_heads, int num_kv_heads, int head_dim,
+    int rot_half) {
   const long long token = blockIdx.x;
   T* row = qkv + token * qkv_stride;
   const T* c = cos + token * cs_stride;
   const T* s = sin + token * cs_stride;
   const long long slot = static_cast<long long>(slot_mapping[token]);
-  const int half = head_dim / 2;
+  const int half = rot_half;
   const int kv_elems = num_kv_heads * head_dim;
   const int pairs = (num_heads + num_kv_heads) * half;
   for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
@@ -131,6 +134,12 @@ __global__ void __launch_bounds__(256) rotary_qkv_cache(
     }
   }
   if (slot < 0) return;  // after the rotation: q and k are rotated for every token
+  const int rot = 2 * half, pass = head_dim - rot;
+  const T* k = row + num_heads * head_dim;
+  for (int e = threadIdx.x; e < num_kv_heads * pass; e += blockDim.x) {
+    const int off = (e / pass) * head_dim + rot + e % pass;  // k's dims past the rotary ones
+    k_cache[slot * kv_elems + off] = k[off];
+  }
   const T* v = row + (num_heads + num_kv_heads) * head_dim;
   T* dst = v_cache + slot * kv_elems;
   for (int e = threadIdx.x; e < kv_elems; e += blockDim.x) dst[e] = v[e];

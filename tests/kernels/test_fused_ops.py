@@ -174,3 +174,56 @@ def test_rotary_rounds_as_apply_rope(emu: Any, dtype: str) -> None:
     slots = torch.full((9,), -1, dtype=torch.int64)
     q, k, _ = fused_ops.rotary_qkv_cache(qkv, cos, sin, cache, cache.clone(), slots, heads, backend=emu("forward"))
     assert same_bits(q.contiguous(), exp_q) and same_bits(k.contiguous(), exp_k)
+
+
+def _rotary_partial_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Float64 neox rotary of the first 2 * cos.shape[-1] dims of each head; the rest as they are."""
+    rot = 2 * cos.shape[-1]
+    rotated = reference.rotary_neox(x[..., :rot].contiguous(), cos, sin)
+    return torch.cat((rotated, x[..., rot:].double()), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(4, 2, 64, 16), (3, 1, 96, 24)], ids=["h4kv2d64r32", "h3kv1d96r48"])
+@schedules
+def test_rotary_partial_with_scaled_table(emu: Any, schedule: str, case: tuple[int, int, int, int],
+                                          dtype: str) -> None:
+    """Partial rotary (Phi-3's partial_rotary_factor): cos / sin hold rot / 2 < head_dim / 2
+    values per token, from a yarn table whose attention factor scales them; only the first rot
+    dims of each head turn, the rest of q and k stay bit for bit, and the cache holds all of k."""
+    from noria.worker.models.layers import RotaryEmbedding, apply_rope
+    from noria.worker.models.spec import RopeSpec
+
+    heads, kv_heads, head_dim, rot_half = case
+    tokens, bs, num_blocks = 10, 8, 4
+    t = TORCH_DTYPES[dtype]
+    rope = RopeSpec(theta=10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=256,
+                    partial_rotary_factor=2 * rot_half / head_dim, max_position_embeddings=1024)
+    rotary = RotaryEmbedding(rope, head_dim)
+    assert rotary.rotary_dim == 2 * rot_half and rotary.attention_factor > 1.0
+    g = torch.Generator().manual_seed(head_dim)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=g).to(t)
+    cos, sin = rotary.cos_sin(torch.randint(0, 1000, (tokens,), generator=g), t)
+    slots = torch.randperm(num_blocks * bs, generator=g)[:tokens]
+    slots[1::3] = -1
+    k_cache = torch.full((num_blocks, bs, kv_heads, head_dim), float("nan"), dtype=t)
+    v_cache = k_cache.clone()
+    before = qkv.clone()
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    q_in = before[:, :q_size].view(tokens, heads, head_dim)
+    k_in = before[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+    q, k, v = fused_ops.rotary_qkv_cache(qkv, cos, sin, k_cache, v_cache, slots, heads, backend=emu(schedule))
+    c2, s2 = cos[:, 0], sin[:, 0]
+    assert_matches(q, _rotary_partial_ref(q_in, c2, s2), dtype)
+    assert_matches(k, _rotary_partial_ref(k_in, c2, s2), dtype)
+    rot = 2 * rot_half
+    assert same_bits(q[..., rot:].contiguous(), q_in[..., rot:].contiguous())
+    assert same_bits(k[..., rot:].contiguous(), k_in[..., rot:].contiguous())
+    # Bit for bit the worker's torch path on the same table.
+    assert same_bits(q.contiguous(), apply_rope(q_in, cos, sin))
+    assert same_bits(k.contiguous(), apply_rope(k_in, cos, sin))
+    expected_k = torch.full_like(k_cache, float("nan"))
+    expected_v = expected_k.clone()
+    reference.reshape_and_cache(k, v, expected_k, expected_v, slots)
+    assert same_bits(k_cache, expected_k) and same_bits(v_cache, expected_v)

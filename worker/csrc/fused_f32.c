@@ -177,3 +177,25 @@ int64_t argmax_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int64_t
     }
     return bad;
 }
+
+/* rope_split for partial rotary (Phi-3): only the first R dims of each q and k head rotate,
+ * pairs (x[i], x[i + R/2]) with cos, sin [T, R/2]; dims R..D of each head are copied as they are. */
+void rope_split_partial(const float *qkv, int64_t ld, const float *cos, const float *sin, float *q, float *k,
+                        float *v, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R, int num_threads) {
+    const int64_t half = R / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = qkv + t * ld, *c = cos + t * half, *s = sin + t * half;
+        for (int64_t head = 0; head < H + KVH; head++) {
+            const float *x = row + head * D;
+            float *o = head < H ? q + (t * H + head) * D : k + (t * KVH + head - H) * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                o[i] = x1 * c[i] - x2 * s[i];
+                o[i + half] = x2 * c[i] + x1 * s[i];
+            }
+            memcpy(o + R, x + R, sizeof(float) * (size_t)(D - R));
+        }
+        memcpy(v + t * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
+    }
+}

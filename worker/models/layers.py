@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 
 from noria.worker import fused_kernels, gemm_kernels
 from noria.worker.gemm_kernels import PackedWeight
+from noria.worker.models.rope import rope_frequencies
 from noria.worker.models.spec import RopeSpec
 
 
@@ -46,51 +46,42 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies for `head_dim`, with the checkpoint's scaling applied."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        return _llama3_scale(inv_freq, rope)
-    return inv_freq
-
-
-def _llama3_scale(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and
-    # the band in between is blended linearly in 1/wavelength.
-    old_len = rope.original_max_position_embeddings
-    low_freq_wavelen = old_len / rope.low_freq_factor
-    high_freq_wavelen = old_len / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, blended, scaled)
+    """Inverse frequencies of the rotated dims, with the checkpoint's scaling applied."""
+    return rope_frequencies(rope, head_dim)[0]
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate halves), cos/sin computed per position each step.
 
-    Computing from positions (T x head_dim/2 multiplies) is cheaper than keeping
-    a max_position-long table and gives bit-identical values to transformers.
+    Computing from positions (T x rotary_dim/2 multiplies) is cheaper than keeping
+    a max_position-long table and gives bit-identical values to transformers. The
+    rope type lives in `inv_freq` and `attention_factor` (worker/models/rope.py),
+    both fixed at load; every rotary path reads the same cos/sin rows.
     """
 
     def __init__(self, rope: RopeSpec, head_dim: int) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
+        inv_freq, self.attention_factor = rope_frequencies(rope, head_dim)
+        self.rotary_dim = 2 * inv_freq.shape[0]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        # [T, 1, head_dim/2]: broadcasts over heads.
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:  # scaled in float32 before the cast, as transformers does
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        # [T, 1, rotary_dim/2]: broadcasts over heads.
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x: [T, heads, head_dim]; cos, sin: [T, 1, rotary_dim/2]. Dims past rotary_dim pass through."""
+    rot = 2 * cos.shape[-1]
+    if rot == x.shape[-1]:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2, rest = x[..., : rot // 2], x[..., rot // 2 : rot], x[..., rot:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 def silu_and_mul(gate_up: torch.Tensor, fused: Any = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ rows / hidden of the weight's bytes.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -267,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         filled: set[tuple[str, int | None]] = set()
-        for name, tensor in weights:
+        for name, tensor in self._split_fused(weights):
             target = self._target(name)
             if target is None:
                 continue
@@ -287,6 +287,28 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
+
+    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: cut them into
+        the per-projection tensors the other families store, so that one mapping (and its
+        tensor-parallel slicing) serves every family."""
+        d, s = self.spec.head_dim, self.spec
+        q, kv = s.num_heads * d, s.num_kv_heads * d
+        splits = (("self_attn.qkv_proj.", ("q_proj.", "k_proj.", "v_proj."), (q, kv, kv)),
+                  ("mlp.gate_up_proj.", ("gate_proj.", "up_proj."), (s.intermediate_size, s.intermediate_size)))
+        for name, tensor in weights:
+            for fused, parts, sizes in splits:
+                head, sep, tail = name.rpartition(fused)
+                if sep and tail in ("weight", "bias"):
+                    if tensor.shape[0] != sum(sizes):
+                        raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, expected "
+                                         f"{sum(sizes)} ({' + '.join(map(str, sizes))})")
+                    prefix = head + fused.split(".")[0] + "."
+                    yield from ((prefix + part + tail, chunk)
+                                for part, chunk in zip(parts, tensor.split(sizes), strict=True))
+                    break
+            else:
+                yield name, tensor
 
     def _target(self, name: str) -> tuple[str, int | None] | None:
         if "rotary_emb.inv_freq" in name:

@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 _BY_MODEL_TYPE = {
@@ -24,19 +25,39 @@ _BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
 @dataclass(frozen=True)
 class RopeSpec:
+    """A checkpoint's rotary embedding, as config.json gives it (worker/models/rope.py turns it into numbers).
+
+    `factor` is resolved here: yarn and longrope without one take
+    max_position_embeddings / original_max_position_embeddings, as transformers does."""
+
     theta: float
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # Rotary on the first int(head_dim * partial_rotary_factor) dims of each head (Phi-3); the rest pass through.
+    partial_rotary_factor: float = 1.0
+    attention_factor: float | None = None  # yarn / longrope: cos and sin scale; None = derived from factor
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    max_position_embeddings: int = 2048
+    # The engine's context length (--max-model-len): longrope takes its long factors when
+    # it exceeds original_max_position_embeddings (fixed at start-up, as vLLM does).
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +82,7 @@ class ModelSpec:
     checkpoint_dtype: torch.dtype | None
 
 
-def _rope_spec(cfg: Any) -> RopeSpec:
+def _rope_spec(cfg: Any, max_model_len: int | None = None) -> RopeSpec:
     # transformers >= 5 folds theta and scaling into `rope_parameters`; older
     # versions keep `rope_theta` and an optional `rope_scaling` dict.
     params = dict(getattr(cfg, "rope_parameters", None) or {})
@@ -70,21 +91,50 @@ def _rope_spec(cfg: Any) -> RopeSpec:
         params = {**scaling, **params}
     theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "su":  # Phi-3's first checkpoints named longrope so
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
+    max_pos = int(getattr(cfg, "max_position_embeddings", None) or 2048)
+    # Phi-3 keeps its pretraining length beside the rope dict, and transformers prefers it there.
+    outer = getattr(cfg, "original_max_position_embeddings", None)
+    original = int(outer if outer and rope_type in ("llama3", "yarn", "longrope")
+                   else params.get("original_max_position_embeddings") or max_pos)
+    partial = float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
+    if not 0.0 < partial <= 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is outside (0, 1]")
+    factor = params.get("factor")
+    if factor is None:
+        if rope_type in ("linear", "dynamic"):
+            raise ValueError(f"rope type {rope_type!r} needs a scaling factor in rope_scaling")
+        factor = max_pos / original if rope_type in ("yarn", "longrope") else 1.0
+    if rope_type == "longrope" and not (params.get("short_factor") and params.get("long_factor")):
+        raise ValueError("rope type 'longrope' needs short_factor and long_factor in rope_scaling")
+
+    def optional(key: str) -> float | None:
+        value = params.get(key)
+        return None if value is None else float(value)
+
     return RopeSpec(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", getattr(cfg, "max_position_embeddings", 8192))
-        ),
+        original_max_position_embeddings=original,
+        partial_rotary_factor=partial,
+        attention_factor=optional("attention_factor"),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+        short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
+        max_position_embeddings=max_pos,
+        max_model_len=max_model_len,
     )
 
 
@@ -95,7 +145,7 @@ def _sliding_windows(cfg: Any, arch: str, num_layers: int) -> tuple[int | None, 
         return (None,) * num_layers
     if layer_types is not None:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # transformers windows every layer of both
         return (window,) * num_layers
     if getattr(cfg, "use_sliding_window", False):
         first = int(getattr(cfg, "max_window_layers", num_layers))
@@ -111,8 +161,10 @@ def _checkpoint_dtype(cfg: Any) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) else None
 
 
-def model_spec(cfg: Any) -> ModelSpec:
-    """Build a ModelSpec from a transformers config, or raise ValueError naming what is unsupported."""
+def model_spec(cfg: Any, max_model_len: int | None = None) -> ModelSpec:
+    """Build a ModelSpec from a transformers config, or raise ValueError naming what is unsupported.
+
+    `max_model_len`: the engine's context length where one is set (longrope picks its factors by it)."""
     archs = list(getattr(cfg, "architectures", None) or [])
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if not archs:  # configs built in code (not from a checkpoint) may lack `architectures`
@@ -139,6 +191,7 @@ def model_spec(cfg: Any) -> ModelSpec:
         "MistralForCausalLM": (False, False),
         "Qwen2ForCausalLM": (True, False),
         "Qwen3ForCausalLM": (attention_bias, attention_bias),
+        "Phi3ForCausalLM": (False, False),
     }[arch]
     return ModelSpec(
         architecture=arch,
@@ -156,7 +209,7 @@ def model_spec(cfg: Any) -> ModelSpec:
         o_bias=o_bias,
         mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(cfg, "mlp_bias", False)),
         qk_norm=arch == "Qwen3ForCausalLM",
-        rope=_rope_spec(cfg),
+        rope=_rope_spec(cfg, max_model_len),
         sliding_windows=_sliding_windows(cfg, arch, num_layers),
         checkpoint_dtype=_checkpoint_dtype(cfg),
     )
