@@ -65,6 +65,34 @@ def test_rope_split_is_bit_for_bit_apply_rope(rows: int, heads: int, kv_heads: i
     torch.testing.assert_close(q.double(), torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 13, 65])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(16, 8, 128), (8, 1, 64), (4, 4, 128), (3, 1, 6)])
+def test_qk_norm_rope_split_is_the_norm_then_the_rotary(rows: int, heads: int, kv_heads: int,
+                                                        head_dim: int) -> None:
+    """Qwen3's per-head q/k RMSNorm before the rotary: bit for bit the row norm kernel over each
+    head followed by apply_rope, and within float32 rounding of float64 arithmetic."""
+    torch.manual_seed(rows + heads * 7 + head_dim)
+    rotary = RotaryEmbedding(RopeSpec(theta=1000000.0), head_dim)
+    cos, sin = rotary.cos_sin(torch.randint(0, 4000, (rows,)), torch.float32)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(rows, width + 3)[:, :width] * 4
+    q_w, k_w = torch.randn(head_dim), torch.randn(head_dim)
+    eps = 1e-6
+    q, k, v = fused_kernels.qk_norm_rope_split(qkv, cos, sin, heads, kv_heads, head_dim, q_w, k_w, eps)
+    q_ref, k_ref, v_ref = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    for got, ref, n, w in ((q, q_ref, heads, q_w), (k, k_ref, kv_heads, k_w)):
+        normed, _ = fused_kernels.add_rms_norm(ref.reshape(rows * n, head_dim).clone(), None, w, eps)
+        assert torch.equal(got, apply_rope(normed.view(rows, n, head_dim), cos, sin))
+        x = ref.reshape(rows, n, head_dim).double()
+        x = w.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        x1, x2 = x.chunk(2, dim=-1)
+        c, s = cos.double(), sin.double()
+        want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v, v_ref.reshape(rows, kv_heads, head_dim))
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+
+
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (1, 32000), (3, 7), (9, 1001), (40, 32000)])
 def test_argmax_rows_is_torch_argmax(rows: int, vocab: int) -> None:
     torch.manual_seed(rows + vocab)

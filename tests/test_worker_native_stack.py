@@ -8,15 +8,21 @@ Greedy parity with transformers through the same code is tests/test_worker_parit
 
 from __future__ import annotations
 
+import dataclasses
+import platform
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from noria.bench.ceiling import _metadata
 from noria.protocol.config import EngineConfig
-from noria.worker import native_stack
+from noria.worker import cpu_kernels, fused_kernels, gemm_kernels, native_stack
 from noria.worker.model_runner import ModelRunner
+from noria.worker.models.layers import RMSNorm, RotaryEmbedding
+from noria.worker.models.llama import MLP
 from tests.tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.skipif(native_stack.load() is None, reason="no C compiler for the native kernels")
@@ -65,22 +71,163 @@ def _forward(runner: ModelRunner, step: tuple[list[int], list[int]], native: boo
     return torch.cat([hidden.flatten(), written.flatten()]), bool(ran)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # plain; sliding window; q/k/v biases
-def test_native_stack_is_bit_identical_to_the_python_path(arch: str, tmp_path: Path) -> None:
-    runner = _runner(make_checkpoint(arch, tmp_path / arch, tied=arch == "llama"))
+# Checkpoint options per case: plain (tied embeddings); sliding window; q/k/v biases; Qwen3's
+# per-head q/k norm with head_dim 32 (not hidden / heads), 64 (GQA groups of 8, tied) and 128
+# (no GQA, sliding windows on all layers but the first, as max_window_layers puts them).
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {"tied": True}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen3, head_dim 64, GQA 8:1, tied": ("qwen3", {"tied": True, "head_dim": 64, "num_attention_heads": 8,
+                                                    "num_key_value_heads": 1}),
+    "qwen3, head_dim 128, windows": ("qwen3", {"head_dim": 128, "num_key_value_heads": 4, "num_hidden_layers": 3,
+                                               "use_sliding_window": True, "sliding_window": 48,
+                                               "max_window_layers": 1}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_native_stack_is_bit_identical_to_the_python_path(case: str, tmp_path: Path) -> None:
+    arch, options = CASES[case]
+    runner = _runner(make_checkpoint(arch, tmp_path / arch, **options))
+    assert native_stack.coverage(runner.model, runner._kv_layers) == [None] * len(runner.model.layers)
     for name, step in STEPS.items():
         python, _ = _forward(runner, step, native=False)
         native, ran = _forward(runner, step, native=True)
         assert ran == (name != "long prompt"), name
-        assert torch.equal(python, native), f"{arch}, {name}: hidden states or written K/V differ"
+        assert torch.equal(python, native), f"{case}, {name}: hidden states or written K/V differ"
 
 
-def test_models_outside_its_kernels_keep_the_python_path(tmp_path: Path) -> None:
-    # Qwen3's per-head q/k norm has no place in the driver.
-    runner = _runner(make_checkpoint("qwen3", tmp_path / "qwen3"))
-    assert not native_stack.NativeStack.applies(runner.model, runner._kv_layers)
-    _, ran = _forward(runner, STEPS["decode"], native=True)
-    assert not ran
+def test_qwen3_runs_on_the_driver(tmp_path: Path) -> None:
+    """Every layer of a Qwen3 decode step goes through the driver, counted by the stack itself."""
+    runner = _runner(make_checkpoint("qwen3", tmp_path / "qwen3", num_hidden_layers=3))
+    _forward(runner, STEPS["decode"], native=True)
+    _forward(runner, STEPS["long prompt"], native=True)  # SDPA: the Python path, not counted
+    stack = runner.model._stack
+    assert stack is not None and stack.segments == [(0, 3, True)] and stack.layer_runs == 3
+
+
+def test_declined_layers_run_in_python_between_the_drivers_runs(tmp_path: Path) -> None:
+    runner = _runner(make_checkpoint("qwen3", tmp_path / "qwen3", num_hidden_layers=4))
+    runner.model.layers[1].mlp.gate_up_packed = None  # F.linear for this one: outside the driver
+    runner.model._stack_key = None
+    reasons = native_stack.coverage(runner.model, runner._kv_layers)
+    assert reasons == [None, "gate_up not packed for the native GEMM", None, None]
+    assert native_stack.describe(reasons) == ("native CPU stack: on for layers 0, 2-3; "
+                                              "off for layer 1 (gate_up not packed for the native GEMM)")
+    for name, step in STEPS.items():
+        python, _ = _forward(runner, step, native=False)
+        native, ran = _forward(runner, step, native=True)
+        assert ran == (name != "long prompt"), name
+        assert torch.equal(python, native), f"{name}: hidden states or written K/V differ"
+    stack = runner.model._stack
+    assert stack is not None and stack.segments == [(0, 1, True), (1, 2, False), (2, 4, True)]
+    assert stack.layer_runs == 3 * 3  # three steps on the driver, three of the four layers each
+
+
+def test_the_avx2_builds_run_qwen3_bit_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kernel the driver calls built for AVX2 (x86-64-v3: 8-float vectors, where an AVX-512
+    host's -march=native build has 16), the driver on them against the Python path on them."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX2 is an x86 instruction set")
+    modules = (gemm_kernels, fused_kernels, cpu_kernels)
+    for module in modules:
+        flags = ["-march=x86-64-v3" if f == "-march=native" else f for f in module._FLAGS]
+        monkeypatch.setattr(module, "_FLAGS", flags)
+    loads = (*(m.load for m in modules), native_stack.load)
+    for load in loads:
+        load.cache_clear()
+    try:
+        if native_stack.load() is None:
+            pytest.skip("no compiler for the AVX2 builds")
+        runner = _runner(make_checkpoint("qwen3", tmp_path / "qwen3", tied=True, head_dim=128))
+        for name, step in STEPS.items():
+            python, _ = _forward(runner, step, native=False)
+            native, ran = _forward(runner, step, native=True)
+            assert ran == (name != "long prompt"), name
+            assert torch.equal(python, native), f"{name}: hidden states or written K/V differ"
+    finally:
+        monkeypatch.undo()
+        for load in loads:
+            load.cache_clear()
+
+
+class _ExpertsMLP(MLP):
+    """Stands for a layer kind the driver does not know (a mixture of experts, GeGLU...)."""
+
+
+def _coverage(runner: ModelRunner) -> list[str | None]:
+    return native_stack.coverage(runner.model, runner._kv_layers)
+
+
+def test_structure_outside_the_drivers_is_declined_with_its_name(tmp_path: Path) -> None:
+    """Whatever the driver does not run is named in the layer's reason, not run wrong: other module
+    classes, parameters or attributes it does not know, LayerAttention and ModelSpec fields away
+    from their defaults, rotary over part of the head."""
+    runner = _runner(make_checkpoint("qwen3", tmp_path / "qwen3", num_hidden_layers=3))
+    model = runner.model
+    assert _coverage(runner) == [None, None, None]
+
+    mlp = model.layers[0].mlp
+    model.layers[0].mlp = _ExpertsMLP.__new__(_ExpertsMLP)
+    model.layers[0].mlp.__dict__.update(mlp.__dict__)
+    model.layers[1].pre_feedforward_layernorm = RMSNorm(model.spec.hidden_size, 1e-6)
+    attn = model.layers[2].self_attn.attn
+    model.layers[2].self_attn.attn = dataclasses.replace(attn, logits_soft_cap=50.0)
+    assert _coverage(runner) == ["mlp is _ExpertsMLP",
+                                 "parameters outside its structure: pre_feedforward_layernorm.weight",
+                                 "LayerAttention.logits_soft_cap=50.0"]
+    model.layers[0].mlp = mlp
+    del model.layers[1].pre_feedforward_layernorm
+    model.layers[2].self_attn.attn = attn
+
+    # An attribute a layer kind adds: declined when it is switched on, not when it is off.
+    for value, want in ((None, None), (0.0, None), (30.0, "self_attn.soft_cap=30.0")):
+        model.layers[1].self_attn.soft_cap = value
+        assert _coverage(runner)[1] == want
+    del model.layers[1].self_attn.soft_cap
+
+    # A ModelSpec field the driver does not know: fine at its default, the whole model declined off it.
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(model.spec)]
+    grown = dataclasses.make_dataclass("ModelSpec", [*fields, ("final_logit_softcap", float | None, None)],
+                                       frozen=True)
+    spec = model.spec
+    model.spec = grown(**dataclasses.asdict(spec) | {"rope": spec.rope})
+    assert _coverage(runner) == [None, None, None]
+    model.spec = grown(**dataclasses.asdict(spec) | {"rope": spec.rope, "final_logit_softcap": 30.0})
+    assert _coverage(runner) == ["ModelSpec.final_logit_softcap=30.0"] * 3
+    model.spec = spec
+
+    rotary = model.rotary
+    model.rotary = RotaryEmbedding(spec.rope, spec.head_dim // 2)  # rotary on the first half of each head
+    assert _coverage(runner) == [f"rotary on {spec.head_dim // 2} of {spec.head_dim} dims per head"] * 3
+    model.rotary = rotary
+    assert _coverage(runner) == [None, None, None]
+
+
+def test_the_start_up_line_says_which_layers_and_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    path = make_checkpoint("qwen3", tmp_path / "qwen3")
+
+    def lines() -> list[str]:
+        found = [r.getMessage() for r in caplog.records if r.getMessage().startswith("native CPU stack: ")]
+        caplog.clear()
+        return found
+
+    with caplog.at_level("INFO", logger="noria.worker"):
+        _runner(path)
+        assert lines() == ["native CPU stack: on for all 2 layers"]
+        monkeypatch.setenv("NORIA_DISABLE_CPU_STACK", "1")
+        native_stack.load.cache_clear()
+        try:
+            runner = _runner(path)
+            assert lines() == ["native CPU stack: off (NORIA_DISABLE_CPU_STACK=1)"]
+            _, ran = _forward(runner, STEPS["decode"], native=True)
+            assert not ran
+        finally:
+            monkeypatch.delenv("NORIA_DISABLE_CPU_STACK")
+            native_stack.load.cache_clear()
 
 
 def test_scratch_buffers_grow_and_are_reused(tmp_path: Path) -> None:
@@ -91,3 +238,45 @@ def test_scratch_buffers_grow_and_are_reused(tmp_path: Path) -> None:
         assert ran and torch.equal(python, native)
     stack = runner.model._stack
     assert stack is not None and stack._capacity >= sum(STEPS["prompts as rows"][0])
+
+
+def test_qwen3_through_the_engine_is_the_same_with_the_stack_on_and_off(
+        tmp_path: Path, demo_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real processes: a Qwen3 checkpoint (head_dim 64, GQA, tied embeddings) gives the same greedy
+    tokens and the same logprobs, bit for bit, with the native stack on and with
+    NORIA_DISABLE_CPU_STACK=1; both are transformers' greedy continuation, logprobs within float32
+    rounding of transformers' (teacher-forced)."""
+    from transformers import AutoModelForCausalLM
+
+    from noria import LLM, SamplingParams
+
+    path = make_checkpoint("qwen3", tmp_path / "qwen3", tied=True, head_dim=64, num_attention_heads=8,
+                           num_key_value_heads=2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (demo_path / name).exists():
+            shutil.copy(demo_path / name, path / name)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (3, 20, 45, 70)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+
+    def generate() -> list[tuple[list[int], object]]:
+        with LLM(str(path), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64,
+                 block_size=16) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    on = generate()
+    monkeypatch.setenv("NORIA_DISABLE_CPU_STACK", "1")
+    off = generate()
+    assert on == off
+
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for prompt, (tokens, logprobs) in zip(prompts, on, strict=True):
+        with torch.inference_mode():
+            want = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+            logits = reference(torch.tensor([prompt + tokens])).logits[0]
+        assert tokens == want.tolist()
+        start = len(prompt) - 1
+        ref = torch.log_softmax(logits, -1)[start : start + len(tokens)]
+        got = torch.tensor([lp.logprob for lp in logprobs])  # type: ignore[attr-defined]
+        torch.testing.assert_close(got, ref[torch.arange(len(tokens)), torch.tensor(tokens)], rtol=0, atol=1e-4)

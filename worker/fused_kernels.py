@@ -1,7 +1,8 @@
 """Fused elementwise steps for the CPU layers (worker/csrc/fused_f32.c): RMSNorm with
-the residual add, rotary with the q/k/v split, SiLU-and-mul, and the greedy argmax. `load()` is None where no C
-compiler works or worker/cpu_ops.py puts the fused family on torch; the layers then run
-the same steps as torch operators."""
+the residual add, rotary with the q/k/v split (and Qwen3's per-head q/k norm before it),
+SiLU-and-mul, and the greedy argmax. `load()` is None where no C compiler works or
+worker/cpu_ops.py puts the fused family on torch; the layers then run the same steps as
+torch operators."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def load() -> ctypes.CDLL | None:
     dll.rope_split_partial.argtypes = [_F32P, _I64, _F32P, _F32P, _F32P, _F32P, _F32P, _I64, _I64, _I64, _I64, _I64,
                                        ctypes.c_int]
     dll.rope_split_partial.restype = None
+    dll.qk_norm_rope_split.argtypes = [_F32P, _I64, _F32P, _F32P, _F32P, _F32P, ctypes.c_float, _F32P, _F32P, _F32P,
+                                       _I64, _I64, _I64, _I64, ctypes.c_int]
+    dll.qk_norm_rope_split.restype = None
     dll.argmax_rows.argtypes = [_F32P, _I64, _I64, _I64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
     dll.argmax_rows.restype = _I64
     dll.silu_mul.argtypes = [_F32P, _I64, _F32P, _I64, _I64, ctypes.c_int]
@@ -85,6 +89,23 @@ def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
     else:
         dll.rope_split_partial(_ptr(qkv), qkv.stride(0), _ptr(cos), _ptr(sin), _ptr(q), _ptr(k), _ptr(v), t, heads,
                                kv_heads, head_dim, rot, torch.get_num_threads())
+    return q, k, v
+
+
+def qk_norm_rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                       head_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rope_split with Qwen3's per-head RMSNorm (weights [D], float32, contiguous) applied to
+    each q and k head before the rotary: the norm, the rotary and the split in one pass."""
+    dll = load()
+    assert dll is not None and qkv.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    assert q_weight.is_contiguous() and k_weight.is_contiguous()
+    t = qkv.shape[0]
+    q = torch.empty(t, heads, head_dim, dtype=torch.float32)
+    k = torch.empty(t, kv_heads, head_dim, dtype=torch.float32)
+    v = torch.empty(t, kv_heads, head_dim, dtype=torch.float32)
+    dll.qk_norm_rope_split(_ptr(qkv), qkv.stride(0), _ptr(cos), _ptr(sin), _ptr(q_weight), _ptr(k_weight), eps,
+                           _ptr(q), _ptr(k), _ptr(v), t, heads, kv_heads, head_dim, torch.get_num_threads())
     return q, k, v
 
 

@@ -29,6 +29,7 @@ from noria.protocol.config import EngineConfig
 from noria.protocol.model_shapes import ShardedShapes, tensor_parallel_error
 from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
+from noria.worker import native_stack
 from noria.worker.attention import AttentionMetadata
 from noria.worker.attention_select import attention_layers, select_attention_backend
 from noria.worker.block_table import BlockTables
@@ -167,6 +168,9 @@ class ModelRunner:
         self.block_tables = BlockTables(max_blocks, self.kv_cache.null_block)
         if self.tp.first:
             log.info(capacity_line(self.num_kv_blocks, self.block_size, self.max_model_len))
+        if self.device.type == "cpu" and self.tp.first:
+            # Which layers the native CPU stack runs, and why the others not (the Python path).
+            log.info("%s", native_stack.describe(native_stack.coverage(self.model, self._kv_layers)))
         # After the KV cache, which the graphs address.
         if self._graphs_wanted():
             self.graphs = DecodeGraphs(self.decode_buffers, self.graph_sizes)

@@ -3,16 +3,19 @@
 The C driver calls the same kernels as the modules' Python path, in the same
 order, on the same inputs, so its output is bit for bit theirs; what it removes
 is the Python between them (wrappers, ctypes conversions, a tensor per result).
-It applies where every layer runs on those kernels: float32 on the CPU, one
-rank, packed native GEMM weights, no per-head q/k norm, and a step whose
-attention is one call of the paged kernel per layer (decode rows, or short
-prompts as rows: `TorchAttentionBackend.paged_rows`). Anything else keeps the
-Python path. worker/cpu_ops.py decides whether it is on (NORIA_DISABLE_CPU_STACK=1: off).
+It runs the layers built exactly as the Llama family's (Qwen3's per-head q/k norm
+included) on those kernels: float32 on the CPU, one rank, packed native GEMM
+weights, and a step whose attention is one call of the paged kernel per layer
+(decode rows, or short prompts as rows: `TorchAttentionBackend.paged_rows`).
+`coverage` says, per layer, why not where it does not; those layers run in Python
+between the driver's runs of the others, and the worker logs `describe`'s line at
+start-up. worker/cpu_ops.py decides whether it is on (NORIA_DISABLE_CPU_STACK=1: off).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,13 +36,13 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [("gemm", _P), ("norm", _P), ("rope", _P), ("silu", _P), ("attn", _P)]
+    _fields_ = [("gemm", _P), ("norm", _P), ("rope", _P), ("silu", _P), ("attn", _P), ("qk_rope", _P)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down",
                                         "down_bias", "input_norm", "post_norm", "k_cache", "v_cache")]
-    _fields_ += [("window", _I64)]
+    _fields_ += [("window", _I64), ("q_norm", _P), ("k_norm", _P)]
 
 
 class _Shape(ctypes.Structure):
@@ -51,7 +54,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("tokens", _I64), ("max_blocks", _I64)]
     _fields_ += [(name, _P) for name in ("cos", "sin", "tables", "lens", "slots", "normed", "qkv", "q", "k", "v",
                                          "attn", "gate_up", "act")]
-    _fields_ += [("num_threads", ctypes.c_int)]
+    _fields_ += [("num_threads", ctypes.c_int), ("residual", ctypes.c_int)]
 
 
 @cache
@@ -69,31 +72,41 @@ def load() -> tuple[ctypes.CDLL, _Kernels] | None:
         return ctypes.cast(fn, _P).value or 0
 
     kernels = _Kernels(addr(gemm.gemm_f32), addr(fused.add_rms_norm), addr(fused.rope_split),
-                       addr(fused.silu_mul), addr(attn.paged_decode_f32))
+                       addr(fused.silu_mul), addr(attn.paged_decode_f32), addr(fused.qk_norm_rope_split))
     return dll, kernels
 
 
 class NativeStack:
-    """One model's layers as the C driver sees them, for one set of KV caches."""
+    """One model's layers as the C driver sees them, for one set of KV caches.
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        first = model.layers[0]
-        self.dims = model_dims(model)
+    `segments` cuts the layers into runs, each all native or all Python (the layers
+    `coverage` declines, with the reason why), in order."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 reasons: list[str | None]) -> None:
+        first = model.layers[reasons.index(None)]
+        self.dims = _layer_dims(model, first)
         self.shape = _Shape(*self.dims, kv_caches[0][0].shape[1], first.input_layernorm.eps,
                             first.self_attn.attn.scale)
+        self.segments = _segments(reasons)
+        self.layer_runs = 0  # layers the driver ran, over this stack's life
         self._capacity, self._buffers = 0, []
         # Biases the driver reads: contiguous copies, kept alive here.
         self._keep: list[torch.Tensor] = []
         self.layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
+            if reasons[i] is not None:
+                continue  # zeros: never passed to the driver
             at, mlp = layer.self_attn, layer.mlp
             k_cache, v_cache = kv_caches[i]
+            q_norm, k_norm = (None, None) if at.q_norm is None else (at.q_norm.weight.data_ptr(),
+                                                                      at.k_norm.weight.data_ptr())
             self.layers[i] = _Layer(
                 _packed(at.qkv_packed), self._bias(at.qkv_bias), _packed(at.o_packed), self._bias(at.o_bias),
                 _packed(mlp.gate_up_packed), self._bias(mlp.gate_up_bias), _packed(mlp.down_packed),
                 self._bias(mlp.down_bias), layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                at.attn.sliding_window or 0)
+                at.attn.sliding_window or 0, q_norm, k_norm)
 
     def _scratch(self, tokens: int) -> list[torch.Tensor]:
         """Flat buffers for `tokens` rows (normed, qkv, q, k, v, attn, gate_up, act, other), kept
@@ -114,52 +127,233 @@ class NativeStack:
         self._keep.append(b)
         return b.data_ptr()
 
-    @staticmethod
-    def applies(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Whether every layer of `model` runs on the native kernels (fixed for its lifetime)."""
-        if model.tp.size != 1 or load() is None or not model.layers:
-            return False
-        for i, layer in enumerate(model.layers):
-            at, mlp = layer.self_attn, layer.mlp
-            k_cache, v_cache = kv_caches[i]
-            packed = (at.qkv_packed, at.o_packed, mlp.gate_up_packed, mlp.down_packed)
-            if at.q_norm is not None or not all(isinstance(p, PackedWeight) for p in packed):
-                return False
-            if not (k_cache.dtype == v_cache.dtype == torch.float32 and v_cache.is_contiguous()
-                    and cpu_kernels.fits(at.attn.num_heads, at.attn.head_dim, k_cache)):
-                return False
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if not all(w.dtype == torch.float32 and w.is_contiguous() for w in norms):
-                return False
-        return True
-
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-            rows: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last layer's output, residual stream) for the embedded tokens x [T, hidden]; x is overwritten."""
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+            meta: AttentionMetadata, rows: tuple[torch.Tensor, torch.Tensor], start: int,
+            end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers start..end-1 on the embedded tokens or the previous layer's output x [T, hidden]
+        (contiguous; overwritten) and the residual stream (None before layer 0): (the last
+        layer's output, the residual stream), as DecoderLayer.forward leaves them."""
         loaded = load()
         assert loaded is not None
         dll, kernels = loaded
+        x = x.contiguous()
         hidden, heads, kv_heads, head_dim, inter = self.dims
         t = x.shape[0]
         tables, lens = (r.contiguous() for r in rows)
         slots = meta.slot_mapping.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         buf = self._scratch(t)
-        step = _Step(t, tables.shape[1], cos.data_ptr(), sin.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                     slots.data_ptr(), *(b.data_ptr() for b in buf[:-1]), torch.get_num_threads())
         other = buf[-1][: t * hidden].view(t, hidden)
-        status = dll.decoder_stack(ctypes.byref(kernels), self.layers, len(self.layers), ctypes.byref(self.shape),
+        if residual is not None and residual.data_ptr() != other.data_ptr():
+            other.copy_(residual)  # the driver writes the new stream over it
+        step = _Step(t, tables.shape[1], cos.data_ptr(), sin.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                     slots.data_ptr(), *(b.data_ptr() for b in buf[:-1]), torch.get_num_threads(),
+                     int(residual is not None))
+        layers = ctypes.byref(self.layers, start * ctypes.sizeof(_Layer))
+        status = dll.decoder_stack(ctypes.byref(kernels), layers, end - start, ctypes.byref(self.shape),
                                    ctypes.byref(step), x.data_ptr(), other.data_ptr())
         if status != 0:
             raise MemoryError("decoder_stack: no memory for the attention kernel's task list")
+        self.layer_runs += end - start
         return x, other
 
 
-def model_dims(model: LlamaForCausalLM) -> tuple[int, int, int, int, int]:
-    """(hidden, heads, KV heads, head size, intermediate) of the model's decoder layers."""
-    first = model.layers[0]
-    a = first.self_attn.attn
-    return model.spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, first.mlp.gate_up_proj.shape[0] // 2
+# The structure the driver runs, and nothing else: a layer is native only if it is built
+# from exactly these classes, holds exactly these parameters, and every attribute,
+# LayerAttention field or ModelSpec field the driver does not know is switched off (its
+# dataclass default, or None / False / 0). A layer kind added to worker/models/ (experts,
+# extra norms, soft-capping, partial rotary) is declined by that rule, with its name in
+# the reason, until the driver learns it.
+_PARAMS = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
+           "input_layernorm.weight", "post_attention_layernorm.weight"}
+_OPTIONAL_PARAMS = {"self_attn.qkv_bias", "self_attn.o_bias", "mlp.gate_up_bias", "mlp.down_bias"}
+_QK_NORM_PARAMS = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+_ATTRS = {"DecoderLayer": {"training"},
+          "Attention": {"training", "layer_index", "tp", "q_size", "kv_size", "attn", "qkv_packed", "o_packed"},
+          "MLP": {"training", "tp", "gate_up_packed", "down_packed"},
+          "RMSNorm": {"training", "eps"}}
+_ATTENTION_FIELDS = {"num_heads", "num_kv_heads", "head_dim", "scale", "sliding_window"}
+# ModelSpec fields the layers' structure follows and the driver reads or handles (biases,
+# q/k norm, windows, sizes); `rope` through the cos / sin it is given, whose width is checked.
+_SPEC_FIELDS = {"architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+                "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "rope", "sliding_windows", "checkpoint_dtype"}
+
+
+def coverage(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[str | None]:
+    """Per layer, None where the driver runs it, else why not (fixed for the model's lifetime
+    with these caches)."""
+    from noria.worker import cpu_ops
+
+    layers = list(getattr(model, "layers", ()))
+    if not layers:
+        return []
+    why = None
+    if load() is None:
+        why = cpu_ops.paths()["stack"].removeprefix("torch (").removesuffix(")")  # its switch, or no compiler
+    why = why or _model_reason(model, kv_caches)
+    if why is not None:
+        return [why] * len(layers)
+    reasons = [_layer_reason(model, layer, kv_caches[i]) for i, layer in enumerate(layers)]
+    ref = next((i for i, r in enumerate(reasons) if r is None), None)
+    if ref is not None:
+        # The driver takes one shape for all its layers.
+        want = _shape_key(model, layers[ref])
+        reasons = [r if r is not None or _shape_key(model, layer) == want else f"shape differs from layer {ref}'s"
+                   for r, layer in zip(reasons, layers, strict=True)]
+    return reasons
+
+
+def describe(reasons: list[str | None]) -> str:
+    """The start-up line: "native CPU stack: on for layers 4-27; off for layers 0-3 (mlp is MoE), ..."."""
+    n = len(reasons)
+    if n and all(r is None for r in reasons):
+        return f"native CPU stack: on for all {n} layers"
+    if n and len(set(reasons)) == 1:
+        return f"native CPU stack: off ({reasons[0]})"
+    if not n:
+        return "native CPU stack: off (no decoder layers)"
+    on = [start for start, end, native in _segments(reasons) for start in range(start, end) if native]
+    off: dict[str, list[int]] = {}
+    for i, r in enumerate(reasons):
+        if r is not None:
+            off.setdefault(r, []).append(i)
+    text = "; ".join(f"{_layers(v)} ({k})" for k, v in off.items())
+    return f"native CPU stack: on for {_layers(on)}; off for {text}"
+
+
+def _layers(indices: list[int]) -> str:
+    return f"layer{'s' if len(indices) > 1 else ''} {_ranges(indices)}"
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out: list[str] = []
+    for i in indices:
+        if out and int(out[-1].split("-")[-1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def _segments(reasons: list[str | None]) -> list[tuple[int, int, bool]]:
+    """Maximal runs (start, end, native) of the layers."""
+    out: list[tuple[int, int, bool]] = []
+    for i, r in enumerate(reasons):
+        native = r is None
+        if out and out[-1][2] == native:
+            out[-1] = (out[-1][0], i + 1, native)
+        else:
+            out.append((i, i + 1, native))
+    return out
+
+
+def _switched_off(value: object) -> bool:
+    return value is None or value is False or (isinstance(value, (int, float)) and value == 0)
+
+
+def _unknown_fields(obj: object, known: set[str]) -> list[str]:
+    """`name=value` for each dataclass field of obj outside `known` that is not at its default."""
+    out = []
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        if f.name in known:
+            continue
+        value = getattr(obj, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+        if not (value == default if default is not dataclasses.MISSING else _switched_off(value)):
+            out.append(f"{type(obj).__name__}.{f.name}={value!r}")
+    return out
+
+
+def _model_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    from noria.worker.models.llama import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} has no native stack"
+    if model.tp.size != 1:
+        return f"tensor parallel over {model.tp.size} ranks"
+    w = model.embed_tokens
+    if w.dtype != torch.float32 or w.device.type != "cpu":
+        return f"{str(w.dtype).removeprefix('torch.')} on {w.device.type}: the driver is float32 on the CPU"
+    if len(kv_caches) != len(model.layers):
+        return "no KV cache per layer"
+    if model.spec.gemma is not None:
+        return ("Gemma layers: the driver has no (1 + w) norms around attention and MLP, GeGLU, "
+                "logit soft-capping or second rope")
+    unknown = _unknown_fields(model.spec, _SPEC_FIELDS)
+    if unknown:
+        return ", ".join(unknown)
+    # Rotary over the whole head: cos and sin as wide as half of it (no partial rotary).
+    cos, _ = model.rotary.cos_sin(torch.zeros(1, dtype=torch.long), torch.float32)
+    if cos.shape[-1] * 2 != model.spec.head_dim:
+        return f"rotary on {cos.shape[-1] * 2} of {model.spec.head_dim} dims per head"
+    return None
+
+
+def _layer_reason(model: LlamaForCausalLM, layer: torch.nn.Module,
+                  cache: tuple[torch.Tensor, torch.Tensor]) -> str | None:
+    from noria.worker.models.layers import RMSNorm
+    from noria.worker.models.llama import MLP, Attention, DecoderLayer
+
+    at, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    expected = ((layer, DecoderLayer, "layer"), (at, Attention, "self_attn"), (mlp, MLP, "mlp"),
+                (norms[0], RMSNorm, "input_layernorm"), (norms[1], RMSNorm, "post_attention_layernorm"))
+    for module, cls, name in expected:
+        if type(module) is not cls:
+            return f"{name} is {type(module).__name__}"
+    assert isinstance(at, Attention) and isinstance(mlp, MLP)
+    params = {name for name, _ in layer.named_parameters()}
+    qk_norm = at.q_norm is not None or at.k_norm is not None
+    allowed = _PARAMS | _OPTIONAL_PARAMS | (_QK_NORM_PARAMS if qk_norm else set())
+    extra = sorted(params - allowed)
+    if extra:
+        return f"parameters outside its structure: {', '.join(extra)}"
+    missing = sorted((_PARAMS | (_QK_NORM_PARAMS if qk_norm else set())) - params)
+    if missing:
+        return f"missing parameters: {', '.join(missing)}"
+    modules = [(layer, "layer"), (at, "self_attn"), (mlp, "mlp"), (norms[0], "input_layernorm"),
+               (norms[1], "post_attention_layernorm")]
+    if qk_norm:
+        for module, name in ((at.q_norm, "self_attn.q_norm"), (at.k_norm, "self_attn.k_norm")):
+            if type(module) is not RMSNorm:
+                return f"{name} is {type(module).__name__}"
+            modules.append((module, name))
+    for module, name in modules:
+        known = _ATTRS[type(module).__name__]
+        for attr, value in vars(module).items():
+            if not attr.startswith("_") and attr not in known and not _switched_off(value):
+                return f"{name}.{attr}={value!r}"
+    unknown = _unknown_fields(at.attn, _ATTENTION_FIELDS)
+    if unknown:
+        return ", ".join(unknown)
+    packed = {"qkv": at.qkv_packed, "o": at.o_packed, "gate_up": mlp.gate_up_packed, "down": mlp.down_packed}
+    unpacked = [name for name, p in packed.items() if not isinstance(p, PackedWeight)]
+    if unpacked:
+        return f"{', '.join(unpacked)} not packed for the native GEMM"
+    layer_norms = [n for n in (*norms, at.q_norm, at.k_norm) if isinstance(n, RMSNorm)]
+    if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in layer_norms):
+        return "norm weights not float32 and contiguous"
+    if len({n.eps for n in layer_norms}) != 1:
+        return "norms with different eps"
+    k_cache, v_cache = cache
+    if not (k_cache.dtype == v_cache.dtype == torch.float32 and v_cache.is_contiguous()
+            and cpu_kernels.fits(at.attn.num_heads, at.attn.head_dim, k_cache)):
+        return (f"the attention kernel does not take {at.attn.num_heads} heads of {at.attn.head_dim} over "
+                f"{at.attn.num_kv_heads} KV heads in a {str(k_cache.dtype).removeprefix('torch.')} cache")
+    return None
+
+
+def _shape_key(model: LlamaForCausalLM, layer: torch.nn.Module) -> tuple[object, ...]:
+    return (*_layer_dims(model, layer), layer.input_layernorm.eps, layer.self_attn.attn.scale)
+
+
+def _layer_dims(model: LlamaForCausalLM, layer: torch.nn.Module) -> tuple[int, int, int, int, int]:
+    """(hidden, heads, KV heads, head size, intermediate) of one decoder layer."""
+    a = layer.self_attn.attn
+    return model.spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, layer.mlp.gate_up_proj.shape[0] // 2
 
 
 def _packed(p: object) -> int | None:

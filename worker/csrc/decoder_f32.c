@@ -1,7 +1,8 @@
 /* A Llama-family decoder stack in one call, for the CPU torch backend.
  *
- * Per layer the Python path makes nine native calls (norm, qkv GEMM, rotary,
- * paged attention, o GEMM, norm, gate/up GEMM, SiLU-and-mul, down GEMM), and
+ * Per layer the Python path makes nine native calls (norm, qkv GEMM, rotary
+ * (with Qwen3's per-head q/k norm before it, in the same kernel), paged
+ * attention, o GEMM, norm, gate/up GEMM, SiLU-and-mul, down GEMM), and
  * between them runs the modules' Python: wrappers, argument conversion, one
  * fresh tensor per result. On W1's 18-row decode step of the "small" model that
  * glue takes ~4 ms of a ~50 ms step (a quarter of it inside the wrappers, the
@@ -14,7 +15,8 @@
  * reassociated), so they are reached through function pointers.
  *
  * Buffers: x [T, hidden] enters as the layer input, other [T, hidden] as the
- * residual stream (ignored for layer 0, which has none). Per layer
+ * residual stream (ignored when no layer ran before, as for layer 0). The layers
+ * passed may be a run of the model's: the caller runs the others in Python. Per layer
  *   x = x + other -> residual; normed; o_proj -> other; other += x -> residual;
  *   normed; down_proj -> x.
  * so on return x holds the last layer's output and other the residual stream,
@@ -28,6 +30,9 @@ typedef void (*norm_fn)(float *h, const float *residual, const float *weight, fl
                         float eps, int num_threads);
 typedef void (*rope_fn)(const float *qkv, int64_t ld, const float *cos, const float *sin, float *q, float *k,
                         float *v, int64_t T, int64_t H, int64_t KVH, int64_t D, int num_threads);
+typedef void (*qk_rope_fn)(const float *qkv, int64_t ld, const float *cos, const float *sin, const float *q_weight,
+                           const float *k_weight, float eps, float *q, float *k, float *v, int64_t T, int64_t H,
+                           int64_t KVH, int64_t D, int num_threads);
 typedef void (*silu_fn)(const float *gate_up, int64_t ld, float *out, int64_t T, int64_t n, int num_threads);
 typedef int (*attn_fn)(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
                        const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
@@ -41,6 +46,7 @@ typedef struct {
     rope_fn rope;
     silu_fn silu;
     attn_fn attn;
+    qk_rope_fn qk_rope;
 } Kernels;
 
 typedef struct { /* packed weights (see gemm_f32.c), biases or NULL, norm weights, this layer's caches */
@@ -48,6 +54,7 @@ typedef struct { /* packed weights (see gemm_f32.c), biases or NULL, norm weight
     const float *input_norm, *post_norm;
     float *k_cache, *v_cache;
     int64_t window; /* sliding window, 0 for none */
+    const float *q_norm, *k_norm; /* per-head q/k RMSNorm weights [head_dim] (Qwen3), or NULL */
 } Layer;
 
 typedef struct {
@@ -61,6 +68,7 @@ typedef struct {
     const int64_t *tables, *lens, *slots;      /* per token: block table row, keys seen, KV slot */
     float *normed, *qkv, *q, *k, *v, *attn, *gate_up, *act; /* scratch */
     int num_threads;
+    int residual; /* whether `other` holds a residual stream on entry (a layer ran before these) */
 } Step;
 
 /* Returns 0, or -1 when the attention kernel could not allocate (nothing after it computed). */
@@ -70,9 +78,13 @@ int decoder_stack(const Kernels *kn, const Layer *layers, int64_t num_layers, co
     const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_n = q_size + 2 * kv_size;
     for (int64_t i = 0; i < num_layers; i++) {
         const Layer *l = &layers[i];
-        kn->norm(x, i ? other : 0, l->input_norm, st->normed, T, hid, s->eps, th);
+        kn->norm(x, i || st->residual ? other : 0, l->input_norm, st->normed, T, hid, s->eps, th);
         kn->gemm(st->normed, hid, l->qkv, l->qkv_bias, st->qkv, qkv_n, T, qkv_n, hid, th);
-        kn->rope(st->qkv, qkv_n, st->cos, st->sin, st->q, st->k, st->v, T, s->heads, s->kv_heads, D, th);
+        if (l->q_norm)
+            kn->qk_rope(st->qkv, qkv_n, st->cos, st->sin, l->q_norm, l->k_norm, s->eps, st->q, st->k, st->v, T,
+                        s->heads, s->kv_heads, D, th);
+        else
+            kn->rope(st->qkv, qkv_n, st->cos, st->sin, st->q, st->k, st->v, T, s->heads, s->kv_heads, D, th);
         if (kn->attn(st->q, l->k_cache, l->v_cache, st->tables, st->lens, st->attn, T, s->heads, s->kv_heads, D,
                      s->block_size, st->max_blocks, s->scale, l->window, th, st->k, st->v, st->slots, T) != 0)
             return -1;

@@ -69,6 +69,33 @@ void rope_split(const float *qkv, int64_t ld, const float *cos, const float *sin
     }
 }
 
+/* Qwen3's per-head q/k RMSNorm, then rotary and the split, in one pass: as rope_split,
+ * but each q head's D values are first normalized and scaled by q_weight [D] (k heads by
+ * k_weight) with add_rms_norm's arithmetic, w * (x * (1 / sqrt(mean(x^2) + eps))), the
+ * operator order of the norm before the rotary in transformers' Qwen3Attention. */
+void qk_norm_rope_split(const float *qkv, int64_t ld, const float *cos, const float *sin, const float *q_weight,
+                        const float *k_weight, float eps, float *q, float *k, float *v, int64_t T, int64_t H,
+                        int64_t KVH, int64_t D, int num_threads) {
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = qkv + t * ld, *c = cos + t * half, *s = sin + t * half;
+        float n[D];
+        for (int64_t head = 0; head < H + KVH; head++) {
+            const float *x = row + head * D, *w = head < H ? q_weight : k_weight;
+            float *o = head < H ? q + (t * H + head) * D : k + (t * KVH + head - H) * D;
+            const float inv = 1.f / sqrtf(sum_squares(x, D) / (float)D + eps);
+            for (int64_t i = 0; i < D; i++) n[i] = w[i] * (x[i] * inv);
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = n[i], x2 = n[i + half];
+                o[i] = x1 * c[i] - x2 * s[i];
+                o[i + half] = x2 * c[i] + x1 * s[i];
+            }
+        }
+        memcpy(v + t * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
+    }
+}
+
 /* e^x, Cephes-style: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for e^r,
  * 2^n built in the exponent bits; relative error about 2e-7 (torch's vectorised exp
  * is within 1 ulp too, so the two differ in the last bit or two). Above 88, +inf, as

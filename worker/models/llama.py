@@ -109,6 +109,13 @@ class Attention(nn.Module):
         if self.q_norm is None and fused_kernels.usable(qkv):
             # One pass: rotary on q and k (bit for bit apply_rope) and contiguous q, k, v.
             q, k, v = fused_kernels.rope_split(qkv, ctx.cos, ctx.sin, a.num_heads, a.num_kv_heads, a.head_dim)
+        elif self.q_norm is not None and self.k_norm is not None and fused_kernels.usable(qkv) \
+                and self.q_norm.weight.dtype == torch.float32 and self.q_norm.eps == self.k_norm.eps \
+                and 2 * ctx.cos.shape[-1] == a.head_dim:  # the kernel rotates whole heads
+            # The same pass with the per-head q/k norm first: the kernel the native stack calls.
+            q, k, v = fused_kernels.qk_norm_rope_split(qkv, ctx.cos, ctx.sin, a.num_heads, a.num_kv_heads,
+                                                       a.head_dim, self.q_norm.weight, self.k_norm.weight,
+                                                       self.q_norm.eps)
         else:
             q, k, v = self._split_rope(qkv, ctx)
         out = ctx.backend.forward(a, q, k, v, k_cache, v_cache, ctx.meta)
@@ -214,25 +221,33 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         stack = self._native_stack(kv_caches, x)
         rows = None if stack is None else native_stack.paged_rows(backend, meta)
-        if stack is not None and rows is not None:
-            x, residual = stack.run(x, cos, sin, meta, rows)
-            return self.norm.add_forward(x, residual)[0]
         ctx = StepContext(meta, backend, kv_caches, cos, sin)
         residual = None
+        if stack is not None and rows is not None:
+            # The driver's runs of layers, and in between the layers it declines.
+            for start, end, native in stack.segments:
+                if native:
+                    x, residual = stack.run(x, residual, cos, sin, meta, rows, start, end)
+                    continue
+                for layer in self.layers[start:end]:
+                    x, residual = layer(x, residual, ctx)
+            return self.norm.add_forward(x, residual, ctx.fused)[0]
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.norm.add_forward(x, residual, ctx.fused)[0]
 
     def _native_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       x: torch.Tensor) -> native_stack.NativeStack | None:
-        """The layers as one native call, where this model and its caches allow it (decided once per caches)."""
+        """The layers the driver runs in one native call per run, where this model and its caches
+        allow any (decided once per caches: `native_stack.coverage`)."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or not x.shape[0]:
             return None
         key = kv_caches[0][0].data_ptr() if kv_caches else None
         if self._stack_key != key:
             self._stack_key = key
-            self._stack = (native_stack.NativeStack(self, kv_caches)
-                           if key is not None and native_stack.NativeStack.applies(self, kv_caches) else None)
+            reasons = native_stack.coverage(self, kv_caches) if key is not None else [None]
+            self._stack = (native_stack.NativeStack(self, kv_caches, reasons)
+                           if key is not None and None in reasons else None)
         return self._stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
