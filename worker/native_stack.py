@@ -279,7 +279,7 @@ def _model_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, t
         return f"{str(w.dtype).removeprefix('torch.')} on {w.device.type}: the driver is float32 on the CPU"
     if len(kv_caches) != len(model.layers):
         return "no KV cache per layer"
-    if model.spec.gemma is not None:
+    if getattr(model.spec, "gemma", None) is not None:  # declined below too; this names why in words
         return ("Gemma layers: the driver has no (1 + w) norms around attention and MLP, GeGLU, "
                 "logit soft-capping or second rope")
     unknown = _unknown_fields(model.spec, _SPEC_FIELDS)
