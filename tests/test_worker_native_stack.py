@@ -73,7 +73,8 @@ def _forward(runner: ModelRunner, step: tuple[list[int], list[int]], native: boo
 
 # Checkpoint options per case: plain (tied embeddings); sliding window; q/k/v biases; Qwen3's
 # per-head q/k norm with head_dim 32 (not hidden / heads), 64 (GQA groups of 8, tied) and 128
-# (no GQA, sliding windows on all layers but the first, as max_window_layers puts them).
+# (no GQA, sliding windows on all layers but the first, as max_window_layers puts them); rotary
+# on half of each head, with longrope's scaled cos / sin, and a window on every layer (Phi-3).
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {"tied": True}),
     "mistral": ("mistral", {}),
@@ -84,6 +85,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3, head_dim 128, windows": ("qwen3", {"head_dim": 128, "num_key_value_heads": 4, "num_hidden_layers": 3,
                                                "use_sliding_window": True, "sliding_window": 48,
                                                "max_window_layers": 1}),
+    "phi3, partial rotary": ("phi3", {"sliding_window": 48}),
 }
 
 
@@ -201,7 +203,7 @@ def test_structure_outside_the_drivers_is_declined_with_its_name(tmp_path: Path)
 
     rotary = model.rotary
     model.rotary = RotaryEmbedding(spec.rope, spec.head_dim // 2)  # rotary on the first half of each head
-    assert _coverage(runner) == [f"rotary on {spec.head_dim // 2} of {spec.head_dim} dims per head"] * 3
+    assert _coverage(runner) == ["per-head q/k norm with partial rotary: its fused kernel rotates whole heads"] * 3
     model.rotary = rotary
     assert _coverage(runner) == [None, None, None]
 

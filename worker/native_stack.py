@@ -3,8 +3,8 @@
 The C driver calls the same kernels as the modules' Python path, in the same
 order, on the same inputs, so its output is bit for bit theirs; what it removes
 is the Python between them (wrappers, ctypes conversions, a tensor per result).
-It runs the layers built exactly as the Llama family's (Qwen3's per-head q/k norm
-included) on those kernels: float32 on the CPU, one rank, packed native GEMM
+It runs the layers built exactly as the Llama family's (Qwen3's per-head q/k norm,
+Phi-3's partial rotary included) on those kernels: float32 on the CPU, one rank, packed native GEMM
 weights, and a step whose attention is one call of the paged kernel per layer
 (decode rows, or short prompts as rows: `TorchAttentionBackend.paged_rows`).
 `coverage` says, per layer, why not where it does not; those layers run in Python
@@ -36,7 +36,8 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [("gemm", _P), ("norm", _P), ("rope", _P), ("silu", _P), ("attn", _P), ("qk_rope", _P)]
+    _fields_ = [("gemm", _P), ("norm", _P), ("rope", _P), ("silu", _P), ("attn", _P), ("qk_rope", _P),
+                ("rope_partial", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -54,7 +55,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("tokens", _I64), ("max_blocks", _I64)]
     _fields_ += [(name, _P) for name in ("cos", "sin", "tables", "lens", "slots", "normed", "qkv", "q", "k", "v",
                                          "attn", "gate_up", "act")]
-    _fields_ += [("num_threads", ctypes.c_int), ("residual", ctypes.c_int)]
+    _fields_ += [("num_threads", ctypes.c_int), ("residual", ctypes.c_int), ("rotary_dim", _I64)]
 
 
 @cache
@@ -72,7 +73,8 @@ def load() -> tuple[ctypes.CDLL, _Kernels] | None:
         return ctypes.cast(fn, _P).value or 0
 
     kernels = _Kernels(addr(gemm.gemm_f32), addr(fused.add_rms_norm), addr(fused.rope_split),
-                       addr(fused.silu_mul), addr(attn.paged_decode_f32), addr(fused.qk_norm_rope_split))
+                       addr(fused.silu_mul), addr(attn.paged_decode_f32), addr(fused.qk_norm_rope_split),
+                       addr(fused.rope_split_partial))
     return dll, kernels
 
 
@@ -148,7 +150,7 @@ class NativeStack:
             other.copy_(residual)  # the driver writes the new stream over it
         step = _Step(t, tables.shape[1], cos.data_ptr(), sin.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                      slots.data_ptr(), *(b.data_ptr() for b in buf[:-1]), torch.get_num_threads(),
-                     int(residual is not None))
+                     int(residual is not None), 2 * cos.shape[-1])
         layers = ctypes.byref(self.layers, start * ctypes.sizeof(_Layer))
         status = dll.decoder_stack(ctypes.byref(kernels), layers, end - start, ctypes.byref(self.shape),
                                    ctypes.byref(step), x.data_ptr(), other.data_ptr())
@@ -162,8 +164,8 @@ class NativeStack:
 # from exactly these classes, holds exactly these parameters, and every attribute,
 # LayerAttention field or ModelSpec field the driver does not know is switched off (its
 # dataclass default, or None / False / 0). A layer kind added to worker/models/ (experts,
-# extra norms, soft-capping, partial rotary) is declined by that rule, with its name in
-# the reason, until the driver learns it.
+# extra norms, soft-capping) is declined by that rule, with its name in the reason, until
+# the driver learns it.
 _PARAMS = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
            "input_layernorm.weight", "post_attention_layernorm.weight"}
 _OPTIONAL_PARAMS = {"self_attn.qkv_bias", "self_attn.o_bias", "mlp.gate_up_bias", "mlp.down_bias"}
@@ -178,6 +180,10 @@ _ATTENTION_FIELDS = {"num_heads", "num_kv_heads", "head_dim", "scale", "sliding_
 _SPEC_FIELDS = {"architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
                 "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "rope", "sliding_windows", "checkpoint_dtype"}
+# ModelSpec fields read only by the mixture-of-experts block that takes a sparse layer's `mlp`:
+# each layer's check declines that block by its class, so a dense layer beside it stays native.
+_MOE_FIELDS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "norm_topk_prob", "router_weights_in_model_dtype", "sparse_layers"}
 
 
 def coverage(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[str | None]:
@@ -282,14 +288,19 @@ def _model_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, t
     if getattr(model.spec, "gemma", None) is not None:  # declined below too; this names why in words
         return ("Gemma layers: the driver has no (1 + w) norms around attention and MLP, GeGLU, "
                 "logit soft-capping or second rope")
-    unknown = _unknown_fields(model.spec, _SPEC_FIELDS)
+    unknown = _unknown_fields(model.spec, _SPEC_FIELDS | _MOE_FIELDS)
     if unknown:
         return ", ".join(unknown)
-    # Rotary over the whole head: cos and sin as wide as half of it (no partial rotary).
-    cos, _ = model.rotary.cos_sin(torch.zeros(1, dtype=torch.long), torch.float32)
-    if cos.shape[-1] * 2 != model.spec.head_dim:
-        return f"rotary on {cos.shape[-1] * 2} of {model.spec.head_dim} dims per head"
+    rot = _rotary_dim(model)
+    if rot % 2 or not 0 < rot <= model.spec.head_dim:
+        return f"rotary on {rot} of {model.spec.head_dim} dims per head"
     return None
+
+
+def _rotary_dim(model: LlamaForCausalLM) -> int:
+    """How many dims of each head rotate: twice the width of the cos / sin rows the layers get."""
+    cos, _ = model.rotary.cos_sin(torch.zeros(1, dtype=torch.long), torch.float32)
+    return 2 * cos.shape[-1]
 
 
 def _layer_reason(model: LlamaForCausalLM, layer: torch.nn.Module,
@@ -316,6 +327,8 @@ def _layer_reason(model: LlamaForCausalLM, layer: torch.nn.Module,
         return f"missing parameters: {', '.join(missing)}"
     modules = [(layer, "layer"), (at, "self_attn"), (mlp, "mlp"), (norms[0], "input_layernorm"),
                (norms[1], "post_attention_layernorm")]
+    if qk_norm and _rotary_dim(model) != at.attn.head_dim:
+        return "per-head q/k norm with partial rotary: its fused kernel rotates whole heads"
     if qk_norm:
         for module, name in ((at.q_norm, "self_attn.q_norm"), (at.k_norm, "self_attn.k_norm")):
             if type(module) is not RMSNorm:

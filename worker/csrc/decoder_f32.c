@@ -30,6 +30,8 @@ typedef void (*norm_fn)(float *h, const float *residual, const float *weight, fl
                         float eps, int num_threads);
 typedef void (*rope_fn)(const float *qkv, int64_t ld, const float *cos, const float *sin, float *q, float *k,
                         float *v, int64_t T, int64_t H, int64_t KVH, int64_t D, int num_threads);
+typedef void (*rope_partial_fn)(const float *qkv, int64_t ld, const float *cos, const float *sin, float *q, float *k,
+                                float *v, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R, int num_threads);
 typedef void (*qk_rope_fn)(const float *qkv, int64_t ld, const float *cos, const float *sin, const float *q_weight,
                            const float *k_weight, float eps, float *q, float *k, float *v, int64_t T, int64_t H,
                            int64_t KVH, int64_t D, int num_threads);
@@ -47,6 +49,7 @@ typedef struct {
     silu_fn silu;
     attn_fn attn;
     qk_rope_fn qk_rope;
+    rope_partial_fn rope_partial;
 } Kernels;
 
 typedef struct { /* packed weights (see gemm_f32.c), biases or NULL, norm weights, this layer's caches */
@@ -69,6 +72,7 @@ typedef struct {
     float *normed, *qkv, *q, *k, *v, *attn, *gate_up, *act; /* scratch */
     int num_threads;
     int residual; /* whether `other` holds a residual stream on entry (a layer ran before these) */
+    int64_t rotary_dim; /* head_dim, or fewer for partial rotary (the first rotary_dim dims rotate) */
 } Step;
 
 /* Returns 0, or -1 when the attention kernel could not allocate (nothing after it computed). */
@@ -83,8 +87,11 @@ int decoder_stack(const Kernels *kn, const Layer *layers, int64_t num_layers, co
         if (l->q_norm)
             kn->qk_rope(st->qkv, qkv_n, st->cos, st->sin, l->q_norm, l->k_norm, s->eps, st->q, st->k, st->v, T,
                         s->heads, s->kv_heads, D, th);
-        else
+        else if (st->rotary_dim == D)
             kn->rope(st->qkv, qkv_n, st->cos, st->sin, st->q, st->k, st->v, T, s->heads, s->kv_heads, D, th);
+        else
+            kn->rope_partial(st->qkv, qkv_n, st->cos, st->sin, st->q, st->k, st->v, T, s->heads, s->kv_heads, D,
+                             st->rotary_dim, th);
         if (kn->attn(st->q, l->k_cache, l->v_cache, st->tables, st->lens, st->attn, T, s->heads, s->kv_heads, D,
                      s->block_size, st->max_blocks, s->scale, l->window, th, st->k, st->v, st->slots, T) != 0)
             return -1;
