@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
-from noria.worker import cpu_kernels
+from noria.worker import cpu_kernels, native_build
 
 
-def _reference(q, k_cache, v_cache, tables, lens, scale, window):
+def _capped(s, cap):
+    """Gemma 2's logit soft-capping (None: off)."""
+    return s if cap is None else cap * torch.tanh(s / cap)
+
+
+def _reference(q, k_cache, v_cache, tables, lens, scale, window, cap=None):
     q, k_cache, v_cache = q.double(), k_cache.double(), v_cache.double()
     b, h, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -22,7 +29,7 @@ def _reference(q, k_cache, v_cache, tables, lens, scale, window):
         lo = max(0, n - window) if window else 0
         for head in range(h):
             kh = head // (h // kvh)
-            s = (k[lo:, kh] @ q[i, head]) * scale
+            s = _capped((k[lo:, kh] @ q[i, head]) * scale, cap)
             out[i, head] = torch.softmax(s, 0) @ v[lo:, kh]
     return out
 
@@ -158,8 +165,9 @@ def test_fused_kv_write_lands_before_the_rows_are_read():
                                atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("cap", [None, 2.0], ids=["uncapped", "soft-capped"])
 @pytest.mark.parametrize("native", [True, False], ids=["native-fused-write", "torch"])
-def test_backend_forward_on_a_decode_step_writes_the_cache_and_attends(native):
+def test_backend_forward_on_a_decode_step_writes_the_cache_and_attends(native, cap):
     from noria.worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
 
     bs, kvh, heads, d = 16, 2, 8, 64
@@ -179,10 +187,14 @@ def test_backend_forward_on_a_decode_step_writes_the_cache_and_attends(native):
     expect_v.view(-1, kvh, d)[slots] = v_new
     backend = TorchAttentionBackend(native=native)
     backend.prepare(meta)
-    out = backend.forward(LayerAttention(heads, kvh, d, d**-0.5), q, k_new, v_new, k_cache, v_cache, meta)
+    out = backend.forward(LayerAttention(heads, kvh, d, d**-0.5, logits_soft_cap=cap), q, k_new, v_new, k_cache,
+                          v_cache, meta)
     assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
-    torch.testing.assert_close(out.double(), _reference(q, expect_k, expect_v, tables, lens_t, d**-0.5, None),
-                               atol=2e-5, rtol=2e-5)
+    ref = _reference(q, expect_k, expect_v, tables, lens_t, d**-0.5, None, cap)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    if cap is not None:  # the cap moves the outputs far past the tolerance
+        uncapped = _reference(q, expect_k, expect_v, tables, lens_t, d**-0.5, None)
+        assert (ref - uncapped).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("bs", [4, 8, 12, 24])
@@ -219,7 +231,7 @@ def test_w1_tail_shapes_split_across_two_threads(batch):
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
-def _causal_reference(q, k_cache, v_cache, tables, query_lens, seq_lens, scale, window):
+def _causal_reference(q, k_cache, v_cache, tables, query_lens, seq_lens, scale, window, cap=None):
     """Float64 attention of each sequence's new tokens: the query at position p sees keys
     max(0, p - window + 1) .. p of its sequence, read from the (already written) cache."""
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -234,18 +246,20 @@ def _causal_reference(q, k_cache, v_cache, tables, query_lens, seq_lens, scale, 
             lo = max(0, p - window + 1) if window else 0
             for head in range(h):
                 kh = head // (h // kvh)
-                s = (k[lo : p + 1, kh] @ q[start + j, head].double()) * scale
+                s = _capped((k[lo : p + 1, kh] @ q[start + j, head].double()) * scale, cap)
                 out[start + j, head] = torch.softmax(s, 0) @ v[lo : p + 1, kh]
         start += n
     return out
 
 
+@pytest.mark.parametrize("cap", [None, 2.0], ids=["uncapped", "soft-capped"])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("rows_max_len", [512, 0], ids=["token-rows", "sdpa"])
-def test_backend_forward_on_a_mixed_prefill_step(window, rows_max_len, monkeypatch):
+def test_backend_forward_on_a_mixed_prefill_step(window, rows_max_len, cap, monkeypatch):
     """Decodes, a fresh prompt, a chunk after a cached prefix and a one-token-context
     prompt in one step: both prefill paths (every token a native decode row, and one
-    SDPA per sequence) write the step's K/V and match the float64 causal reference."""
+    SDPA per sequence, or the soft-capped attention where SDPA cannot cap) write the
+    step's K/V and match the float64 causal reference."""
     from noria.worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
 
     monkeypatch.setattr(TorchAttentionBackend, "ROWS_MAX_LEN", rows_max_len)
@@ -273,7 +287,50 @@ def test_backend_forward_on_a_mixed_prefill_step(window, rows_max_len, monkeypat
     backend = TorchAttentionBackend(native=True)
     backend.prepare(meta)
     assert (meta.backend_data.token_tables is not None) == (rows_max_len > 0)
-    out = backend.forward(LayerAttention(heads, kvh, d, d**-0.5, window), q, k_new, v_new, k_cache, v_cache, meta)
+    out = backend.forward(LayerAttention(heads, kvh, d, d**-0.5, window, cap), q, k_new, v_new, k_cache, v_cache,
+                          meta)
     assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
-    ref = _causal_reference(q, expect_k, expect_v, tables, query_lens, seq_lens, d**-0.5, window)
+    ref = _causal_reference(q, expect_k, expect_v, tables, query_lens, seq_lens, d**-0.5, window, cap)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    if cap is not None:
+        uncapped = _causal_reference(q, expect_k, expect_v, tables, query_lens, seq_lens, d**-0.5, window)
+        assert (ref - uncapped).abs().max() > 1e-2
+
+
+def _avx2_build():
+    """paged_decode.c built for AVX2 (x86-64-v3) instead of -march=native: its vectors are 8 floats
+    wide where an AVX-512 host's native build has 16, so both widths run on such a host."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX2 is an x86 instruction set")
+    flags = ["-march=x86-64-v3" if f == "-march=native" else f for f in cpu_kernels._FLAGS]
+    dll = native_build.build(cpu_kernels._SRC, flags)
+    if dll is None:
+        pytest.skip("no compiler for the AVX2 build")
+    return cpu_kernels.bind(dll)
+
+
+@pytest.mark.parametrize("cap", [1.0, 5.0, 50.0])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_soft_capped_paged_decode_matches_float64_reference(isa, window, cap, threads, monkeypatch):
+    """Scores spread over about ±10 (queries scaled up): caps of 1 and 5 squash most of them, 50 a few;
+    split-K (two threads over the long sequences) merges capped partials; head sizes 64 (its own
+    compiled copy) and 80 (the generic one); scores of both signs and near zero."""
+    if isa == "avx2":
+        dll = _avx2_build()
+        monkeypatch.setattr(cpu_kernels, "load", lambda: dll)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for d, heads, kvh in ((64, 8, 2), (80, 4, 4)):
+            lens = [1, 15, 16, 17, 100, 333]
+            q, k_cache, v_cache, tables, lens_t = _ragged_paged(d + int(cap), lens, heads, kvh, d, 16)
+            q = q * 10
+            out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens_t, d**-0.5, window, soft_cap=cap)
+            ref = _reference(q, k_cache, v_cache, tables, lens_t, d**-0.5, window, cap)
+            torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+            uncapped = _reference(q, k_cache, v_cache, tables, lens_t, d**-0.5, window)
+            assert (ref - uncapped).abs().max() > 1e-3, "the cap must change these outputs"
+    finally:
+        torch.set_num_threads(before)

@@ -176,7 +176,7 @@ class TorchAttentionBackend:
         if rows is not None and cpu_kernels.usable(q, k_cache):
             # One call writes this step's K/V rows and attends: no write_kv dispatch per layer.
             return cpu_kernels.paged_decode(q, k_cache, v_cache, *rows, layer.scale, layer.sliding_window,
-                                            new_kv=(k, v, meta.slot_mapping))
+                                            new_kv=(k, v, meta.slot_mapping), soft_cap=layer.logits_soft_cap)
         decode_only = plan.decode_blocks is not None and not plan.prefills
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if decode_only:
@@ -201,7 +201,7 @@ class TorchAttentionBackend:
         if self.native and cpu_kernels.usable(q, k_cache):
             # In place through the block tables: no gathered copy of the context.
             return cpu_kernels.paged_decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_seq_lens,
-                                            layer.scale, layer.sliding_window)
+                                            layer.scale, layer.sliding_window, soft_cap=layer.logits_soft_cap)
         batch, length = plan.decode_shape
         kvh, d = layer.num_kv_heads, layer.head_dim
         # Gather whole blocks (contiguous memcpy per block) rather than single slots.
@@ -220,7 +220,10 @@ class TorchAttentionBackend:
         keys.masked_fill_(unwritten, 0.0)  # in place: the gathered copies are this call's own
         values.masked_fill_(unwritten, 0.0)
         mask = self._decode_mask(plan, layer.sliding_window, length, q.device)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=layer.scale)
+        if layer.logits_soft_cap is not None:
+            out = capped_attention(queries, keys, values, mask, layer.scale, layer.logits_soft_cap)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=layer.scale)
         return out.reshape(batch, layer.num_heads, d)
 
     @staticmethod
@@ -258,15 +261,14 @@ class TorchAttentionBackend:
             keys = k_cache.index_select(0, seq.block_ids).view(-1, kvh, d)[:seq_len]
             values = v_cache.index_select(0, seq.block_ids).view(-1, kvh, d)[:seq_len]
         mask = self._prefill_mask(plan, seq, layer.sliding_window, q.device)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=layer.scale,
-            enable_gqa=layer.num_heads != layer.num_kv_heads,
-        )
+        queries, keys, values = (x.transpose(0, 1).unsqueeze(0) for x in (q, keys, values))
+        if layer.logits_soft_cap is not None:
+            if mask is None:  # SDPA's is_causal: query i sees keys 0..i (no context here)
+                mask = torch.ones(seq.num_query, seq_len, dtype=torch.bool, device=q.device).tril()
+            out = capped_attention(queries, keys, values, mask, layer.scale, layer.logits_soft_cap)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                 scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads)
         return out[0].transpose(0, 1)
 
     @staticmethod
@@ -285,6 +287,24 @@ class TorchAttentionBackend:
                 mask &= k_pos > q_pos - window
             plan.masks[key] = mask
         return plan.masks[key]
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     cap: float) -> torch.Tensor:
+    """Attention with logit soft-capping, which SDPA cannot do: q [N, H, Lq, D] against
+    k, v [N, KVH, Lk, D] (GQA: H a multiple of KVH), `mask` (True = attend) broadcast to
+    [N, 1, Lq, Lk]. The op order of transformers' eager attention: scores in the input
+    dtype, scaled, capped, then a float32 softmax cast back before the values."""
+    n, h, lq, d = q.shape
+    kvh = k.shape[1]
+    # [N, KVH, G, Lq, D] against [N, KVH, 1, Lk, D]: K/V are shared by a group, not repeated.
+    scores = q.reshape(n, kvh, h // kvh, lq, d) @ k.unsqueeze(2).transpose(-1, -2) * scale
+    scores = torch.tanh(scores / cap) * cap
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    scores = scores.masked_fill(mask.unsqueeze(2).logical_not(), float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (weights @ v.unsqueeze(2)).reshape(n, h, lq, d)
 
 
 def write_kv(

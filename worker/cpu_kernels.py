@@ -28,25 +28,31 @@ def load() -> ctypes.CDLL | None:
     if disabled("attention"):
         return None
     dll = build(_SRC, _FLAGS)
-    if dll is None:
-        return None
-    fn = dll.paged_decode_f32
+    return None if dll is None else bind(dll)
+
+
+def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the kernel's entry points on a build of paged_decode.c."""
     # Pointers travel as plain ints (data_ptr()): cheaper per call than ctypes.cast.
-    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
-                   ctypes.c_float, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _I64]
-    fn.restype = ctypes.c_int
+    args = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
+            ctypes.c_float, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _I64]
+    dll.paged_decode_f32.argtypes = args
+    dll.paged_decode_capped_f32.argtypes = [*args, ctypes.c_float]
+    for fn in (dll.paged_decode_f32, dll.paged_decode_capped_f32):
+        fn.restype = ctypes.c_int
     return dll
 
 
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, window: int | None,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, soft_cap: float | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] against paged K/V [NB, BS, KVH, D]; float32, contiguous, on the CPU.
 
     `new_kv` = (k [N, KVH, D], v [N, KVH, D], slots [N]): rows written into the caches
-    first, in the same call (write_kv fused)."""
+    first, in the same call (write_kv fused). `soft_cap`: each score s becomes
+    soft_cap * tanh(s / soft_cap) before the softmax (LayerAttention.logits_soft_cap)."""
     dll = load()
     assert dll is not None
     q = q.contiguous()
@@ -59,11 +65,15 @@ def paged_decode(
     else:
         k_new, v_new, slots = (t.contiguous() for t in new_kv)
         k_ptr, v_ptr, slot_ptr, num_new = k_new.data_ptr(), v_new.data_ptr(), slots.data_ptr(), slots.shape[0]
-    status = dll.paged_decode_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        b, h, k_cache.shape[2], d, k_cache.shape[1], tables.shape[1], scale, window or 0,
-        torch.get_num_threads(), k_ptr, v_ptr, slot_ptr, num_new,
-    )
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            b, h, k_cache.shape[2], d, k_cache.shape[1], tables.shape[1], scale, window or 0,
+            torch.get_num_threads(), k_ptr, v_ptr, slot_ptr, num_new)
+    if soft_cap is None:
+        status = dll.paged_decode_f32(*args)
+    else:
+        if not soft_cap > 0:
+            raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+        status = dll.paged_decode_capped_f32(*args, soft_cap)
     if status != 0:
         raise MemoryError("paged_decode: no memory for the kernel's task list")
     return out

@@ -28,6 +28,8 @@
  *   expf is a scalar call per score); the 1/sum normalisation is applied once.
  * - New K/V rows of the step can be written first, in the same call
  *   (reshape_and_cache fused: no extra dispatch per layer).
+ * - Logit soft-capping (Gemma 2): with cap > 0 every score s becomes
+ *   cap * tanh(s / cap) before the softmax, as transformers' eager attention does.
  *
  * q:           [B, H, D]                float32
  * k/v cache:   [NB, BS, KVH, D]         float32
@@ -76,6 +78,17 @@ static inline float exp_neg(float x) {
     const float e = p * r * r + r + 1.f;
     union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
     return e * two_n.f;
+}
+
+/* cap * tanh(s / cap), tanh from exp_neg so that a tile's scores vectorise (libm's tanhf is a
+ * scalar call): tanh|x| = (1 - e) / (1 + e) with e = e^(-2|x|) in (0, 1]. Its absolute error is
+ * about that of e, 2e-7, so a capped score is off by ~cap * 2e-7: a unit or two in the last
+ * place of scores near the cap, and what matters to a softmax is the absolute error. */
+static inline float soft_cap(float s, float cap) {
+    const float x = s / cap;
+    const float e = exp_neg(-2.f * (x < 0.f ? -x : x));
+    const float t = (1.f - e) / (1.f + e);
+    return (x < 0.f ? -t : t) * cap;
 }
 
 typedef struct {
@@ -164,7 +177,7 @@ static inline __attribute__((always_inline)) void accumulate_v(
  * vector registers; the generic call serves any other size. */
 static inline __attribute__((always_inline)) void attend(
     const Paged *p, const float *q, int64_t lo, int64_t hi, int64_t nk, int64_t group, const int64_t D,
-    float scale, float *acc, float *m, float *l) {
+    float scale, float cap, float *acc, float *m, float *l) {
     const int64_t nh = nk * group, ts = p->token_stride;
     float qs[MAX_TASK_FLOATS], s[MAX_TASK_HEADS][TILE], rescale[MAX_TASK_HEADS];
     for (int64_t i = 0; i < nh * D; i++) qs[i] = q[i] * scale;
@@ -198,6 +211,10 @@ static inline __attribute__((always_inline)) void attend(
                 }
             }
         }
+        if (cap > 0.f)
+            for (int64_t h = 0; h < nh; h++)
+#pragma omp simd
+                for (int64_t t = 0; t < n; t++) s[h][t] = soft_cap(s[h][t], cap);
         for (int64_t h = 0; h < nh; h++) {
             float mx = m[h];
             /* A max is exact in any order: vectorised, it cut the hot (cached K/V) time ~15 %. */
@@ -222,7 +239,7 @@ static inline __attribute__((always_inline)) void attend(
 
 static void run_task(const Task *task, const float *q, const float *k_cache, const float *v_cache,
                      const int64_t *block_table, int64_t max_blocks, int64_t num_heads, int64_t group, int64_t D,
-                     int64_t block_size, int64_t token_stride, float scale, float *out, float *parts) {
+                     int64_t block_size, int64_t token_stride, float scale, float cap, float *out, float *parts) {
     const Paged p = {k_cache + task->kh0 * D, v_cache + task->kh0 * D, block_table + task->b * max_blocks,
                      block_size, block_size * token_stride, token_stride};
     const int64_t h0 = task->kh0 * group, nh = task->nk * group;
@@ -232,7 +249,7 @@ static void run_task(const Task *task, const float *q, const float *k_cache, con
     float *rec = task->part < 0 ? NULL : parts + task->part * num_heads * (D + 2);
     float *acc = rec ? rec + h0 * D : local;
     float *m = rec ? rec + num_heads * D + h0 : lm, *l = rec ? rec + num_heads * (D + 1) + h0 : ll;
-#define ATTEND(DIM) attend(&p, qh, task->lo, task->hi, task->nk, group, DIM, scale, acc, m, l)
+#define ATTEND(DIM) attend(&p, qh, task->lo, task->hi, task->nk, group, DIM, scale, cap, acc, m, l)
     if (D == 64)
         ATTEND(64);
     else if (D == 128)
@@ -312,11 +329,13 @@ static void fill_tasks(Task *tasks, int64_t *first_part, const int64_t *seq_lens
     first_part[batch] = part;
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated (nothing computed). */
-int paged_decode_f32(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
-                     const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                     int num_threads, const float *k_new, const float *v_new, const int64_t *slots, int64_t num_new) {
+/* Returns 0, or -1 when scratch memory could not be allocated (nothing computed).
+ * cap > 0: scores are soft-capped (see soft_cap); 0: as they are. */
+int paged_decode_capped_f32(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
+                            const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                            float scale, int64_t window, int num_threads, const float *k_new, const float *v_new,
+                            const int64_t *slots, int64_t num_new, float cap) {
     const int64_t group = num_heads / num_kv_heads, D = head_dim, token_stride = num_kv_heads * D;
     write_rows(k_cache, k_new, slots, num_new, token_stride);
     write_rows(v_cache, v_new, slots, num_new, token_stride);
@@ -345,7 +364,7 @@ int paged_decode_f32(const float *q, float *k_cache, float *v_cache, const int64
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_tasks; i++)
             run_task(&tasks[i], q, k_cache, v_cache, block_table, max_blocks, num_heads, group, D, block_size,
-                     token_stride, scale, out, parts);
+                     token_stride, scale, cap, out, parts);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < batch; b++)
             if (first_part[b + 1] > first_part[b])
@@ -354,4 +373,14 @@ int paged_decode_f32(const float *q, float *k_cache, float *v_cache, const int64
     }
     free(tasks), free(first_part), free(parts);
     return 0;
+}
+
+/* Without soft-capping: the entry point worker/csrc/decoder_f32.c calls through a pointer. */
+int paged_decode_f32(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
+                     const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                     int num_threads, const float *k_new, const float *v_new, const int64_t *slots, int64_t num_new) {
+    return paged_decode_capped_f32(q, k_cache, v_cache, block_table, seq_lens, out, batch, num_heads, num_kv_heads,
+                                   head_dim, block_size, max_blocks, scale, window, num_threads, k_new, v_new, slots,
+                                   num_new, 0.f);
 }
