@@ -23,6 +23,7 @@ from noria.worker import cpu_kernels, fused_kernels, gemm_kernels, native_stack
 from noria.worker.model_runner import ModelRunner
 from noria.worker.models.layers import RMSNorm, RotaryEmbedding
 from noria.worker.models.llama import MLP
+from tests import tiny_models
 from tests.tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.skipif(native_stack.load() is None, reason="no C compiler for the native kernels")
@@ -153,6 +154,21 @@ def test_the_avx2_builds_run_qwen3_bit_identically(tmp_path: Path, monkeypatch: 
         monkeypatch.undo()
         for load in loads:
             load.cache_clear()
+
+
+def test_a_dense_layer_beside_experts_runs_on_the_driver(tmp_path: Path) -> None:
+    """Qwen3-MoE with a dense first layer (mlp_only_layers): that layer on the driver, the sparse
+    one in Python, declined by its block's class; bit for bit the Python path."""
+    if "qwen3_moe" not in getattr(tiny_models, "MOE_ARCHS", ()):
+        pytest.skip("no mixture-of-experts tiny checkpoints here")
+    runner = _runner(make_checkpoint("qwen3_moe", tmp_path / "qwen3_moe"))
+    reasons = _coverage(runner)
+    assert reasons[0] is None and all(r is not None and r.startswith("mlp is ") for r in reasons[1:]), reasons
+    for name, step in STEPS.items():
+        python, _ = _forward(runner, step, native=False)
+        native, ran = _forward(runner, step, native=True)
+        assert ran == (name != "long prompt"), name
+        assert torch.equal(python, native), f"{name}: hidden states or written K/V differ"
 
 
 class _ExpertsMLP(MLP):
