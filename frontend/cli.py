@@ -17,6 +17,7 @@ from noria.protocol.config import (
     Device,
     Dtype,
     EngineConfig,
+    GenerationConfigMode,
     PreemptionMode,
     SchedulingPolicy,
     WorkerLinkConfig,
@@ -63,6 +64,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 and every multiple of 8 "
                         "up to --max-num-seqs); a batch runs in the graph of the next size up, padded")
+    g.add_argument("--generation-config", choices=_choices(GenerationConfigMode), default=None,
+                   help="auto (default): the checkpoint's generation_config.json gives temperature, top_p, top_k, "
+                        "min_p and repetition_penalty to requests that do not set them; vllm, none: vLLM's defaults")
 
 
 DEFAULT_MAX_QUEUED = 4096

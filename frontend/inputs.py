@@ -25,7 +25,10 @@ def make_generate(
 ) -> Generate:
     """A text prompt, a token-id prompt or chat `messages` (give one), with every
     SamplingParams field laid flat beside the request's own fields."""
-    fields = msgspec.structs.asdict(params or SamplingParams())
+    # No params: the fields a request may leave to the server (GENERATION_DEFAULT_FIELDS) stay
+    # unset and take its defaults (--generation-config); a SamplingParams sets every field, its
+    # defaults included, as vLLM's does.
+    fields = {} if params is None else msgspec.structs.asdict(params)
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     elif prompt is not None:

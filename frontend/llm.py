@@ -34,6 +34,11 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.core.processor.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use with no params (vLLM's method): vLLM's defaults with
+        the checkpoint's generation_config.json values over them (--generation-config auto)."""
+        return SamplingParams(**self.core.processor.sampling_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -132,9 +137,10 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,
+                    n: int) -> list[SamplingParams | None]:
+    if params is None:  # the server's defaults (get_default_sampling_params), as vLLM's LLM
+        return [None] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     plist = list(params)

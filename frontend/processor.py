@@ -70,7 +70,11 @@ class InputLimits(msgspec.Struct, frozen=True, kw_only=True):
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, eos_ids: list[int], vocab_size: int, max_model_len: int,
-                 limits: InputLimits | None = None, scheduling_policy: SchedulingPolicy = "fcfs") -> None:
+                 limits: InputLimits | None = None, scheduling_policy: SchedulingPolicy = "fcfs",
+                 sampling_defaults: dict[str, Any] | None = None) -> None:
+        """`sampling_defaults`: the values of the fields a request leaves unset
+        (frontend/generation_config.py), vLLM's where absent."""
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size
@@ -97,7 +101,7 @@ class InputProcessor:
         salt_problem = cache_salt_problem(msg.cache_salt)
         if salt_problem:
             raise ParamError("cache_salt", salt_problem)
-        params = msg.sampling_params()
+        params = msg.sampling_params(self.sampling_defaults)
         check_sampling(params, self.vocab_size)
         ids = self.tokenize(msg)
         if not ids:

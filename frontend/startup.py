@@ -11,6 +11,8 @@ import msgspec
 from noria.frontend.core import FrontendCore, Limits
 from noria.frontend.demo_model import resolve_model
 from noria.frontend.engine_client import EngineClient
+from noria.frontend.generation_config import describe as describe_generation_defaults
+from noria.frontend.generation_config import generation_defaults
 from noria.frontend.processor import InputLimits, InputProcessor, eos_token_ids, load_tokenizer
 from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig, WorkerLinkConfig
@@ -40,6 +42,11 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
     _check_length(model_path, config.max_model_len)
     config = msgspec.structs.replace(config, model=model_path)
     tokenizer = _tokenizer(config.tokenizer or model_path)
+    # Read before the engine starts: a generation_config.json no request could use is one sentence.
+    sampling_defaults = generation_defaults(model_path, config.generation_config)
+    # A warning where the checkpoint overrides vLLM's defaults, as vLLM warns: outputs change.
+    log.log(logging.WARNING if sampling_defaults else logging.INFO, "%s",
+            describe_generation_defaults(sampling_defaults, config.generation_config))
     engine = EngineClient(config, link=link)
     ready = engine.ready
     if ready.num_kv_blocks:
@@ -48,7 +55,7 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
     else:  # remote workers only: requests wait until one has registered
         log.info("engine ready, waiting for workers to register; max_model_len %d", ready.max_model_len)
     processor = InputProcessor(tokenizer, eos_token_ids(model_path, tokenizer), ready.vocab_size, ready.max_model_len,
-                               input_limits, config.scheduling_policy)
+                               input_limits, config.scheduling_policy, sampling_defaults=sampling_defaults)
     return FrontendCore(engine, processor, limits)
 
 

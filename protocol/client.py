@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from noria.protocol.sampling import Int64, SamplingParams
 
@@ -17,8 +18,17 @@ from noria.protocol.sampling import Int64, SamplingParams
 class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
     """Start a request. Exactly one of prompt, messages, prompt_token_ids is given.
 
-    All `SamplingParams` fields sit flat beside the request fields.
+    All `SamplingParams` fields sit flat beside the request fields. Five of them may be left
+    out to mean "the server's default" (`GENERATION_DEFAULT_FIELDS`: the checkpoint's
+    generation_config.json under --generation-config auto, else vLLM's); a field that is
+    present, even holding vLLM's default value, is the request's own.
     """
+
+    temperature: float | UnsetType = UNSET
+    top_p: float | UnsetType = UNSET
+    top_k: Int64 | UnsetType = UNSET
+    min_p: float | UnsetType = UNSET
+    repetition_penalty: float | UnsetType = UNSET
 
     request_id: str
     prompt: str | None = None
@@ -30,9 +40,14 @@ class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
     # one tenant cannot learn from timing what another's prompts began with (vLLM's field).
     cache_salt: str | None = None
 
-    def sampling_params(self) -> SamplingParams:
-        fields = {f: getattr(self, f) for f in SamplingParams.__struct_fields__}
-        return SamplingParams(**fields)
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The request's parameters; a field it left unset takes `defaults`' value, else vLLM's."""
+        fields = {f: v for f in SamplingParams.__struct_fields__ if (v := getattr(self, f)) is not UNSET}
+        return SamplingParams(**{**(defaults or {}), **fields})
+
+
+# The `Generate` fields a request may leave to the server's defaults.
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 MAX_CACHE_SALT_CHARS = 256

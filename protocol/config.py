@@ -16,6 +16,7 @@ BlockSize = Literal[8, 16, 32, 64, 128]
 # auto: the CUDA kernels where they work, else torch (said once at start-up); kernels: refuse
 # to start without them; torch: never the kernels.
 AttentionBackendChoice = Literal["auto", "kernels", "torch"]
+GenerationConfigMode = Literal["auto", "vllm", "none"]  # vLLM's --generation-config
 AtLeastOne = Annotated[int, Meta(ge=1)]
 GiB = Annotated[float, Meta(ge=0.0)]
 
@@ -59,6 +60,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Batch sizes to capture; None: 1, 2, 4, 8 and every multiple of 8 up to max_num_seqs.
     cuda_graph_sizes: list[AtLeastOne] | None = None
     startup_timeout: Annotated[float, Meta(gt=0.0)] = 300.0
+    # Sampling defaults for requests that leave them unset (frontend/generation_config.py): auto,
+    # the checkpoint's generation_config.json; vllm and none, vLLM's defaults.
+    generation_config: GenerationConfigMode = "auto"
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:

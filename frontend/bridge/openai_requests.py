@@ -13,7 +13,7 @@ from noria.frontend.bridge.openai_refused import unsupported_field
 from noria.frontend.bridge.openai_schema import ChatRequest, CompletionRequest, SamplingFields
 from noria.frontend.bridge.openai_structured import structured_output
 from noria.frontend.inputs import make_generate
-from noria.protocol.client import Generate, cache_salt_problem
+from noria.protocol.client import GENERATION_DEFAULT_FIELDS, Generate, cache_salt_problem
 from noria.protocol.errors import ErrorCode, ParamError
 from noria.protocol.sampling import SamplingParams, check_sampling
 from noria.protocol.validation import field_error
@@ -120,7 +120,17 @@ def completion_generates(req: CompletionRequest, new_id: Callable[[], str]) -> l
         raise BadRequest(f"n ({params.n}) x prompts ({len(prompts)}) is {params.n * len(prompts)} samples, more "
                          f"than the {MAX_SAMPLES} one request may draw", "n")
     salt = _cache_salt(req)
-    return [make_generate(new_id(), p, params, priority=req.priority, cache_salt=salt) for p in prompts]
+    return [_server_defaults(make_generate(new_id(), p, params, priority=req.priority, cache_salt=salt), req)
+            for p in prompts]
+
+
+def _server_defaults(msg: Generate, req: SamplingFields) -> Generate:
+    """The sampling fields the body left out go upstream unset: the server's defaults fill them
+    (--generation-config), as vLLM's server does; vLLM's stood in only for the check above."""
+    for name in GENERATION_DEFAULT_FIELDS:
+        if getattr(req, name) is None:
+            setattr(msg, name, msgspec.UNSET)
+    return msg
 
 
 def echo_prompts(req: CompletionRequest, prompts: list[str | list[int]]) -> list[str] | None:
@@ -166,9 +176,10 @@ def chat_generate(req: ChatRequest, new_id: Callable[[], str]) -> Generate:
     if req.echo:
         raise BadRequest("echo is not supported on chat completions", "echo")
     params = _sampling(req, max_tokens=max_tokens, logprobs=logprobs, names=names)
-    return make_generate(new_id(), None, params, messages=[_message(m) for m in req.messages],
-                         priority=req.priority, add_generation_prompt=req.add_generation_prompt,
-                         cache_salt=_cache_salt(req))
+    msg = make_generate(new_id(), None, params, messages=[_message(m) for m in req.messages],
+                        priority=req.priority, add_generation_prompt=req.add_generation_prompt,
+                        cache_salt=_cache_salt(req))
+    return _server_defaults(msg, req)
 
 
 def _message(m: dict[str, Any]) -> dict[str, Any]:
