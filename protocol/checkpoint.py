@@ -4,7 +4,8 @@ A worker that meets a bad checkpoint fails deep in torch or safetensors with a
 traceback; the frontend checks the cheap things first: config.json readable,
 the architecture one the worker implements, every safetensors file whole
 (header readable, every tensor's bytes inside the file), every shard an index
-names present, and the Llama-family tensors both present and shaped as config.json
+names present, and the Llama-family tensors (a mixture-of-experts layer's router and
+experts in either layout the worker loads) both present and shaped as config.json
 says. It reads headers only, never weights.
 """
 
@@ -18,10 +19,12 @@ from typing import Any
 # Mirrors worker/models/spec.py SUPPORTED_ARCHITECTURES (a test keeps them equal):
 # the worker imports torch, which the frontend must not.
 SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
 )
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit
 
 
@@ -40,7 +43,9 @@ def check_checkpoint(folder: str | Path) -> None:
         raise CheckpointError(f"{folder} holds a model of architecture {archs or cfg.get('model_type')}, which noria "
                               f"does not implement (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     _check_rope(cfg)
+    sparse = _sparse_layers(cfg, known[0])
     expected = _expected_shapes(cfg)
+    expected.update(_expert_shapes(cfg, known[0]) if sparse else {})
     if known[0] == "Phi3ForCausalLM":
         expected = _phi3_shapes(expected)
     present: set[str] = set()
@@ -51,7 +56,7 @@ def check_checkpoint(folder: str | Path) -> None:
             if want is not None and tuple(shape) != want:
                 raise CheckpointError(f"{file}: tensor {name} has shape {tuple(shape)} but config.json implies "
                                       f"{want}: the weights do not belong to this config")
-    missing = sorted(_required(cfg, expected) - present)
+    missing = sorted(_required(cfg, expected, sparse) - present) + _missing_experts(cfg, known[0], sparse, present)
     if missing:
         raise CheckpointError(f"{folder} lacks {len(missing)} weight tensor(s) config.json requires (first: "
                               f"{missing[0]}): the weights are incomplete or belong to another config")
@@ -77,8 +82,9 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def _required(cfg: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> set[str]:
-    """Every Llama-family tensor name (layer index kept) the worker cannot run without."""
+def _required(cfg: dict[str, Any], expected: dict[str, tuple[int, ...]], sparse: set[int]) -> set[str]:
+    """Every Llama-family tensor name (layer index kept) the worker cannot run without; a sparse
+    layer's experts, which come in one of several layouts, are `_missing_experts`'s to check."""
     try:
         layers = int(cfg["num_hidden_layers"])
     except (KeyError, TypeError, ValueError):
@@ -86,8 +92,89 @@ def _required(cfg: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> set[
     names = {n for n in expected if not n.startswith("layers.N.")}
     if cfg.get("tie_word_embeddings"):
         names.discard("lm_head.weight")
-    per_layer = [n for n in expected if n.startswith("layers.N.")]
-    return names | {n.replace(".N.", f".{i}.", 1) for n in per_layer for i in range(layers)}
+    per_layer = [n for n in expected if n.startswith("layers.N.") and not n.startswith(_SPARSE_PREFIXES)]
+    return names | {n.replace(".N.", f".{i}.", 1) for n in per_layer for i in range(layers)
+                    if not (i in sparse and n.startswith(_DENSE_MLP))}
+
+
+# Mixture of experts (worker/models/moe.py): a sparse layer's MLP is a router and experts,
+# saved per expert (the hub's names: Mixtral's block_sparse_moe w1 = gate, w3 = up, w2 = down,
+# the Qwen families' mlp.experts.E.gate/up/down_proj) or fused as transformers 5 holds them
+# ([E, 2I, H] gate_up_proj, [E, H, I] down_proj).
+_DENSE_MLP = ("layers.N.mlp.gate_proj.", "layers.N.mlp.up_proj.", "layers.N.mlp.down_proj.")
+_SPARSE_PREFIXES = ("layers.N.mlp.experts.", "layers.N.block_sparse_moe.", "layers.N.mlp.gate.",
+                    "layers.N.mlp.shared_expert")
+_EXPERT_PARTS = {"MixtralForCausalLM": ("w1", "w3", "w2")}  # gate, up, down
+_QWEN_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _sparse_layers(cfg: dict[str, Any], arch: str) -> set[int]:
+    """The layers whose MLP is a mixture of experts, as transformers' modelling code picks them."""
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        if arch == "MixtralForCausalLM":
+            return set(range(layers))
+        if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            return set()
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"config.json lacks usable mixture-of-experts sizes for {arch}") from None
+    return {i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0}
+
+
+def _expert_shapes(cfg: dict[str, Any], arch: str) -> dict[str, tuple[int, ...]]:
+    """The shapes of a sparse layer's tensors, in every layout the worker loads."""
+    try:
+        hidden = int(cfg["hidden_size"])
+        if arch == "MixtralForCausalLM":
+            experts, inter, shared = int(cfg["num_local_experts"]), int(cfg["intermediate_size"]), 0
+        else:
+            experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
+            inter = int(cfg["moe_intermediate_size"])
+            shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"config.json lacks a usable {e} for {arch}") from None
+    gate, up, down = _EXPERT_PARTS.get(arch, _QWEN_PARTS)
+    out: dict[str, tuple[int, ...]] = {}
+    for block in ("mlp", "block_sparse_moe"):
+        b = f"layers.N.{block}."
+        out[b + "gate.weight"] = (experts, hidden)
+        out[b + f"experts.N.{gate}.weight"] = out[b + f"experts.N.{up}.weight"] = (inter, hidden)
+        out[b + f"experts.N.{down}.weight"] = (hidden, inter)
+        out[b + "experts.gate_up_proj"] = (experts, 2 * inter, hidden)
+        out[b + "experts.down_proj"] = (experts, hidden, inter)
+    if shared:
+        b = "layers.N.mlp.shared_expert."
+        out[b + "gate_proj.weight"] = out[b + "up_proj.weight"] = (shared, hidden)
+        out[b + "down_proj.weight"] = (hidden, shared)
+        out["layers.N.mlp.shared_expert_gate.weight"] = (1, hidden)
+    return out
+
+
+def _missing_experts(cfg: dict[str, Any], arch: str, sparse: set[int], present: set[str]) -> list[str]:
+    """The first tensors a sparse layer lacks in the layout its checkpoint uses."""
+    if not sparse:
+        return []
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    gate, up, down = _EXPERT_PARTS.get(arch, _QWEN_PARTS)
+    shared = arch == "Qwen2MoeForCausalLM" and bool(cfg.get("shared_expert_intermediate_size"))
+    missing: list[str] = []
+    for i in sorted(sparse):
+        hub = f"layers.{i}.block_sparse_moe."
+        block = "block_sparse_moe" if {hub + "gate.weight", hub + f"experts.0.{gate}.weight",
+                                       hub + "experts.gate_up_proj"} & present else "mlp"
+        b = f"layers.{i}.{block}."
+        need = [b + "gate.weight"]
+        parts = ([] if b + "experts.gate_up_proj" in present else [gate, up]) + \
+            ([] if b + "experts.down_proj" in present else [down])
+        need += [b + f"experts.{e}.{part}.weight" for e in range(experts) for part in parts]
+        if shared:
+            need += [f"layers.{i}.mlp.shared_expert.{p}.weight" for p in _QWEN_PARTS]
+            need.append(f"layers.{i}.mlp.shared_expert_gate.weight")
+        missing += [n for n in need if n not in present]
+    return missing
 
 
 def _config(folder: Path) -> dict[str, Any]:

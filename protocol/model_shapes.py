@@ -5,7 +5,8 @@ Megatron-style sharding splits attention heads and MLP columns across ranks.
 KV heads are split too; when there are fewer KV heads than ranks, each KV head
 is replicated on N / num_kv_heads ranks (as vLLM does), which needs
 N % num_kv_heads == 0 so that every rank's query heads share one KV head.
-The vocabulary is padded per rank and needs no check.
+The vocabulary is padded per rank and needs no check. A mixture-of-experts model
+splits every expert's intermediate dimension (and a shared expert's) as well.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ class ShardedShapes:
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
+    # Mixture of experts: (config.json key, size) of each other intermediate dimension split.
+    expert_sizes: tuple[tuple[str, int], ...] = ()
+
+
+# config.json keys of the expert intermediate sizes (Mixtral's experts use intermediate_size itself).
+_EXPERT_KEYS = ("moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def read_shapes(model_path: str | Path) -> ShardedShapes | None:
@@ -34,6 +41,8 @@ def read_shapes(model_path: str | Path) -> ShardedShapes | None:
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         intermediate_size=int(cfg["intermediate_size"]),
+        expert_sizes=tuple((key, int(cfg[key])) for key in _EXPERT_KEYS
+                           if (cfg.get("num_experts") or cfg.get("num_local_experts")) and cfg.get(key)),
     )
 
 
@@ -52,6 +61,9 @@ def tensor_parallel_error(shapes: ShardedShapes, tp: int) -> str | None:
                 f"multiple of it, so KV heads can be neither split nor replicated evenly")
     if inter % tp:
         return f"tensor_parallel_size {tp} does not divide intermediate_size {inter}"
+    for key, size in shapes.expert_sizes:
+        if size % tp:
+            return f"tensor_parallel_size {tp} does not divide {key} {size}"
     return None
 
 

@@ -21,6 +21,8 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # "llama3" is Llama with Llama 3.1 rope scaling; kept apart from ARCHS so the
 # four families stay the default set.
 ALL_ARCHS = (*ARCHS, "llama3")
+# Mixture-of-experts families, apart from ARCHS so that the dense tests keep their set.
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 VOCAB_SIZE = 512
 EOS_TOKEN_ID = 2
@@ -67,6 +69,9 @@ def tiny_config(arch: str, *, tied: bool = False, **overrides: Any) -> Any:
         cls = Qwen3Config
         # head_dim deliberately differs from hidden_size / num_attention_heads.
         kwargs["head_dim"] = 32
+    elif arch in MOE_ARCHS:
+        cls, extra = _moe_config(arch)
+        kwargs.update(extra)
     elif arch == "phi3":
         from transformers import Phi3Config
 
@@ -81,6 +86,24 @@ def tiny_config(arch: str, *, tied: bool = False, **overrides: Any) -> Any:
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ALL_ARCHS}")
     cfg = cls(**{**kwargs, **overrides})
     return cfg
+
+
+def _moe_config(arch: str) -> tuple[Any, dict[str, Any]]:
+    """8 experts, top-2, each family with what sets it apart: Mixtral every layer sparse, always
+    renormalised, with a sliding window; Qwen2-MoE a shared expert with its sigmoid gate and raw
+    top-k weights; Qwen3-MoE renormalised, q/k norm, a dense first layer (`mlp_only_layers`)
+    whose MLP is wider than the experts."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    if arch == "mixtral":
+        # intermediate_size is each expert's here.
+        return MixtralConfig, {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48,
+                               "sliding_window": 48}
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 48, "norm_topk_prob": False}
+    return Qwen3MoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                            "norm_topk_prob": True, "mlp_only_layers": [0], "head_dim": 32}
 
 
 def make_model(arch: str, *, tied: bool = False, seed: int = 0, **overrides: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from noria.worker.models import moe
 from noria.worker.models.llama import LlamaForCausalLM
 from noria.worker.models.parallel import TensorParallel
 from noria.worker.models.spec import ModelSpec, model_spec
+
+log = logging.getLogger("noria.worker")
 
 # Every supported architecture shares one implementation; the spec carries the differences.
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
@@ -20,6 +24,10 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # Mixture of experts: the same decoder with worker/models/moe.py's block as a sparse layer's MLP.
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
 }
 
@@ -75,6 +83,9 @@ def load_model(path: str | Path, spec: ModelSpec, device: torch.device, dtype: t
     """Build the model for `spec` (this rank's shard of it under `tp`) directly on
     `device` in `dtype` and fill it from `path`."""
     cls = MODEL_CLASSES[spec.architecture]
+    tp = tp or TensorParallel()
+    if spec.num_experts and tp.first:
+        log.info("%s", moe.describe(spec, tp))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

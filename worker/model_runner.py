@@ -53,6 +53,7 @@ from noria.worker.kv_cache import (
 )
 from noria.worker.loader import load_model, load_spec
 from noria.worker.memory_profile import profile_memory
+from noria.worker.models.moe import expert_sizes
 from noria.worker.models.parallel import destroy_tensor_parallel, init_tensor_parallel
 from noria.worker.prompt_logprobs import PromptLogprobs, Span, collect, take_complete
 from noria.worker.sampler import Sampler, SamplingState
@@ -121,7 +122,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.spec = s = load_spec(config.model, config.max_model_len)
         # The check `noria serve` makes too; here before joining the other ranks.
-        problem = tensor_parallel_error(ShardedShapes(s.num_heads, s.num_kv_heads, s.intermediate_size), tp_size)
+        problem = tensor_parallel_error(ShardedShapes(s.num_heads, s.num_kv_heads, s.intermediate_size,
+                                                      expert_sizes(s)), tp_size)
         if problem:
             raise ValueError(f"cannot shard {config.model}: {problem}")
         self.tp = init_tensor_parallel(rank, tp_size, dist_init_method, self.device, config.startup_timeout)
@@ -187,6 +189,10 @@ class ModelRunner:
         """CUDA graphs on one CUDA rank, unless --enforce-eager, with an attention backend whose
         per-step preparation launches nothing and only takes views of the buffers."""
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        if self.spec.num_experts:
+            # Each MoE layer reads its experts' row counts on the host, which a graph cannot replay.
+            log.info("cuda graphs: off (mixture-of-experts layers group their tokens by expert on the host)")
             return False
         if self.tp.size > 1 or not getattr(self.attention, "graph_safe", False):
             log.info("cuda graphs: off (%s)", "tensor parallel" if self.tp.size > 1

@@ -36,6 +36,8 @@ from noria.worker.models.layers import (
     pack_linear_weight,
     silu_and_mul,
 )
+from noria.worker.models.moe import SparseMoeBlock
+from noria.worker.models.moe import owns as moe_owns
 from noria.worker.models.parallel import RankShapes, TensorParallel, rank_shapes
 from noria.worker.models.spec import ModelSpec
 
@@ -157,7 +159,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_index: int, shapes: RankShapes, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = Attention(spec, layer_index, shapes, tp)
-        self.mlp = MLP(spec, shapes, tp)
+        # A sparse layer's MLP is the mixture-of-experts block (Mixtral, Qwen2/3-MoE).
+        sparse = bool(spec.sparse_layers) and spec.sparse_layers[layer_index]
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(spec, tp) if sparse else MLP(spec, shapes, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -283,6 +287,10 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         filled: set[tuple[str, int | None]] = set()
         for name, tensor in self._split_fused(weights):
+            moe = self._moe_block(name)
+            if moe is not None:
+                moe[0].load(moe[1], tensor)
+                continue
             target = self._target(name)
             if target is None:
                 continue
@@ -298,7 +306,11 @@ class LlamaForCausalLM(nn.Module):
             dest.copy_(tensor)
             filled.add((pname, shard))
         counts = Counter(p for p, _ in filled)
-        missing = [p for p in params if counts[p] < self._num_shards(p)]
+        sparse = [(f"layers.{i}.mlp.", layer.mlp) for i, layer in enumerate(self.layers)
+                  if isinstance(layer.mlp, SparseMoeBlock)]
+        missing = [p for p in params if counts[p] < self._num_shards(p)
+                   and not p.startswith(tuple(prefix for prefix, _ in sparse))]
+        missing += [prefix + m for prefix, block in sparse for m in block.missing()]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
@@ -324,6 +336,17 @@ class LlamaForCausalLM(nn.Module):
                     break
             else:
                 yield name, tensor
+
+    def _moe_block(self, name: str) -> tuple[SparseMoeBlock, str] | None:
+        """The sparse block a checkpoint tensor belongs to, with the tensor's name below `layers.N.`."""
+        rest = name.removeprefix("model.")
+        if not rest.startswith("layers.") or rest.count(".") < 2:
+            return None
+        _, index, rest = rest.split(".", 2)
+        if not index.isdigit() or int(index) >= len(self.layers):
+            return None
+        mlp = self.layers[int(index)].mlp
+        return (mlp, rest) if isinstance(mlp, SparseMoeBlock) and moe_owns(rest) else None
 
     def _target(self, name: str) -> tuple[str, int | None] | None:
         if "rotary_emb.inv_freq" in name:

@@ -7,7 +7,7 @@ Keeping them in one frozen dataclass means the model code never pokes at
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +17,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
     "Phi3ForCausalLM",
 )
 
@@ -25,6 +28,9 @@ _BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
 
@@ -80,6 +86,16 @@ class ModelSpec:
     rope: RopeSpec
     sliding_windows: tuple[int | None, ...]  # one per layer; None = full attention
     checkpoint_dtype: torch.dtype | None
+    # Mixture of experts (worker/models/moe.py); num_experts 0 is a dense model. Keyword-only
+    # with defaults, so that the dense families need not name them.
+    num_experts: int = field(default=0, kw_only=True)
+    num_experts_per_tok: int = field(default=0, kw_only=True)
+    moe_intermediate_size: int = field(default=0, kw_only=True)  # each expert's; intermediate_size is the dense MLP's
+    shared_expert_intermediate_size: int = field(default=0, kw_only=True)  # Qwen2-MoE; 0: none
+    norm_topk_prob: bool = field(default=False, kw_only=True)  # renormalise the top-k routing weights to sum 1
+    # The Qwen families round the routing weights to the model dtype before weighting; Mixtral keeps float32.
+    router_weights_in_model_dtype: bool = field(default=True, kw_only=True)
+    sparse_layers: tuple[bool, ...] = field(default=(), kw_only=True)  # per layer: a MoE block (else dense MLP)
 
 
 def _rope_spec(cfg: Any, max_model_len: int | None = None) -> RopeSpec:
@@ -145,7 +161,8 @@ def _sliding_windows(cfg: Any, arch: str, num_layers: int) -> tuple[int | None, 
         return (None,) * num_layers
     if layer_types is not None:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # transformers windows every layer of both
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        # transformers windows every layer of these
         return (window,) * num_layers
     if getattr(cfg, "use_sliding_window", False):
         first = int(getattr(cfg, "max_window_layers", num_layers))
@@ -191,6 +208,9 @@ def model_spec(cfg: Any, max_model_len: int | None = None) -> ModelSpec:
         "MistralForCausalLM": (False, False),
         "Qwen2ForCausalLM": (True, False),
         "Qwen3ForCausalLM": (attention_bias, attention_bias),
+        "MixtralForCausalLM": (False, False),
+        "Qwen2MoeForCausalLM": (bool(getattr(cfg, "qkv_bias", True)), False),
+        "Qwen3MoeForCausalLM": (attention_bias, attention_bias),
         "Phi3ForCausalLM": (False, False),
     }[arch]
     return ModelSpec(
@@ -208,8 +228,34 @@ def model_spec(cfg: Any, max_model_len: int | None = None) -> ModelSpec:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(cfg, "mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         rope=_rope_spec(cfg, max_model_len),
         sliding_windows=_sliding_windows(cfg, arch, num_layers),
         checkpoint_dtype=_checkpoint_dtype(cfg),
+        **_moe_fields(cfg, arch, num_layers),
     )
+
+
+def _moe_fields(cfg: Any, arch: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts facts of a sparse family (none for a dense one), read as
+    transformers' modelling code reads them."""
+    if arch == "MixtralForCausalLM":
+        # Every layer is sparse, intermediate_size is each expert's, and the top-k always renormalised.
+        num_experts, shared, norm, in_dtype = int(cfg.num_local_experts), 0, True, False
+        inter = int(cfg.intermediate_size)
+        sparse = (True,) * num_layers
+    elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        num_experts, inter = int(getattr(cfg, "num_experts", 0) or 0), int(cfg.moe_intermediate_size)
+        shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0) if arch == "Qwen2MoeForCausalLM" else 0
+        norm, in_dtype = bool(getattr(cfg, "norm_topk_prob", False)), True
+        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+        dense = {int(i) for i in getattr(cfg, "mlp_only_layers", None) or ()}
+        sparse = tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    else:
+        return {}
+    top_k = int(cfg.num_experts_per_tok)
+    if any(sparse) and not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} is not between 1 and the {num_experts} experts of {arch}")
+    return {"num_experts": num_experts if any(sparse) else 0, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": inter, "shared_expert_intermediate_size": shared, "norm_topk_prob": norm,
+            "router_weights_in_model_dtype": in_dtype, "sparse_layers": sparse}
