@@ -18,7 +18,9 @@ from noria.protocol.config import (
     Dtype,
     EngineConfig,
     GenerationConfigMode,
+    PoolingType,
     PreemptionMode,
+    Runner,
     SchedulingPolicy,
     WorkerLinkConfig,
 )
@@ -64,6 +66,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 and every multiple of 8 "
                         "up to --max-num-seqs); a batch runs in the graph of the next size up, padded")
+    g.add_argument("--runner", choices=_choices(Runner), default=None,
+                   help="generate (default): text generation; pooling: one embedding per input (/v1/embeddings)")
+    g.add_argument("--pooling", choices=_choices(PoolingType), default=None,
+                   help="how --runner pooling pools the final hidden states (default: the checkpoint's "
+                        "sentence-transformers modules.json, else last)")
     g.add_argument("--generation-config", choices=_choices(GenerationConfigMode), default=None,
                    help="auto (default): the checkpoint's generation_config.json gives temperature, top_p, top_k, "
                         "min_p and repetition_penalty to requests that do not set them; vllm, none: vLLM's defaults")

@@ -17,9 +17,19 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 from noria.frontend.connection import ENGINE_UNREACHABLE, Connection
-from noria.frontend.inputs import Prompt, make_generate
+from noria.frontend.inputs import Prompt, embed_inputs, make_embed, make_generate
 from noria.frontend.outputs import OutputBuilder, RequestOutput
-from noria.protocol.client import Abort, Delta, Done, Error, Generate, Ready, Stats
+from noria.protocol.client import (
+    Abort,
+    Delta,
+    Done,
+    Embed,
+    Embedding,
+    Error,
+    Generate,
+    Ready,
+    Stats,
+)
 from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.sampling import SamplingParams
 
@@ -176,6 +186,55 @@ class AsyncClient:
     async def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
         return await self.generate(None, params, messages=messages, **kw)
 
+    async def embed_request(self, msg: Embed) -> Embedding:
+        """Send a ready-made `embed`; its `embedding` (vector and usage). Raises NoriaError on an
+        error reply (e.g. a server that does not run --runner pooling), a timeout or a lost
+        engine. Cancelled, it aborts the request upstream."""
+        conn = self._conn
+        loop = conn.start()
+        rid = msg.request_id
+        inbox = conn.open_inbox(rid)
+        finished = False
+        try:
+            try:
+                conn.send(msg)
+            except (OverflowError, RecursionError) as e:  # a value msgpack cannot carry: nothing was sent
+                finished = True
+                raise NoriaError(ErrorCode.INVALID_REQUEST, f"the request cannot be encoded: {e}") from None
+            out = await inbox.get(loop, self.timeout)
+            if out is None:
+                raise NoriaError(ErrorCode.TIMEOUT, f"no answer from {self.address} for request {rid} within {self.timeout}s")
+            finished = True
+            if isinstance(out, Error):
+                raise NoriaError(out.code, out.message, param=out.param)
+            if not isinstance(out, Embedding):  # a `done`: this client aborted it
+                raise NoriaError(ErrorCode.INVALID_REQUEST, f"request {rid} ended without an embedding: it was aborted")
+            return out
+        finally:
+            conn.close_inbox(rid, inbox)
+            if not finished and not conn.down:
+                conn.send(Abort(request_id=rid))
+
+    async def embed(
+        self,
+        inputs: Prompt | list[Prompt],
+        *,
+        dimensions: int | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[list[float]]:
+        """One embedding per input (a text, token ids, or a list of either), in input order,
+        from a server started with `--runner pooling`. The inputs run as one request each, side by
+        side; the first error is raised and the others are aborted."""
+        msgs = [make_embed(self.new_request_id(), p, dimensions=dimensions, priority=priority, cache_salt=cache_salt)
+                for p in embed_inputs(inputs)]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self.embed_request(m)) for m in msgs]
+        except ExceptionGroup as e:
+            raise e.exceptions[0] from None
+        return [t.result().embedding for t in tasks]
+
     async def abort(self, request_id: str) -> None:
         """Abort a request of this client; it ends with a `done` whose finish_reason is "abort"."""
         self._conn.start()
@@ -241,6 +300,9 @@ class Client:
                     return
         finally:
             self._call(agen.aclose())
+
+    def embed(self, inputs: Prompt | list[Prompt], **kw: Any) -> list[list[float]]:
+        return self._call(self._async.embed(inputs, **kw))
 
     def abort(self, request_id: str) -> None:
         self._call(self._async.abort(request_id))

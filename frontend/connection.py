@@ -27,6 +27,8 @@ from noria.protocol.client import (
     Abort,
     Delta,
     Done,
+    Embed,
+    Embedding,
     Error,
     Generate,
     GetStats,
@@ -46,7 +48,7 @@ ENGINE_UNREACHABLE = ErrorCode.ENGINE_UNREACHABLE
 
 _CONNECTING, _UP, _DOWN, _CLOSED = "connecting", "up", "down", "closed"
 
-Reply = Delta | Done | Error
+Reply = Delta | Done | Error | Embedding
 
 
 class Inbox:
@@ -169,7 +171,7 @@ class Connection:
         self.send(GetStats())
         return fut
 
-    def send(self, msg: Generate | Abort | Hello | GetStats) -> None:
+    def send(self, msg: Generate | Embed | Abort | Hello | GetStats) -> None:
         sock = self._sock
         if sock is None:
             return
@@ -253,7 +255,7 @@ class Connection:
                 continue
             self._dispatch(msg)
 
-    def _dispatch(self, msg: Delta | Done | Error | Ready | Stats) -> None:
+    def _dispatch(self, msg: Delta | Done | Error | Embedding | Ready | Stats) -> None:
         assert self._loop is not None
         self._last_heard = self._loop.time()
         if self._state != _UP:

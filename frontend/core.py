@@ -19,14 +19,25 @@ from collections.abc import Callable, Hashable
 import msgspec
 
 from noria.frontend.detokenizer import IncrementalDetokenizer, StopStrings
+from noria.frontend.embeddings import EMBED_ON_GENERATE, GENERATE_ON_POOLING, Embedder
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.processor import InputProcessor
-from noria.protocol.client import Delta, Done, Error, Generate, Logprob, SchedulerStats, Usage
+from noria.protocol.client import (
+    Delta,
+    Done,
+    Embed,
+    Embedding,
+    Error,
+    Generate,
+    Logprob,
+    SchedulerStats,
+    Usage,
+)
 from noria.protocol.engine import EngineOutputs, EngineRequest, EngineSample, RequestUpdate
 from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.sampling import EngineSamplingParams, SamplingParams
 
-Sink = Callable[[Delta | Done | Error], None]
+Sink = Callable[[Delta | Done | Error | Embedding], None]
 
 
 class _Sample:
@@ -50,19 +61,20 @@ class _Sample:
 class Prepared:
     """A `Generate` turned into what its engine request is made of (`FrontendCore.prepare`)."""
 
-    __slots__ = ("prompt_ids", "params", "engine_params", "stop")
+    __slots__ = ("prompt_ids", "params", "engine_params", "stop", "embed")
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, engine_params: EngineSamplingParams,
-                 stop: StopStrings | None) -> None:
+                 stop: StopStrings | None, embed: Embed | None = None) -> None:
         self.prompt_ids = prompt_ids
         self.params = params
         self.engine_params = engine_params
         self.stop = stop
+        self.embed = embed  # an `embed` request: it ends with one `Embedding`
 
 
 class _Request:
     __slots__ = ("key", "client", "started", "request_id", "sink", "prompt_ids", "samples", "open",
-                 "num_cached_tokens", "params", "priority", "group", "resumed", "cache_salt")
+                 "num_cached_tokens", "params", "priority", "group", "resumed", "cache_salt", "embed")
 
     def __init__(self, key: Hashable, client: Hashable, request_id: str, sink: Sink, prompt_ids: list[int],
                  params: EngineSamplingParams, priority: int, group: int | None,
@@ -82,6 +94,7 @@ class _Request:
         self.group = group
         self.cache_salt = cache_salt
         self.resumed = False
+        self.embed: Embed | None = None
 
 
 class Limits(msgspec.Struct, frozen=True):
@@ -93,9 +106,12 @@ class Limits(msgspec.Struct, frozen=True):
 
 
 class FrontendCore:
-    def __init__(self, engine: EngineClient, processor: InputProcessor, limits: Limits | None = None) -> None:
+    def __init__(self, engine: EngineClient, processor: InputProcessor, limits: Limits | None = None,
+                 embedder: Embedder | None = None) -> None:
+        """`embedder`: the engine pools (--runner pooling) and takes `embed` requests only."""
         self.engine = engine
         self.processor = processor
+        self.embedder = embedder
         self.limits = limits or Limits()
         self.num_queued = 0
         self.per_client: Counter[Hashable] = Counter()
@@ -115,14 +131,21 @@ class FrontendCore:
     def num_open(self) -> int:
         return len(self.by_key)
 
-    def prepare(self, msg: Generate) -> Prepared:
+    def prepare(self, msg: Generate | Embed) -> Prepared:
         """Validate, template and tokenize `msg`; raises NoriaError naming the problem.
         Reads the processor only, so it may run on another thread than the rest."""
+        if isinstance(msg, Embed):
+            if self.embedder is None:
+                raise NoriaError(ErrorCode.INVALID_REQUEST, EMBED_ON_GENERATE)
+            ids = self.embedder.input_ids(self.processor, msg)
+            return Prepared(ids, _EMBED_PARAMS, _EMBED_ENGINE_PARAMS, None, msg)
+        if self.embedder is not None:
+            raise NoriaError(ErrorCode.INVALID_REQUEST, GENERATE_ON_POOLING)
         prompt_ids, params = self.processor.process(msg)
         engine_params = self.processor.engine_params(params)
         return Prepared(prompt_ids, params, engine_params, StopStrings(params.stop) if params.stop else None)
 
-    def submit(self, key: Hashable, msg: Generate, sink: Sink, stream: bool = True, client: Hashable = None,
+    def submit(self, key: Hashable, msg: Generate | Embed, sink: Sink, stream: bool = True, client: Hashable = None,
                prepared: Prepared | NoriaError | None = None) -> None:
         """Start a request; `sink` gets its messages. With `stream=False` the
         sink gets one delta per sample when it finishes (cheaper: offline use).
@@ -147,6 +170,7 @@ class FrontendCore:
         group = first if params.n > 1 else None  # any id unique to this request
         req = _Request(key, client, msg.request_id, sink, prompt_ids, prepared.engine_params, msg.priority, group,
                        msg.cache_salt)
+        req.embed = prepared.embed
         tok = self.processor.tokenizer
         for i in range(params.n):
             rid = first + i
@@ -213,6 +237,9 @@ class FrontendCore:
                 # Errors concern the whole request (all samples).
                 self._fail(req, u.error_code or ErrorCode.INTERNAL, u.error_message or "engine error")
                 continue
+            if u.embedding is not None:
+                self._embedded(req, s, u.embedding, u.num_cached_tokens)
+                continue
             if s.index == 0 and not req.resumed:
                 # The prompt counts once, as sample 0 found it: the other samples'
                 # hits on sample 0's blocks are no cached tokens for the client.
@@ -237,6 +264,16 @@ class FrontendCore:
                 s.prompt_logprobs = None
             if finish is not None:
                 self._finish_sample(req, s, finish)
+
+    def _embedded(self, req: _Request, s: _Sample, pooled: bytes, num_cached_tokens: int) -> None:
+        """An `embed` request's one result: its final message."""
+        assert req.embed is not None and self.embedder is not None, "an embedding for a request that asked none"
+        vector = self.embedder.vector(pooled, req.embed.dimensions)
+        s.finish_reason = "stop"
+        self._close(req)
+        req.sink(Embedding(request_id=req.request_id, embedding=vector,
+                           usage=Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=0,
+                                       cached_tokens=num_cached_tokens)))
 
     def _hold(self, req: _Request, s: _Sample, u: RequestUpdate) -> None:
         if u.logprobs:
@@ -323,3 +360,7 @@ class FrontendCore:
             prompt_token_ids=req.prompt_ids,
         )
 
+
+# What an `embed` request's engine request carries: it samples nothing, so nothing to say.
+_EMBED_PARAMS = SamplingParams(max_tokens=None)
+_EMBED_ENGINE_PARAMS = EngineSamplingParams(max_tokens=None)

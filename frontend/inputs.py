@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from noria.protocol.client import Generate
+from noria.protocol.client import Embed, Generate
 from noria.protocol.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -35,3 +35,23 @@ def make_generate(
         fields["prompt_token_ids"] = list(prompt)
     return Generate(request_id=request_id, messages=messages, priority=priority,
                     add_generation_prompt=add_generation_prompt, cache_salt=cache_salt, **fields)
+
+
+def embed_inputs(inputs: Prompt | list[Prompt]) -> list[Prompt]:
+    """What `embed` takes, as a list of inputs: a text, token ids, or a list of either."""
+    if isinstance(inputs, str):
+        return [inputs]
+    items = list(inputs)
+    if items and isinstance(items[0], int):
+        return [items]  # one input given as token ids
+    return items
+
+
+def make_embed(request_id: str, prompt: Prompt, *, dimensions: int | None = None, priority: int = 0,
+               cache_salt: str | None = None) -> Embed:
+    """An `embed` message for a text or a token-id input."""
+    if isinstance(prompt, str):
+        return Embed(request_id=request_id, prompt=prompt, dimensions=dimensions, priority=priority,
+                     cache_salt=cache_salt)
+    return Embed(request_id=request_id, prompt_token_ids=list(prompt), dimensions=dimensions, priority=priority,
+                 cache_salt=cache_salt)

@@ -14,11 +14,11 @@ from typing import Any
 from tqdm import tqdm
 
 from noria.frontend.core import FrontendCore
-from noria.frontend.inputs import Prompt, make_generate
+from noria.frontend.inputs import Prompt, embed_inputs, make_embed, make_generate
 from noria.frontend.outputs import OutputBuilder, RequestOutput
 from noria.frontend.pump import pump_engine
 from noria.frontend.startup import make_config, start_core
-from noria.protocol.client import Error, Generate, SchedulerStats
+from noria.protocol.client import Delta, Done, Embedding, Error, Generate, SchedulerStats
 from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.sampling import SamplingParams
 
@@ -66,6 +66,43 @@ class LLM:
         plist = _as_params_list(params, len(convs))
         msgs = [make_generate(self._next_id(), None, p, messages=list(c)) for c, p in zip(convs, plist, strict=True)]
         return self._run(msgs, [None] * len(msgs), use_tqdm)
+
+    def embed(self, texts: Prompt | Sequence[Prompt], *, dimensions: int | None = None,
+              use_tqdm: bool = True) -> list[list[float]]:
+        """One embedding per input (a text or token ids), in input order, from an engine made
+        with `runner="pooling"`; `dimensions` keeps that many components, normalized again."""
+        inputs = embed_inputs(texts if isinstance(texts, str) else list(texts))
+        msgs = [make_embed(self._next_id(), p, dimensions=dimensions) for p in inputs]
+        finals: dict[str, Embedding | Error | Done] = {}
+
+        def sink(out: Delta | Done | Error | Embedding) -> None:
+            if not isinstance(out, Delta):
+                finals[out.request_id or ""] = out
+
+        core = self.core
+        for m in msgs:
+            core.submit(m.request_id, m, sink, stream=False)
+        bar = tqdm(total=len(msgs), desc="embed", unit="req", disable=not use_tqdm or len(msgs) < 2, leave=False)
+        try:
+            while len(finals) < len(msgs):
+                before = len(finals)
+                self._pump(500)
+                bar.update(len(finals) - before)
+        except BaseException:
+            for m in msgs:
+                core.abort(m.request_id)
+            raise
+        finally:
+            bar.close()
+        out = [finals[m.request_id] for m in msgs]
+        vectors = []
+        for e in out:
+            if isinstance(e, Error):
+                raise NoriaError(e.code, f"request {e.request_id}: {e.message}", param=e.param)
+            if not isinstance(e, Embedding):
+                raise NoriaError(ErrorCode.INTERNAL, f"request {e.request_id} ended without an embedding")
+            vectors.append(e.embedding)
+        return vectors
 
     def _run(self, msgs: list[Generate], prompts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
         core = self.core

@@ -40,6 +40,8 @@ from noria.protocol.client import (
     ClientToServer,
     Delta,
     Done,
+    Embed,
+    Embedding,
     Error,
     Generate,
     GetStats,
@@ -66,7 +68,7 @@ class _Waiting:
 
     __slots__ = ("msg", "prepared")
 
-    def __init__(self, msg: Generate | Abort, prepared: Future[Prepared | NoriaError] | None) -> None:
+    def __init__(self, msg: Generate | Embed | Abort, prepared: Future[Prepared | NoriaError] | None) -> None:
         self.msg = msg
         self.prepared = prepared  # being made on the helper thread; None: nothing to wait for
 
@@ -110,7 +112,7 @@ class FrontendServer:
     def _sink(self, identity: bytes):  # noqa: ANN202 - closure type is obvious
         router, encode = self.router, self.codec.encode
 
-        def send(msg: Delta | Done | Error | Ready | Stats) -> None:
+        def send(msg: Delta | Done | Error | Embedding | Ready | Stats) -> None:
             try:
                 # NOBLOCK: a client that has let CLIENT_HWM replies pile up unread (zmq.Again)
                 # is treated as gone, rather than stalling everyone else's replies.
@@ -140,13 +142,13 @@ class FrontendServer:
             self._sink(identity)(Error(request_id=rid, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}"[:500]))
 
     def _dispatch(self, identity: bytes, msg: ClientToServer, size: int = 0) -> None:
-        if isinstance(msg, Generate | Abort):
+        if isinstance(msg, Generate | Embed | Abort):
             waiting = self.backlog.get(identity)
-            large = isinstance(msg, Generate) and size > LARGE_REQUEST
+            large = isinstance(msg, Generate | Embed) and size > LARGE_REQUEST
             if waiting is None and not large:
                 self._apply(identity, msg, None)
                 return
-            if isinstance(msg, Generate) and waiting is not None and len(waiting) >= MAX_BACKLOG:
+            if isinstance(msg, Generate | Embed) and waiting is not None and len(waiting) >= MAX_BACKLOG:
                 self._sink(identity)(Error(request_id=msg.request_id, code=ErrorCode.OVERLOADED,
                                            message=f"{MAX_BACKLOG} messages of this connection already wait "
                                                    "behind a large request; retry later"))
@@ -175,7 +177,7 @@ class FrontendServer:
             self._sink(identity)(Stats(stats=stats, num_open_requests=self.core.num_open, status=status, reason=reason,
                                        scheduler_restarts=self.supervisor.restarts))
 
-    def _prepare(self, msg: Generate) -> Prepared | NoriaError:
+    def _prepare(self, msg: Generate | Embed) -> Prepared | NoriaError:
         """On the helper thread: what `submit` needs, or why the request is refused."""
         try:
             return self.core.prepare(msg)
@@ -189,8 +191,8 @@ class FrontendServer:
         with contextlib.suppress(BlockingIOError):  # a full pipe wakes the loop just as well
             os.write(self.wake_w, b"\0")
 
-    def _apply(self, identity: bytes, msg: Generate | Abort, prepared: Prepared | NoriaError | None) -> None:
-        if isinstance(msg, Generate):
+    def _apply(self, identity: bytes, msg: Generate | Embed | Abort, prepared: Prepared | NoriaError | None) -> None:
+        if isinstance(msg, Generate | Embed):
             self.core.submit((identity, msg.request_id), msg, self._sink(identity), client=identity,
                              prepared=prepared)
         else:
@@ -220,7 +222,7 @@ class FrontendServer:
             for w in waiting:
                 if w.prepared is not None:
                     w.prepared.cancel()
-                if isinstance(w.msg, Generate):
+                if isinstance(w.msg, Generate | Embed):
                     self._guarded(identity, w.msg, lambda: self._apply(
                         identity, w.msg, NoriaError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")))  # noqa: B023
         self.backlog.clear()

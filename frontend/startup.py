@@ -10,6 +10,7 @@ import msgspec
 
 from noria.frontend.core import FrontendCore, Limits
 from noria.frontend.demo_model import resolve_model
+from noria.frontend.embeddings import Embedder, hidden_size
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.generation_config import describe as describe_generation_defaults
 from noria.frontend.generation_config import generation_defaults
@@ -18,6 +19,7 @@ from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig, WorkerLinkConfig
 from noria.protocol.model_identity import model_facts
 from noria.protocol.model_shapes import check_tensor_parallel
+from noria.protocol.pooling import engine_pooling
 from noria.protocol.validation import convert
 
 log = logging.getLogger("noria")
@@ -41,6 +43,12 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
     check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
     _check_length(model_path, config.max_model_len)
     config = msgspec.structs.replace(config, model=model_path)
+    # Resolved once here (a bad sentence-transformers file fails now, in one sentence), so that
+    # the scheduler and every worker pool the same way.
+    pooling = engine_pooling(model_path, config.runner, config.pooling)
+    if pooling is not None:
+        config = msgspec.structs.replace(config, pooling=pooling.mode)
+        log.info("pooling runner: %s pooling%s", pooling.mode, ", normalized" if pooling.normalize else "")
     tokenizer = _tokenizer(config.tokenizer or model_path)
     # Read before the engine starts: a generation_config.json no request could use is one sentence.
     sampling_defaults = generation_defaults(model_path, config.generation_config)
@@ -56,7 +64,8 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
         log.info("engine ready, waiting for workers to register; max_model_len %d", ready.max_model_len)
     processor = InputProcessor(tokenizer, eos_token_ids(model_path, tokenizer), ready.vocab_size, ready.max_model_len,
                                input_limits, config.scheduling_policy, sampling_defaults=sampling_defaults)
-    return FrontendCore(engine, processor, limits)
+    embedder = Embedder(pooling, hidden_size(model_path)) if pooling is not None else None
+    return FrontendCore(engine, processor, limits, embedder)
 
 
 def _check_length(model_path: str, max_model_len: int | None) -> None:

@@ -185,5 +185,27 @@ class Stats(msgspec.Struct, kw_only=True, tag="stats", tag_field="type"):
     scheduler_restarts: int = 0  # schedulers started again after one died
 
 
-ClientToServer = Generate | Abort | Hello | GetStats
-ServerToClient = Delta | Done | Error | Ready | Stats
+class Embed(msgspec.Struct, kw_only=True, tag="embed", tag_field="type"):
+    """One embedding of a text or of token ids, from a server started with `--runner pooling`;
+    answered by `embedding` (or `error`). Exactly one of prompt, prompt_token_ids."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[Int64] | None = None
+    # Keep the first `dimensions` components and normalize again (Matryoshka); None: all.
+    dimensions: Int64 | None = None
+    priority: Int64 = 0
+    cache_salt: str | None = None
+
+
+class Embedding(msgspec.Struct, kw_only=True, tag="embedding", tag_field="type"):
+    """The one final message of a successful `embed`: float32 values (L2-normalized unless
+    the checkpoint says otherwise) and the input's token count (`completion_tokens` 0)."""
+
+    request_id: str
+    embedding: list[float]
+    usage: Usage
+
+
+ClientToServer = Generate | Abort | Hello | GetStats | Embed
+ServerToClient = Delta | Done | Error | Ready | Stats | Embedding

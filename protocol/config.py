@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from noria.protocol.pooling import PoolingType, Runner
+
 # Accepted spellings, as vLLM accepts them; the worker maps them to torch dtypes.
 Dtype = Literal["auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -60,6 +62,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Batch sizes to capture; None: 1, 2, 4, 8 and every multiple of 8 up to max_num_seqs.
     cuda_graph_sizes: list[AtLeastOne] | None = None
     startup_timeout: Annotated[float, Meta(gt=0.0)] = 300.0
+    # generate: text generation; pooling: one embedding per prompt (/v1/embeddings), no sampling.
+    runner: Runner = "generate"
+    # How a pooling engine pools; None: the checkpoint's sentence-transformers files, else the
+    # last token (protocol/pooling.py). Resolved once when the engine starts.
+    pooling: PoolingType | None = None
     # Sampling defaults for requests that leave them unset (frontend/generation_config.py): auto,
     # the checkpoint's generation_config.json; vllm and none, vLLM's defaults.
     generation_config: GenerationConfigMode = "auto"

@@ -83,6 +83,9 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
     error_message: str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[Logprob | None] | None = None  # with the first token, when asked for
+    # A pooling engine's one update for a request: its pooled hidden state (little-endian
+    # float32, not normalized), with finish_reason "stop" and no token.
+    embedding: bytes | None = None
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, gc=False, tag="out"):

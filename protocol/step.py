@@ -83,7 +83,8 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
 
 
 class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
-    """Sampled token ids for the requests that sampled this step, in plan order."""
+    """Sampled token ids for the requests that sampled this step, in plan order (or, from a
+    pooling engine, the pooled vectors of the requests whose prompt the step completed)."""
 
     step_id: int
     req_ids: list[int]
@@ -94,3 +95,8 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     # Parallel to req_ids: a request's whole prompt logprobs (first entry None), sent with its
     # first sampled token when it asked for them (worker/prompt_logprobs.py), else None.
     prompt_logprobs: list[list[Logprob | None] | None] | None = None
+    # A pooling engine (`--runner pooling`) samples nothing: the requests whose prompt this step
+    # completed, each with its pooled hidden state (before normalization) as little-endian
+    # float32 bytes, `pooled[i]` for `pooled_req_ids[i]`.
+    pooled_req_ids: list[int] = []
+    pooled: list[bytes] = []

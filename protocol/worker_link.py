@@ -18,7 +18,7 @@ from noria.protocol.config import EngineConfig
 from noria.protocol.model_identity import ModelIdentity
 from noria.protocol.step import StepPlan, StepResult
 
-WORKER_PROTOCOL_VERSION = 4
+WORKER_PROTOCOL_VERSION = 5
 """Bumped whenever a message on this link changes shape; a mismatch is refused by name."""
 
 

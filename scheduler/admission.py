@@ -7,11 +7,19 @@ from noria.protocol.errors import ErrorCode
 
 
 def refusal(msg: EngineRequest, sample: EngineSample, max_model_len: int, token_budget: int,
-            chunked_prefill: bool) -> tuple[str, str] | None:
-    """(error code, message) for a sample of `msg` this engine cannot take, else None."""
+            chunked_prefill: bool, pooling: bool = False) -> tuple[str, str] | None:
+    """(error code, message) for a sample of `msg` this engine cannot take, else None.
+    `pooling`: a pooling engine's request, which needs no room for an output token."""
     n_prompt = len(msg.prompt_token_ids)
     if n_prompt == 0:
         return ErrorCode.INVALID_REQUEST, "prompt is empty"
+    if pooling and n_prompt > max_model_len:
+        return (ErrorCode.PROMPT_TOO_LONG,
+                f"input has {n_prompt} tokens but this engine embeds at most {max_model_len} (max_model_len)")
+    if pooling:
+        return None if chunked_prefill or n_prompt <= token_budget else (
+            ErrorCode.PROMPT_TOO_LONG, f"input has {n_prompt} tokens, more than max_num_batched_tokens "
+            f"{token_budget} with chunked prefill disabled")
     if n_prompt >= max_model_len:
         return (ErrorCode.PROMPT_TOO_LONG,
                 f"prompt has {n_prompt} tokens but this engine accepts at most {max_model_len - 1} "

@@ -91,7 +91,7 @@ class KVCacheManager:
 
         The last token is never served from cache: its logits are needed.
         """
-        if req.hash_root is None or req.needs_prompt_logits:
+        if req.hash_root is None or req.needs_all_positions:
             return []
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs

@@ -60,7 +60,7 @@ class Request:
         "num_prompt_tokens", "params", "shared", "sample_index", "eos_token_ids", "stop_ids", "priority",
         "arrival_seq",
         "max_tokens", "block_ids", "block_hashes", "num_cached_blocks", "in_worker",
-        "swapped_blocks", "num_preemptions", "sort_key", "hash_root",
+        "swapped_blocks", "num_preemptions", "sort_key", "hash_root", "pooling", "pools_every_position",
     )
 
     def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: bytes | None,
@@ -102,12 +102,21 @@ class Request:
         self.num_worker_tokens = len(self.token_ids)
         self.decode_limit = 0  # set by `set_decode_limit`
         self.decode_entry = (self.req_id, 1)  # its StepPlan.scheduled pair for a decode, made once
+        # A pooling engine's request (`Scheduler.pooling`): it ends with its embedding once its
+        # prompt is computed, and generates nothing. `pools_every_position`: mean or cls
+        # pooling, which reads hidden states before the last (see `needs_all_positions`).
+        self.pooling = False
+        self.pools_every_position = False
 
     def set_decode_limit(self, max_model_len: int) -> None:
         """Where the hot paths stop for this request (`Scheduler.schedule`, `update_from_result`):
         at the last token it may produce. 0 for a constrained request: it always takes the
-        general path, where its matcher sees every token."""
-        self.decode_limit = 0 if self.matcher is not None else min(self.length_cap, max_model_len)
+        general path, where its matcher sees every token; 0 for a pooling request, which
+        produces no token."""
+        if self.matcher is not None or self.pooling:
+            self.decode_limit = 0
+        else:
+            self.decode_limit = min(self.length_cap, max_model_len)
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +137,14 @@ class Request:
         position must be computed, so no prefix-cache hits and no swap (worker/prompt_logprobs.py)."""
         return (self.params.prompt_logprobs is not None and self.sample_index == 0
                 and len(self.token_ids) == self.num_prompt_tokens)
+
+    @property
+    def needs_all_positions(self) -> bool:
+        """Every prompt position must be computed by this request, in order, before its result:
+        no prefix-cache hits, and a preemption recomputes instead of swapping (the worker's
+        running state for it is dropped with it). Prompt logprobs still due, or mean and cls
+        pooling (worker/pooling.py)."""
+        return self.pools_every_position or self.needs_prompt_logits
 
     def stop_reason(self, tok: int, max_model_len: int) -> str | None:
         """Why the token just appended ends the request, if it does; vLLM's order: length

@@ -47,10 +47,29 @@ class StepResults:
                 finished |= self._emit(req, tok, None if logprobs is None else logprobs[j],
                                        None if prompt_logprobs is None else prompt_logprobs[j])
         self.stats.generation_tokens += len(tokens) - (self.stats.tokens_discarded - discarded_before)
+        if result.pooled_req_ids or result.pooled:
+            finished |= self._apply_pooled(result)
         if finished:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
             self.swapped = [r for r in self.swapped if r.status is Status.SWAPPED]
         self.stats.num_steps += 1
+
+    def _apply_pooled(self, result: StepResult) -> bool:
+        """A pooling engine's embeddings: each ends its request (which frees its blocks), unless
+        the request ended after the step was planned (an abort)."""
+        if len(result.pooled) != len(result.pooled_req_ids):
+            raise ValueError(f"step {result.step_id}: {len(result.pooled_req_ids)} pooled requests but "
+                             f"{len(result.pooled)} vectors")
+        finished = False
+        for rid, vector in zip(result.pooled_req_ids, result.pooled, strict=True):
+            req = self.requests.get(rid)
+            if req is None or not req.pooling or req.num_in_flight == 0:
+                continue
+            self.updates.append(RequestUpdate(rid, [], "stop", num_cached_tokens=req.num_cached_tokens,
+                                              embedding=vector))
+            self._finish(req)
+            finished = True
+        return finished
 
     def _apply_plain(self, req_ids: list[int], tokens: list[int]) -> bool:
         """Tokens without logprobs, the per-token hot path: a token that cannot end its

@@ -31,6 +31,7 @@ from noria.protocol.client import SchedulerStats
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest, EngineSample, RequestUpdate
 from noria.protocol.errors import ErrorCode
+from noria.protocol.pooling import engine_pooling
 from noria.protocol.step import StepPlan
 from noria.scheduler.admission import refusal
 from noria.scheduler.block_check import check_blocks
@@ -55,6 +56,8 @@ class Scheduler(StepResults):
         self.swap = config.preemption_mode == "swap"
         # Under fcfs (vLLM's default) a request's priority orders nothing, whoever set it.
         self.by_priority = config.scheduling_policy == "priority"
+        # A pooling engine's requests compute their prompt and end with its embedding.
+        self.pooling = engine_pooling(config.model, config.runner, config.pooling)
         self.stats = SchedulerStats()
         self.requests: dict[int, Request] = {}
         self.waiting: list[tuple[tuple[int, int], int]] = []  # heap of (sort_key, req_id)
@@ -83,7 +86,8 @@ class Scheduler(StepResults):
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, self.config.enable_prefix_caching,
                                  num_cpu_blocks if self.swap else 0)
         self.stats.num_kv_blocks = num_kv_blocks
-        for req in [r for r in self.requests.values() if r.num_tokens >= self.max_model_len]:
+        # A pooling request needs no room for an output token.
+        for req in [r for r in self.requests.values() if r.num_tokens >= self.max_model_len + r.pooling]:
             self._finish(req)
             self.reject(req.req_id, ErrorCode.PROMPT_TOO_LONG,
                          f"{req.num_tokens} tokens do not fit the new worker group's KV cache "
@@ -136,10 +140,13 @@ class Scheduler(StepResults):
         rid = sample.req_id
         if rid in self.requests:
             return self.reject(rid, ErrorCode.DUPLICATE_REQUEST, f"request {rid} is already in flight")
-        refused = refusal(msg, sample, self.max_model_len, self.token_budget, self.chunked_prefill)
+        refused = refusal(msg, sample, self.max_model_len, self.token_budget, self.chunked_prefill,
+                          self.pooling is not None)
         if refused is not None:
             return self.reject(rid, *refused)
         req = Request(msg, self._arrivals, max_tokens, hash_root, sample, shared)
+        if self.pooling is not None:
+            req.pooling, req.pools_every_position = True, self.pooling.every_position
         req.set_decode_limit(self.max_model_len)
         self._arrivals += 1
         self.requests[rid] = req
@@ -324,7 +331,7 @@ class Scheduler(StepResults):
         self.stats.num_preemptions += 1
         req.num_preemptions += 1
         self._forget_in_worker(req)
-        pairs = self.kv.swap_out(req) if self.swap and req.block_ids and not req.needs_prompt_logits else None
+        pairs = self.kv.swap_out(req) if self.swap and req.block_ids and not req.needs_all_positions else None
         if pairs is not None:
             self._swap_out.extend(pairs)
             req.status = Status.SWAPPED

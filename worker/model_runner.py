@@ -27,6 +27,7 @@ import torch
 from noria.protocol.client import Logprob
 from noria.protocol.config import EngineConfig
 from noria.protocol.model_shapes import ShardedShapes, tensor_parallel_error
+from noria.protocol.pooling import engine_pooling
 from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
 from noria.worker import native_stack
@@ -55,6 +56,7 @@ from noria.worker.loader import load_model, load_spec
 from noria.worker.memory_profile import profile_memory
 from noria.worker.models.moe import expert_sizes
 from noria.worker.models.parallel import destroy_tensor_parallel, init_tensor_parallel
+from noria.worker.pooling import Pooler
 from noria.worker.prompt_logprobs import PromptLogprobs, Span, collect, take_complete
 from noria.worker.sampler import Sampler, SamplingState
 
@@ -69,6 +71,9 @@ class RequestState:
     row: int  # row in BlockTables
     sampling: SamplingState | None  # rank 0 only: the other ranks do not sample
     prompt_logprobs: PromptLogprobs | None = None  # until they are sent with the first token
+    # A pooling engine's carry-over between a prompt's chunks (worker/pooling.py).
+    pooled: torch.Tensor | None = None
+    num_pooled: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +152,10 @@ class ModelRunner:
         self.attention_choice = select_attention_backend(self.device, attention_layers(self.model), self.dtype,
                                                          self.block_size, choice=config.attention_backend)
         self.attention = self.attention_choice.backend
-        self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp.first else None
+        # A pooling engine (--runner pooling) samples nothing: rank 0 pools each completed prompt.
+        self.pooling = engine_pooling(config.model, config.runner, config.pooling)
+        self.pooler = Pooler(self.pooling) if self.pooling is not None and self.tp.first else None
+        self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp.first and not self.pooling else None
         self.requests: dict[int, RequestState] = {}
         # Who wants to know each step's shape and time (e.g. bench/step_log.py); none by default.
         self.step_observers: list[StepObserver] = []
@@ -188,8 +196,8 @@ class ModelRunner:
     def _graphs_wanted(self) -> bool:
         """CUDA graphs on one CUDA rank, unless --enforce-eager, with an attention backend whose
         per-step preparation launches nothing and only takes views of the buffers."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return False
+        if self.device.type != "cuda" or self.config.enforce_eager or self.pooling is not None:
+            return False  # a pooling engine's steps are prefills: nothing for a decode graph
         if self.spec.num_experts:
             # Each MoE layer reads its experts' row counts on the host, which a graph cannot replay.
             log.info("cuda graphs: off (mixture-of-experts layers group their tokens by expert on the host)")
@@ -251,7 +259,8 @@ class ModelRunner:
         for state, seq_len in zip(batch.states, batch.meta.seq_lens_host, strict=True):
             state.num_computed_tokens = seq_len
         # Every rank takes part (the logits are gathered); only rank 0 gets them.
-        logits = self.model.compute_logits(hidden[batch.sample_token_index]) if batch.sample_requests else None
+        sampling = bool(batch.sample_requests) and self.pooling is None
+        logits = self.model.compute_logits(hidden[batch.sample_token_index]) if sampling else None
         if batch.prompt_spans:
             collect(self.model, hidden, batch.prompt_spans)
         if self.step_observers:
@@ -259,6 +268,12 @@ class ModelRunner:
                               time.perf_counter() - t_model)
             for observe in self.step_observers:
                 observe(stats)
+        if self.pooling is not None:
+            ids, vectors = [], []
+            if self.pooler is not None:
+                meta = batch.meta
+                ids, vectors = self.pooler.pool(hidden, batch.states, meta.query_lens_host, meta.seq_lens_host)
+            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[], pooled_req_ids=ids, pooled=vectors)
         if not batch.sample_requests:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
         if plan.grammar is not None and logits is not None:  # structured output (rank 0 has the logits)
@@ -306,6 +321,9 @@ class ModelRunner:
         bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{what}: token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
+        if self.pooling is not None and self.pooling.every_position and new.num_computed_tokens:
+            raise ValueError(f"{what}: {self.pooling.mode} pooling needs every position computed here, but "
+                             f"{new.num_computed_tokens} come computed")
         tracker = PromptLogprobs.for_request(new, params)
         self.kv_cache.check_blocks(new.block_ids, what)
         sampling = None

@@ -22,6 +22,7 @@ from noria.frontend.bridge.openai_api import (
     handle_models,
     json_response,
 )
+from noria.frontend.bridge.openai_embeddings import handle_embeddings
 from noria.frontend.bridge.openai_schema import Health
 from noria.frontend.bridge.playground import handle_playground
 from noria.frontend.bridge.state import (
@@ -76,6 +77,7 @@ def make_app(engine: str, api_key: str | None = None, max_per_client: int | None
     app.router.add_get("/v1/models", handle_models)
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_post("/v1/embeddings", handle_embeddings)
     app.router.add_get("/v1/stream", handle_stream)
     return app
 

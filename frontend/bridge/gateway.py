@@ -13,7 +13,7 @@ from contextlib import aclosing
 
 from noria.frontend.bridge.metrics import BridgeMetrics
 from noria.frontend.client import ENGINE_UNREACHABLE, AsyncClient
-from noria.protocol.client import Delta, Done, Generate, Ready
+from noria.protocol.client import Delta, Done, Embed, Embedding, Generate, Ready
 from noria.protocol.errors import NoriaError
 
 
@@ -38,6 +38,29 @@ class Gateway:
             return await asyncio.wait_for(self.client.hello(), timeout)
         except TimeoutError:
             raise NoriaError(ENGINE_UNREACHABLE, f"no answer from {self.client.address} within {timeout}s") from None
+
+    async def embed(self, msg: Embed) -> Embedding:
+        """One `embed` upstream, timed and counted as a request (finish reason "stop"); cancelled,
+        it aborts the request upstream."""
+        m = self.metrics
+        t0 = time.perf_counter()
+        self.active += 1
+        self.idle.clear()
+        try:
+            out = await self.client.embed_request(msg)
+        except NoriaError as e:
+            m.failure.labels(e.code).inc()
+            raise
+        except asyncio.CancelledError:
+            m.success.labels("abort").inc()
+            raise
+        finally:
+            self.active -= 1
+            if not self.active:
+                self.idle.set()
+        m.e2e.observe(time.perf_counter() - t0)
+        m.success.labels("stop").inc()
+        return out
 
     async def stream(self, msg: Generate) -> AsyncIterator[Delta | Done]:
         m = self.metrics
