@@ -21,10 +21,12 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM",
 )
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit
 
 
@@ -42,12 +44,16 @@ def check_checkpoint(folder: str | Path) -> None:
     if not known:
         raise CheckpointError(f"{folder} holds a model of architecture {archs or cfg.get('model_type')}, which noria "
                               f"does not implement (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    _check_rope(cfg)
+    if known[0] in _GEMMA:
+        # transformers' Gemma configs default to these; config.json may leave them out.
+        cfg = {"tie_word_embeddings": True, "head_dim": 256, **cfg}
     sparse = _sparse_layers(cfg, known[0])
+    _check_rope(cfg)
     expected = _expected_shapes(cfg)
-    expected.update(_expert_shapes(cfg, known[0]) if sparse else {})
     if known[0] == "Phi3ForCausalLM":
         expected = _phi3_shapes(expected)
+    expected.update(_gemma_shapes(cfg, known[0]))
+    expected.update(_expert_shapes(cfg, known[0]) if sparse else {})
     present: set[str] = set()
     for file in _weight_files(folder):
         for name, shape in _header_shapes(file).items():
@@ -218,6 +224,21 @@ def _generic(name: str) -> str:
     """`model.layers.7.mlp.up_proj.weight` -> `layers.N.mlp.up_proj.weight`."""
     parts = name.removeprefix("model.").split(".")
     return ".".join("N" if p.isdigit() else p for p in parts)
+
+
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _gemma_shapes(cfg: dict[str, Any], arch: str) -> dict[str, tuple[int, ...]]:
+    """Gemma's norms around the MLP, and Gemma 3's per-head q/k norms; none for other families."""
+    if arch not in _GEMMA:
+        return {}
+    hidden, head_dim = int(cfg["hidden_size"]), int(cfg["head_dim"])
+    out = {"layers.N.pre_feedforward_layernorm.weight": (hidden,),
+           "layers.N.post_feedforward_layernorm.weight": (hidden,)}
+    if arch == "Gemma3ForCausalLM":
+        out["layers.N.self_attn.q_norm.weight"] = out["layers.N.self_attn.k_norm.weight"] = (head_dim,)
+    return out
 
 
 # Mirrors worker/models/spec.py SUPPORTED_ROPE_TYPES (a test keeps them equal); "su" is

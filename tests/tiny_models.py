@@ -23,6 +23,8 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 ALL_ARCHS = (*ARCHS, "llama3")
 # Mixture-of-experts families, apart from ARCHS so that the dense tests keep their set.
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Gemma 2 / 3 (text), apart for the same reason; tests/test_gemma.py runs them.
+GEMMA_ARCHS = ("gemma2", "gemma3")
 
 VOCAB_SIZE = 512
 EOS_TOKEN_ID = 2
@@ -69,9 +71,6 @@ def tiny_config(arch: str, *, tied: bool = False, **overrides: Any) -> Any:
         cls = Qwen3Config
         # head_dim deliberately differs from hidden_size / num_attention_heads.
         kwargs["head_dim"] = 32
-    elif arch in MOE_ARCHS:
-        cls, extra = _moe_config(arch)
-        kwargs.update(extra)
     elif arch == "phi3":
         from transformers import Phi3Config
 
@@ -82,6 +81,12 @@ def tiny_config(arch: str, *, tied: bool = False, **overrides: Any) -> Any:
         kwargs["original_max_position_embeddings"] = 256
         kwargs["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                      "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0]}
+    elif arch in MOE_ARCHS:
+        cls, extra = _moe_config(arch)
+        kwargs.update(extra)
+    elif arch in GEMMA_ARCHS:
+        cls, extra = _gemma_config(arch)
+        kwargs.update(extra)
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ALL_ARCHS}")
     cfg = cls(**{**kwargs, **overrides})
@@ -106,6 +111,24 @@ def _moe_config(arch: str) -> tuple[Any, dict[str, Any]]:
                             "norm_topk_prob": True, "mlp_only_layers": [0], "head_dim": 32}
 
 
+def _gemma_config(arch: str) -> tuple[Any, dict[str, Any]]:
+    """Three layers, sliding / global / sliding, with a window (20) shorter than the longer test
+    prompts; head_dim 32 (not hidden / heads) and query_pre_attn_scalar 24 (not head_dim), so a
+    wrong attention scale shows. Gemma 2 soft-caps attention logits at 1.0, small enough to
+    change the greedy tokens (its final cap, 3.0, cannot change an argmax: logprobs show it).
+    Gemma 3's sliding layers rotate with a base of 100, its global ones with linear-scaled rope."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    common = {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 20,
+              "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "pad_token_id": 0}
+    if arch == "gemma2":
+        return Gemma2Config, {**common, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 3.0,
+                              "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}
+    return Gemma3TextConfig, {**common, "final_logit_softcapping": 3.0, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 20000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}
+
+
 def make_model(arch: str, *, tied: bool = False, seed: int = 0, **overrides: Any) -> Any:
     """The transformers model (float32, eval mode) with seeded random weights."""
     from transformers import AutoModelForCausalLM
@@ -113,6 +136,13 @@ def make_model(arch: str, *, tied: bool = False, seed: int = 0, **overrides: Any
     cfg = tiny_config(arch, tied=tied, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if arch in GEMMA_ARCHS:
+        # transformers starts Gemma's (1 + w) norms at w = 0, which would hide a norm that
+        # forgets the 1, or one applied in the wrong place.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.5)
     return model.eval()
 
 

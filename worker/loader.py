@@ -12,13 +12,14 @@ import torch
 from safetensors import safe_open
 
 from noria.worker.models import moe
+from noria.worker.models.gemma import GemmaForCausalLM
 from noria.worker.models.llama import LlamaForCausalLM
 from noria.worker.models.parallel import TensorParallel
 from noria.worker.models.spec import ModelSpec, model_spec
 
 log = logging.getLogger("noria.worker")
 
-# Every supported architecture shares one implementation; the spec carries the differences.
+# The Llama implementation serves every family but Gemma; the spec carries the differences.
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -29,6 +30,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    # Gemma 2 / 3: Llama's attention, MLP and loading under Gemma's norms, GeGLU and soft-caps.
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 

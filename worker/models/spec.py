@@ -21,6 +21,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 _BY_MODEL_TYPE = {
@@ -32,6 +34,8 @@ _BY_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -67,6 +71,19 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class GemmaSpec:
+    """What Gemma 2 / 3 add to the decoder (worker/models/gemma.py): scaled embeddings, (1 + w)
+    RMSNorms around attention and MLP, GeGLU, an attention scale from query_pre_attn_scalar,
+    soft-capped logits, and (Gemma 3) a rope base of their own for the sliding layers."""
+
+    query_pre_attn_scalar: float
+    attn_logit_softcap: float | None  # cap * tanh(score / cap) before the softmax; None: off
+    final_logit_softcap: float | None  # the same on the output logits
+    gelu_approximate: str  # F.gelu's `approximate`: "tanh" (gelu_pytorch_tanh) or "none"
+    local_rope: RopeSpec | None  # the sliding layers' rotary (Gemma 3); None: `ModelSpec.rope` for all
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     architecture: str
     vocab_size: int
@@ -96,6 +113,7 @@ class ModelSpec:
     # The Qwen families round the routing weights to the model dtype before weighting; Mixtral keeps float32.
     router_weights_in_model_dtype: bool = field(default=True, kw_only=True)
     sparse_layers: tuple[bool, ...] = field(default=(), kw_only=True)  # per layer: a MoE block (else dense MLP)
+    gemma: GemmaSpec | None = field(default=None, kw_only=True)  # Gemma 2 / 3; None for the other families
 
 
 def _rope_spec(cfg: Any, max_model_len: int | None = None) -> RopeSpec:
@@ -161,6 +179,9 @@ def _sliding_windows(cfg: Any, arch: str, num_layers: int) -> tuple[int | None, 
         return (None,) * num_layers
     if layer_types is not None:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if arch in _GEMMA:  # configs without layer_types: every pattern-th layer is global, the others slide
+        pattern = int(getattr(cfg, "sliding_window_pattern", None) or (2 if arch == "Gemma2ForCausalLM" else 6))
+        return tuple(window if (i + 1) % pattern else None for i in range(num_layers))
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         # transformers windows every layer of these
         return (window,) * num_layers
@@ -192,7 +213,7 @@ def model_spec(cfg: Any, max_model_len: int | None = None) -> ModelSpec:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     act = getattr(cfg, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
+    if act not in ("silu", "swish") and arch not in _GEMMA:  # Gemma's is hidden_activation (_gemma_spec)
         raise ValueError(f"unsupported activation {act!r} for {arch}; only silu is implemented")
     num_heads = int(cfg.num_attention_heads)
     num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
@@ -212,6 +233,8 @@ def model_spec(cfg: Any, max_model_len: int | None = None) -> ModelSpec:
         "Qwen2MoeForCausalLM": (bool(getattr(cfg, "qkv_bias", True)), False),
         "Qwen3MoeForCausalLM": (attention_bias, attention_bias),
         "Phi3ForCausalLM": (False, False),
+        "Gemma2ForCausalLM": (attention_bias, attention_bias),
+        "Gemma3ForCausalLM": (attention_bias, attention_bias),
     }[arch]
     return ModelSpec(
         architecture=arch,
@@ -228,11 +251,67 @@ def model_spec(cfg: Any, max_model_len: int | None = None) -> ModelSpec:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(cfg, "mlp_bias", False)),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        rope=_rope_spec(cfg, max_model_len),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+        # Gemma 3 keeps a rope per layer type; the full-attention layers' is the model's.
+        rope=_rope_spec(_layer_type_rope(cfg, "full_attention") if arch == "Gemma3ForCausalLM" else cfg,
+                        max_model_len),
         sliding_windows=_sliding_windows(cfg, arch, num_layers),
         checkpoint_dtype=_checkpoint_dtype(cfg),
         **_moe_fields(cfg, arch, num_layers),
+        gemma=_gemma_spec(cfg, arch, max_model_len),
+    )
+
+
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+class _Overlay:
+    """`cfg` with some attributes replaced (a per-layer-type rope dict read by _rope_spec)."""
+
+    def __init__(self, cfg: Any, **attrs: Any) -> None:
+        self._cfg = cfg
+        self.__dict__.update(attrs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cfg, name)
+
+
+def _layer_type_rope(cfg: Any, layer_type: str) -> Any:
+    """Gemma 3's rope of one layer type as a config _rope_spec reads. transformers 5 nests
+    rope_parameters by layer type; older configs give rope_theta / rope_scaling for the full
+    layers and rope_local_base_freq for the sliding ones."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if layer_type in params:
+        return _Overlay(cfg, rope_parameters=params[layer_type], rope_scaling=None)
+    if layer_type == "sliding_attention":
+        return _Overlay(cfg, rope_parameters={"rope_type": "default",
+                                              "rope_theta": getattr(cfg, "rope_local_base_freq", 10000.0)},
+                        rope_scaling=None)
+    return cfg
+
+
+def _gemma_spec(cfg: Any, arch: str, max_model_len: int | None) -> GemmaSpec | None:
+    if arch not in _GEMMA:
+        return None
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "gelu_pytorch_tanh"
+    if act not in _GELU:
+        raise ValueError(f"unsupported activation {act!r} for {arch}; supported: {', '.join(_GELU)}")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError(f"{arch} with use_bidirectional_attention (an embedding model) is not supported")
+
+    def cap(name: str) -> float | None:
+        value = getattr(cfg, name, None)
+        return float(value) if value else None
+
+    gemma3 = arch == "Gemma3ForCausalLM"
+    return GemmaSpec(
+        query_pre_attn_scalar=float(cfg.query_pre_attn_scalar),
+        # transformers' Gemma 3 reads attn_logit_softcapping into its config but never applies it.
+        attn_logit_softcap=None if gemma3 else cap("attn_logit_softcapping"),
+        final_logit_softcap=cap("final_logit_softcapping"),
+        gelu_approximate=_GELU[act],
+        local_rope=_rope_spec(_layer_type_rope(cfg, "sliding_attention"), max_model_len) if gemma3 else None,
     )
 
 
