@@ -3,9 +3,9 @@ AttentionBackend protocol: prepare(meta) once per step, forward(layer, q, k, v, 
 v_cache, meta) per layer). It only reads attributes, so kernels/ does not import worker/.
 
 The worker's metadata is int64; the kernels take int32 block tables, sequence lengths and
-query offsets, converted once per step in prepare(). `unsupported(layer, dtype, block_size)`
-says why the kernels cannot run a layer (a sliding window, a head size, dtype or block size
-with no instance); such layers go to `fallback` (the worker's torch backend), so no shape
+query offsets, converted once per step in prepare(). A layer's sliding window and logit soft-cap go to the
+kernels as arguments. `unsupported(layer, dtype, block_size)` says why the kernels cannot run
+a layer (a head size, dtype or block size with no instance); such layers go to `fallback` (the worker's torch backend), so no shape
 reaches a kernel that was not built for it. `warm_up` compiles the modules a model needs at
 start-up instead of at its first step.
 
@@ -41,8 +41,12 @@ class _StepTensors:
 def unsupported(layer: Any, dtype: torch.dtype, block_size: int) -> str | None:
     """Why the kernels cannot run `layer` (a worker.attention.LayerAttention) with this cache
     dtype and block size, or None when they can."""
-    if getattr(layer, "sliding_window", None) is not None:
-        return f"sliding window {layer.sliding_window} (the kernels attend to the whole context)"
+    window = getattr(layer, "sliding_window", None)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        return f"sliding window {window!r} (kernels: a positive number of tokens)"
+    cap = getattr(layer, "logits_soft_cap", None)
+    if cap is not None and not 0.0 < cap < float("inf"):
+        return f"logit soft-cap {cap!r} (kernels: a positive finite number)"
     if dtype not in ops.DTYPE_NAMES:
         return f"dtype {dtype} (kernels: {', '.join(ops.DTYPE_NAMES.values())})"
     if layer.head_dim not in instances.HEAD_SIZES:
@@ -185,6 +189,8 @@ class KernelAttentionBackend:
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
             plan=step.plan,
+            window=layer.sliding_window,
+            soft_cap=getattr(layer, "logits_soft_cap", None),
             backend=self.backend,
         )
         return out

@@ -15,11 +15,25 @@ import torch
 from noria.kernels import ops, reference
 from noria.kernels.backends import KernelBackend
 from noria.kernels.instances import AttentionConfig
-from noria.kernels.scenes import TORCH_DTYPES, assert_matches, edge_lengths, make_scene
+from noria.kernels.scenes import (
+    TORCH_DTYPES,
+    assert_matches,
+    edge_lengths,
+    first_seen_decode,
+    first_seen_prefill,
+    make_scene,
+    poison_outside_windows,
+)
 
 SCALE = 0.37
 NUM_HEADS = 8
 NUM_KV_HEADS = 2  # GQA: four query heads per KV head
+# The sliding-window and soft-capped checks: a window that starts inside blocks and key
+# tiles (every key before it poisoned, so a read outside the window shows), and a cap that
+# the (scaled-up) queries' scores reach well past.
+WINDOW = 45
+SOFT_CAP = 5.0
+CAPPED_QUERY = 3.0
 
 
 @dataclass
@@ -36,21 +50,43 @@ def _to(device: torch.device, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(device) for t in ts)
 
 
-def check_decode(cfg: AttentionConfig, be: KernelBackend, device: torch.device, long: int, split: bool) -> None:
+def check_decode(
+    cfg: AttentionConfig, be: KernelBackend, device: torch.device, long: int, split: bool,
+    window: int | None = None, soft_cap: float | None = None,
+) -> None:
     lens = edge_lengths(cfg.block_size, long)
     scene = make_scene(cfg, lens, num_kv_heads=NUM_KV_HEADS, seed=1)
     g = torch.Generator().manual_seed(2)
-    query = torch.randn(len(lens), NUM_HEADS, cfg.head_dim, generator=g).to(TORCH_DTYPES[cfg.dtype])
+    query = torch.randn(len(lens), NUM_HEADS, cfg.head_dim, generator=g)
+    if soft_cap is not None:
+        query *= CAPPED_QUERY
+    query = query.to(TORCH_DTYPES[cfg.dtype])
     expected = reference.paged_attention_decode(
-        query, scene.k_cache, scene.v_cache, scene.block_tables, scene.seq_lens, SCALE
+        query, scene.k_cache, scene.v_cache, scene.block_tables, scene.seq_lens, SCALE,
+        window=window, soft_cap=soft_cap,
     )
+    if window is not None:
+        scene = poison_outside_windows(scene, first_seen_decode(lens, window))
     k, v, tables, seq_lens, q = _to(device, scene.k_cache, scene.v_cache, scene.block_tables, scene.seq_lens, query)
     out = _poisoned(tuple(query.shape), query.dtype, device)
-    ops.paged_attention_decode(out, q, k, v, tables, seq_lens, SCALE, max_seq_len=max(lens), split=split, backend=be)
+    ops.paged_attention_decode(out, q, k, v, tables, seq_lens, SCALE, max_seq_len=max(lens), split=split,
+                               partition_size=_partition(cfg, split, window), window=window,
+                               soft_cap=soft_cap, backend=be)
     assert_matches(out.cpu(), expected, cfg.dtype)
 
 
-def check_prefill(cfg: AttentionConfig, be: KernelBackend, device: torch.device, long: int) -> None:
+def _partition(cfg: AttentionConfig, split: bool, window: int | None) -> int:
+    """Split-K partitions: the default, or with a window one or two blocks, so that a window
+    still spans several."""
+    if not split or window is None:
+        return ops.DEFAULT_PARTITION_SIZE
+    return cfg.block_size * max(1, 32 // cfg.block_size)
+
+
+def check_prefill(
+    cfg: AttentionConfig, be: KernelBackend, device: torch.device, long: int,
+    window: int | None = None, soft_cap: float | None = None,
+) -> None:
     bs = cfg.block_size
     # (context, query tokens): a first token, a chunk across a block edge, a prefix hit with a
     # short chunk, a long prompt, a decode row and an empty sequence.
@@ -59,15 +95,22 @@ def check_prefill(cfg: AttentionConfig, be: KernelBackend, device: torch.device,
     qsl = torch.zeros(len(batch) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor([q for _, q in batch]).cumsum(0)
     g = torch.Generator().manual_seed(4)
-    query = torch.randn(int(qsl[-1]), NUM_HEADS, cfg.head_dim, generator=g).to(TORCH_DTYPES[cfg.dtype])
+    query = torch.randn(int(qsl[-1]), NUM_HEADS, cfg.head_dim, generator=g)
+    if soft_cap is not None:
+        query *= CAPPED_QUERY
+    query = query.to(TORCH_DTYPES[cfg.dtype])
     expected = reference.paged_attention_prefill(
-        query, scene.k_cache, scene.v_cache, scene.block_tables, scene.seq_lens, qsl, SCALE
+        query, scene.k_cache, scene.v_cache, scene.block_tables, scene.seq_lens, qsl, SCALE,
+        window=window, soft_cap=soft_cap,
     )
+    if window is not None:
+        scene = poison_outside_windows(scene, first_seen_prefill([c for c, _ in batch], [q for _, q in batch], window))
     k, v, tables, seq_lens, q, qsl_d = _to(
         device, scene.k_cache, scene.v_cache, scene.block_tables, scene.seq_lens, query, qsl
     )
     out = _poisoned(tuple(query.shape), query.dtype, device)
-    ops.paged_attention_prefill(out, q, k, v, tables, seq_lens, qsl_d, SCALE, backend=be)
+    ops.paged_attention_prefill(out, q, k, v, tables, seq_lens, qsl_d, SCALE, window=window, soft_cap=soft_cap,
+                                backend=be)
     assert_matches(out.cpu(), expected, cfg.dtype)
 
 
@@ -107,8 +150,8 @@ def run_contracts(
     long: int = 3001,
     on_result: Callable[[ContractResult], None] | None = None,
 ) -> list[ContractResult]:
-    """Every contract for every configuration (decode single-pass and split-K, prefill) and
-    the cache kernels per dtype. A failure is recorded, not raised, so that one bad instance
+    """Every contract for every configuration (decode single-pass and split-K, prefill, each
+    also with a sliding window and a logit soft-cap) and the cache kernels per dtype. A failure is recorded, not raised, so that one bad instance
     does not hide the others."""
     results = []
     for name, check in _checks(list(configs), be, device, long):
@@ -131,5 +174,11 @@ def _checks(
         yield f"decode {tag}", lambda c=cfg: check_decode(c, be, device, long, split=False)
         yield f"decode split-K {tag}", lambda c=cfg: check_decode(c, be, device, long, split=True)
         yield f"prefill {tag}", lambda c=cfg: check_prefill(c, be, device, long)
+        yield f"decode window + soft-cap {tag}", lambda c=cfg: check_decode(
+            c, be, device, long, split=True, window=WINDOW, soft_cap=SOFT_CAP
+        )
+        yield f"prefill window + soft-cap {tag}", lambda c=cfg: check_prefill(
+            c, be, device, long, window=WINDOW, soft_cap=SOFT_CAP
+        )
     for dtype in sorted({c.dtype for c in configs}):
         yield f"reshape_and_cache + copy_blocks {dtype}", lambda d=dtype: check_cache_and_copies(d, be, device)

@@ -9,6 +9,11 @@ tensors run under the CPU emulator (tests), unless a backend is given. Layouts:
 * block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs] (context length
   including this step's tokens); query_start_loc int32 [num_seqs + 1]; slot_mapping int32 or
   int64 [num_tokens] with slot = block * block_size + offset, negative = skip.
+
+Every attention entry point takes `window` (sliding window: a query at position p sees keys
+p - window + 1 .. p, as transformers' sliding-window layers; None = the whole context) and
+`soft_cap` (scores s = scale * q.k become soft_cap * tanh(s / soft_cap) before the softmax, as
+Gemma 2's attention logit soft-capping; None = off).
 """
 
 from __future__ import annotations
@@ -84,6 +89,24 @@ def _backend(t: torch.Tensor, backend: KernelBackend | None) -> KernelBackend:
     return backend if backend is not None else default_backend(t.device)
 
 
+def _window_args(window: int | None, soft_cap: float | None) -> tuple[np.int32, np.float32]:
+    """The kernels' (window, soft_cap) arguments; 0 turns either off."""
+    if window is not None and (not isinstance(window, int | np.integer) or window < 1):
+        raise ValueError(f"window must be a positive number of tokens or None, got {window!r}")
+    if soft_cap is not None and not (0.0 < float(soft_cap) < float("inf")):
+        raise ValueError(f"soft_cap must be a positive finite number or None, got {soft_cap!r}")
+    if window is not None and window >= 1 << 30:
+        window = None  # a window no context reaches
+    return np.int32(window or 0), np.float32(soft_cap or 0.0)
+
+
+def windowed_lengths(seq_lens_host: Sequence[int], window: int | None) -> list[int]:
+    """The keys a decode query sees per sequence: its context, or at most the window. Split
+    plans count this as a sequence's work."""
+    lens = [int(n) for n in seq_lens_host]
+    return lens if window is None else [min(n, window) for n in lens]
+
+
 def _threads_for(elems: int, cap: int = 256) -> int:
     return max(32, min(cap, (elems + 31) // 32 * 32))
 
@@ -145,10 +168,13 @@ def paged_attention_decode(
     split: bool | None = None,
     partition_size: int = DEFAULT_PARTITION_SIZE,
     seq_lens_host: Sequence[int] | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
     backend: KernelBackend | None = None,
 ) -> None:
     """One query token per sequence: out[s] = softmax(scale * q[s] K^T) V over the first
-    seq_lens[s] cached tokens of sequence s. An empty context gives zeros.
+    seq_lens[s] cached tokens of sequence s (the last `window` of them with a window). An
+    empty context gives zeros.
 
     float16 / bfloat16 run the tensor-core GQA kernel (one CTA per sequence partition, KV head
     and group of up to 16 query heads); split=None splits by work balance
@@ -157,8 +183,10 @@ def paged_attention_decode(
     False never splits. float32 runs the CUDA-core kernel: max_seq_len (a host int, at least
     max(seq_lens); computed with a device sync if omitted) sizes its split-K grid, split=None
     lets choose_num_partitions decide, True / False force split-K (partitions of
-    partition_size tokens) or a single pass."""
+    partition_size tokens) or a single pass. A window splits by the keys it covers, not the
+    context: a long sliding-window context costs its window."""
     block_size, num_kv_heads, head_dim = _check_decode_args(out, query, k_cache, v_cache, block_tables, seq_lens)
+    window_args = _window_args(window, soft_cap)
     num_seqs, num_heads = query.shape[0], query.shape[1]
     if num_seqs == 0:
         return
@@ -167,18 +195,19 @@ def paged_attention_decode(
     cfg = AttentionConfig(_dtype_name(k_cache), head_dim, block_size)
     if instances.uses_gqa_decode(cfg):
         be = _backend(k_cache, backend)
-        plan = _gqa_plan(be, query, k_cache, seq_lens, seq_lens_host, split, partition_size)
-        _launch_gqa_decode(be, cfg, out, query, k_cache, v_cache, block_tables, seq_lens, scale, plan)
+        plan = _gqa_plan(be, query, k_cache, seq_lens, seq_lens_host, split, partition_size, window)
+        _launch_gqa_decode(be, cfg, out, query, k_cache, v_cache, block_tables, seq_lens, scale, plan, window_args)
         return
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
+    # Partitions start at the block holding the window's first key, so they cover at most
+    # window + block_size - 1 tokens of a context.
+    span = max_seq_len if window is None else min(max_seq_len, window + block_size - 1)
     be = _backend(k_cache, backend)
     if split is None:
-        num_partitions = choose_num_partitions(
-            max_seq_len, num_seqs, num_heads, be.sm_count, partition_size
-        )
+        num_partitions = choose_num_partitions(span, num_seqs, num_heads, be.sm_count, partition_size)
     else:
-        num_partitions = max(1, -(-max_seq_len // partition_size)) if split else 1
+        num_partitions = max(1, -(-span // partition_size)) if split else 1
     spec = instances.decode_module(cfg)
     decode = be.kernel(spec, instances.decode_name(cfg))
     device = k_cache.device
@@ -192,10 +221,12 @@ def paged_attention_decode(
             decode(
                 (num_heads, num_seqs, 1),
                 (NUM_THREADS,),
-                (be.ptr(out), unused, unused, unused, *common, np.int32(SINGLE_PARTITION)),
+                (be.ptr(out), unused, unused, unused, *common, np.int32(SINGLE_PARTITION), *window_args),
             )
             return
-        _launch_split_decode(be, spec, cfg, decode, out, seq_lens, common, num_partitions, partition_size)
+        _launch_split_decode(
+            be, spec, cfg, decode, out, seq_lens, common, num_partitions, partition_size, window_args
+        )
 
 
 def paged_attention_prefill(
@@ -211,17 +242,21 @@ def paged_attention_prefill(
     max_query_len: int | None = None,
     plan: StepPlan | None = None,
     skip_decode: bool = False,
+    window: int | None = None,
+    soft_cap: float | None = None,
     backend: KernelBackend | None = None,
 ) -> None:
     """Ragged causal attention: the query tokens query_start_loc[s]:query_start_loc[s+1] of
     sequence s are its last q_len positions (of seq_lens[s]) and attend to every cached
-    position up to their own. Their K/V must already be in the cache.
+    position up to their own (the last `window` of those with a window). Their K/V must
+    already be in the cache.
 
     float16 / bfloat16 run the tensor-core kernel over a flat work list (from `plan`, else
     from query_start_loc with a device sync); skip_decode (with a plan) leaves the rows of
     one-token sequences unwritten, for the decode kernel. float32 runs the CUDA-core kernel
     over every sequence (max_query_len sizes its grid)."""
     block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    window_args = _window_args(window, soft_cap)
     num_tokens, num_heads = query.shape[0], query.shape[1]
     _check_rows("query", query, num_heads, head_dim)
     if out.shape != (num_tokens, num_heads, head_dim) or not out.is_contiguous():
@@ -256,6 +291,7 @@ def paged_attention_prefill(
                     be.ptr(out), be.ptr(query), be.ptr(k_cache), be.ptr(v_cache), be.ptr(block_tables),
                     be.ptr(seq_lens), be.ptr(query_start_loc), be.ptr(work), np.float32(scale),
                     np.int32(num_heads), np.int32(query.stride(0)), np.int32(block_tables.stride(0)),
+                    *window_args,
                 ),
             )
         return
@@ -281,6 +317,7 @@ def paged_attention_prefill(
                 np.int32(num_kv_heads),
                 np.int32(query.stride(0)),
                 np.int32(block_tables.stride(0)),
+                *window_args,
             ),
         )
 
@@ -298,6 +335,8 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     plan: StepPlan | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
     backend: KernelBackend | None = None,
 ) -> None:
     """One step's attention. Every sequence brings one token: the decode kernel (query row s is
@@ -316,6 +355,8 @@ def paged_attention(
             scale,
             max_seq_len=max_seq_len,
             seq_lens_host=plan.seq_lens if plan is not None else None,
+            window=window,
+            soft_cap=soft_cap,
             backend=backend,
         )
         return
@@ -336,17 +377,20 @@ def paged_attention(
         max_query_len=max_query_len,
         plan=plan,
         skip_decode=mixed,
+        window=window,
+        soft_cap=soft_cap,
         backend=backend,
     )
     if mixed:
         assert plan is not None
-        _decode_rows(out, query, k_cache, v_cache, block_tables, seq_lens, scale, plan, backend)
+        _decode_rows(out, query, k_cache, v_cache, block_tables, seq_lens, scale, plan, backend,
+                     window=window, soft_cap=soft_cap)
 
 
 def _decode_rows(
     out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, plan: StepPlan,
-    backend: KernelBackend | None,
+    backend: KernelBackend | None, *, window: int | None, soft_cap: float | None,
 ) -> None:
     """The decode kernel over a mixed step's one-token sequences: views of the step's tensors
     when those sequences are consecutive, else gathered rows scattered back into `out`."""
@@ -355,7 +399,8 @@ def _decode_rows(
     if isinstance(seqs, slice) and isinstance(tokens, slice):
         paged_attention_decode(
             out[tokens], query[tokens], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale,
-            max_seq_len=max(lens_host), seq_lens_host=lens_host, backend=backend,
+            max_seq_len=max(lens_host), seq_lens_host=lens_host, window=window, soft_cap=soft_cap,
+            backend=backend,
         )
         return
     assert isinstance(seqs, torch.Tensor) and isinstance(tokens, torch.Tensor)
@@ -363,7 +408,7 @@ def _decode_rows(
     paged_attention_decode(
         dec_out, query.index_select(0, tokens), k_cache, v_cache, block_tables.index_select(0, seqs),
         seq_lens.index_select(0, seqs), scale, max_seq_len=max(lens_host), seq_lens_host=lens_host,
-        backend=backend,
+        window=window, soft_cap=soft_cap, backend=backend,
     )
     out.index_copy_(0, tokens, dec_out)
 
@@ -438,6 +483,7 @@ def _check_decode_args(
 def _launch_split_decode(
     be: KernelBackend, spec: ModuleSpec, cfg: AttentionConfig, decode: Any, out: torch.Tensor,
     seq_lens: torch.Tensor, common: tuple[Any, ...], num_partitions: int, partition_size: int,
+    window_args: tuple[np.int32, np.float32],
 ) -> None:
     """Split-K: each partition writes a partial result, then the merge kernel combines them."""
     num_seqs, num_heads, head_dim = out.shape
@@ -446,18 +492,20 @@ def _launch_split_decode(
     part_max = be.scratch((num_seqs, num_heads, num_partitions), device)
     part_sum = be.scratch((num_seqs, num_heads, num_partitions), device)
     parts = (be.ptr(out), be.ptr(part_out), be.ptr(part_max), be.ptr(part_sum))
-    decode((num_heads, num_seqs, num_partitions), (NUM_THREADS,), (*parts, *common, np.int32(partition_size)))
+    decode((num_heads, num_seqs, num_partitions), (NUM_THREADS,),
+           (*parts, *common, np.int32(partition_size), *window_args))
     reduce = be.kernel(spec, instances.reduce_name(cfg))
     smem = 4 * num_partitions
     if smem > 48 * 1024:
         raise ValueError(f"{num_partitions} partitions exceed the merge kernel's shared memory")
     reduce((num_heads, num_seqs), (NUM_THREADS,),
-           (*parts, be.ptr(seq_lens), np.int32(num_partitions), np.int32(partition_size)), shared_mem=smem)
+           (*parts, be.ptr(seq_lens), np.int32(num_partitions), np.int32(partition_size),
+            np.int32(cfg.block_size), window_args[0]), shared_mem=smem)
 
 
 def _gqa_plan(
     be: KernelBackend, query: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor,
-    seq_lens_host: Sequence[int] | None, split: bool | None, partition_size: int,
+    seq_lens_host: Sequence[int] | None, split: bool | None, partition_size: int, window: int | None,
 ) -> DecodePlan:
     num_seqs, num_heads = query.shape[0], query.shape[1]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -466,6 +514,7 @@ def _gqa_plan(
     lens = seq_lens.tolist() if seq_lens_host is None else list(seq_lens_host)
     if len(lens) != num_seqs:
         raise ValueError(f"seq_lens_host has {len(lens)} entries for {num_seqs} sequences")
+    lens = windowed_lengths(lens, window)  # the partitions cover the window only
     if split:
         return DecodePlan(partition_size, tuple(max(1, -(-n // partition_size)) for n in lens))
     ctas = num_kv_heads * -(-(num_heads // num_kv_heads) // GQA_ROWS)
@@ -490,7 +539,7 @@ def _work_layout(parts: tuple[int, ...], device: torch.device) -> tuple[torch.Te
 def _launch_gqa_decode(
     be: KernelBackend, cfg: AttentionConfig, out: torch.Tensor, query: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, plan: DecodePlan,
+    seq_lens: torch.Tensor, scale: float, plan: DecodePlan, window_args: tuple[np.int32, np.float32],
 ) -> None:
     """The tensor-core decode kernel over the plan's work items, then the merge kernel for the
     sequences it split."""
@@ -524,6 +573,7 @@ def _launch_gqa_decode(
                 be.ptr(seq_lens), be.ptr(work_seq), be.ptr(part_start), np.float32(scale),
                 np.int32(num_heads), np.int32(num_kv_heads), np.int32(query.stride(0)),
                 np.int32(block_tables.stride(0)), np.int32(min(plan.chunk, SINGLE_PARTITION)),
+                *window_args,
             ),
         )
         if split:

@@ -40,11 +40,18 @@ def gather_kv(
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """q [n, H, D] at positions q_pos [n] over k/v [ctx, KVH, D]; key j is visible to a query
-    at position p when j <= p. Query head h uses KV head h // (H // KVH). Rows that see no
-    key are zero."""
+    at position p when j <= p, and with a sliding window also j > p - window. With soft_cap
+    every score s = scale * q.k becomes soft_cap * tanh(s / soft_cap) before the softmax.
+    Query head h uses KV head h // (H // KVH). Rows that see no key are zero."""
     n, num_heads, head_dim = q.shape
     if k.shape[0] == 0:
         return torch.zeros(n, num_heads, head_dim, dtype=q.dtype)
@@ -52,7 +59,12 @@ def attend(
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,jhd->hnj", q, k) * scale
-    visible = torch.arange(k.shape[0]).view(1, 1, -1) <= q_pos.view(1, -1, 1)
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    keys = torch.arange(k.shape[0]).view(1, 1, -1)
+    visible = keys <= q_pos.view(1, -1, 1)
+    if window is not None:
+        visible &= keys > q_pos.view(1, -1, 1) - window
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
     return torch.einsum("hnj,jhd->nhd", probs, v)
@@ -66,6 +78,8 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,
     scale: float,
     dtype: torch.dtype = torch.float64,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     out = torch.zeros(num_seqs, num_heads, head_dim, dtype=dtype)
@@ -73,7 +87,7 @@ def paged_attention_decode(
         length = int(seq_lens[s])
         k, v = gather_kv(k_cache, v_cache, block_tables[s], length)
         q_pos = torch.tensor([length - 1])
-        out[s] = attend(query[s : s + 1].to(dtype), k.to(dtype), v.to(dtype), q_pos, scale)[0]
+        out[s] = attend(query[s : s + 1].to(dtype), k.to(dtype), v.to(dtype), q_pos, scale, window, soft_cap)[0]
     return out
 
 
@@ -86,6 +100,8 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     scale: float,
     dtype: torch.dtype = torch.float64,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     out = torch.zeros(num_tokens, num_heads, head_dim, dtype=dtype)
@@ -96,7 +112,9 @@ def paged_attention_prefill(
         length = int(seq_lens[s])
         k, v = gather_kv(k_cache, v_cache, block_tables[s], length)
         q_pos = torch.arange(length - (end - begin), length)
-        out[begin:end] = attend(query[begin:end].to(dtype), k.to(dtype), v.to(dtype), q_pos, scale)
+        out[begin:end] = attend(
+            query[begin:end].to(dtype), k.to(dtype), v.to(dtype), q_pos, scale, window, soft_cap
+        )
     return out
 
 

@@ -3,7 +3,9 @@
 A scene is a KV cache plus block tables for a batch of sequences, built to catch indexing
 bugs: physical blocks are shuffled, some sequences share their prefix blocks, every cache
 slot no sequence owns (and every unused block-table entry's block) holds NaN, so a kernel
-that reads past a context or through a stale table entry produces NaN.
+that reads past a context or through a stale table entry produces NaN. For sliding windows,
+`poison_outside_windows` also poisons what lies before every window, so a kernel that reads
+a key no query sees produces NaN too.
 """
 
 from __future__ import annotations
@@ -83,6 +85,36 @@ def make_scene(
     k = torch.randn(shape, generator=g).to(dtype).masked_fill(~owned[..., None, None], float("nan"))
     v = torch.randn(shape, generator=g).to(dtype).masked_fill(~owned[..., None, None], float("nan"))
     return Scene(cfg, k, v, tables, torch.tensor(lens, dtype=torch.int32), poison_block)
+
+
+def first_seen_prefill(seq_lens: list[int], query_lens: list[int], window: int) -> list[int]:
+    """Per sequence, the first position any of its query tokens sees through a sliding window
+    (its context length when it has no query tokens)."""
+    return [max(0, n - q - window + 1) if q else n for n, q in zip(seq_lens, query_lens, strict=True)]
+
+
+def first_seen_decode(seq_lens: list[int], window: int) -> list[int]:
+    """Per sequence, the first position its decode query sees through a sliding window."""
+    return [max(0, n - window) for n in seq_lens]
+
+
+def poison_outside_windows(scene: Scene, first_seen: list[int]) -> Scene:
+    """A copy of the scene in which every cache slot that no sequence sees (positions before
+    first_seen[s] of sequence s, unless another sequence sharing the block sees them) holds NaN
+    and every block-table entry of a block wholly before first_seen[s] names the poison block.
+    The reference is computed on the clean scene; a kernel run on this one that loads a key or
+    a block-table entry before a window produces NaN."""
+    bs = scene.cfg.block_size
+    k, v, tables = scene.k_cache.clone(), scene.v_cache.clone(), scene.block_tables.clone()
+    seen = torch.zeros(k.shape[0], bs, dtype=torch.bool)
+    for s, lo in enumerate(first_seen):
+        pos = torch.arange(lo, int(scene.seq_lens[s]))
+        seen[tables[s, pos // bs].long(), pos % bs] = True
+    k[~seen] = float("nan")
+    v[~seen] = float("nan")
+    for s, lo in enumerate(first_seen):
+        tables[s, : lo // bs] = scene.poison_block
+    return Scene(scene.cfg, k, v, tables, scene.seq_lens, scene.poison_block)
 
 
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype_name: str) -> None:

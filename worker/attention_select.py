@@ -119,7 +119,8 @@ def select_attention_backend(
 
 
 def _describe(reasons: dict[int, str | None]) -> str:
-    """'0, 2, 4: sliding window 4096 (...); 1: head size 72 (...)': layers grouped by reason."""
+    """'0, 2, 4: head size 72 (...); 1: 6 query heads do not group evenly over 4 KV heads': layers
+    grouped by reason."""
     by_reason: dict[str, list[int]] = {}
     for i, why in reasons.items():
         by_reason.setdefault(str(why), []).append(i)

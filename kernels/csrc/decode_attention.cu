@@ -3,6 +3,12 @@
 // writes the output; with several (split-K, for long contexts) each CTA writes a normalised
 // partial result plus its max logit and exp-sum, and paged_attention_reduce merges them.
 //
+// Sliding window (window > 0): the query at position ctx - 1 sees positions ctx - window ..
+// ctx - 1 only. Partitions start at the block that holds the window's first key, so blocks
+// wholly before the window are never visited (a long context costs its window); keys of
+// that block before the window are never loaded. Soft-capping (soft_cap > 0): every score
+// s = scale * q.k becomes soft_cap * tanh(s / soft_cap) before the softmax (Gemma 2).
+//
 // Inside a CTA, warp w takes the partition's KV blocks w, w + 4, ...; within a warp, groups of
 // 8 lanes each own one token at a time and split its head_dim into 16-byte chunks, so a
 // group reads 128 contiguous bytes per load. Every group keeps its own online-softmax state
@@ -34,7 +40,10 @@ constexpr int min_ctas_per_sm(int head_dim, int block_size) {
 // k/v_cache:    [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
 // block_tables: [num_seqs, bt_stride] physical block ids; seq_lens: [num_seqs] context length
 // partition_size: tokens per partition, a multiple of BLOCK_SIZE (>= max context when the
-//                 grid has one partition)
+//                 grid has one partition); with a window, partitions count from the block
+//                 that holds the window's first key
+// window:         keys a query sees (itself included), 0 = the whole context
+// soft_cap:       logit soft-capping, 0 = off
 template <typename T, int HEAD_DIM, int BLOCK_SIZE>
 __global__ void __launch_bounds__(128, noria::decode::min_ctas_per_sm(HEAD_DIM, BLOCK_SIZE))
     paged_attention_decode(
@@ -42,7 +51,7 @@ __global__ void __launch_bounds__(128, noria::decode::min_ctas_per_sm(HEAD_DIM, 
     float* __restrict__ part_sum, const T* __restrict__ query, const T* __restrict__ k_cache,
     const T* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, float scale, int num_kv_heads, int q_stride,
-    int bt_stride, int partition_size) {
+    int bt_stride, int partition_size, int window, float soft_cap) {
   using namespace noria;
   using namespace noria::decode;
   constexpr int kVec = Vec16<T>::kElems;
@@ -55,7 +64,8 @@ __global__ void __launch_bounds__(128, noria::decode::min_ctas_per_sm(HEAD_DIM, 
   const int num_heads = gridDim.x, num_parts = gridDim.z;
   const int kv_head = head / (num_heads / num_kv_heads);
   const int ctx = seq_lens[seq];
-  const int start = part * partition_size;
+  const int lo = window > 0 ? max(0, ctx - window) : 0;  // the first key the query sees
+  const int start = lo / BLOCK_SIZE * BLOCK_SIZE + part * partition_size;
   // Uniform for the CTA and before any barrier: the reduce kernel ignores this partition.
   if (num_parts > 1 && start >= ctx) return;
   const int end = min(ctx, start + partition_size);
@@ -85,6 +95,9 @@ __global__ void __launch_bounds__(128, noria::decode::min_ctas_per_sm(HEAD_DIM, 
     }
   }
   float m = neg_inf(), l = 0.0f;
+  // One division, not one per score: a float division is a subroutine call on the GPU, and
+  // ptxas spilled around it in this loop.
+  const float inv_cap = soft_cap > 0.0f ? 1.0f / soft_cap : 0.0f;
 
   const int* table = block_tables + static_cast<long long>(seq) * bt_stride;
   const int first_block = start / BLOCK_SIZE;
@@ -96,7 +109,7 @@ __global__ void __launch_bounds__(128, noria::decode::min_ctas_per_sm(HEAD_DIM, 
 #pragma unroll 2
     for (int j = group; j < BLOCK_SIZE; j += kTokensPerStep) {
       const int pos = logical_block * BLOCK_SIZE + j;
-      const bool valid = pos < end;
+      const bool valid = pos >= lo && pos < end;
       const long long row = ((phys * BLOCK_SIZE + j) * num_kv_heads + kv_head) * HEAD_DIM;
       float dot = 0.0f;
       if (valid) {
@@ -116,6 +129,7 @@ __global__ void __launch_bounds__(128, noria::decode::min_ctas_per_sm(HEAD_DIM, 
         dot += __shfl_xor_sync(kFullMask, dot, offset);
       // Invalid slots are never loaded: the cache past the context may hold anything.
       if (valid) {
+        if (soft_cap > 0.0f) dot = soft_cap * tanhf(dot * inv_cap);
         if (dot > m) {
           const float shrink = __expf(m - dot);
           l *= shrink;
@@ -190,12 +204,13 @@ __global__ void __launch_bounds__(128, noria::decode::min_ctas_per_sm(HEAD_DIM, 
 
 // Merges the split-K partials of one (head, sequence): weights each partition by its
 // exp-sum rescaled to the global max. Grid (num_heads, num_seqs); dynamic shared memory
-// holds one float per partition (max_parts = the partials' partition stride).
+// holds one float per partition (max_parts = the partials' partition stride); block_size and
+// window place the partitions where the decode kernel put them.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(128) paged_attention_reduce(
     T* __restrict__ out, const float* __restrict__ part_out, const float* __restrict__ part_max,
     const float* __restrict__ part_sum, const int* __restrict__ seq_lens, int max_parts,
-    int partition_size) {
+    int partition_size, int block_size, int window) {
   using namespace noria;
   using namespace noria::decode;
   extern __shared__ __align__(16) unsigned char reduce_smem[];
@@ -204,8 +219,10 @@ __global__ void __launch_bounds__(128) paged_attention_reduce(
 
   const int head = blockIdx.x, seq = blockIdx.y, num_heads = gridDim.x;
   const int ctx = seq_lens[seq];
+  const int lo = window > 0 ? max(0, ctx - window) : 0;
+  const int span = ctx - lo / block_size * block_size;  // from the first partition's start
   // max_parts bounds it in case the host sized the grid for a shorter context.
-  const int parts = min(max_parts, (ctx + partition_size - 1) / partition_size);
+  const int parts = min(max_parts, (span + partition_size - 1) / partition_size);
   const long long sh = static_cast<long long>(seq) * num_heads + head;
   const float* pm = part_max + sh * max_parts;
   const float* ps = part_sum + sh * max_parts;

@@ -26,6 +26,12 @@
 // K/V tiles arrive by cp.async in a kStages-deep ring (zero-filled past the partition's end,
 // so no slot past a context is read). The block-table entries of the tile after the one being
 // issued are loaded right after that issue, so their latency hides behind a tile of math.
+//
+// Sliding window (window > 0): the query at position ctx - 1 sees positions ctx - window ..
+// ctx - 1, one contiguous range, so the partitions simply start at its first key: nothing
+// before the window is read or computed, and the host counts only the window as a sequence's
+// work. Soft-capping (soft_cap > 0): every score s = scale * q.k becomes
+// soft_cap * tanh(s / soft_cap) before the softmax (Gemma 2).
 
 #include "common.cuh"
 #include "tensor_core.cuh"
@@ -66,7 +72,10 @@ constexpr int num_stages(int head_dim) {
 // block_tables: [num_seqs, bt_stride]; seq_lens: [num_seqs] context length
 // work_seq:     [num_items] the sequence of each item; part_start: [num_seqs + 1] its first
 //               item (an exclusive prefix sum of the partition counts, every count >= 1)
-// chunk:        tokens per partition (a sequence's last partition takes the rest)
+// chunk:        tokens per partition (a sequence's last partition takes the rest), counted
+//               from the window's first key
+// window:       keys a query sees (itself included), 0 = the whole context
+// soft_cap:     logit soft-capping, 0 = off
 // Grid: (num_items, num_kv_heads * ceil(group / 16)); 128 threads.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE>
 __global__ void __launch_bounds__(128) paged_attention_decode_gqa(
@@ -75,7 +84,7 @@ __global__ void __launch_bounds__(128) paged_attention_decode_gqa(
     const T* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ work_seq,
     const int* __restrict__ part_start, float scale, int num_heads, int num_kv_heads,
-    int q_stride, int bt_stride, int chunk) {
+    int q_stride, int bt_stride, int chunk, int window, float soft_cap) {
   using namespace noria;
   using namespace noria::decode_gqa;
   static_assert(HEAD_DIM % 16 == 0, "head size in whole mma k-steps");
@@ -114,7 +123,8 @@ __global__ void __launch_bounds__(128) paged_attention_decode_gqa(
   const int head0 = kv_head * group + (blockIdx.y % head_groups) * kRows;
   const int rows = min(kRows, kv_head * group + group - head0);  // real heads of the 16
   const int ctx = seq_lens[seq];
-  const int start = min(ctx, part * chunk);
+  const int lo = window > 0 ? max(0, ctx - window) : 0;  // the first key the query sees
+  const int start = min(ctx, lo + part * chunk);
   const int end = part == num_parts - 1 ? ctx : min(ctx, start + chunk);
   const int num_tiles = (end - start + kKeys - 1) / kKeys;
   const int* table = block_tables + static_cast<long long>(seq) * bt_stride;
@@ -176,6 +186,7 @@ __global__ void __launch_bounds__(128) paged_attention_decode_gqa(
 
   const int prow = tid / 8, pl = tid % 8;  // softmax: row and lane within the row's 8 threads
   float m_run = neg_inf(), l_run = 0.0f;
+  const float inv_cap = soft_cap > 0.0f ? 1.0f / soft_cap : 0.0f;  // no division per score
   float o[kOTiles][4];
 #pragma unroll
   for (int j = 0; j < kOTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
@@ -223,6 +234,7 @@ __global__ void __launch_bounds__(128) paged_attention_decode_gqa(
 #pragma unroll
         for (int dp = 0; dp < kDSplit; ++dp) x += s_s[(dp * kRows + prow) * kKeys + key];
         x *= scale;
+        if (soft_cap > 0.0f) x = soft_cap * tanhf(x * inv_cap);
         if (tile_start + key >= end) x = neg_inf();
         sv[i] = x;
         tmax = fmaxf(tmax, x);

@@ -2,7 +2,11 @@
 // flattened (query_start_loc); the K/V of every token, cached prefix and new tokens alike,
 // are already in the cache (reshape_and_cache runs first). Query i of sequence s sits at
 // position seq_lens[s] - q_len + i and attends causally to positions 0..that position, which
-// covers chunked prefill and prefix-cache hits with no special case.
+// covers chunked prefill and prefix-cache hits with no special case. With a sliding window
+// (window > 0) the query at position p sees positions p - window + 1 .. p only: the key loop
+// starts at the tile that holds the first key the CTA's first query sees, so a long sequence
+// costs its window, and keys before that are never loaded. Soft-capping (soft_cap > 0): every
+// score s = scale * q.k becomes soft_cap * tanh(s / soft_cap) before the softmax (Gemma 2).
 //
 // One CTA per (tile of 16 query tokens, head, sequence). The keys are walked in tiles of
 // kKeyTile tokens (a whole KV block, or a slice of one: large blocks and head sizes would not
@@ -46,6 +50,8 @@ constexpr int min_ctas_per_sm(int head_dim, int block_size) {
 // k/v_cache:       [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
 // block_tables:    [num_seqs, bt_stride]; seq_lens: [num_seqs] context after this step
 // query_start_loc: [num_seqs + 1]
+// window:          keys a query sees (itself included), 0 = every position up to its own
+// soft_cap:        logit soft-capping, 0 = off
 // Grid: (ceil(max_query_len / 16), num_heads, num_seqs).
 template <typename T, int HEAD_DIM, int BLOCK_SIZE>
 __global__ void __launch_bounds__(128, noria::prefill::min_ctas_per_sm(HEAD_DIM, BLOCK_SIZE))
@@ -53,7 +59,7 @@ __global__ void __launch_bounds__(128, noria::prefill::min_ctas_per_sm(HEAD_DIM,
     T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ k_cache,
     const T* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, float scale,
-    int num_kv_heads, int q_stride, int bt_stride) {
+    int num_kv_heads, int q_stride, int bt_stride, int window, float soft_cap) {
   using namespace noria;
   using namespace noria::prefill;
   constexpr int kVec = Vec16<T>::kElems;
@@ -79,6 +85,9 @@ __global__ void __launch_bounds__(128, noria::prefill::min_ctas_per_sm(HEAD_DIM,
   const int rows = min(kTileQ, q_len - tile_begin);
   const int last_pos = prefix + tile_begin + rows - 1;
   const int num_tiles = last_pos / kKeyTile + 1;
+  // The first key the tile's first query sees: every later row's window starts later.
+  const int lo = window > 0 ? max(0, prefix + tile_begin - window + 1) : 0;
+  const int first_tile = lo / kKeyTile;
 
   __shared__ float q_s[kTileQ][kPad];
   __shared__ float k_s[kKeyTile][kPad];
@@ -96,12 +105,13 @@ __global__ void __launch_bounds__(128, noria::prefill::min_ctas_per_sm(HEAD_DIM,
   const bool row_valid = r < rows;
   const int qpos = row_valid ? prefix + tile_begin + r : -1;  // -1 masks every key
   float m = neg_inf(), l = 0.0f;
+  const float inv_cap = soft_cap > 0.0f ? 1.0f / soft_cap : 0.0f;  // no division per score
   float acc[kDimsPerThread];
 #pragma unroll
   for (int i = 0; i < kDimsPerThread; ++i) acc[i] = 0.0f;
 
   const int* table = block_tables + static_cast<long long>(seq) * bt_stride;
-  for (int kt = 0; kt < num_tiles; ++kt) {
+  for (int kt = first_tile; kt < num_tiles; ++kt) {
     __syncthreads();  // the previous tile's k_s/v_s/p_s readers are done (and q_s is ready)
     const int base = kt * kKeyTile;  // position of the tile's first key
     const long long phys = table[base / BLOCK_SIZE];
@@ -109,14 +119,14 @@ __global__ void __launch_bounds__(128, noria::prefill::min_ctas_per_sm(HEAD_DIM,
     for (int idx = threadIdx.x; idx < kKeyTile * kChunks; idx += kNumThreads) {
       const int j = idx / kChunks, c = idx % kChunks;
       float k[kVec], v[kVec];
-      if (base + j < ctx) {
+      if (base + j < ctx && base + j >= lo) {
         const long long off =
             ((phys * BLOCK_SIZE + in_block + j) * num_kv_heads + kv_head) * HEAD_DIM + c * kVec;
         load16_as_float(k_cache + off, k);
         load16_as_float(v_cache + off, v);
       } else {
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) k[i] = v[i] = 0.0f;  // past the context: never trust it
+        for (int i = 0; i < kVec; ++i) k[i] = v[i] = 0.0f;  // past the context or before the window
       }
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
@@ -140,7 +150,9 @@ __global__ void __launch_bounds__(128, noria::prefill::min_ctas_per_sm(HEAD_DIM,
 #pragma unroll
     for (int t = 0; t < kKeysPerThread; ++t) {
       const int kpos = base + rl + t * kRowThreads;
+      if (soft_cap > 0.0f) s[t] = soft_cap * tanhf(s[t] * inv_cap);
       if (kpos > qpos) s[t] = neg_inf();  // causal mask
+      if (window > 0 && kpos <= qpos - window) s[t] = neg_inf();  // sliding window
       bmax = fmaxf(bmax, s[t]);
     }
 #pragma unroll

@@ -20,6 +20,13 @@
 // online softmax on the S fragments (a row lives in the 4 lanes of one lane group), then
 // O += P V with P taken straight from the S registers as the A fragment and V through
 // ldmatrix.trans. A warp skips the tiles wholly after its last row's position (causal).
+//
+// Sliding window (window > 0): the query at position p sees positions p - window + 1 .. p.
+// The key walk starts at the tile holding the first key the CTA's first row sees (a long
+// sequence costs its window, not its length), keys before that key are zero-filled instead of
+// read, and a warp also skips the tiles wholly before its own first row's window.
+// Soft-capping (soft_cap > 0): every score s = scale * q.k becomes soft_cap * tanh(s / soft_cap)
+// before the softmax (Gemma 2).
 
 #include "common.cuh"
 #include "tensor_core.cuh"
@@ -50,16 +57,17 @@ constexpr int row_pad(int head_dim) {
 }
 
 // Issues (does not commit) the cp.async copies of the K and V rows of positions
-// kv0 .. kv0 + KEYS - 1 of one KV head into k_s / v_s; positions past last_pos are zero-filled.
+// kv0 .. kv0 + KEYS - 1 of one KV head into k_s / v_s; positions before first_pos or past
+// last_pos are zero-filled.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int KEYS, int STRIDE>
 __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, const T* k_cache, const T* v_cache,
-                                             const int* table, int kv0, int last_pos,
-                                             int num_kv_heads, int kv_head) {
+                                             const int* table, int kv0, int first_pos,
+                                             int last_pos, int num_kv_heads, int kv_head) {
   constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per row
   for (int idx = threadIdx.x; idx < KEYS * kChunks; idx += kNumThreads) {
     const int j = idx / kChunks, c = idx % kChunks;
     const int pos = kv0 + j;
-    const bool ok = pos <= last_pos;
+    const bool ok = pos >= first_pos && pos <= last_pos;
     long long off = 0;
     if (ok) {
       const long long phys = table[pos / BLOCK_SIZE];
@@ -79,13 +87,16 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, const T* k_cache, c
 // query_start_loc: [num_seqs + 1]
 // work:            [num_items, 2] (sequence, tile of 64 packed rows); every tile of a sequence
 //                  that is listed must be listed (ops.prefill_work_items)
+// window:          keys a query sees (itself included), 0 = every position up to its own
+// soft_cap:        logit soft-capping, 0 = off
 // Grid: (num_items, num_kv_heads); 128 threads.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE>
 __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
     T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ k_cache,
     const T* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
-    const int* __restrict__ work, float scale, int num_heads, int q_stride, int bt_stride) {
+    const int* __restrict__ work, float scale, int num_heads, int q_stride, int bt_stride,
+    int window, float soft_cap) {
   using namespace noria;
   using namespace noria::prefill_tc;
   static_assert(HEAD_DIM % 16 == 0, "head size in whole mma k-steps");
@@ -113,6 +124,11 @@ __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
   const int prefix = seq_lens[seq] - q_len;
   const int rows = min(kTileQ, packed - tile_begin);
   const int last_pos = prefix + (tile_begin + rows - 1) / group;
+  // The first key the tile's first row sees (every later row's window starts later) and the
+  // first key tile the CTA walks.
+  const int first_pos = window > 0 ? max(0, prefix + tile_begin / group - window + 1) : 0;
+  const int first_tile = first_pos / kKeys;
+  const int kv_begin = first_tile * kKeys;
   const int* table = block_tables + static_cast<long long>(seq) * bt_stride;
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -120,6 +136,8 @@ __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
   const int row0 = warp * 16;            // this warp's first row in the tile
   const bool warp_active = row0 < rows;  // uniform for the warp
   const int warp_last_pos = prefix + (tile_begin + min(row0 + 15, rows - 1)) / group;
+  // Keys before this one are outside the window of every row of the warp (no bound: 0).
+  const int warp_first_pos = window > 0 ? prefix + (tile_begin + row0) / group - window + 1 : 0;
   int qpos[2];  // positions of rows g and g + 8; -1 (every key masked) past the sequence
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -144,7 +162,8 @@ __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
   cp_async_commit();
   if (kQInStage1) {
     load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, kKeys, kStride>(
-        smem, smem + kKeys * kStride, k_cache, v_cache, table, 0, last_pos, num_kv_heads, kv_head);
+        smem, smem + kKeys * kStride, k_cache, v_cache, table, kv_begin, first_pos, last_pos,
+        num_kv_heads, kv_head);
     cp_async_commit();
     cp_async_wait<1>();  // Q has landed; tile 0 may still be in flight
   } else {
@@ -164,20 +183,22 @@ __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
   for (int dt = 0; dt < kDTiles; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
   float m[2] = {neg_inf(), neg_inf()};  // running max of rows g and g + 8
   float l[2] = {0.0f, 0.0f};            // this lane's share of their running sums
+  const float inv_cap = soft_cap > 0.0f ? 1.0f / soft_cap : 0.0f;  // no division per score
 
-  const int num_tiles = last_pos / kKeys + 1;
+  const int num_tiles = last_pos / kKeys + 1 - first_tile;  // through the diagonal
   if (!kQInStage1) {
     load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, kKeys, kStride>(
-        smem, smem + kKeys * kStride, k_cache, v_cache, table, 0, last_pos, num_kv_heads, kv_head);
+        smem, smem + kKeys * kStride, k_cache, v_cache, table, kv_begin, first_pos, last_pos,
+        num_kv_heads, kv_head);
     cp_async_commit();
   }
   for (int j = 0; j < num_tiles; ++j) {
-    const int kv0 = j * kKeys;
+    const int kv0 = kv_begin + j * kKeys;
     if (j + 1 < num_tiles) {  // prefetch the next tile into the other stage
       T* next = smem + ((j + 1) % kStages) * 2 * kKeys * kStride;
       load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, kKeys, kStride>(
-          next, next + kKeys * kStride, k_cache, v_cache, table, kv0 + kKeys, last_pos,
-          num_kv_heads, kv_head);
+          next, next + kKeys * kStride, k_cache, v_cache, table, kv0 + kKeys, first_pos,
+          last_pos, num_kv_heads, kv_head);
     }
     cp_async_commit();   // possibly empty: the wait below always leaves exactly one group
     cp_async_wait<1>();  // this thread's copies of tile j have landed
@@ -185,7 +206,8 @@ __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
     const T* k_s = smem + (j % kStages) * 2 * kKeys * kStride;
     const T* v_s = k_s + kKeys * kStride;
 
-    if (warp_active && kv0 <= warp_last_pos) {  // warp-uniform: else every key is masked
+    // Warp-uniform: else every key of the tile is masked for the warp's rows.
+    if (warp_active && kv0 <= warp_last_pos && kv0 + kKeys > warp_first_pos) {
       // S = Q K^T for the warp's 16 rows and the tile's kKeys keys.
       float s[kKTiles][4];
 #pragma unroll
@@ -200,7 +222,8 @@ __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
         }
       }
 
-      // Causal mask and online softmax; s[nt][i] is row g + 8 (i / 2), key 8 nt + 2t + i % 2.
+      // Soft-cap, causal and window masks, online softmax; s[nt][i] is row g + 8 (i / 2), key
+      // 8 nt + 2t + i % 2.
       float mx[2] = {m[0], m[1]};
 #pragma unroll
       for (int nt = 0; nt < kKTiles; ++nt)
@@ -208,7 +231,9 @@ __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
         for (int i = 0; i < 4; ++i) {
           const int kpos = kv0 + nt * 8 + 2 * t + (i & 1);
           float v = s[nt][i] * scale;
+          if (soft_cap > 0.0f) v = soft_cap * tanhf(v * inv_cap);
           if (kpos > qpos[i >> 1]) v = neg_inf();
+          if (window > 0 && kpos <= qpos[i >> 1] - window) v = neg_inf();
           s[nt][i] = v;
           mx[i >> 1] = fmaxf(mx[i >> 1], v);
         }

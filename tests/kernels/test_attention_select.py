@@ -23,6 +23,8 @@ from noria.worker.attention_select import CUDA_INSTALL_HINT, get_attention_backe
 BUILT = LayerAttention(4, 2, 32, 0.2)  # the demo model's head size
 ODD_HEAD = LayerAttention(4, 2, 16, 0.25)  # head size 16: no instance
 WINDOWED = LayerAttention(4, 2, 32, 0.2, sliding_window=8)
+CAPPED = LayerAttention(4, 2, 32, 0.2, sliding_window=5, logits_soft_cap=1.5)  # Gemma 2's local layers
+UNEVEN = LayerAttention(6, 4, 32, 0.2)  # 6 query heads over 4 KV heads
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # CUDA: only named, never used
 
 
@@ -57,11 +59,12 @@ def test_cpu_without_kernels_is_torch_and_silent(caplog: pytest.LogCaptureFixtur
 
 def test_per_layer_decision_and_one_line(caplog: pytest.LogCaptureFixture) -> None:
     rec = Counting()
-    backend, lines = select(caplog, CPU, [BUILT, ODD_HEAD, WINDOWED, BUILT], kernel_backend=rec)
+    backend, lines = select(caplog, CPU, [BUILT, ODD_HEAD, WINDOWED, UNEVEN, CAPPED], kernel_backend=rec)
     assert isinstance(backend, KernelAttentionBackend)
     assert len(lines) == 1, lines
-    assert "kernels for 2 of 4 layers" in lines[0]
-    assert "1: head size 16" in lines[0] and "2: sliding window 8" in lines[0]
+    assert "kernels for 3 of 5 layers" in lines[0]
+    assert "1: head size 16" in lines[0] and "3: 6 query heads do not group evenly" in lines[0]
+    assert "window" not in lines[0]  # sliding-window and soft-capped layers run on the kernels
     # Start-up compiled exactly the head size that runs on kernels, nothing at step time.
     assert any("32, 16>" in n for n in rec.compiled) and not any(", 16, " in n for n in rec.compiled)
     assert backend.supports(BUILT, torch.float32, 16)
@@ -135,10 +138,10 @@ def _layer_io(layer: LayerAttention, seq_len: int, block_size: int) -> tuple[tor
     return q, k, v, torch.zeros(shape), torch.zeros(shape)
 
 
-@pytest.mark.parametrize("layer", [BUILT, ODD_HEAD, WINDOWED], ids=["d32", "d16", "window"])
+@pytest.mark.parametrize("layer", [BUILT, ODD_HEAD, WINDOWED, CAPPED], ids=["d32", "d16", "window", "soft-cap"])
 def test_layers_run_where_decided_and_match_torch(emu: Any, layer: LayerAttention) -> None:
-    """Under the emulator: a built layer runs on the kernels, the others on torch, and every
-    layer's output equals the torch backend's."""
+    """Under the emulator: a built layer runs on the kernels (with its sliding window and logit
+    soft-cap), the others on torch, and every layer's output equals the torch backend's."""
     bs, n = 8, 13
     backend = get_attention_backend(CPU, [layer], torch.float32, bs, kernel_backend=emu("forward"))
     torch_backend = TorchAttentionBackend(native=False)
@@ -148,7 +151,7 @@ def test_layers_run_where_decided_and_match_torch(emu: Any, layer: LayerAttentio
         b.prepare(meta)
         outs.append(b.forward(layer, *_layer_io(layer, n, bs), meta))
     torch.testing.assert_close(outs[0], outs[1], atol=3e-5, rtol=3e-5)
-    assert isinstance(backend, KernelAttentionBackend) == (layer is BUILT)
+    assert isinstance(backend, KernelAttentionBackend) == (layer is not ODD_HEAD)
 
 
 def test_no_unbuilt_shape_reaches_a_kernel() -> None:

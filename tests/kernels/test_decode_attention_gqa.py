@@ -166,7 +166,8 @@ def test_gqa_launch_arguments_and_shapes() -> None:
     assert decode["block"] == (128,)
     assert all(isinstance(a, np.generic) for a in decode["args"])
     assert decode["args"][11].dtype == np.float32  # scale
-    assert all(a.dtype == np.int32 for a in decode["args"][12:])
+    assert all(a.dtype == np.int32 for a in decode["args"][12:-1])  # ..., chunk, window
+    assert decode["args"][-1].dtype == np.float32  # soft-cap
     assert merge["name"].startswith("paged_attention_decode_gqa_merge") and merge["grid"] == (4, 2)
     assert merge["shared_mem"] == 4 * 4
     rec.launches.clear()

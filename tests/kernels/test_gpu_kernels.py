@@ -59,6 +59,20 @@ def test_prefill(cfg: AttentionConfig) -> None:
     assert_matches(out.cpu(), expected, cfg.dtype)
 
 
+@pytest.mark.parametrize("cfg", all_configs(), ids=repr)
+def test_window_and_soft_cap(cfg: AttentionConfig) -> None:
+    """kernels.contracts' sliding-window and soft-capped checks (every key before a window
+    poisoned) on the device: split-K decode and prefill, every configuration."""
+    from noria.kernels import contracts
+    from noria.kernels.backends import CupyBackend
+
+    be = CupyBackend()
+    kw = {"window": contracts.WINDOW, "soft_cap": contracts.SOFT_CAP}
+    contracts.check_decode(cfg, be, CUDA, 3001, split=True, **kw)
+    contracts.check_decode(cfg, be, CUDA, 3001, split=False, **kw)
+    contracts.check_prefill(cfg, be, CUDA, 2000, **kw)
+
+
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
 def test_reshape_and_cache_and_swap(dtype: str) -> None:
     t = TORCH_DTYPES[dtype]

@@ -73,7 +73,8 @@ def test_scalar_arguments_have_exact_widths() -> None:
     assert launch["grid"] == (4, 3, 1) and launch["block"] == (128,)
     assert all(isinstance(a, np.generic) for a in launch["args"])
     assert launch["args"][9].dtype == np.float32  # scale
-    assert all(a.dtype == np.int32 for a in launch["args"][10:])
+    assert all(a.dtype == np.int32 for a in launch["args"][10:-1])  # ..., partition size, window
+    assert launch["args"][-1].dtype == np.float32  # soft-cap
 
 
 def test_split_decode_launches_partials_and_merge() -> None:

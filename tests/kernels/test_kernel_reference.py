@@ -20,6 +20,8 @@ def naive_prefill(
     seq_lens: torch.Tensor,
     qsl: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     heads = query.shape[1]
@@ -31,11 +33,14 @@ def naive_prefill(
             pos = int(seq_lens[s]) - n + i
             for h in range(heads):
                 kh = h // (heads // kvh)
-                rows = [(int(tables[s][p // bs]), p % bs) for p in range(pos + 1)]
+                first = 0 if window is None else max(0, pos - window + 1)
+                rows = [(int(tables[s][p // bs]), p % bs) for p in range(first, pos + 1)]
                 scores = [
                     scale * float(query[t, h].double() @ k_cache[b, o, kh].double())
                     for b, o in rows
                 ]
+                if soft_cap is not None:
+                    scores = [soft_cap * math.tanh(x / soft_cap) for x in scores]
                 top = max(scores)
                 weights = [math.exp(x - top) for x in scores]
                 total = sum(weights)
@@ -53,6 +58,22 @@ def test_prefill_reference_matches_naive() -> None:
     args = (query, scene.k_cache, scene.v_cache, scene.block_tables, scene.seq_lens, qsl, 0.3)
     got = reference.paged_attention_prefill(*args)
     assert torch.allclose(got, naive_prefill(*args), rtol=1e-10, atol=1e-10)
+
+
+def test_windowed_capped_reference_matches_naive() -> None:
+    """Sliding windows (one token, across a block edge, longer than the context) and the logit
+    soft-cap against the element-by-element loop; the cap and the window both matter here."""
+    cfg = AttentionConfig("float32", 64, 16)
+    scene = make_scene(cfg, [1, 15, 17, 40, 0], num_kv_heads=2, seed=3)
+    q_lens = [1, 15, 6, 3, 0]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    query = 4 * torch.randn(int(qsl[-1]), 4, 64, generator=torch.Generator().manual_seed(4))
+    args = (query, scene.k_cache, scene.v_cache, scene.block_tables, scene.seq_lens, qsl, 0.3)
+    plain = reference.paged_attention_prefill(*args)
+    for window, cap in ((1, None), (7, None), (100, None), (None, 2.0), (7, 2.0)):
+        got = reference.paged_attention_prefill(*args, window=window, soft_cap=cap)
+        assert torch.allclose(got, naive_prefill(*args, window, cap), rtol=1e-10, atol=1e-10)
+        assert (window == 100) == torch.allclose(got, plain, rtol=1e-10, atol=1e-10), (window, cap)
 
 
 def test_decode_reference_is_prefill_with_one_token_each() -> None:

@@ -174,3 +174,16 @@ def test_decode_layer_launches(emu: Any, checkpoint: Path, monkeypatch: pytest.M
         assert torch_ops == Counter({"linear": 4}), torch_ops
         assert kernels == Counter({"fused_add_rms_norm": 2, "rotary_qkv_cache": 1, "silu_and_mul": 1,
                                    "paged_attention_decode_gqa": 1}), kernels
+
+
+@pytest.mark.parametrize(("schedule", "dtype"), [("forward", "float32"), ("greedy-reverse", "float16")])
+def test_sliding_window_model_runs_on_kernels(emu: Any, tmp_path: Path, schedule: str, dtype: str) -> None:
+    """A Mistral checkpoint whose sliding window (12 tokens) is shorter than four of the five
+    prompts: with no fallback every layer must run on the kernels, window included, and the
+    tokens must be the torch backend's, which the window changes (a check that it matters)."""
+    window = make_checkpoint("mistral", tmp_path / "window", sliding_window=12, **OVERRIDES)
+    kernels = KernelAttentionBackend(fallback=None, backend=emu(schedule))
+    got = generate(window, kernels, dtype)
+    assert got == generate(window, None, dtype)
+    whole = make_checkpoint("mistral", tmp_path / "whole", sliding_window=None, **OVERRIDES)
+    assert got != generate(whole, None, dtype)
