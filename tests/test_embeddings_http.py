@@ -175,6 +175,40 @@ def test_zmq_clients_embed(served, oai, ckpt):
         np.testing.assert_allclose(s, (head / head.norm()).tolist(), atol=1e-5)
 
 
+def test_aborted_embeds_end_once(served):
+    """Embeds aborted right behind their `embed` end with exactly one final message each (the
+    embedding, or a `done` with finish_reason "abort" if the abort came first); none is lost."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(served.address)
+    try:
+        ids = [f"e{i}" for i in range(24)]
+        for i, rid in enumerate(ids):
+            sock.send(msgspec.msgpack.encode({"type": "embed", "request_id": rid, "prompt_token_ids": [7 + i] * 100}))
+            if i % 2:
+                sock.send(msgspec.msgpack.encode({"type": "abort", "request_id": rid}))
+        finals: dict[str, list[dict]] = {}
+        while sum(len(v) for v in finals.values()) < len(ids):
+            assert sock.poll(60_000), f"no final message for {sorted(set(ids) - set(finals))}"
+            msg = msgspec.msgpack.decode(sock.recv())
+            finals.setdefault(msg["request_id"], []).append(msg)
+        assert sorted(finals) == sorted(ids)
+        for rid, msgs in finals.items():
+            (msg,) = msgs
+            aborted = int(rid[1:]) % 2
+            assert msg["type"] == "embedding" or (aborted and msg["type"] == "done" and msg["finish_reason"] == "abort")
+        # An embed's final message comes before anything the server sends after it on this socket.
+        sock.send(msgspec.msgpack.encode({"type": "hello"}))
+        assert sock.poll(60_000)
+        assert msgspec.msgpack.decode(sock.recv())["type"] == "ready"
+    finally:
+        sock.close()
+        ctx.term()
+
+
 def test_every_block_free_afterwards(served):
     # Runs after the others (file order): every request above ended, so none may hold a block.
     st = wait_stats(served.address, lambda s: s.stats.num_running == s.stats.num_waiting == 0
