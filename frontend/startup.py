@@ -17,7 +17,7 @@ from noria.frontend.generation_config import generation_defaults
 from noria.frontend.processor import InputLimits, InputProcessor, eos_token_ids, load_tokenizer
 from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig, WorkerLinkConfig
-from noria.protocol.model_identity import model_facts
+from noria.protocol.model_identity import context_error, model_facts
 from noria.protocol.model_shapes import check_tensor_parallel
 from noria.protocol.pooling import engine_pooling
 from noria.protocol.validation import convert
@@ -73,9 +73,9 @@ def _check_length(model_path: str, max_model_len: int | None) -> None:
     any worker has loaded the model, and a length no worker accepts must fail now."""
     if max_model_len is None or not os.path.isfile(os.path.join(model_path, "config.json")):
         return  # nothing to check, or the engine reports the missing file by name
-    limit = model_facts(model_path).max_position_embeddings
-    if max_model_len > limit:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+    facts = model_facts(model_path)
+    if max_model_len > facts.max_model_len:
+        raise ValueError(context_error(max_model_len, facts))
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")

@@ -13,6 +13,7 @@ import hashlib
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -33,6 +34,11 @@ class ModelFacts(msgspec.Struct, frozen=True):
 
     vocab_size: int
     max_position_embeddings: int
+    # The longest context the model serves (`max_model_len`'s default and bound): vLLM's rule,
+    # max_position_embeddings scaled by the rope factor of linear and dynamic scaling, and for
+    # yarn original_max_position_embeddings times the factor; llama3 and longrope configs
+    # already name the extended length.
+    max_model_len: int
 
 
 def _header_sha256(path: Path) -> str:
@@ -84,4 +90,24 @@ def model_facts(folder: str | Path) -> ModelFacts:
     if not cfg.get("vocab_size"):
         raise ValueError(f"{folder}/config.json names no vocab_size")
     # The worker's default too (worker/models/spec.py) when the config names none.
-    return ModelFacts(int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings") or 2048))
+    max_pos = int(cfg.get("max_position_embeddings") or 2048)
+    return ModelFacts(int(cfg["vocab_size"]), max_pos, _scaled_length(cfg, max_pos))
+
+
+def context_error(max_model_len: int, facts: ModelFacts) -> str:
+    """The one sentence for a --max-model-len longer than the model serves."""
+    if facts.max_model_len == facts.max_position_embeddings:
+        return f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {facts.max_model_len}"
+    return (f"max_model_len {max_model_len} exceeds the model's context length {facts.max_model_len} "
+            f"(max_position_embeddings {facts.max_position_embeddings} scaled by its rope_scaling factor)")
+
+
+def _scaled_length(cfg: dict[str, Any], max_pos: int) -> int:
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type"))
+    factor = rope.get("factor")
+    # Gemma 3 keeps a rope per layer type and serves max_position_embeddings (as vLLM reads it).
+    if kind not in ("linear", "dynamic", "yarn") or not factor or "gemma3" in str(cfg.get("model_type")):
+        return max_pos
+    base = int(rope.get("original_max_position_embeddings") or max_pos) if kind == "yarn" else max_pos
+    return int(base * float(factor))

@@ -83,7 +83,7 @@ class SchedulerProcess:
         self.out_codec: Codec[SchedulerToFrontend] = Codec(SchedulerToFrontend)
         self.group = WorkerGroup(self.router, config, link, model_identity(config.model), addrs.workers)
         self.facts = model_facts(config.model)
-        max_len = config.max_model_len or self.facts.max_position_embeddings
+        max_len = config.max_model_len or self.facts.max_model_len
         self.sched = Scheduler(config, 0, max_len)  # no KV until a worker group is live
         self.poller = zmq.Poller()
         self.poller.register(self.from_frontend, zmq.POLLIN)

@@ -228,7 +228,8 @@ def _parity(path: Path, prompt_lens: list[int], max_model_len: int | None, max_t
     assert got == {i: reference_greedy(ref, p, max_tokens) for i, p in enumerate(prompts)}
 
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+# original * factor = 512: yarn's context length (vLLM's rule) is the tiny model's whole length.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
 LLAMA_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
                   **LONGROPE}
 
@@ -289,3 +290,36 @@ def test_precheck_knows_phi3_and_rope_types(tmp_path: Path) -> None:
     (llama / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(checkpoint.CheckpointError, match=r"rope type 'mrope', which noria does not implement"):
         checkpoint.check_checkpoint(llama)
+
+
+# ---- the context length rope scaling gives (vLLM's rule), known without torch ----
+
+
+@pytest.mark.parametrize(("rope", "model_type", "expected"), [
+    (None, "llama", 512),
+    ({"rope_type": "linear", "factor": 2.0}, "llama", 1024),
+    ({"type": "dynamic", "factor": 3.0}, "llama", 1536),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, "qwen2", 256),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, "llama", 512),
+    ({"rope_type": "longrope", "short_factor": [1], "long_factor": [2]}, "phi3", 512),
+    ({"rope_type": "linear", "factor": 8.0}, "gemma3_text", 512),
+])
+def test_context_length_follows_rope_scaling(rope: dict[str, Any] | None, model_type: str, expected: int,
+                                             tmp_path: Path) -> None:
+    import json
+
+    from noria.protocol.model_identity import model_facts
+
+    cfg = {"vocab_size": 512, "max_position_embeddings": 512, "model_type": model_type, "rope_scaling": rope}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert model_facts(tmp_path).max_model_len == expected
+
+
+def test_runner_serves_the_scaled_length(tmp_path: Path) -> None:
+    path = make_checkpoint("llama", tmp_path / "m", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
+                                                                     "factor": 2.0})
+    config = dict(model=str(path), dtype="float32", device="cpu", num_kv_blocks=8, swap_space=0.0, num_threads=1)
+    assert ModelRunner(EngineConfig(**config)).max_model_len == 1024  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^max_model_len 1025 exceeds the model's context length 1024 "
+                                         r"\(max_position_embeddings 512 scaled by its rope_scaling factor\)$"):
+        ModelRunner(EngineConfig(**config, max_model_len=1025))  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ import torch
 
 from noria.protocol.client import Logprob
 from noria.protocol.config import EngineConfig
+from noria.protocol.model_identity import context_error, model_facts
 from noria.protocol.model_shapes import ShardedShapes, tensor_parallel_error
 from noria.protocol.pooling import engine_pooling
 from noria.protocol.sampling import EngineSamplingParams
@@ -137,12 +138,11 @@ class ModelRunner:
 
         self.vocab_size = self.spec.vocab_size
         self.block_size = config.block_size
-        self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
-        if self.max_model_len > self.spec.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {self.spec.max_position_embeddings}"
-            )
+        # The scheduler's and the frontend's rule too: rope scaling extends the length (vLLM's).
+        facts = model_facts(config.model)
+        self.max_model_len = config.max_model_len or facts.max_model_len
+        if self.max_model_len > facts.max_model_len:
+            raise ValueError(context_error(self.max_model_len, facts))
         # Each rank caches only its own KV heads.
         layout = KVLayout(self.spec.num_layers, self.block_size, self.model.shapes.num_kv_heads,
                           self.spec.head_dim, self.dtype)
