@@ -187,3 +187,13 @@ def test_sliding_window_model_runs_on_kernels(emu: Any, tmp_path: Path, schedule
     assert got == generate(window, None, dtype)
     whole = make_checkpoint("mistral", tmp_path / "whole", sliding_window=None, **OVERRIDES)
     assert got != generate(whole, None, dtype)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_runs_on_kernels(emu: Any, tmp_path: Path, arch: str) -> None:
+    """Gemma 2 (sliding / global / sliding layers, attention logits soft-capped at 1.0) and
+    Gemma 3 (the same layers, its own rope per kind, no cap): with no fallback every layer runs
+    on the kernels, window and cap included, and gives the torch backend's tokens."""
+    checkpoint = make_checkpoint(arch, tmp_path / arch)
+    kernels = KernelAttentionBackend(fallback=None, backend=emu("greedy"))
+    assert generate(checkpoint, kernels) == generate(checkpoint, None)
