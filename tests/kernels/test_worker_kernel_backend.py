@@ -197,3 +197,27 @@ def test_gemma_runs_on_kernels(emu: Any, tmp_path: Path, arch: str) -> None:
     checkpoint = make_checkpoint(arch, tmp_path / arch)
     kernels = KernelAttentionBackend(fallback=None, backend=emu("greedy"))
     assert generate(checkpoint, kernels) == generate(checkpoint, None)
+
+
+SCALED_ROPE = {
+    # Phi-3: fused qkv / gate_up, rotary on 32 of 64 dims, longrope (its long factors: max_model_len 512 > 256).
+    "phi3": {**OVERRIDES, "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.5,
+                                              "short_factor": [1.0 + 0.1 * i for i in range(16)],
+                                              "long_factor": [1.0 + 0.7 * i for i in range(16)]}},
+    # yarn: cos and sin scaled by its attention factor.
+    "qwen2": {**OVERRIDES, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                               "original_max_position_embeddings": 128}},
+}
+
+
+@pytest.mark.parametrize("arch", list(SCALED_ROPE))
+def test_scaled_and_partial_rotary_run_on_kernels(emu: Any, tmp_path: Path, arch: str) -> None:
+    """The fused rotary kernel takes the one cos / sin table every path reads (partial rotary,
+    an attention factor): with no fallback every layer runs on the kernels and gives the torch
+    backend's tokens."""
+    checkpoint = make_checkpoint(arch, tmp_path / arch, **SCALED_ROPE[arch])
+    be, launches = counting(emu("forward"))
+    got = generate(checkpoint, KernelAttentionBackend(fallback=None, backend=be))
+    assert launches["rotary_qkv_cache"] > 0 and launches["reshape_and_cache"] == 0
+    assert got == generate(checkpoint, None)
