@@ -19,6 +19,15 @@ SERVING = {
     "intermediate_size": 1024, "vocab_size": 32000, "max_position_embeddings": 8192,
 }
 
+# A Qwen3-MoE as wide as "small" whose active MLP matches small's: 8 experts of 1024, top-2
+# (2048 columns per token, small's intermediate_size), renormalised as Qwen3-30B-A3B is; every
+# layer sparse. About 260M parameters, ~1 GiB in float32.
+QWEN3_MOE_SMALL = {
+    "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4,
+    "head_dim": 64, "intermediate_size": 2048, "moe_intermediate_size": 1024, "num_experts": 8,
+    "num_experts_per_tok": 2, "norm_topk_prob": True, "vocab_size": 32000, "max_position_embeddings": 2048,
+}
+
 
 def w1(vocab_size: int = 32000, num_requests: int = 128) -> list[tuple[list[int], int]]:
     """Workload W1: (prompt token ids, output length) per request.
@@ -47,16 +56,23 @@ def serving_checkpoint() -> Path:
     return _checkpoint("bench-serving-v1", SERVING)
 
 
-def _checkpoint(name: str, shape: dict) -> Path:
+def qwen3_moe_small_checkpoint() -> Path:
+    """The "qwen3-moe-small" mixture of experts (QWEN3_MOE_SMALL), seeded like "small"."""
+    return _checkpoint("bench-qwen3-moe-small-v1", QWEN3_MOE_SMALL, family="qwen3_moe")
+
+
+def _checkpoint(name: str, shape: dict, family: str = "llama") -> Path:
     path = cache_root() / name
     if (path / "complete").exists():
         return path
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                             "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[family]
     torch.manual_seed(0)
-    config = LlamaConfig(**shape, torch_dtype="float32", tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
-    model = LlamaForCausalLM(config).eval()
+    config = config_cls(**shape, torch_dtype="float32", tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    model = model_cls(config).eval()
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -71,4 +87,4 @@ def _checkpoint(name: str, shape: dict) -> Path:
 
 
 # The benchmark models by name, for `--model` flags.
-CHECKPOINTS = {"small": small_checkpoint, "serving": serving_checkpoint}
+CHECKPOINTS = {"small": small_checkpoint, "serving": serving_checkpoint, "qwen3-moe-small": qwen3_moe_small_checkpoint}

@@ -343,3 +343,23 @@ def test_expert_sizes_that_cannot_be_split_are_refused(checkpoints: dict[str, Pa
     assert line == ("mixture of experts: 2 of 2 layers sparse, 8 experts of 32, top-2 (not renormalised), a shared "
                     "expert of 48; each expert's 32 intermediate columns split over 2 ranks (16 per rank, one "
                     "all_reduce per block), router replicated")
+
+
+def test_bench_builds_its_qwen3_moe_checkpoint(tmp_path: Path, demo_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`noria bench throughput --model qwen3-moe-small` builds its model as "small" is built;
+    here at a tiny width, into a private cache."""
+    from noria.bench import throughput, workloads
+    from noria.worker.loader import load_spec
+
+    monkeypatch.setattr(workloads, "cache_root", lambda: tmp_path)
+    tiny = {**workloads.QWEN3_MOE_SMALL, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64, "moe_intermediate_size": 32,
+            "vocab_size": 512}
+    path = workloads._checkpoint("moe", tiny, family="qwen3_moe")
+    check_checkpoint(path)
+    spec = load_spec(path)
+    assert spec.architecture == "Qwen3MoeForCausalLM" and spec.sparse_layers == (True, True)
+    assert (spec.num_experts, spec.num_experts_per_tok, spec.norm_topk_prob) == (8, 2, True)
+    assert (path / "tokenizer.json").is_file()
+    assert throughput._parser().parse_args(["--model", "qwen3-moe-small"]).model == "qwen3-moe-small"
