@@ -134,10 +134,14 @@ CASES = [
     ("llama", 2, {"num_key_value_heads": 4, "tied": True, "attention_bias": True,
                   "mlp_bias": True}),
     ("mistral", 4, {}),
+    # Phi-3's fused qkv_proj / gate_up_proj, cut at load and then sliced per rank; partial rotary
+    # and longrope's short factors (the context is no longer than the original one).
+    ("phi3", 2, {"original_max_position_embeddings": 512}),
 ]
 
 
-@pytest.mark.parametrize(("arch", "tp", "overrides"), CASES, ids=["qwen2-gqa-tp2", "llama-mha-tp2", "mistral-tp4"])
+@pytest.mark.parametrize(("arch", "tp", "overrides"), CASES, ids=["qwen2-gqa-tp2", "llama-mha-tp2", "mistral-tp4",
+                                                                 "phi3-fused-tp2"])
 def test_tensor_parallel_matches_one_rank(arch: str, tp: int, overrides: dict[str, Any], tmp_path: Path) -> None:
     path = make_checkpoint(arch, tmp_path / arch, seed=11, **overrides)
     _randomize_biases(path)
