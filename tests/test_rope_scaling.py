@@ -323,3 +323,27 @@ def test_runner_serves_the_scaled_length(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^max_model_len 1025 exceeds the model's context length 1024 "
                                          r"\(max_position_embeddings 512 scaled by its rope_scaling factor\)$"):
         ModelRunner(EngineConfig(**config, max_model_len=1025))  # type: ignore[arg-type]
+
+
+def test_phi3_through_the_engine(tmp_path: Path, demo_path: Path) -> None:
+    """The whole engine (real processes, the scheduler's chunking under a 64-token budget) on
+    Phi-3 with longrope's long factors: prompts past the original 256 tokens, where
+    transformers takes the long factors too."""
+    import random
+    import shutil
+
+    from noria import LLM, SamplingParams
+
+    path = make_checkpoint("phi3", tmp_path / "phi3", seed=9)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_path / name, path / name)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 500) for _ in range(rng.randint(257, 330))] for _ in range(5)]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    with LLM(str(path), dtype="float32", max_num_seqs=3, max_num_batched_tokens=64, num_kv_blocks=160,
+             block_size=16) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    ref = load_reference(path)
+    ref.generation_config.eos_token_id = 2  # the engine stops at EOS too
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == reference_greedy(ref, p, 8), f"prompt of {len(p)} tokens"
