@@ -363,3 +363,24 @@ def test_bench_builds_its_qwen3_moe_checkpoint(tmp_path: Path, demo_path: Path,
     assert (spec.num_experts, spec.num_experts_per_tok, spec.norm_topk_prob) == (8, 2, True)
     assert (path / "tokenizer.json").is_file()
     assert throughput._parser().parse_args(["--model", "qwen3-moe-small"]).model == "qwen3-moe-small"
+
+
+def test_greedy_on_the_emulated_gpu_layer_path(checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA kernels' layer path, run by the CPU emulator: attention on the kernels, and the
+    experts' SiLU-and-mul on the fused kernel, as a GPU runs a sparse layer."""
+    from noria.worker.attention_select import EMULATED_KERNELS_ENV
+
+    monkeypatch.setenv(EMULATED_KERNELS_ENV, "1")
+    path = checkpoints["qwen3_moe"]
+    runner = test_worker_parity._runner(path)
+    assert runner.attention_choice.backend.name == "kernels"
+    calls = []
+    silu = runner.attention.silu_and_mul
+    monkeypatch.setattr(runner.attention, "silu_and_mul", lambda x: calls.append(x.shape) or silu(x))
+    ref = load_reference(path)
+    prompts = test_worker_parity._prompts(seed=5)[::4]
+    driver = test_worker_parity.Driver(runner, token_budget=48)
+    for i, prompt in enumerate(prompts):
+        driver.add(test_worker_parity.Req(i, list(prompt), len(prompt), 5, arrival=i))
+    assert driver.run() == {i: reference_greedy(ref, p, 5) for i, p in enumerate(prompts)}
+    assert any(shape[1] == 2 * 32 for shape in calls)  # an expert's gate/up rows went through the kernel
