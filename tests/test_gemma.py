@@ -8,7 +8,8 @@ Norm weights are random, so a (1 + w) norm that forgot its 1 or sits in the wron
 
 * the worker driven by hand-built plans (the toy scheduler of test_worker_parity: chunked
   prefill, requests boarding mid-decode, prefix hits, a resumed request) on both attention
-  paths of the CPU: the native paged kernel and torch (SDPA, or the soft-capped attention);
+  paths of the CPU, the native paged kernel and torch (SDPA, or the soft-capped attention),
+  and on the CUDA kernels under the CPU emulator;
 * logprobs in float32 with the final soft-cap;
 * the whole engine (real processes) with preemption, prefix hits and chunked prefill, in
   float32 token for token and in bfloat16 within test_engine_half's logprob tolerance;
@@ -32,6 +33,7 @@ from noria.protocol.config import EngineConfig
 from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.step import NewRequestData, StepPlan
 from noria.worker import native_stack
+from noria.worker.attention_select import EMULATED_KERNELS_ENV
 from noria.worker.model_runner import ModelRunner
 from noria.worker.models.spec import model_spec
 from tests.test_engine_half import _reference_logprobs, _tolerance
@@ -59,10 +61,17 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, demo_path: Path) -> di
     return out
 
 
-@pytest.mark.parametrize("attention", ["native", "torch"])
+@pytest.mark.parametrize("attention", ["native", "torch", "emulated-kernels"])
 @pytest.mark.parametrize("arch", GEMMA_ARCHS)
-def test_greedy_matches_transformers(arch: str, attention: str, checkpoints: dict[str, Path]) -> None:
+def test_greedy_matches_transformers(arch: str, attention: str, checkpoints: dict[str, Path],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
     path = checkpoints[arch]
+    if attention == "emulated-kernels":
+        # The GPU's path under the CPU emulator: the CUDA attention kernels with their window and
+        # soft-cap arguments, and the fused rotary and add + RMSNorm kernels (1 + w weights).
+        monkeypatch.setenv(EMULATED_KERNELS_ENV, "1")
+    else:
+        monkeypatch.delenv(EMULATED_KERNELS_ENV, raising=False)
     ref = load_reference(path)
     prompts = _prompts(seed=5)[::2]  # 1 to 81 tokens: most longer than the 20-token window
     max_tokens = [(i * 5) % 11 + 2 for i in range(len(prompts))]
@@ -70,8 +79,11 @@ def test_greedy_matches_transformers(arch: str, attention: str, checkpoints: dic
     expected = {i: reference_greedy(ref, p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))}
 
     runner = _runner(path)
-    # "torch": decode rows gathered for SDPA (or the soft-capped attention), prefills one call per sequence.
-    runner.attention.native = attention == "native"
+    if attention == "emulated-kernels":
+        assert (runner.attention_choice.name, runner.attention_choice.reason) == ("kernels", "")
+    else:
+        # "torch": decode rows gathered for SDPA (or the soft-capped attention), prefills one call per sequence.
+        runner.attention.native = attention == "native"
     driver = Driver(runner, token_budget=40)  # prompts over 40 tokens are chunked
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens, strict=True)):
         driver.add(Req(i, list(prompt), len(prompt), m, arrival=i))
