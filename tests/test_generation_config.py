@@ -117,6 +117,27 @@ def _http_completion(http: str, **body: Any) -> str:
         return json.loads(r.read())["choices"][0]["text"]
 
 
+def _ws_tokens(http: str, **fields: Any) -> list[int]:
+    """A websocket `generate` with only `fields` besides the prompt: its token ids."""
+    import asyncio
+
+    import websockets
+
+    async def main() -> list[int]:
+        async with websockets.connect(http.replace("http://", "ws://") + "/v1/stream") as ws:
+            await ws.send(json.dumps({"type": "generate", "request_id": "w", "prompt": PROMPT, "max_tokens": 12,
+                                      **fields}))
+            ids: list[int] = []
+            while True:
+                m = json.loads(await asyncio.wait_for(ws.recv(), 120))
+                if m["type"] != "delta":
+                    assert m["type"] == "done", m
+                    return ids
+                ids += m["token_ids"]
+
+    return asyncio.run(main())
+
+
 def test_llm_defaults_from_generation_config(greedy_model: Path) -> None:
     from noria.frontend.llm import LLM
 
@@ -135,7 +156,7 @@ def test_llm_defaults_from_generation_config(greedy_model: Path) -> None:
     assert reference.token_ids == sampled.token_ids
 
 
-def test_served_defaults_over_http_and_zmq(greedy_model: Path, tmp_path: Path) -> None:
+def test_served_defaults_over_http_websocket_and_zmq(greedy_model: Path, tmp_path: Path) -> None:
     from noria.frontend.client import Client
 
     log = tmp_path / "serve.log"
@@ -144,12 +165,15 @@ def test_served_defaults_over_http_and_zmq(greedy_model: Path, tmp_path: Path) -
         unset_http = _http_completion(s.http)
         greedy_http = _http_completion(s.http, temperature=0)
         sampled_http = _http_completion(s.http, **SEEDED)
+        unset_ws, greedy_ws, sampled_ws = (_ws_tokens(s.http), _ws_tokens(s.http, temperature=0),
+                                           _ws_tokens(s.http, **SEEDED))
         with Client(s.address) as c:
             unset_zmq = c.generate(PROMPT).outputs[0]
             greedy_zmq = c.generate(PROMPT, SamplingParams(temperature=0.0)).outputs[0]
             sampled_zmq = c.generate(PROMPT, SamplingParams(max_tokens=12, **SEEDED)).outputs[0]
     assert unset_http == greedy_http and unset_zmq.token_ids == greedy_zmq.token_ids
     assert sampled_http != greedy_http and sampled_http == sampled_zmq.text
+    assert unset_ws == greedy_ws and sampled_ws == sampled_zmq.token_ids != greedy_ws
     text = log.read_text()
     assert text.count("sampling defaults for requests that do not set them: temperature=0.0, top_p=1.0, "
                       "top_k=50, min_p=0.0, repetition_penalty=1.0;") == 1, text
