@@ -7,7 +7,8 @@ query offsets, converted once per step in prepare(). A layer's sliding window an
 kernels as arguments. `unsupported(layer, dtype, block_size)` says why the kernels cannot run
 a layer (a head size, dtype or block size with no instance); such layers go to `fallback` (the worker's torch backend), so no shape
 reaches a kernel that was not built for it. `warm_up` compiles the modules a model needs at
-start-up instead of at its first step.
+start-up instead of at its first step. A decode step that a CUDA graph captures is prepared by
+`prepare_graph` instead: persistent buffers and launches fixed per bucket (kernels/graph_plan.py).
 
 The same backend carries the layer's fused elementwise kernels (kernels.fused_ops), so the
 worker runs them exactly where it runs the attention kernels: `add_rms_norm`,
@@ -25,6 +26,7 @@ import torch
 
 from noria.kernels import fused_ops, instances, ops
 from noria.kernels.backends import KernelBackend, default_backend
+from noria.kernels.graph_plan import GraphDecode, GraphStep
 
 
 @dataclass
@@ -60,12 +62,16 @@ def unsupported(layer: Any, dtype: torch.dtype, block_size: int) -> str | None:
 
 class KernelAttentionBackend:
     name = "kernels"
+    # A graph-captured decode step is prepared by prepare_graph(): fixed launches over
+    # persistent buffers (kernels/graph_plan.py), so CUDA graphs may capture it.
+    graph_safe = True
 
     def __init__(self, fallback: Any = None, backend: KernelBackend | None = None) -> None:
         self.fallback = fallback
         self.backend = backend  # None: CuPy for CUDA tensors, the emulator for CPU ones
         # (layer, dtype, block size) -> why not, or None; decided once per layer shape.
         self._decisions: dict[tuple[Any, torch.dtype, int], str | None] = {}
+        self.graph = GraphDecode(backend)
 
     def supports(self, layer: Any, dtype: torch.dtype, block_size: int) -> bool:
         return self.unsupported(layer, dtype, block_size) is None
@@ -110,6 +116,19 @@ class KernelAttentionBackend:
             fallback_data=fallback_data,
         )
 
+    def prepare_graph(self, meta: Any) -> None:
+        """prepare() for a decode step a CUDA graph captures or replays (worker/cuda_graphs.py):
+        meta's tensors are the persistent buffers at the bucket's size and the full table width,
+        and its host lengths are not the step's. The step's tables and lengths are copied into
+        persistent int32 buffers on the device and every launch is fixed for the bucket."""
+        fallback_data = None
+        if self.fallback is not None:
+            self.fallback.prepare(meta)
+            fallback_data = meta.backend_data
+        step = self.graph.prepare(meta.block_tables, meta.seq_lens, meta.block_size)
+        step.fallback_data = fallback_data
+        meta.backend_data = step
+
     def copy_blocks(self, src_caches: Any, dst_caches: Any, block_mapping: torch.Tensor) -> None:
         """Swaps for worker.kv_cache.KVCache.block_copier: one launch."""
         ops.copy_blocks(src_caches, dst_caches, block_mapping, backend=self.backend)
@@ -124,7 +143,7 @@ class KernelAttentionBackend:
         v_cache: torch.Tensor,
         meta: Any,
     ) -> torch.Tensor:
-        step: _StepTensors = meta.backend_data
+        step: _StepTensors | GraphStep = meta.backend_data
         why = self.unsupported(layer, k_cache.dtype, k_cache.shape[1])
         if why is not None:
             if self.fallback is None:
@@ -174,9 +193,14 @@ class KernelAttentionBackend:
         return self._attend(layer, q, k_cache, v_cache, meta.backend_data)
 
     def _attend(
-        self, layer: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: _StepTensors
+        self, layer: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        step: _StepTensors | GraphStep,
     ) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if isinstance(step, GraphStep):
+            step.attend(out, q, k_cache, v_cache, layer.scale, window=layer.sliding_window,
+                        soft_cap=getattr(layer, "logits_soft_cap", None))
+            return out
         ops.paged_attention(
             out,
             q,

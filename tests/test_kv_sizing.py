@@ -12,9 +12,12 @@ import torch
 from noria.protocol.config import EngineConfig
 from noria.worker.errors import WorkerFatal
 from noria.worker.kv_cache import (
+    GRAPH_POOL_OVERHEAD,
     GiB,
+    GraphShapes,
     KVLayout,
     capacity_line,
+    graph_memory_reserve,
     kv_blocks_from_memory,
     needs_profile,
     num_device_blocks,
@@ -98,6 +101,38 @@ def test_overrides_win_over_the_profile() -> None:
     assert num_device_blocks(EngineConfig(gpu_memory_utilization=0.9), LLAMA8B, 4096, H100) == 54 * 512
     with pytest.raises(WorkerFatal):
         num_device_blocks(EngineConfig(), LLAMA8B, 4096, tight)
+
+
+# Llama 3 8B's shapes on one rank, graphs of 1, 2, 4 and 8 rows, 4096-token rows in blocks of 16.
+LLAMA8B_GRAPHS = GraphShapes(sizes=(1, 2, 4, 8), hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                             intermediate_size=14336, max_blocks=256, dtype=torch.bfloat16)
+
+
+def test_graph_reserve_is_the_largest_graph_s_activations_and_every_output() -> None:
+    # Per row, in bfloat16: 5 x 4096 (hidden, residual, norm, o_proj and MLP outputs)
+    # + (32 + 2 x 8) x 128 (q, k, v) + 32 x 128 (attention output) + 3 x 14336 (gate, up, SiLU)
+    # = 20480 + 6144 + 4096 + 43008 = 73728 elements = 147456 bytes; 8 rows: 1179648 bytes.
+    # Outputs: (1 + 2 + 4 + 8) x 4096 x 2 = 122880 bytes. Tables: int32 8 x (256 + 1) = 8224 bytes.
+    want = GRAPH_POOL_OVERHEAD + 1179648 + 122880 + 8224
+    assert graph_memory_reserve(EngineConfig(), LLAMA8B_GRAPHS) == want
+    # No graphs (a CPU, tensor parallel, ...: the worker passes None), or --enforce-eager: nothing.
+    assert graph_memory_reserve(EngineConfig(), None) == 0
+    assert graph_memory_reserve(EngineConfig(enforce_eager=True), LLAMA8B_GRAPHS) == 0
+    # Twice the rows in the largest graph: twice its activations and tables, one more output.
+    wider = GraphShapes(**{**LLAMA8B_GRAPHS.__dict__, "sizes": (1, 2, 4, 8, 16)})
+    assert graph_memory_reserve(EngineConfig(), wider) == GRAPH_POOL_OVERHEAD + 2 * (1179648 + 8224) + 31 * 8192
+
+
+def test_the_graph_reserve_comes_out_of_the_kv_cache() -> None:
+    reserve = graph_memory_reserve(EngineConfig(), LLAMA8B_GRAPHS)  # 65.2 MiB: 33 blocks of 2 MiB
+    assert -(-reserve // (2 * MiB)) == 33
+    # 54 GiB after weights and peak (see above), less the reserve, in whole 2 MiB blocks.
+    want = (54 * GiB - reserve) // (2 * MiB)
+    assert want == 54 * 512 - 33
+    assert num_device_blocks(EngineConfig(), LLAMA8B, 4096, H100, LLAMA8B_GRAPHS) == want
+    assert num_device_blocks(EngineConfig(), LLAMA8B, 4096, H100, None) == 54 * 512
+    # On a CPU (no device memory) the graphs change nothing.
+    assert num_device_blocks(EngineConfig(max_num_seqs=4), LLAMA8B, 4096, None, LLAMA8B_GRAPHS) == 512
 
 
 def test_only_a_gpu_without_a_size_given_is_profiled() -> None:

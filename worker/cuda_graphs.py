@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from noria.worker.attention import AttentionMetadata
+
 log = logging.getLogger("noria.worker.cuda_graphs")
 
 
@@ -146,6 +148,25 @@ class DecodeBuffers:
         return self.views(rows, cols)
 
 
+def graph_metadata(views: DecodeViews, block_size: int) -> AttentionMetadata:
+    """The attention metadata of a decode step that a graph captures: the buffers' views at
+    the bucket's size, every row's block table at full width. Its host lists are the same for
+    every step of the bucket (each row as long as the table allows), so nothing a backend plans
+    from them changes between replays; the lengths on the device bound what each row reads."""
+    rows, cols = views.block_tables.shape
+    return AttentionMetadata(
+        positions=views.positions,
+        slot_mapping=views.slot_mapping,
+        query_start_loc=views.query_start_loc,
+        seq_lens=views.seq_lens,
+        block_tables=views.block_tables,
+        block_size=block_size,
+        query_lens_host=[1] * rows,
+        seq_lens_host=[cols * block_size] * rows,
+        query_start_host=list(range(rows + 1)),
+    )
+
+
 # Runs the model over the views of one bucket: returns the hidden states [rows, hidden].
 DecodeForward = Callable[[int, DecodeViews], torch.Tensor]
 
@@ -163,10 +184,14 @@ class DecodeGraphs:
         self.buffers = buffers
         self.sizes = sorted(sizes)
         self._graphs: dict[int, _Captured] = {}
+        self.memory = 0  # bytes the capture took (measured)
 
-    def capture(self, forward: DecodeForward, null_block: int, block_size: int) -> None:
+    def capture(self, forward: DecodeForward, null_block: int, block_size: int, reserve: int = 0) -> None:
         """Warm up and capture every size, largest first so that the smaller graphs fit in the
-        pool the largest one sized; logs the time and the pool's memory in one line."""
+        pool the largest one sized; logs the time and the memory taken (the device's free
+        memory before and after: the pool and whatever the warm-ups kept) in one line, beside
+        `reserve`, the estimate the KV cache sizing kept back (kv_cache.graph_memory_reserve),
+        and a warning when they took more."""
         device = self.buffers.device
         cols = self.buffers.max_cols
         torch.cuda.synchronize(device)
@@ -188,9 +213,13 @@ class DecodeGraphs:
                 pool = graph.pool()
             self._graphs[size] = _Captured(graph, hidden)
         torch.cuda.synchronize(device)
-        used = free_before - torch.cuda.mem_get_info(device)[0]
-        log.info("cuda graphs: captured %d decode sizes (%d..%d) in %.2f s, %.0f MiB",
-                 len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - t0, used / 2**20)
+        self.memory = used = free_before - torch.cuda.mem_get_info(device)[0]
+        log.info("cuda graphs: captured %d decode sizes (%d..%d) in %.2f s, %.0f MiB (estimated %.0f MiB)",
+                 len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - t0, used / 2**20,
+                 reserve / 2**20)
+        if used > reserve > 0:
+            log.warning("cuda graphs took %.0f MiB, more than the %.0f MiB the KV cache left for them",
+                        used / 2**20, reserve / 2**20)
 
     def bucket(self, num_seqs: int) -> int | None:
         return bucket_size(num_seqs, self.sizes) if self._graphs else None

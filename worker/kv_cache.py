@@ -63,14 +63,48 @@ class DeviceMemory(Protocol):
         """The profiling forward's peak above the weights (activations, logits, sampling)."""
 
 
-# Memory that CUDA graph capture needs beside the KV cache: none while the worker captures no
-# graphs. Graph capture returns its pool's estimate from `graph_memory_reserve` (bytes).
-GRAPH_MEMORY_RESERVE = 0
+# What capturing the decode graphs costs beyond the activations counted below: the caching
+# allocator's segments in the graphs' pool (2 MiB for small blocks, 20 MiB and up for large
+# ones, each only partly used), cuBLAS's workspace for the capture stream (up to 32 MiB on
+# sm_90) and the driver's graph objects.
+GRAPH_POOL_OVERHEAD = 64 << 20
 
 
-def graph_memory_reserve(config: EngineConfig) -> int:
-    """Bytes kept back for CUDA graphs (the hook graph capture fills in)."""
-    return GRAPH_MEMORY_RESERVE
+@dataclass(frozen=True)
+class GraphShapes:
+    """What the decode graphs a worker captures allocate, from its model's shapes on this rank."""
+
+    sizes: tuple[int, ...]  # the captured batch sizes
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_blocks: int  # block-table columns of a row (graphs read tables at full width)
+    dtype: torch.dtype
+
+
+def graph_memory_reserve(config: EngineConfig, graphs: GraphShapes | None) -> int:
+    """Bytes the KV cache leaves for CUDA graph capture, estimated before capture from the
+    model's shapes (`graphs`, None where the worker captures none: a CPU, --enforce-eager, ...).
+
+    The graphs share one memory pool and are captured largest first, so what the pool holds
+    is the activations of the largest size's forward pass (a decode layer's intermediates per
+    row: hidden states, residual, norm and projection outputs, q/k/v, the attention output,
+    gate/up, the MLP's activation and output; all counted as live at once, an upper bound)
+    plus every graph's output rows, which stay allocated for its replays, plus the int32 block
+    tables of the kernels' graph path (kernels/graph_plan.py) and GRAPH_POOL_OVERHEAD. The
+    capture logs what it really took beside this estimate (worker/cuda_graphs.py)."""
+    if graphs is None or not graphs.sizes or config.enforce_eager:
+        return 0
+    g = graphs
+    elem = torch.empty((), dtype=g.dtype).element_size()
+    per_row = elem * (5 * g.hidden_size + (g.num_heads + 2 * g.num_kv_heads) * g.head_dim
+                      + g.num_heads * g.head_dim + 3 * g.intermediate_size)
+    largest = max(g.sizes)
+    outputs = elem * g.hidden_size * sum(g.sizes)
+    tables = 4 * largest * (g.max_blocks + 1)
+    return GRAPH_POOL_OVERHEAD + largest * per_row + outputs + tables
 
 
 def kv_blocks_from_memory(memory: DeviceMemory, utilization: float, bytes_per_block: int,
@@ -101,9 +135,10 @@ def _gib(n: int) -> str:
 
 
 def num_device_blocks(config: EngineConfig, layout: KVLayout, max_model_len: int,
-                      memory: DeviceMemory | None = None) -> int:
+                      memory: DeviceMemory | None = None, graphs: GraphShapes | None = None) -> int:
     """--num-kv-blocks, else --kv-cache-memory, else (on a GPU, `memory` given) what
-    --gpu-memory-utilization leaves, else (a CPU) the default below."""
+    --gpu-memory-utilization leaves beside the CUDA graphs' reserve, else (a CPU) the default
+    below."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if config.kv_cache_memory is not None:
@@ -116,7 +151,7 @@ def num_device_blocks(config: EngineConfig, layout: KVLayout, max_model_len: int
         return blocks
     if memory is not None:
         return kv_blocks_from_memory(memory, config.gpu_memory_utilization, layout.bytes_per_block,
-                                     graph_memory_reserve(config))
+                                     graph_memory_reserve(config, graphs))
     # A CPU: enough for every sequence at full length, but never more than a modest
     # default, so that an idle server does not reserve the whole machine.
     per_seq = -(-max_model_len // layout.block_size)

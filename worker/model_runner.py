@@ -41,14 +41,17 @@ from noria.worker.cuda_graphs import (
     DecodeInputs,
     DecodeViews,
     capture_sizes,
+    graph_metadata,
     pad_decode,
 )
 from noria.worker.device import resolve_device, resolve_dtype
 from noria.worker.grammar_mask import apply_grammar_bitmask
 from noria.worker.kv_cache import (
+    GraphShapes,
     KVCache,
     KVLayout,
     capacity_line,
+    graph_memory_reserve,
     needs_profile,
     num_device_blocks,
     num_swap_blocks,
@@ -167,8 +170,15 @@ class ModelRunner:
                                             self.device)
         self.graphs: DecodeGraphs | None = None
 
+        # Decided before the KV cache is sized, which keeps back what the graphs will take.
+        wants_graphs = self._graphs_wanted()
+        rank = self.model.shapes
+        graph_shapes = GraphShapes(tuple(self.graph_sizes), s.hidden_size, rank.num_heads, rank.num_kv_heads,
+                                   s.head_dim, rank.intermediate_size, self.decode_buffers.max_cols,
+                                   self.dtype) if wants_graphs else None
+        self.graph_reserve = graph_memory_reserve(config, graph_shapes)
         memory = profile_memory(self, layout) if needs_profile(config, self.device) else None
-        self.num_kv_blocks = num_device_blocks(config, layout, self.max_model_len, memory)
+        self.num_kv_blocks = num_device_blocks(config, layout, self.max_model_len, memory, graph_shapes)
         self.num_cpu_blocks = num_swap_blocks(config, layout)
         self.kv_cache = KVCache(layout, self.num_kv_blocks, self.num_cpu_blocks, self.device)
         self._kv_layers = [self.kv_cache.layer(i) for i in range(self.spec.num_layers)]
@@ -182,11 +192,12 @@ class ModelRunner:
             # Which layers the native CPU stack runs, and why the others not (the Python path).
             log.info("%s", native_stack.describe(native_stack.coverage(self.model, self._kv_layers)))
         # After the KV cache, which the graphs address.
-        if self._graphs_wanted():
+        if wants_graphs:
             self.graphs = DecodeGraphs(self.decode_buffers, self.graph_sizes)
             try:
                 with torch.inference_mode():  # as execute() runs: no autograd state in the graphs
-                    self.graphs.capture(self._graph_forward, self.kv_cache.null_block, self.block_size)
+                    self.graphs.capture(self._graph_forward, self.kv_cache.null_block, self.block_size,
+                                        reserve=self.graph_reserve)
             except torch.cuda.OutOfMemoryError as e:
                 # The KV cache took the memory first; serving eagerly beats not serving.
                 log.warning("cuda graphs: off, out of memory while capturing (%s); decode steps run eagerly", e)
@@ -195,7 +206,8 @@ class ModelRunner:
 
     def _graphs_wanted(self) -> bool:
         """CUDA graphs on one CUDA rank, unless --enforce-eager, with an attention backend whose
-        per-step preparation launches nothing and only takes views of the buffers."""
+        decode steps a graph can replay (`graph_safe`: the torch backend's prepare() only takes
+        views of the buffers; the kernel backend's prepare_graph() fixes its launches per bucket)."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.pooling is not None:
             return False  # a pooling engine's steps are prefills: nothing for a decode graph
         if self.spec.num_experts:
@@ -211,19 +223,10 @@ class ModelRunner:
     def _graph_forward(self, size: int, views: DecodeViews) -> torch.Tensor:
         """The decode forward pass a graph of `size` rows captures: every row's block table at
         full width (the lengths on the device bound what each row reads)."""
-        full = views.block_tables.shape[1] * self.block_size
-        meta = AttentionMetadata(
-            positions=views.positions,
-            slot_mapping=views.slot_mapping,
-            query_start_loc=views.query_start_loc,
-            seq_lens=views.seq_lens,
-            block_tables=views.block_tables,
-            block_size=self.block_size,
-            query_lens_host=[1] * size,
-            seq_lens_host=[full] * size,
-            query_start_host=list(range(size + 1)),
-        )
-        self.attention.prepare(meta)
+        assert views.input_ids.shape[0] == size
+        meta = graph_metadata(views, self.block_size)
+        # A backend that plans launches on the host fixes them per bucket in prepare_graph.
+        getattr(self.attention, "prepare_graph", self.attention.prepare)(meta)
         return self.model(views.input_ids, views.positions, meta, self.attention, self._kv_layers)
 
     # -- public -----------------------------------------------------------------
