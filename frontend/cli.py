@@ -66,6 +66,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 and every multiple of 8 "
                         "up to --max-num-seqs); a batch runs in the graph of the next size up, padded")
+    c = ap.add_argument_group("chat")
+    c.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="the chat template to use instead of the tokenizer's: a file, or the Jinja template itself")
+    c.add_argument("--trust-request-chat-template", action="store_true", default=None,
+                   help="let requests bring their own chat_template (Jinja code, rendered sandboxed under a 2 s "
+                        "deadline and --max-chat-template-chars; without this flag such a request is refused)")
     g.add_argument("--runner", choices=_choices(Runner), default=None,
                    help="generate (default): text generation; pooling: one embedding per input (/v1/embeddings)")
     g.add_argument("--pooling", choices=_choices(PoolingType), default=None,
@@ -150,6 +156,8 @@ def add_input_limit_args(ap: argparse.ArgumentParser) -> None:
                         f"(default {d.max_word_chars})")
     g.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias, metavar="N",
                    help=f"logit_bias entries per request (default {d.max_logit_bias})")
+    g.add_argument("--max-chat-template-chars", type=int, default=d.max_chat_template_chars, metavar="N",
+                   help=f"characters of a request's own chat_template (default {d.max_chat_template_chars})")
 
 
 def input_limits(args: argparse.Namespace) -> Any:

@@ -22,6 +22,8 @@ from noria.frontend.outputs import OutputBuilder, RequestOutput
 from noria.protocol.client import (
     Abort,
     Delta,
+    Detokenize,
+    Detokenized,
     Done,
     Embed,
     Embedding,
@@ -29,6 +31,8 @@ from noria.protocol.client import (
     Generate,
     Ready,
     Stats,
+    Tokenize,
+    Tokenized,
 )
 from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.sampling import SamplingParams
@@ -156,11 +160,14 @@ class AsyncClient:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        **chat: Any,
     ) -> AsyncIterator[Delta | Done]:
         """Yields each Delta as it comes, then the final Done; raises NoriaError on an error.
-        Requests with different `cache_salt`s (or a salt and none) share no prefix-cache blocks."""
+        Requests with different `cache_salt`s (or a salt and none) share no prefix-cache blocks.
+        `chat`: the chat template controls of `generate` (`add_generation_prompt`,
+        `continue_final_message`, `chat_template`, `chat_template_kwargs`), with `messages`."""
         msg = make_generate(request_id or self.new_request_id(), prompt, params, messages=messages, priority=priority,
-                            cache_salt=cache_salt)
+                            cache_salt=cache_salt, **chat)
         async with aclosing(self.stream_request(msg)) as upstream:
             async for out in upstream:
                 yield out
@@ -174,9 +181,11 @@ class AsyncClient:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        **chat: Any,
     ) -> RequestOutput:
+        """`chat`: the chat template controls, as in `stream`."""
         msg = make_generate(request_id or self.new_request_id(), prompt, params, messages=messages, priority=priority,
-                            cache_salt=cache_salt)
+                            cache_salt=cache_salt, **chat)
         builder = OutputBuilder(msg.request_id, msg.prompt, msg.n)
         async with aclosing(self.stream_request(msg)) as upstream:
             async for out in upstream:
@@ -184,7 +193,57 @@ class AsyncClient:
         return builder.output()
 
     async def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, **kw: Any) -> RequestOutput:
+        """`kw`: `request_id`, `priority`, `cache_salt` and the chat template controls
+        (`add_generation_prompt`, `continue_final_message`, `chat_template`, `chat_template_kwargs`)."""
         return await self.generate(None, params, messages=messages, **kw)
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool | None = None,
+        return_token_strs: bool = False,
+        **chat: Any,
+    ) -> Tokenized:
+        """The token ids of a text, or of chat `messages` as the chat template renders them
+        (`chat`: the template controls of `generate`, and `tools`), with the count and the
+        engine's `max_model_len`; raises NoriaError naming the field at fault."""
+        msg = Tokenize(request_id=self.new_request_id(), prompt=prompt, messages=messages,
+                       add_special_tokens=add_special_tokens, return_token_strs=return_token_strs, **chat)
+        out = await self.ask(msg)
+        assert isinstance(out, Tokenized)
+        return out
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """The text of token ids (special tokens included); an id outside the vocabulary is
+        a NoriaError naming `tokens`."""
+        out = await self.ask(Detokenize(request_id=self.new_request_id(), tokens=list(tokens)))
+        assert isinstance(out, Detokenized)
+        return out.prompt
+
+    async def ask(self, msg: Tokenize | Detokenize) -> Tokenized | Detokenized:
+        """Send a `tokenize` or `detokenize` (one answer each) and wait for its answer; raises
+        NoriaError on an error reply, a timeout or a lost engine."""
+        conn = self._conn
+        loop = conn.start()
+        inbox = conn.open_inbox(msg.request_id)
+        try:
+            try:
+                conn.send(msg)
+            except (OverflowError, RecursionError) as e:  # a value msgpack cannot carry: nothing was sent
+                raise NoriaError(ErrorCode.INVALID_REQUEST, f"the request cannot be encoded: {e}") from None
+            out = await inbox.get(loop, self.timeout)
+        finally:
+            conn.close_inbox(msg.request_id, inbox)
+        if out is None:
+            raise NoriaError(ErrorCode.TIMEOUT, f"no answer from {self.address} for {msg.request_id} within "
+                             f"{self.timeout}s")
+        if isinstance(out, Error):
+            raise NoriaError(out.code, out.message, param=out.param)
+        if not isinstance(out, Tokenized | Detokenized):
+            raise NoriaError(ErrorCode.INTERNAL, f"unexpected answer to {msg.request_id}: {type(out).__name__}")
+        return out
 
     async def embed_request(self, msg: Embed) -> Embedding:
         """Send a ready-made `embed`; its `embedding` (vector and usage). Raises NoriaError on an
@@ -303,6 +362,12 @@ class Client:
 
     def embed(self, inputs: Prompt | list[Prompt], **kw: Any) -> list[list[float]]:
         return self._call(self._async.embed(inputs, **kw))
+
+    def tokenize(self, prompt: str | None = None, **kw: Any) -> Tokenized:
+        return self._call(self._async.tokenize(prompt, **kw))
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self._call(self._async.detokenize(tokens))
 
     def abort(self, request_id: str) -> None:
         self._call(self._async.abort(request_id))

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from noria.frontend.detokenizer import IncrementalDetokenizer, StopStrings
 from noria.frontend.embeddings import EMBED_ON_GENERATE, GENERATE_ON_POOLING, Embedder
@@ -246,7 +247,11 @@ class FrontendCore:
                 req.num_cached_tokens = u.num_cached_tokens
             s.num_tokens += len(u.new_token_ids)
             s.ids += u.new_token_ids
+            # The engine knows ids only; token texts and bytes come from the tokenizer here.
+            if u.logprobs:
+                self.processor.token_texts.fill_all(u.logprobs)
             if u.prompt_logprobs is not None:
+                self.processor.token_texts.fill_all(u.prompt_logprobs)
                 s.prompt_logprobs = u.prompt_logprobs
             if not s.stream:
                 self._hold(req, s, u)
@@ -260,7 +265,8 @@ class FrontendCore:
             text = s.detok.take(final=finish is not None)
             if text or u.new_token_ids:
                 req.sink(Delta(request_id=req.request_id, text=text, token_ids=list(u.new_token_ids),
-                               index=s.index, logprobs=u.logprobs, prompt_logprobs=s.prompt_logprobs))
+                               index=s.index, logprobs=u.logprobs, prompt_logprobs=s.prompt_logprobs,
+                               prompt_tokens=self._prompt_tokens(req, s)))
                 s.prompt_logprobs = None
             if finish is not None:
                 self._finish_sample(req, s, finish)
@@ -275,6 +281,12 @@ class FrontendCore:
                            usage=Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=0,
                                        cached_tokens=num_cached_tokens)))
 
+    def _prompt_tokens(self, req: _Request, s: _Sample) -> list[str] | UnsetType:
+        """The prompt tokens' texts, beside the prompt logprobs that a delta carries."""
+        if s.prompt_logprobs is None:
+            return UNSET
+        return [self.processor.token_texts.entry(t)[0] for t in req.prompt_ids]
+
     def _hold(self, req: _Request, s: _Sample, u: RequestUpdate) -> None:
         if u.logprobs:
             s.held_logprobs = (s.held_logprobs or []) + u.logprobs
@@ -282,7 +294,8 @@ class FrontendCore:
             s.detok.add(s.ids)
             text = s.detok.take(final=True)
             req.sink(Delta(request_id=req.request_id, text=text, token_ids=s.ids, index=s.index,
-                           logprobs=s.held_logprobs, prompt_logprobs=s.prompt_logprobs))
+                           logprobs=s.held_logprobs, prompt_logprobs=s.prompt_logprobs,
+                           prompt_tokens=self._prompt_tokens(req, s)))
             self._finish_sample(req, s, u.finish_reason)
 
     def _finish_sample(self, req: _Request, s: _Sample, finish: str) -> None:

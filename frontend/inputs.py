@@ -22,9 +22,13 @@ def make_generate(
     priority: int = 0,
     add_generation_prompt: bool = True,
     cache_salt: str | None = None,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Generate:
     """A text prompt, a token-id prompt or chat `messages` (give one), with every
-    SamplingParams field laid flat beside the request's own fields."""
+    SamplingParams field laid flat beside the request's own fields. The chat template
+    controls apply to `messages` (docs/protocol.md, `generate`)."""
     # No params: the fields a request may leave to the server (GENERATION_DEFAULT_FIELDS) stay
     # unset and take its defaults (--generation-config); a SamplingParams sets every field, its
     # defaults included, as vLLM's does.
@@ -34,7 +38,9 @@ def make_generate(
     elif prompt is not None:
         fields["prompt_token_ids"] = list(prompt)
     return Generate(request_id=request_id, messages=messages, priority=priority,
-                    add_generation_prompt=add_generation_prompt, cache_salt=cache_salt, **fields)
+                    add_generation_prompt=add_generation_prompt, cache_salt=cache_salt,
+                    continue_final_message=continue_final_message, chat_template=chat_template,
+                    chat_template_kwargs=chat_template_kwargs, **fields)
 
 
 def embed_inputs(inputs: Prompt | list[Prompt]) -> list[Prompt]:

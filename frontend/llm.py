@@ -27,6 +27,9 @@ class LLM:
     def __init__(self, model: str = "demo", **engine_flags: Any) -> None:
         self.config = make_config(model, **engine_flags)
         self.core: FrontendCore = start_core(self.config)
+        # The caller is this process: the chat templates it passes are its own code (vLLM's
+        # LLM.chat takes them too), unlike a server's clients'.
+        self.core.processor.trust_request_chat_template = True
         self._counter = 0
         self._closed = False
 
@@ -61,10 +64,18 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """One conversation or several; the chat template controls (vLLM's) apply to each."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         plist = _as_params_list(params, len(convs))
-        msgs = [make_generate(self._next_id(), None, p, messages=list(c)) for c, p in zip(convs, plist, strict=True)]
+        chat = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs}
+        msgs = [make_generate(self._next_id(), None, p, messages=list(c), **chat)
+                for c, p in zip(convs, plist, strict=True)]
         return self._run(msgs, [None] * len(msgs), use_tqdm)
 
     def embed(self, texts: Prompt | Sequence[Prompt], *, dimensions: int | None = None,

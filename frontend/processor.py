@@ -10,7 +10,16 @@ import msgspec
 from msgspec import Meta
 
 from noria.frontend.bad_words import bad_words_token_ids
-from noria.protocol.client import Generate, cache_salt_problem
+from noria.frontend.chat_template import RenderError, render_chat, template_kwargs
+from noria.frontend.token_text import TokenTexts
+from noria.protocol.client import (
+    Detokenize,
+    Detokenized,
+    Generate,
+    Tokenize,
+    Tokenized,
+    cache_salt_problem,
+)
 from noria.protocol.config import SchedulingPolicy
 from noria.protocol.errors import ErrorCode, NoriaError, ParamError
 from noria.protocol.sampling import (
@@ -66,16 +75,24 @@ class InputLimits(msgspec.Struct, frozen=True, kw_only=True):
     # Characters of the stop strings together, and of the bad words together.
     max_word_chars: Positive = 65536
     max_logit_bias: Positive = 1024
+    # Characters of a request's own `chat_template` (a server's --chat-template is not held to it).
+    max_chat_template_chars: Positive = 65536
 
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, eos_ids: list[int], vocab_size: int, max_model_len: int,
                  limits: InputLimits | None = None, scheduling_policy: SchedulingPolicy = "fcfs",
+                 chat_template: str | None = None, trust_request_chat_template: bool = False,
                  sampling_defaults: dict[str, Any] | None = None) -> None:
-        """`sampling_defaults`: the values of the fields a request leaves unset
+        """`chat_template`: the server's (--chat-template, already read), else the tokenizer's is
+        used; `trust_request_chat_template`: requests may bring their own (vLLM's flag);
+        `sampling_defaults`: the values of the fields a request leaves unset
         (frontend/generation_config.py), vLLM's where absent."""
         self.sampling_defaults = dict(sampling_defaults or {})
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
+        self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -149,23 +166,11 @@ class InputProcessor:
         """Refuse a request larger than `self.limits` allow, naming the field; each check
         reads lengths only, or stops counting at its limit."""
         lim = self.limits
-        if msg.prompt is not None and len(msg.prompt) > self.max_prompt_chars:
-            raise ParamError("prompt", f"prompt has {len(msg.prompt)} characters, more than the "
-                             f"{self.max_prompt_chars} this server accepts (max_model_len {self.max_model_len})",
-                             ErrorCode.PROMPT_TOO_LONG)
+        self.check_text_sizes(msg)
         if msg.prompt_token_ids is not None and len(msg.prompt_token_ids) >= self.max_model_len:
             raise ParamError("prompt_token_ids", f"prompt has {len(msg.prompt_token_ids)} tokens but this engine "
                              f"accepts at most {self.max_model_len - 1} (max_model_len {self.max_model_len})",
                              ErrorCode.PROMPT_TOO_LONG)
-        if msg.messages is not None:
-            if len(msg.messages) > lim.max_messages:
-                raise ParamError("messages", f"{len(msg.messages)} messages, more than the {lim.max_messages} "
-                                 "this server accepts")
-            size = json_size(msg.messages, self.max_prompt_chars)
-            if size > self.max_prompt_chars:
-                raise ParamError("messages", f"messages hold more than {self.max_prompt_chars} characters (every "
-                                 f"field counted), more than max_model_len {self.max_model_len} tokens can spell",
-                                 ErrorCode.PROMPT_TOO_LONG)
         for name, words, cap in (("stop", msg.stop, lim.max_stop_strings), ("bad_words", msg.bad_words,
                                                                            lim.max_bad_words)):
             if words is None:
@@ -182,6 +187,28 @@ class InputProcessor:
             if ids is not None and len(ids) > self.vocab_size:
                 raise ParamError(name, f"{name} has {len(ids)} entries, more than the vocabulary's {self.vocab_size}")
 
+    def check_text_sizes(self, msg: Generate | Tokenize) -> None:
+        """The prompt's, the messages' and the chat template's sizes (`check_sizes`)."""
+        lim = self.limits
+        if msg.prompt is not None and len(msg.prompt) > self.max_prompt_chars:
+            raise ParamError("prompt", f"prompt has {len(msg.prompt)} characters, more than the "
+                             f"{self.max_prompt_chars} this server accepts (max_model_len {self.max_model_len})",
+                             ErrorCode.PROMPT_TOO_LONG)
+        if msg.chat_template is not None and len(msg.chat_template) > lim.max_chat_template_chars:
+            raise ParamError("chat_template", f"chat_template has {len(msg.chat_template)} characters, more than "
+                             f"the {lim.max_chat_template_chars} this server accepts (--max-chat-template-chars)")
+        if msg.messages is not None:
+            if len(msg.messages) > lim.max_messages:
+                raise ParamError("messages", f"{len(msg.messages)} messages, more than the {lim.max_messages} "
+                                 "this server accepts")
+            # The template's variables and tools are rendered into the prompt too.
+            extra = [v for v in (msg.chat_template_kwargs, getattr(msg, "tools", None)) if v]
+            size = json_size([msg.messages, *extra], self.max_prompt_chars)
+            if size > self.max_prompt_chars:
+                raise ParamError("messages", f"messages hold more than {self.max_prompt_chars} characters (every "
+                                 "field counted, with chat_template_kwargs and tools), more than max_model_len "
+                                 f"{self.max_model_len} tokens can spell", ErrorCode.PROMPT_TOO_LONG)
+
     def tokenize(self, msg: Generate) -> list[int]:
         if msg.prompt_token_ids is not None:
             return list(msg.prompt_token_ids)
@@ -190,21 +217,84 @@ class InputProcessor:
                 return []
             return list(self.tokenizer(msg.prompt)["input_ids"])
         assert msg.messages is not None
-        if not msg.messages:
-            raise NoriaError(ErrorCode.INVALID_REQUEST, "messages is empty")
-        for m in msg.messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise NoriaError(ErrorCode.INVALID_REQUEST, "each message needs 'role' and 'content'")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise NoriaError(ErrorCode.INVALID_REQUEST, "this model has no chat template")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                msg.messages, add_generation_prompt=msg.add_generation_prompt, tokenize=False
-            )
-        except Exception as e:  # template errors are the user's input problem
-            raise NoriaError(ErrorCode.INVALID_REQUEST, f"chat template failed: {e}") from e
+        text = self.render(msg)
         # The template already holds the special tokens it wants.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def render(self, msg: Generate | Tokenize) -> str:
+        """`msg.messages` through the chat template, with the request's template controls;
+        raises NoriaError naming the field at fault."""
+        messages = msg.messages
+        if not messages:
+            raise ParamError("messages", "messages is empty")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ParamError("messages", "each message needs 'role' and 'content'")
+        try:
+            kwargs = template_kwargs(msg.chat_template_kwargs)
+        except RenderError as e:
+            raise ParamError(e.param, e.message) from None
+        # vLLM's merge: the kwargs may carry the template and the two switches too.
+        template = kwargs.pop("chat_template", None) if msg.chat_template is None else msg.chat_template
+        kwargs.pop("chat_template", None)
+        generation_prompt = bool(kwargs.pop("add_generation_prompt", msg.add_generation_prompt))
+        continue_final = bool(kwargs.pop("continue_final_message", msg.continue_final_message))
+        tools = kwargs.pop("tools", None) or getattr(msg, "tools", None)
+        if continue_final and generation_prompt:
+            raise ParamError("continue_final_message", "continue_final_message and add_generation_prompt cannot "
+                             "both be true: continuing the last message adds no generation prompt (send "
+                             "add_generation_prompt: false)")
+        from_request = template is not None
+        if from_request:
+            if not isinstance(template, str):
+                raise ParamError("chat_template", "chat_template must be a string")
+            if not self.trust_request_chat_template:
+                raise ParamError("chat_template", "this server does not take chat templates from requests (start "
+                                 "it with --trust-request-chat-template to allow them); drop chat_template to use "
+                                 "the model's")
+            if len(template) > self.limits.max_chat_template_chars:
+                raise ParamError("chat_template", f"chat_template has {len(template)} characters, more than the "
+                                 f"{self.limits.max_chat_template_chars} this server accepts")
+        else:
+            template = self.chat_template
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ParamError("messages", "this model has no chat template (start the server with --chat-template)")
+        try:
+            text = render_chat(self.tokenizer, messages, template=template, from_request=from_request,
+                               add_generation_prompt=generation_prompt, continue_final_message=continue_final,
+                               kwargs=kwargs, tools=tools)
+        except RenderError as e:
+            raise ParamError(e.param, e.message) from None
+        if len(text) > self.max_prompt_chars:
+            raise ParamError("messages", f"the chat template rendered {len(text)} characters, more than the "
+                             f"{self.max_prompt_chars} this server accepts", ErrorCode.PROMPT_TOO_LONG)
+        return text
+
+    def tokenize_request(self, msg: Tokenize) -> Tokenized:
+        """Answer a `tokenize` message; raises NoriaError naming the field at fault."""
+        if (msg.prompt is None) == (msg.messages is None):
+            raise NoriaError(ErrorCode.INVALID_REQUEST, "exactly one of prompt, messages must be given")
+        self.check_text_sizes(msg)
+        if msg.prompt is not None:
+            special = True if msg.add_special_tokens is None else msg.add_special_tokens
+            text = msg.prompt
+        else:
+            special = bool(msg.add_special_tokens)
+            text = self.render(msg)
+        ids = list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+        strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if msg.return_token_strs else None
+        return Tokenized(request_id=msg.request_id, count=len(ids), max_model_len=self.max_model_len, tokens=ids,
+                         token_strs=strs)
+
+    def detokenize(self, msg: Detokenize) -> Detokenized:
+        """Answer a `detokenize` message: the ids' text, special tokens included (vLLM's)."""
+        if len(msg.tokens) > self.max_prompt_chars:
+            raise ParamError("tokens", f"{len(msg.tokens)} tokens, more than the {self.max_prompt_chars} this "
+                             "server accepts", ErrorCode.PROMPT_TOO_LONG)
+        bad = [t for t in msg.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ParamError("tokens", f"token ids out of vocabulary range [0, {self.vocab_size}): {bad[:5]}")
+        return Detokenized(request_id=msg.request_id, prompt=self.tokenizer.decode(msg.tokens))
 
 
 def json_size(value: Any, limit: int) -> int:

@@ -39,6 +39,8 @@ from noria.protocol.client import (
     Abort,
     ClientToServer,
     Delta,
+    Detokenize,
+    Detokenized,
     Done,
     Embed,
     Embedding,
@@ -49,6 +51,8 @@ from noria.protocol.client import (
     Ready,
     SchedulerStats,
     Stats,
+    Tokenize,
+    Tokenized,
 )
 from noria.protocol.codec import Codec
 from noria.protocol.errors import ErrorCode, NoriaError
@@ -102,6 +106,8 @@ class FrontendServer:
         # client's messages behind one wait in its backlog, in order.
         self.preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noria-prepare")
         self.backlog: dict[bytes, deque[_Waiting]] = {}
+        # `tokenize` / `detokenize` answers being made on the helper thread (no order to keep).
+        self.token_answers: deque[tuple[bytes, Future[Tokenized | Detokenized | Error]]] = deque()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
@@ -144,7 +150,7 @@ class FrontendServer:
     def _dispatch(self, identity: bytes, msg: ClientToServer, size: int = 0) -> None:
         if isinstance(msg, Generate | Embed | Abort):
             waiting = self.backlog.get(identity)
-            large = isinstance(msg, Generate | Embed) and size > LARGE_REQUEST
+            large = isinstance(msg, Generate | Embed) and (size > LARGE_REQUEST or _brings_template(msg))
             if waiting is None and not large:
                 self._apply(identity, msg, None)
                 return
@@ -158,6 +164,13 @@ class FrontendServer:
                 future.add_done_callback(self._wake)
             self.backlog.setdefault(identity, deque()).append(_Waiting(msg, future))
             self._release(identity)
+        elif isinstance(msg, Tokenize | Detokenize):
+            if size > LARGE_REQUEST or _brings_template(msg):
+                future = self.preparer.submit(self._tokens, msg)
+                future.add_done_callback(self._wake)
+                self.token_answers.append((identity, future))
+            else:
+                self._sink(identity)(self._tokens(msg))
         elif isinstance(msg, Hello):
             if msg.relay:
                 self._mark_relay(identity)
@@ -187,6 +200,27 @@ class FrontendServer:
             log.exception("internal error preparing a request")
             return NoriaError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:500])
 
+    def _tokens(self, msg: Tokenize | Detokenize) -> Tokenized | Detokenized | Error:
+        """The answer to a `tokenize` or `detokenize` (reads the processor only: any thread)."""
+        processor = self.core.processor
+        try:
+            return processor.tokenize_request(msg) if isinstance(msg, Tokenize) else processor.detokenize(msg)
+        except NoriaError as e:
+            return Error(request_id=msg.request_id, code=e.code, message=e.message, param=e.param)
+        except Exception as e:  # a bug must cost one request, not the server
+            log.exception("internal error on a %s message", type(msg).__name__.lower())
+            return Error(request_id=msg.request_id, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}"[:500])
+
+    def _send_token_answers(self) -> None:
+        pending: deque[tuple[bytes, Future[Tokenized | Detokenized | Error]]] = deque()
+        for identity, future in self.token_answers:
+            if future.done():
+                if not future.cancelled():
+                    self._sink(identity)(future.result())
+            else:
+                pending.append((identity, future))
+        self.token_answers = pending
+
     def _wake(self, _future: Future[Prepared | NoriaError]) -> None:
         with contextlib.suppress(BlockingIOError):  # a full pipe wakes the loop just as well
             os.write(self.wake_w, b"\0")
@@ -214,6 +248,8 @@ class FrontendServer:
                 pass
         for identity in [i for i, w in self.backlog.items() if w[0].prepared is None or w[0].prepared.done()]:
             self._release(identity)
+        if self.token_answers:
+            self._send_token_answers()
 
     def _answer_backlog(self) -> None:
         """Before the loop ends: every waiting request gets its final message (the core, which
@@ -346,6 +382,15 @@ class FrontendServer:
         if self.bridge_keys is not None:
             shutil.rmtree(self.bridge_keys, ignore_errors=True)
         self.ctx.term()
+
+
+def _brings_template(msg: object) -> bool:
+    """The message carries its own chat template: rendering it is prepared off the I/O loop,
+    however small the message (a template may take up to its render deadline)."""
+    if getattr(msg, "chat_template", None) is not None:
+        return True
+    kwargs = getattr(msg, "chat_template_kwargs", None)
+    return isinstance(kwargs, dict) and kwargs.get("chat_template") is not None
 
 
 def _request_id_of(payload: bytes) -> str | None:

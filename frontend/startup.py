@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from noria.frontend.chat_template import load_chat_template
 from noria.frontend.core import FrontendCore, Limits
 from noria.frontend.demo_model import resolve_model
 from noria.frontend.embeddings import Embedder, hidden_size
@@ -55,6 +56,7 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
     # A warning where the checkpoint overrides vLLM's defaults, as vLLM warns: outputs change.
     log.log(logging.WARNING if sampling_defaults else logging.INFO, "%s",
             describe_generation_defaults(sampling_defaults, config.generation_config))
+    chat_template = load_chat_template(config.chat_template)  # a path that cannot be read fails now
     engine = EngineClient(config, link=link)
     ready = engine.ready
     if ready.num_kv_blocks:
@@ -63,7 +65,9 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
     else:  # remote workers only: requests wait until one has registered
         log.info("engine ready, waiting for workers to register; max_model_len %d", ready.max_model_len)
     processor = InputProcessor(tokenizer, eos_token_ids(model_path, tokenizer), ready.vocab_size, ready.max_model_len,
-                               input_limits, config.scheduling_policy, sampling_defaults=sampling_defaults)
+                               input_limits, config.scheduling_policy, chat_template=chat_template,
+                               trust_request_chat_template=config.trust_request_chat_template,
+                               sampling_defaults=sampling_defaults)
     embedder = Embedder(pooling, hidden_size(model_path)) if pooling is not None else None
     return FrontendCore(engine, processor, limits, embedder)
 

@@ -36,6 +36,15 @@ class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
     prompt_token_ids: list[Int64] | None = None
     priority: Int64 = 0
     add_generation_prompt: bool = True
+    # Chat template controls for `messages` (vLLM's fields): `continue_final_message` renders
+    # without a generation prompt and leaves the last (assistant) message open for the model
+    # to continue (`add_generation_prompt` must then be false); `chat_template` replaces the
+    # server's template for this request (a Jinja string; refused unless the server runs with
+    # --trust-request-chat-template); `chat_template_kwargs` are extra template variables,
+    # e.g. {"enable_thinking": false}.
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # Requests with different salts (or a salt and none) never share prefix-cache blocks:
     # one tenant cannot learn from timing what another's prompts began with (vLLM's field).
     cache_salt: str | None = None
@@ -74,12 +83,24 @@ class Hello(msgspec.Struct, kw_only=True, tag="hello", tag_field="type"):
 
 
 class Logprob(msgspec.Struct, kw_only=True):
-    """The sampled token's log-probability and the top-n alternatives."""
+    """The sampled token's log-probability and the top-n alternatives.
+
+    The engine fills the ids and numbers; the frontend, which has the tokenizer, adds each
+    token's text and exact UTF-8 bytes before a client sees it (`token`, `bytes`, and the
+    same per top token). A token whose bytes are not whole UTF-8 characters on their own is
+    spelled "bytes:\\xe6\\x9d" (OpenAI's spelling); `bytes` always holds the exact bytes. The
+    four are UNSET inside the engine and left out of the map, so readers that predate them
+    see the same messages as before.
+    """
 
     token_id: int
     logprob: float
     top_token_ids: list[int] = []
     top_logprobs: list[float] = []
+    token: str | UnsetType = UNSET
+    bytes: list[int] | UnsetType = UNSET
+    top_tokens: list[str] | UnsetType = UNSET
+    top_bytes: list[list[int]] | UnsetType = UNSET
 
 
 class Delta(msgspec.Struct, kw_only=True, tag="delta", tag_field="type"):
@@ -91,6 +112,9 @@ class Delta(msgspec.Struct, kw_only=True, tag="delta", tag_field="type"):
     # Sample 0's first delta, when the request asked for `prompt_logprobs`: one entry
     # per prompt token, the first None (nothing precedes it).
     prompt_logprobs: list[Logprob | None] | None = None
+    # With `prompt_logprobs`: each prompt token's text, spelled as `Logprob.token` (the
+    # first's too, which has no entry there); left out otherwise.
+    prompt_tokens: list[str] | UnsetType = UNSET
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -185,6 +209,45 @@ class Stats(msgspec.Struct, kw_only=True, tag="stats", tag_field="type"):
     scheduler_restarts: int = 0  # schedulers started again after one died
 
 
+class Tokenize(msgspec.Struct, kw_only=True, tag="tokenize", tag_field="type"):
+    """Token ids of a text or of chat messages as the chat template renders them; answered
+    by `tokenized` (or `error`). Exactly one of prompt, messages. vLLM's /tokenize fields."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    # None: true for a prompt (BOS as the tokenizer adds it), false for messages (the
+    # template writes the special tokens it wants).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class Tokenized(msgspec.Struct, kw_only=True, tag="tokenized", tag_field="type"):
+    request_id: str
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    # The tokenizer's own pieces (its vocabulary entries, e.g. "Ġworld"), when asked for.
+    token_strs: list[str] | None = None
+
+
+class Detokenize(msgspec.Struct, kw_only=True, tag="detokenize", tag_field="type"):
+    """The text of token ids (special tokens included); answered by `detokenized`."""
+
+    request_id: str
+    tokens: list[Int64]
+
+
+class Detokenized(msgspec.Struct, kw_only=True, tag="detokenized", tag_field="type"):
+    request_id: str
+    prompt: str
+
+
 class Embed(msgspec.Struct, kw_only=True, tag="embed", tag_field="type"):
     """One embedding of a text or of token ids, from a server started with `--runner pooling`;
     answered by `embedding` (or `error`). Exactly one of prompt, prompt_token_ids."""
@@ -207,5 +270,5 @@ class Embedding(msgspec.Struct, kw_only=True, tag="embedding", tag_field="type")
     usage: Usage
 
 
-ClientToServer = Generate | Abort | Hello | GetStats | Embed
-ServerToClient = Delta | Done | Error | Ready | Stats | Embedding
+ClientToServer = Generate | Abort | Hello | GetStats | Tokenize | Detokenize | Embed
+ServerToClient = Delta | Done | Error | Ready | Stats | Tokenized | Detokenized | Embedding

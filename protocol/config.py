@@ -62,6 +62,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Batch sizes to capture; None: 1, 2, 4, 8 and every multiple of 8 up to max_num_seqs.
     cuda_graph_sizes: list[AtLeastOne] | None = None
     startup_timeout: Annotated[float, Meta(gt=0.0)] = 300.0
+    # The chat template instead of the tokenizer's: a file, or the template itself (vLLM's
+    # --chat-template); read by the frontend at start-up (frontend/chat_template.py).
+    chat_template: str | None = None
+    # Requests may bring their own `chat_template` (vLLM's flag): off, templates are code.
+    trust_request_chat_template: bool = False
     # generate: text generation; pooling: one embedding per prompt (/v1/embeddings), no sampling.
     runner: Runner = "generate"
     # How a pooling engine pools; None: the checkpoint's sentence-transformers files, else the

@@ -79,8 +79,11 @@ def _check_delta(m: dict) -> None:
     assert isinstance(m["token_ids"], list) and all(isinstance(t, int) for t in m["token_ids"])
     if m["logprobs"] is not None:
         for lp in m["logprobs"]:
-            assert set(lp) == {"token_id", "logprob", "top_token_ids", "top_logprobs"}
+            assert set(lp) == {"token_id", "logprob", "top_token_ids", "top_logprobs", "token", "bytes", "top_tokens",
+                               "top_bytes"}
             assert isinstance(lp["token_id"], int) and isinstance(lp["logprob"], float)
+            assert isinstance(lp["token"], str) and all(isinstance(b, int) for b in lp["bytes"])
+            assert len(lp["top_tokens"]) == len(lp["top_bytes"]) == len(lp["top_token_ids"])
 
 
 def _check_done(m: dict) -> None:

@@ -84,7 +84,8 @@ def test_raw_generate_map_with_every_new_field(served, ref, prompt_ids):
     deltas = [m for m in msgs if m["type"] == "delta"]
     assert deltas[0]["prompt_logprobs"][0] is None and all(d["prompt_logprobs"] is None for d in deltas[1:])
     entries = deltas[0]["prompt_logprobs"]
-    assert set(entries[1]) == {"token_id", "logprob", "top_token_ids", "top_logprobs"}
+    assert set(entries[1]) == {"token_id", "logprob", "top_token_ids", "top_logprobs", "token", "bytes", "top_tokens",
+                               "top_bytes"}
     decoded = [None] + [msgspec.convert(e, _Entry) for e in entries[1:]]
     check_prompt_logprobs(decoded, prompt_ids, prompt_logprobs(ref, prompt_ids), 2, ATOL)
     tokens = [t for d in deltas for t in d["token_ids"]]
@@ -120,22 +121,25 @@ def test_client_allowed_ids_and_bad_words(served, prompt_ids, demo_tokenizer):
 def test_completions_logit_bias_equals_the_biased_argmax(oai, ref, prompt_ids):
     bias = _lifted_bias(ref, prompt_ids)
     out = oai.completions.create(model="demo", prompt=prompt_ids, max_tokens=8, temperature=0, logprobs=0,
-                                 logit_bias={str(t): v for t, v in bias.items()}, extra_body={"ignore_eos": True})
+                                 logit_bias={str(t): v for t, v in bias.items()},
+                                 extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
     assert _ids_of(out.choices[0].logprobs.tokens) == greedy_with(ref, prompt_ids, 8, bias_edit(bias))
 
 
 def test_chat_logit_bias_and_allowed_token_ids(oai):
     kw = dict(model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=5, logprobs=True)
-    out = oai.chat.completions.create(**kw, temperature=0, logit_bias={"300": 100}, extra_body={"ignore_eos": True})
+    out = oai.chat.completions.create(**kw, temperature=0, logit_bias={"300": 100},
+                                      extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
     assert _ids_of([t.token for t in out.choices[0].logprobs.content]) == [300] * 5
     out = oai.chat.completions.create(**kw, temperature=1.0, seed=1,
-                                      extra_body={"ignore_eos": True, "allowed_token_ids": [7, 8]})
+                                      extra_body={"ignore_eos": True, "allowed_token_ids": [7, 8],
+                                                  "return_tokens_as_token_ids": True})
     assert set(_ids_of([t.token for t in out.choices[0].logprobs.content])) <= {7, 8}
 
 
 def test_echo_with_logprobs_returns_the_prompts_logprobs(oai, ref, demo_tokenizer):
     out = oai.completions.create(model="demo", prompt=TEXT, max_tokens=3, temperature=0, logprobs=2, echo=True,
-                                 extra_body={"ignore_eos": True})
+                                 extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
     choice = out.choices[0]
     ids = demo_tokenizer(TEXT)["input_ids"]
     lp = choice.logprobs

@@ -24,6 +24,7 @@ from noria.frontend.bridge.openai_api import (
 )
 from noria.frontend.bridge.openai_embeddings import handle_embeddings
 from noria.frontend.bridge.openai_schema import Health
+from noria.frontend.bridge.openai_tokenize import handle_detokenize, handle_tokenize
 from noria.frontend.bridge.playground import handle_playground
 from noria.frontend.bridge.state import (
     API_KEY,
@@ -79,6 +80,9 @@ def make_app(engine: str, api_key: str | None = None, max_per_client: int | None
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/embeddings", handle_embeddings)
     app.router.add_get("/v1/stream", handle_stream)
+    # vLLM serves these two beside /v1, not under it.
+    app.router.add_post("/tokenize", handle_tokenize)
+    app.router.add_post("/detokenize", handle_detokenize)
     return app
 
 
@@ -116,14 +120,18 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+_GUARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize"})
+
+
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """`--api-key` guards the API (/v1/...); health, metrics and the page itself stay open.
+    """`--api-key` guards the API (/v1/..., /tokenize, /detokenize); health, metrics and the
+    page itself stay open.
 
     Browsers cannot set headers on a websocket, so /v1/stream also takes `?api_key=`.
     """
     key = request.app[API_KEY]
-    if key and request.path.startswith("/v1/"):
+    if key and (request.path.startswith("/v1/") or request.path in _GUARDED_OUTSIDE_V1):
         given = request.headers.get("Authorization", "")
         given = given[7:] if given.startswith("Bearer ") else ""
         if not given and request.path == "/v1/stream":

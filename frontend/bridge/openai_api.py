@@ -93,6 +93,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
             f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), num, req.n,
             logprobs=req.logprobs is not None, stream=req.stream, include_usage=_include_usage(req),
             echo=echo_prompts(req, prompts_of(req.prompt)), echo_only=req.echo and req.max_tokens == 0,
+            token_ids=bool(req.return_tokens_as_token_ids),
         )
 
     return await _serve(request, CompletionRequest, completion_generates, builder)
@@ -103,6 +104,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
         return ChatBuilder(
             f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), req.n,
             logprobs=req.logprobs, stream=req.stream, include_usage=_include_usage(req),
+            token_ids=bool(req.return_tokens_as_token_ids),
         )
 
     return await _serve(request, ChatRequest, lambda req, new_id: [chat_generate(req, new_id)], builder)

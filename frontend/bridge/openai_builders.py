@@ -1,13 +1,18 @@
 """Turn upstream deltas into OpenAI responses: whole ones, or server-sent-event chunks.
 
 Choice index = prompt index * n + sample index, as OpenAI numbers a batch.
-Token strings in logprobs are "token_id:ID" (the bridge has no tokenizer;
-vLLM uses the same spelling for `return_tokens_as_token_ids`).
+Token strings in logprobs are the texts the frontend put in each `Logprob` (the bridge
+has no tokenizer): a token that holds part of a character is "bytes:\\xNN...", and
+`bytes` holds its exact bytes. `return_tokens_as_token_ids` (vLLM's) spells them
+"token_id:ID" instead, as does a server too old to send the texts.
 """
 
 from __future__ import annotations
 
+import codecs
+
 import msgspec
+from msgspec import UNSET
 
 from noria.frontend.bridge.openai_schema import (
     ChatChoice,
@@ -34,6 +39,54 @@ def token_str(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
+def _spelled(lp: Logprob, as_ids: bool) -> str:
+    return token_str(lp.token_id) if as_ids or lp.token is UNSET else lp.token
+
+
+def _bytes(lp: Logprob) -> list[int] | None:
+    return None if lp.bytes is UNSET else lp.bytes
+
+
+def _tops(lp: Logprob, as_ids: bool) -> list[tuple[str, float, list[int] | None]]:
+    """(text, logprob, bytes) of each top token."""
+    n = len(lp.top_token_ids)
+    texts = ([token_str(t) for t in lp.top_token_ids] if as_ids or lp.top_tokens is UNSET
+             else lp.top_tokens)
+    data: list[list[int] | None] = [None] * n if lp.top_bytes is UNSET else list(lp.top_bytes)
+    return list(zip(texts, lp.top_logprobs, data, strict=False))
+
+
+def _bytes_of_text(text: str) -> bytes:
+    """A token text's bytes (undoing the "bytes:\\xNN" spelling)."""
+    if text.startswith("bytes:\\x"):
+        try:
+            return bytes(int(h, 16) for h in text[len("bytes:"):].split("\\x")[1:])
+        except ValueError:
+            pass
+    return text.encode("utf-8")
+
+
+class _TextCursor:
+    """Where each token starts in the text that its tokens spell: the characters their
+    bytes have completed so far (a token that ends inside a character counts it once
+    the character is whole)."""
+
+    __slots__ = ("chars", "decoder")
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def place(self, data: bytes | None) -> int:
+        at = self.chars
+        if data:
+            self.chars += len(self.decoder.decode(data))
+        return at
+
+    def place_logprob(self, lp: Logprob) -> int:
+        return self.place(None if lp.bytes is UNSET else bytes(lp.bytes))
+
+
 class _Choices:
     """What has come so far, per choice and per prompt. `keep` False (a stream): only what
     the chunks still to come need (text offsets, finish reasons, usage), none of the text
@@ -47,28 +100,35 @@ class _Choices:
         self.lengths = [0] * size
         self.logprobs: list[list[Logprob]] = [[] for _ in range(size)]
         self.offsets: list[list[int]] = [[] for _ in range(size)]
+        self.cursors = [_TextCursor() for _ in range(size)]
         self.finish: list[str | None] = [None] * size
         self.prompt_ids: list[list[int]] = [[] for _ in range(num_prompts)]
         self.prompt_logprobs: list[list[Logprob | None] | None] = [None] * num_prompts
+        self.prompt_tokens_text: list[list[str] | None] = [None] * num_prompts
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.open_prompts = num_prompts
 
-    def add_delta(self, prompt: int, d: Delta) -> tuple[int, int]:
-        """Record a delta; returns (choice index, text offset where it starts)."""
+    def add_delta(self, prompt: int, d: Delta) -> tuple[int, list[int]]:
+        """Record a delta; returns (choice index, where each of its logprobs' tokens starts
+        in the text). A server that sends no token bytes: where the delta starts."""
         i = prompt * self.n + d.index
         start = self.lengths[i]
         self.lengths[i] += len(d.text)
+        cursor = self.cursors[i]
+        offsets = [start if lp.bytes is UNSET else cursor.place_logprob(lp) for lp in d.logprobs or ()]
         if not self.keep:
-            return i, start
+            return i, offsets
         self.texts[i].append(d.text)
         if d.prompt_logprobs is not None:
             self.prompt_logprobs[prompt] = d.prompt_logprobs
+            if d.prompt_tokens is not UNSET:
+                self.prompt_tokens_text[prompt] = d.prompt_tokens
         if d.logprobs:
             self.logprobs[i].extend(d.logprobs)
-            self.offsets[i].extend([start] * len(d.logprobs))
-        return i, start
+            self.offsets[i].extend(offsets)
+        return i, offsets
 
     def add_done(self, prompt: int, done: Done) -> list[int]:
         reasons = done.finish_reasons or [done.finish_reason]
@@ -92,39 +152,53 @@ class _Choices:
         )
 
 
-def _completion_logprobs(lps: list[Logprob], offsets: list[int]) -> CompletionLogprobs:
-    tops: list[dict[str, float] | None] = []
-    for lp in lps:
-        top = {token_str(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=False)}
-        top.setdefault(token_str(lp.token_id), lp.logprob)
-        tops.append(top)
+def _top_map(lp: Logprob, as_ids: bool) -> dict[str, float]:
+    """OpenAI's completions shape: top tokens keyed by their text, the sampled one too."""
+    top = {text: v for text, v, _ in _tops(lp, as_ids)}
+    top.setdefault(_spelled(lp, as_ids), lp.logprob)
+    return top
+
+
+def _completion_logprobs(lps: list[Logprob], offsets: list[int], as_ids: bool = False) -> CompletionLogprobs:
     return CompletionLogprobs(
-        tokens=[token_str(lp.token_id) for lp in lps],
+        tokens=[_spelled(lp, as_ids) for lp in lps],
         token_logprobs=[lp.logprob for lp in lps],
-        top_logprobs=tops,
+        top_logprobs=[_top_map(lp, as_ids) for lp in lps],
         text_offset=offsets,
     )
 
 
-def _echo_logprobs(ids: list[int], lps: list[Logprob | None] | None) -> CompletionLogprobs:
-    """The echoed prompt's part: the first token has no logprob. Without a tokenizer the
-    bridge cannot place prompt tokens in the text, so their text_offset is 0."""
+def _echo_logprobs(ids: list[int], lps: list[Logprob | None] | None, texts: list[str] | None, echo: str,
+                   as_ids: bool = False) -> CompletionLogprobs:
+    """The echoed prompt's part: the first token has no logprob. Each token's text_offset is
+    where it starts in the echoed text, counted over the texts of the prompt tokens before
+    it; a first token the text does not begin with (a BOS the tokenizer added) takes no
+    room. Without the texts (an older server), 0."""
     entries = lps or [None] * len(ids)
+    tokens = [token_str(t) for t in ids] if as_ids or texts is None or len(texts) != len(ids) else list(texts)
+    if texts is None or len(texts) != len(ids):
+        offsets = [0] * len(ids)
+    else:
+        cursor, head = _TextCursor(), echo.encode()
+        offsets = []
+        for k, t in enumerate(texts):
+            data = _bytes_of_text(t)
+            offsets.append(cursor.place(None if k == 0 and not head.startswith(data) else data))
     return CompletionLogprobs(
-        tokens=[token_str(t) for t in ids],
+        tokens=tokens,
         token_logprobs=[None if lp is None else lp.logprob for lp in entries],
-        top_logprobs=[None if lp is None else _completion_logprobs([lp], [0]).top_logprobs[0] for lp in entries],
-        text_offset=[0] * len(ids),
+        top_logprobs=[None if lp is None else _top_map(lp, as_ids) for lp in entries],
+        text_offset=offsets,
     )
 
 
-def _chat_logprobs(lps: list[Logprob]) -> ChatLogprobs:
+def _chat_logprobs(lps: list[Logprob], as_ids: bool = False) -> ChatLogprobs:
     return ChatLogprobs(content=[
         ChatTokenLogprob(
-            token=token_str(lp.token_id),
+            token=_spelled(lp, as_ids),
             logprob=lp.logprob,
-            top_logprobs=[TopLogprob(token=token_str(t), logprob=v)
-                          for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=False)],
+            bytes=_bytes(lp),
+            top_logprobs=[TopLogprob(token=text, logprob=v, bytes=data) for text, v, data in _tops(lp, as_ids)],
         )
         for lp in lps
     ])
@@ -148,10 +222,12 @@ class CompletionBuilder(_Usage):
 
     def __init__(self, rid: str, model: str, created: int, num_prompts: int, n: int,
                  *, logprobs: bool, stream: bool, include_usage: bool = False,
-                 echo: list[str] | None = None, echo_only: bool = False) -> None:
+                 echo: list[str] | None = None, echo_only: bool = False, token_ids: bool = False) -> None:
+        """`token_ids`: logprob tokens spelled "token_id:ID" (vLLM's return_tokens_as_token_ids)."""
         self.rid, self.model, self.created = rid, model, created
         self.choices = _Choices(num_prompts, n, keep=not stream)
         self.want_logprobs = logprobs
+        self.as_ids = token_ids
         self.stream = stream
         self.include_usage = include_usage
         self.echo, self.echo_only = echo, echo_only
@@ -165,7 +241,7 @@ class CompletionBuilder(_Usage):
 
     def add(self, prompt: int, ev: Delta | Done) -> list[bytes]:
         if isinstance(ev, Delta):
-            i, start = self.choices.add_delta(prompt, ev)
+            i, offsets = self.choices.add_delta(prompt, ev)
             if not self.stream:
                 return []
             echo = ""
@@ -176,7 +252,9 @@ class CompletionBuilder(_Usage):
                 return [self._chunk([CompletionChoice(index=i, text=echo)])] if echo else []
             if not (echo or ev.text or ev.logprobs):
                 return []
-            lp = _completion_logprobs(ev.logprobs, [start + len(echo)] * len(ev.logprobs)) if self.want_logprobs and ev.logprobs else None
+            base = len(self.echo[prompt]) if self.echo is not None else 0
+            lp = (_completion_logprobs(ev.logprobs, [o + base for o in offsets], self.as_ids)
+                  if self.want_logprobs and ev.logprobs else None)
             return [self._chunk([CompletionChoice(index=i, text=echo + ev.text, logprobs=lp)])]
         finished = self.choices.add_done(prompt, ev)
         if not self.stream:
@@ -200,9 +278,10 @@ class CompletionBuilder(_Usage):
         if not self.want_logprobs:
             return CompletionChoice(index=i, text=echo + text, finish_reason=c.finish[i])
         lps = _completion_logprobs([] if self.echo_only else c.logprobs[i],
-                                   [] if self.echo_only else [o + len(echo) for o in c.offsets[i]])
+                                   [] if self.echo_only else [o + len(echo) for o in c.offsets[i]], self.as_ids)
         if self.echo is not None:
-            head = _echo_logprobs(c.prompt_ids[prompt], c.prompt_logprobs[prompt])
+            head = _echo_logprobs(c.prompt_ids[prompt], c.prompt_logprobs[prompt], c.prompt_tokens_text[prompt],
+                                  echo, self.as_ids)
             lps = CompletionLogprobs(tokens=head.tokens + lps.tokens,
                                      token_logprobs=head.token_logprobs + lps.token_logprobs,
                                      top_logprobs=head.top_logprobs + lps.top_logprobs,
@@ -212,10 +291,12 @@ class CompletionBuilder(_Usage):
 
 class ChatBuilder(_Usage):
     def __init__(self, rid: str, model: str, created: int, n: int,
-                 *, logprobs: bool, stream: bool, include_usage: bool = False) -> None:
+                 *, logprobs: bool, stream: bool, include_usage: bool = False, token_ids: bool = False) -> None:
+        """`token_ids`: logprob tokens spelled "token_id:ID" (vLLM's return_tokens_as_token_ids)."""
         self.rid, self.model, self.created = rid, model, created
         self.choices = _Choices(1, n, keep=not stream)
         self.want_logprobs = logprobs
+        self.as_ids = token_ids
         self.stream = stream
         self.include_usage = include_usage
 
@@ -232,7 +313,7 @@ class ChatBuilder(_Usage):
             i, _ = self.choices.add_delta(prompt, ev)
             if not self.stream or not (ev.text or (self.want_logprobs and ev.logprobs)):
                 return []
-            lp = _chat_logprobs(ev.logprobs) if self.want_logprobs and ev.logprobs else None
+            lp = _chat_logprobs(ev.logprobs, self.as_ids) if self.want_logprobs and ev.logprobs else None
             return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=ev.text), logprobs=lp)])]
         finished = self.choices.add_done(prompt, ev)
         if not self.stream:
@@ -251,7 +332,7 @@ class ChatBuilder(_Usage):
             choices=[
                 ChatChoice(
                     index=i, message=ChatMessage(content="".join(c.texts[i])), finish_reason=c.finish[i],
-                    logprobs=_chat_logprobs(c.logprobs[i]) if self.want_logprobs else None,
+                    logprobs=_chat_logprobs(c.logprobs[i], self.as_ids) if self.want_logprobs else None,
                 )
                 for i in range(len(c.texts))
             ],

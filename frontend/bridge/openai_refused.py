@@ -32,9 +32,6 @@ class RefusedFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: Any = None
     prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
-    continue_final_message: Any = None
-    chat_template: Any = None
-    chat_template_kwargs: Any = None
 
 
 def _absent(value: Any) -> bool:
@@ -59,9 +56,6 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "include_stop_str_in_output": (_absent, "stop strings are never included in the output"),
     "prompt_logprobs": (_absent, "prompt logprobs come with `echo: true` and `logprobs` on /v1/completions"),
     "truncate_prompt_tokens": (_absent, "prompts are never truncated"),
-    "continue_final_message": (_absent, "continuing the final message is not supported"),
-    "chat_template": (_absent, "the model's own chat template is always used"),
-    "chat_template_kwargs": (_absent, "chat template arguments are not supported"),
 }
 
 

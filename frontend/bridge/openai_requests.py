@@ -178,7 +178,8 @@ def chat_generate(req: ChatRequest, new_id: Callable[[], str]) -> Generate:
     params = _sampling(req, max_tokens=max_tokens, logprobs=logprobs, names=names)
     msg = make_generate(new_id(), None, params, messages=[_message(m) for m in req.messages],
                         priority=req.priority, add_generation_prompt=req.add_generation_prompt,
-                        cache_salt=_cache_salt(req))
+                        cache_salt=_cache_salt(req), continue_final_message=req.continue_final_message,
+                        chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs)
     return _server_defaults(msg, req)
 
 

@@ -49,6 +49,9 @@ class SamplingFields(StructuredFields, kw_only=True):  # response_format, guided
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None  # vLLM's: different salts never share prefix-cache blocks
+    # vLLM's: logprob tokens spelled "token_id:ID" instead of their text (a client that cannot
+    # take the text, or wants the ids).
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -69,6 +72,10 @@ class ChatRequest(SamplingFields, kw_only=True):
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     echo: bool = False  # vLLM's: refused (see chat_generate)
+    # vLLM's chat template controls, passed on in `generate` (docs/protocol.md)
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class PromptTokensDetails(msgspec.Struct, kw_only=True):
