@@ -198,10 +198,12 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(device)[0]
         t0 = time.perf_counter()
         pool = None
+        # One warm-up stream for every size: cuBLAS keeps a workspace (up to 32 MiB) per stream
+        # it has run on until the process ends, so a stream per size would hold one per size.
+        stream = torch.cuda.Stream(device)
         for size in reversed(self.sizes):
             empty = DecodeInputs([], [], [], [], torch.empty((0, cols), dtype=torch.long))
             views = self.buffers.stage(pad_decode(empty, size, null_block, block_size))
-            stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):  # warm-up: lazy initialisation and allocator growth
                 forward(size, views)

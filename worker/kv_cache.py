@@ -63,11 +63,11 @@ class DeviceMemory(Protocol):
         """The profiling forward's peak above the weights (activations, logits, sampling)."""
 
 
-# What capturing the decode graphs costs beyond the activations counted below: the caching
-# allocator's segments in the graphs' pool (2 MiB for small blocks, 20 MiB and up for large
-# ones, each only partly used), cuBLAS's workspace for the capture stream (up to 32 MiB on
-# sm_90) and the driver's graph objects.
-GRAPH_POOL_OVERHEAD = 64 << 20
+# What capturing the decode graphs costs beyond the activations counted below: cuBLAS's
+# workspaces for the warm-up stream and the capture stream (up to 32 MiB each on sm_90, kept
+# per stream), the caching allocator's segments in the graphs' pool (2 MiB for small blocks,
+# 20 MiB and up for large ones, each only partly used) and the driver's graph objects.
+GRAPH_POOL_OVERHEAD = 128 << 20
 
 
 @dataclass(frozen=True)
