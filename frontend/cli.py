@@ -20,8 +20,10 @@ from noria.protocol.config import (
     GenerationConfigMode,
     PoolingType,
     PreemptionMode,
+    ReasoningParserName,
     Runner,
     SchedulingPolicy,
+    ToolCallParserName,
     WorkerLinkConfig,
 )
 from noria.protocol.errors import NoriaError
@@ -67,6 +69,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 and every multiple of 8 "
                         "up to --max-num-seqs); a batch runs in the graph of the next size up, padded")
     c = ap.add_argument_group("chat")
+    c.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                   help="allow tool_choice \"auto\": the model decides whether to call a tool (needs --tool-call-parser)")
+    c.add_argument("--tool-call-parser", choices=_choices(ToolCallParserName), default=None,
+                   help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), llama3_json "
+                        "({\"name\": ..., \"parameters\": ...}), mistral ([TOOL_CALLS][...])")
+    c.add_argument("--reasoning-parser", choices=_choices(ReasoningParserName), default=None,
+                   help="move the model's <think>...</think> text into reasoning_content")
     c.add_argument("--chat-template", default=None, metavar="FILE",
                    help="the chat template to use instead of the tokenizer's: a file, or the Jinja template itself")
     c.add_argument("--trust-request-chat-template", action="store_true", default=None,

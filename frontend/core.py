@@ -19,6 +19,7 @@ from collections.abc import Callable, Hashable
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from noria.frontend.chat_output import ChatConfig, ChatOutput, ChatSetup, chat_setup
 from noria.frontend.detokenizer import IncrementalDetokenizer, StopStrings
 from noria.frontend.embeddings import EMBED_ON_GENERATE, GENERATE_ON_POOLING, Embedder
 from noria.frontend.engine_client import EngineClient
@@ -43,7 +44,7 @@ Sink = Callable[[Delta | Done | Error | Embedding], None]
 
 class _Sample:
     __slots__ = ("rid", "index", "detok", "num_tokens", "finish_reason", "stream", "ids", "held_logprobs",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "chat", "drop")
 
     def __init__(self, rid: int, index: int, detok: IncrementalDetokenizer, stream: bool) -> None:
         self.rid = rid
@@ -57,12 +58,31 @@ class _Sample:
         self.ids: list[int] = []
         self.held_logprobs: list[Logprob] | None = None
         self.prompt_logprobs: list[Logprob | None] | None = None  # until a delta carries them
+        # Reasoning and tool calls split out of the text (frontend/chat_output.py), if asked for.
+        self.chat: ChatOutput | None = None
+        # Ids kept out of the text: EOS, where special tokens are kept for a tool parser.
+        self.drop: frozenset[int] | None = None
+
+    def text_ids(self, ids: list[int]) -> list[int]:
+        return ids if self.drop is None else [t for t in ids if t not in self.drop]
+
+    def split(self, text: str, final: bool) -> dict:
+        """The Delta fields of the next `text`: content, reasoning and tool-call pieces."""
+        if self.chat is None:
+            return {"text": text}
+        content, reasoning, calls = self.chat.feed(text, final)
+        out: dict = {"text": content}
+        if reasoning:
+            out["reasoning_content"] = reasoning
+        if calls:
+            out["tool_calls"] = calls
+        return out
 
 
 class Prepared:
     """A `Generate` turned into what its engine request is made of (`FrontendCore.prepare`)."""
 
-    __slots__ = ("prompt_ids", "params", "engine_params", "stop", "embed")
+    __slots__ = ("prompt_ids", "params", "engine_params", "stop", "embed", "chat")
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, engine_params: EngineSamplingParams,
                  stop: StopStrings | None, embed: Embed | None = None) -> None:
@@ -71,6 +91,7 @@ class Prepared:
         self.engine_params = engine_params
         self.stop = stop
         self.embed = embed  # an `embed` request: it ends with one `Embedding`
+        self.chat: ChatSetup | None = None  # tools and reasoning: how its samples' text is split
 
 
 class _Request:
@@ -108,11 +129,12 @@ class Limits(msgspec.Struct, frozen=True):
 
 class FrontendCore:
     def __init__(self, engine: EngineClient, processor: InputProcessor, limits: Limits | None = None,
-                 embedder: Embedder | None = None) -> None:
+                 embedder: Embedder | None = None, chat: ChatConfig | None = None) -> None:
         """`embedder`: the engine pools (--runner pooling) and takes `embed` requests only."""
         self.engine = engine
         self.processor = processor
         self.embedder = embedder
+        self.chat = chat or ChatConfig()  # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
         self.limits = limits or Limits()
         self.num_queued = 0
         self.per_client: Counter[Hashable] = Counter()
@@ -142,9 +164,16 @@ class FrontendCore:
             return Prepared(ids, _EMBED_PARAMS, _EMBED_ENGINE_PARAMS, None, msg)
         if self.embedder is not None:
             raise NoriaError(ErrorCode.INVALID_REQUEST, GENERATE_ON_POOLING)
+        chat = chat_setup(msg, self.chat)  # tools checked before the template sees them
         prompt_ids, params = self.processor.process(msg)
+        if chat is not None and chat.structured is not None:  # tool_choice "required" or a named function
+            params = msgspec.structs.replace(params, structured_output=chat.structured)
         engine_params = self.processor.engine_params(params)
-        return Prepared(prompt_ids, params, engine_params, StopStrings(params.stop) if params.stop else None)
+        if chat is not None and chat.grammar_after is not None:  # the grammar waits for the reasoning's end
+            engine_params = msgspec.structs.replace(engine_params, reasoning_end_token_id=chat.grammar_after)
+        prepared = Prepared(prompt_ids, params, engine_params, StopStrings(params.stop) if params.stop else None)
+        prepared.chat = chat
+        return prepared
 
     def submit(self, key: Hashable, msg: Generate | Embed, sink: Sink, stream: bool = True, client: Hashable = None,
                prepared: Prepared | NoriaError | None = None) -> None:
@@ -175,9 +204,15 @@ class FrontendCore:
         tok = self.processor.tokenizer
         for i in range(params.n):
             rid = first + i
-            detok = IncrementalDetokenizer(tok, prompt_ids, prepared.stop, params.skip_special_tokens)
+            chat = prepared.chat
+            special = chat is not None and chat.needs_special_tokens
+            detok = IncrementalDetokenizer(tok, prompt_ids, prepared.stop, params.skip_special_tokens and not special)
             # Stop strings need the text as it grows, so such samples always stream inside.
             sample = _Sample(rid, i, detok, stream or bool(params.stop))
+            if chat is not None:
+                sample.chat = chat.sample_output()
+                if special:
+                    sample.drop = frozenset(self.processor.eos_ids)
             req.samples.append(sample)
             self.by_rid[rid] = (req, sample)
         self.engine.add(EngineRequest(first, prompt_ids, prepared.engine_params, self.processor.eos_ids,
@@ -256,20 +291,26 @@ class FrontendCore:
             if not s.stream:
                 self._hold(req, s, u)
                 continue
-            s.detok.add(u.new_token_ids)
+            s.detok.add(s.text_ids(u.new_token_ids))
             finish = u.finish_reason
             if s.detok.stopped:
                 if finish is None:
                     self.engine.abort([s.rid])
                 finish = "stop"
-            text = s.detok.take(final=finish is not None)
-            if text or u.new_token_ids:
-                req.sink(Delta(request_id=req.request_id, text=text, token_ids=list(u.new_token_ids),
+            parts = s.split(s.detok.take(final=finish is not None), finish is not None)
+            if len(parts) > 1 or parts["text"] or u.new_token_ids:
+                req.sink(Delta(request_id=req.request_id, token_ids=list(u.new_token_ids),
                                index=s.index, logprobs=u.logprobs, prompt_logprobs=s.prompt_logprobs,
-                               prompt_tokens=self._prompt_tokens(req, s)))
+                               prompt_tokens=self._prompt_tokens(req, s), **parts))
                 s.prompt_logprobs = None
             if finish is not None:
                 self._finish_sample(req, s, finish)
+
+    def _prompt_tokens(self, req: _Request, s: _Sample) -> list[str] | UnsetType:
+        """The prompt tokens' texts, beside the prompt logprobs that a delta carries."""
+        if s.prompt_logprobs is None:
+            return UNSET
+        return [self.processor.token_texts.entry(t)[0] for t in req.prompt_ids]
 
     def _embedded(self, req: _Request, s: _Sample, pooled: bytes, num_cached_tokens: int) -> None:
         """An `embed` request's one result: its final message."""
@@ -281,24 +322,20 @@ class FrontendCore:
                            usage=Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=0,
                                        cached_tokens=num_cached_tokens)))
 
-    def _prompt_tokens(self, req: _Request, s: _Sample) -> list[str] | UnsetType:
-        """The prompt tokens' texts, beside the prompt logprobs that a delta carries."""
-        if s.prompt_logprobs is None:
-            return UNSET
-        return [self.processor.token_texts.entry(t)[0] for t in req.prompt_ids]
-
     def _hold(self, req: _Request, s: _Sample, u: RequestUpdate) -> None:
         if u.logprobs:
             s.held_logprobs = (s.held_logprobs or []) + u.logprobs
         if u.finish_reason is not None:
-            s.detok.add(s.ids)
-            text = s.detok.take(final=True)
-            req.sink(Delta(request_id=req.request_id, text=text, token_ids=s.ids, index=s.index,
+            s.detok.add(s.text_ids(s.ids))
+            parts = s.split(s.detok.take(final=True), True)
+            req.sink(Delta(request_id=req.request_id, token_ids=s.ids, index=s.index,
                            logprobs=s.held_logprobs, prompt_logprobs=s.prompt_logprobs,
-                           prompt_tokens=self._prompt_tokens(req, s)))
+                               prompt_tokens=self._prompt_tokens(req, s), **parts))
             self._finish_sample(req, s, u.finish_reason)
 
     def _finish_sample(self, req: _Request, s: _Sample, finish: str) -> None:
+        if finish == "stop" and s.chat is not None and s.chat.calls:
+            finish = "tool_calls"  # OpenAI's reason for an answer that calls tools
         s.finish_reason = finish
         del self.by_rid[s.rid]
         req.open -= 1
@@ -364,6 +401,7 @@ class FrontendCore:
     @staticmethod
     def _done(req: _Request) -> Done:
         reasons = [s.finish_reason or "abort" for s in req.samples]
+        calls = [s.chat.calls if s.chat is not None else [] for s in req.samples]
         return Done(
             request_id=req.request_id,
             finish_reason=reasons[0],
@@ -371,6 +409,7 @@ class FrontendCore:
                         cached_tokens=req.num_cached_tokens),
             finish_reasons=reasons if len(reasons) > 1 else None,
             prompt_token_ids=req.prompt_ids,
+            tool_calls=calls if any(calls) else msgspec.UNSET,
         )
 
 

@@ -25,10 +25,13 @@ def make_generate(
     continue_final_message: bool = False,
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+    parallel_tool_calls: bool = True,
 ) -> Generate:
     """A text prompt, a token-id prompt or chat `messages` (give one), with every
     SamplingParams field laid flat beside the request's own fields. The chat template
-    controls apply to `messages` (docs/protocol.md, `generate`)."""
+    controls and OpenAI's tool fields apply to `messages` (docs/protocol.md, `generate`)."""
     # No params: the fields a request may leave to the server (GENERATION_DEFAULT_FIELDS) stay
     # unset and take its defaults (--generation-config); a SamplingParams sets every field, its
     # defaults included, as vLLM's does.
@@ -40,7 +43,8 @@ def make_generate(
     return Generate(request_id=request_id, messages=messages, priority=priority,
                     add_generation_prompt=add_generation_prompt, cache_salt=cache_salt,
                     continue_final_message=continue_final_message, chat_template=chat_template,
-                    chat_template_kwargs=chat_template_kwargs, **fields)
+                    chat_template_kwargs=chat_template_kwargs, tools=tools, tool_choice=tool_choice,
+                    parallel_tool_calls=parallel_tool_calls, **fields)
 
 
 def embed_inputs(inputs: Prompt | list[Prompt]) -> list[Prompt]:

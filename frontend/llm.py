@@ -68,12 +68,16 @@ class LLM:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation or several; the chat template controls (vLLM's) apply to each."""
+        """One conversation or several; the chat template controls (vLLM's) and OpenAI's
+        `tools` / `tool_choice` apply to each (the calls come back in each output's `tool_calls`)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         plist = _as_params_list(params, len(convs))
         chat = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs}
+                "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs,
+                "tools": tools, "tool_choice": tool_choice}
         msgs = [make_generate(self._next_id(), None, p, messages=list(c), **chat)
                 for c, p in zip(convs, plist, strict=True)]
         return self._run(msgs, [None] * len(msgs), use_tqdm)

@@ -12,6 +12,7 @@ from msgspec import Meta
 from noria.frontend.bad_words import bad_words_token_ids
 from noria.frontend.chat_template import RenderError, render_chat, template_kwargs
 from noria.frontend.token_text import TokenTexts
+from noria.frontend.tools import template_messages
 from noria.protocol.client import (
     Detokenize,
     Detokenized,
@@ -202,7 +203,7 @@ class InputProcessor:
                 raise ParamError("messages", f"{len(msg.messages)} messages, more than the {lim.max_messages} "
                                  "this server accepts")
             # The template's variables and tools are rendered into the prompt too.
-            extra = [v for v in (msg.chat_template_kwargs, getattr(msg, "tools", None)) if v]
+            extra = [v for v in (msg.chat_template_kwargs, msg.tools) if v]
             size = json_size([msg.messages, *extra], self.max_prompt_chars)
             if size > self.max_prompt_chars:
                 raise ParamError("messages", f"messages hold more than {self.max_prompt_chars} characters (every "
@@ -228,8 +229,10 @@ class InputProcessor:
         if not messages:
             raise ParamError("messages", "messages is empty")
         for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            # An assistant message that calls tools may have no content (OpenAI's shape).
+            if not isinstance(m, dict) or "role" not in m or ("content" not in m and not m.get("tool_calls")):
                 raise ParamError("messages", "each message needs 'role' and 'content'")
+        messages = template_messages(messages)
         try:
             kwargs = template_kwargs(msg.chat_template_kwargs)
         except RenderError as e:
@@ -239,7 +242,7 @@ class InputProcessor:
         kwargs.pop("chat_template", None)
         generation_prompt = bool(kwargs.pop("add_generation_prompt", msg.add_generation_prompt))
         continue_final = bool(kwargs.pop("continue_final_message", msg.continue_final_message))
-        tools = kwargs.pop("tools", None) or getattr(msg, "tools", None)
+        tools = kwargs.pop("tools", None) or msg.tools
         if continue_final and generation_prompt:
             raise ParamError("continue_final_message", "continue_final_message and add_generation_prompt cannot "
                              "both be true: continuing the last message adds no generation prompt (send "

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from noria.frontend.chat_output import ChatConfig, reasoning_end_token
 from noria.frontend.chat_template import load_chat_template
 from noria.frontend.core import FrontendCore, Limits
 from noria.frontend.demo_model import resolve_model
@@ -39,6 +40,7 @@ def make_config(model: str | os.PathLike[str] = "demo", **flags: Any) -> EngineC
 def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limits: Limits | None = None,
                input_limits: InputLimits | None = None) -> FrontendCore:
     """Start the engine (its worker link as `link` says: local ranks over ipc by default)."""
+    chat = chat_config(config)
     model_path = resolve_model(config.model)
     check_checkpoint(model_path)  # a bad checkpoint is one sentence here, not a worker's traceback
     check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
@@ -69,7 +71,15 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
                                trust_request_chat_template=config.trust_request_chat_template,
                                sampling_defaults=sampling_defaults)
     embedder = Embedder(pooling, hidden_size(model_path)) if pooling is not None else None
-    return FrontendCore(engine, processor, limits, embedder)
+    return FrontendCore(engine, processor, limits, embedder, chat)
+
+
+def chat_config(config: EngineConfig) -> ChatConfig:
+    """The frontend's chat flags; --enable-auto-tool-choice needs a parser to read the calls (vLLM's rule)."""
+    if config.enable_auto_tool_choice and config.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    return ChatConfig(enable_auto_tool_choice=config.enable_auto_tool_choice,
+                      tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
 
 
 def _check_length(model_path: str, max_model_len: int | None) -> None:

@@ -82,7 +82,7 @@ class _Launch:
     part_start: torch.Tensor | None = None  # [rows + 1]
 
 
-@dataclass
+@dataclass(eq=False)
 class GraphStep:
     """A graph-mode decode step's attention data (meta.backend_data): views of the persistent
     int32 buffers at the bucket's size."""
@@ -101,7 +101,7 @@ class GraphStep:
         self.owner.attend(self, out, query, k_cache, v_cache, scale, window=window, soft_cap=soft_cap)
 
 
-@dataclass
+@dataclass(eq=False)
 class GraphDecode:
     """The persistent buffers and fixed launches of graph-mode decode steps, for every bucket."""
 

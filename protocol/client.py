@@ -48,6 +48,13 @@ class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
     # Requests with different salts (or a salt and none) never share prefix-cache blocks:
     # one tenant cannot learn from timing what another's prompts began with (vLLM's field).
     cache_salt: str | None = None
+    # OpenAI's tool calling, with `messages` only (frontend/tools.py checks them): the tools as
+    # OpenAI writes them ({"type": "function", "function": {"name", "parameters", ...}}),
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; None: "auto"
+    # with tools, "none" without. The chat template gets the tools (transformers' `tools=`).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's parameters; a field it left unset takes `defaults`' value, else vLLM's."""
@@ -103,6 +110,34 @@ class Logprob(msgspec.Struct, kw_only=True):
     top_bytes: list[list[int]] | UnsetType = UNSET
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One complete tool call of a sample (OpenAI's shape)."""
+
+    id: str  # "call_" + random hex
+    function: FunctionCall
+    type: str = "function"
+
+
+class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of tool call `index` (OpenAI's streamed shape): its first piece has `id`,
+    `type` and `function.name`, the later ones pieces of `function.arguments`."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta | None = None
+
+
 class Delta(msgspec.Struct, kw_only=True, tag="delta", tag_field="type"):
     request_id: str
     text: str
@@ -115,6 +150,11 @@ class Delta(msgspec.Struct, kw_only=True, tag="delta", tag_field="type"):
     # With `prompt_logprobs`: each prompt token's text, spelled as `Logprob.token` (the
     # first's too, which has no entry there); left out otherwise.
     prompt_tokens: list[str] | UnsetType = UNSET
+    # With a tool-call parser or tool_choice required / named (`text` is then the content
+    # outside the calls) and with a reasoning parser. UNSET fields are left out of the map,
+    # so a reader that predates them sees the same messages as before.
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -136,6 +176,9 @@ class Done(msgspec.Struct, kw_only=True, tag="done", tag_field="type"):
     usage: Usage
     finish_reasons: list[str] | None = None
     prompt_token_ids: list[int] | None = None
+    # Each sample's complete tool calls (by sample index), when any sample made one; left
+    # out of the map otherwise (UNSET), as for readers that predate it.
+    tool_calls: list[list[ToolCall]] | UnsetType = UNSET
 
 
 class Error(msgspec.Struct, kw_only=True, tag="error", tag_field="type", omit_defaults=True):

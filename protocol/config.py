@@ -18,6 +18,9 @@ BlockSize = Literal[8, 16, 32, 64, 128]
 # auto: the CUDA kernels where they work, else torch (said once at start-up); kernels: refuse
 # to start without them; torch: never the kernels.
 AttentionBackendChoice = Literal["auto", "kernels", "torch"]
+# Chat output parsers (frontend/tool_parsers/, frontend/reasoning.py), vLLM's names.
+ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
+ReasoningParserName = Literal["qwen3", "deepseek_r1"]
 GenerationConfigMode = Literal["auto", "vllm", "none"]  # vLLM's --generation-config
 AtLeastOne = Annotated[int, Meta(ge=1)]
 GiB = Annotated[float, Meta(ge=0.0)]
@@ -62,16 +65,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Batch sizes to capture; None: 1, 2, 4, 8 and every multiple of 8 up to max_num_seqs.
     cuda_graph_sizes: list[AtLeastOne] | None = None
     startup_timeout: Annotated[float, Meta(gt=0.0)] = 300.0
-    # The chat template instead of the tokenizer's: a file, or the template itself (vLLM's
-    # --chat-template); read by the frontend at start-up (frontend/chat_template.py).
-    chat_template: str | None = None
-    # Requests may bring their own `chat_template` (vLLM's flag): off, templates are code.
-    trust_request_chat_template: bool = False
     # generate: text generation; pooling: one embedding per prompt (/v1/embeddings), no sampling.
     runner: Runner = "generate"
     # How a pooling engine pools; None: the checkpoint's sentence-transformers files, else the
     # last token (protocol/pooling.py). Resolved once when the engine starts.
     pooling: PoolingType | None = None
+    # Chat (read by the frontend): tool_choice "auto" needs both of the first two; the
+    # reasoning parser moves <think>...</think> text into `reasoning_content`.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: ToolCallParserName | None = None
+    reasoning_parser: ReasoningParserName | None = None
+    # The chat template instead of the tokenizer's: a file, or the template itself (vLLM's
+    # --chat-template); read by the frontend at start-up (frontend/chat_template.py).
+    chat_template: str | None = None
+    # Requests may bring their own `chat_template` (vLLM's flag): off, templates are code.
+    trust_request_chat_template: bool = False
     # Sampling defaults for requests that leave them unset (frontend/generation_config.py): auto,
     # the checkpoint's generation_config.json; vllm and none, vLLM's defaults.
     generation_config: GenerationConfigMode = "auto"

@@ -175,6 +175,9 @@ class EngineSamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defau
     # spells them (frontend/bad_words.py).
     bad_words_token_ids: list[list[int]] | None = None
     structured_output: StructuredOutput | None = None
+    # With a reasoning parser (vLLM's way): `structured_output` holds only from the token after
+    # this one (`</think>`); the reasoning before it is free. None: from the first token.
+    reasoning_end_token_id: int | None = None
 
     @property
     def has_penalties(self) -> bool:

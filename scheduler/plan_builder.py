@@ -62,5 +62,5 @@ class PlanBuilder:
         self.scheduled.append((req.req_id, num_new))
         if c == req.num_worker_tokens:  # it samples in this step
             req.num_worker_tokens = c + 1
-            if req.matcher is not None:
+            if req.matcher is not None and req.grammar_wait is None:  # (not while it reasons)
                 self.masked.append((req.req_id, req.matcher))  # its mask goes with this step

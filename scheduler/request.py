@@ -60,7 +60,7 @@ class Request:
         "num_prompt_tokens", "params", "shared", "sample_index", "eos_token_ids", "stop_ids", "priority",
         "arrival_seq",
         "max_tokens", "block_ids", "block_hashes", "num_cached_blocks", "in_worker",
-        "swapped_blocks", "num_preemptions", "sort_key", "hash_root", "pooling", "pools_every_position",
+        "swapped_blocks", "num_preemptions", "sort_key", "hash_root", "grammar_wait", "pooling", "pools_every_position",
     )
 
     def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: bytes | None,
@@ -91,6 +91,10 @@ class Request:
         self.swapped_blocks: list[int] = []  # CPU blocks while swapped out
         self.num_preemptions = 0
         self.matcher: Any = None  # llguidance matcher of a structured-output request
+        # The token that ends the reasoning, while the grammar waits for it (the matcher sees
+        # and the mask constrains only what follows it); None: the grammar holds.
+        self.grammar_wait: int | None = (self.params.reasoning_end_token_id
+                                         if self.params.structured_output is not None else None)
         # Lower runs first; later arrivals are preempted first within a priority.
         self.sort_key = (self.priority, self.arrival_seq)
         # Stop conditions as totals of token ids, for the per-token check (scheduler/results.py).
@@ -150,7 +154,12 @@ class Request:
         """Why the token just appended ends the request, if it does; vLLM's order: length
         caps first, then stop tokens once min_tokens is met. The matcher sees every token."""
         n = len(self.token_ids)
-        grammar = advance(self.matcher, tok) if self.matcher is not None else None
+        grammar = None
+        if self.matcher is not None:
+            if self.grammar_wait is None:
+                grammar = advance(self.matcher, tok)
+            elif tok == self.grammar_wait:
+                self.grammar_wait = None  # the reasoning ended: the grammar holds from the next token
         if n >= self.length_cap or n >= max_model_len:
             return "length"
         if grammar is not None:

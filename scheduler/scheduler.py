@@ -172,8 +172,15 @@ class Scheduler(StepResults):
                 self.reject(rid, ErrorCode.INVALID_GRAMMAR, f"structured_output does not compile: {error}")
 
     def _with_grammar(self, req: Request, matcher: Any) -> None:
-        # A request resumed after a scheduler restart brings outputs its new matcher has not seen.
-        if not resume(matcher, req.token_ids[req.num_prompt_tokens:]):
+        # A request resumed after a scheduler restart brings outputs its new matcher has not seen
+        # (those after its reasoning, if the grammar waited for its end).
+        outputs = req.token_ids[req.num_prompt_tokens:]
+        if req.grammar_wait is not None and req.grammar_wait in outputs:
+            outputs = outputs[outputs.index(req.grammar_wait) + 1:]
+            req.grammar_wait = None
+        elif req.grammar_wait is not None:
+            outputs = []
+        if not resume(matcher, outputs):
             self._finish(req)
             return self.reject(req.req_id, ErrorCode.INTERNAL, "a resumed request's outputs break its grammar")
         req.matcher, req.status = matcher, Status.WAITING

@@ -30,7 +30,7 @@ from noria.frontend.bridge.openai_schema import (
     TopLogprob,
     UsageInfo,
 )
-from noria.protocol.client import Delta, Done, Logprob
+from noria.protocol.client import Delta, Done, Logprob, ToolCall
 
 _encode = msgspec.json.Encoder().encode
 
@@ -102,6 +102,8 @@ class _Choices:
         self.offsets: list[list[int]] = [[] for _ in range(size)]
         self.cursors = [_TextCursor() for _ in range(size)]
         self.finish: list[str | None] = [None] * size
+        self.reasoning: list[list[str]] = [[] for _ in range(size)]
+        self.tool_calls: list[list[ToolCall]] = [[] for _ in range(size)]
         self.prompt_ids: list[list[int]] = [[] for _ in range(num_prompts)]
         self.prompt_logprobs: list[list[Logprob | None] | None] = [None] * num_prompts
         self.prompt_tokens_text: list[list[str] | None] = [None] * num_prompts
@@ -121,6 +123,8 @@ class _Choices:
         if not self.keep:
             return i, offsets
         self.texts[i].append(d.text)
+        if d.reasoning_content:
+            self.reasoning[i].append(d.reasoning_content)
         if d.prompt_logprobs is not None:
             self.prompt_logprobs[prompt] = d.prompt_logprobs
             if d.prompt_tokens is not UNSET:
@@ -136,9 +140,11 @@ class _Choices:
         self.prompt_tokens += done.usage.prompt_tokens
         self.completion_tokens += done.usage.completion_tokens
         self.cached_tokens += done.usage.cached_tokens
+        first = prompt * self.n
         if self.keep:
             self.prompt_ids[prompt] = done.prompt_token_ids or []
-        first = prompt * self.n
+            for k, calls in enumerate((done.tool_calls or [])[: self.n]):
+                self.tool_calls[first + k] = calls
         for k, r in enumerate(reasons[: self.n]):
             self.finish[first + k] = r
         return list(range(first, first + min(len(reasons), self.n)))
@@ -311,10 +317,13 @@ class ChatBuilder(_Usage):
     def add(self, prompt: int, ev: Delta | Done) -> list[bytes]:
         if isinstance(ev, Delta):
             i, _ = self.choices.add_delta(prompt, ev)
-            if not self.stream or not (ev.text or (self.want_logprobs and ev.logprobs)):
+            extra = bool(ev.reasoning_content or ev.tool_calls)
+            if not self.stream or not (ev.text or extra or (self.want_logprobs and ev.logprobs)):
                 return []
             lp = _chat_logprobs(ev.logprobs, self.as_ids) if self.want_logprobs and ev.logprobs else None
-            return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=ev.text), logprobs=lp)])]
+            delta = ChatDelta(content=ev.text if ev.text or not extra else None,
+                              reasoning_content=ev.reasoning_content or None, tool_calls=ev.tool_calls or None)
+            return [self._chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lp)])]
         finished = self.choices.add_done(prompt, ev)
         if not self.stream:
             return []
@@ -331,9 +340,16 @@ class ChatBuilder(_Usage):
             id=self.rid, created=self.created, model=self.model, usage=c.usage(),
             choices=[
                 ChatChoice(
-                    index=i, message=ChatMessage(content="".join(c.texts[i])), finish_reason=c.finish[i],
+                    index=i, message=_message("".join(c.texts[i]), c.reasoning[i], c.tool_calls[i]),
+                    finish_reason=c.finish[i],
                     logprobs=_chat_logprobs(c.logprobs[i], self.as_ids) if self.want_logprobs else None,
                 )
                 for i in range(len(c.texts))
             ],
         )
+
+
+def _message(content: str, reasoning: list[str], calls: list[ToolCall]) -> ChatMessage:
+    """OpenAI's answer: content null when the answer is tool calls and nothing but space besides."""
+    return ChatMessage(content=None if calls and not content.strip() else content, tool_calls=calls or msgspec.UNSET,
+                       reasoning_content="".join(reasoning) if reasoning else msgspec.UNSET)

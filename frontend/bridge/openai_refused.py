@@ -4,7 +4,7 @@ that silently ignored them. A field counts only when it asks for something: an e
 tool list or `tool_choice: "none"` asks for nothing and passes.
 
 Fields that cannot change the output (`user`, `metadata`, `store`, `service_tier`,
-`parallel_tool_calls`, `prediction`) and unknown fields are ignored, as
+`prediction`) and unknown fields are ignored, as
 OpenAI-compatible servers do; docs/protocol.md keeps both lists.
 """
 
@@ -44,8 +44,8 @@ def _text_only(value: Any) -> bool:
 
 # field -> (does this value ask for nothing?, why it is refused)
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_absent, "tool calling is not supported"),
-    "tool_choice": (lambda v: v is None or v == "none", "tool calling is not supported"),
+    "tools": (_absent, "tool calling is offered on /v1/chat/completions only"),
+    "tool_choice": (lambda v: v is None or v == "none", "tool calling is offered on /v1/chat/completions only"),
     "functions": (_absent, "function calling is not supported"),
     "function_call": (lambda v: v is None or v == "none", "function calling is not supported"),
     "audio": (_absent, "audio output is not supported"),
@@ -59,9 +59,10 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def unsupported_field(req: RefusedFields) -> tuple[str, str] | None:
-    """(field, message) for the first field that asks for what noria cannot do, else None."""
+def unsupported_field(req: RefusedFields, accepted: frozenset[str] = frozenset()) -> tuple[str, str] | None:
+    """(field, message) for the first field that asks for what noria cannot do, else None;
+    `accepted`: fields this endpoint honours (chat completions: tools, tool_choice)."""
     for name, (asks_nothing, why) in _RULES.items():
-        if not asks_nothing(getattr(req, name)):
+        if name not in accepted and not asks_nothing(getattr(req, name)):
             return name, f"{name} is not supported: {why}"
     return None

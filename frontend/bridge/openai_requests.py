@@ -19,6 +19,7 @@ from noria.protocol.sampling import SamplingParams, check_sampling
 from noria.protocol.validation import field_error
 
 R = TypeVar("R", CompletionRequest, ChatRequest)
+_CHAT_ACCEPTS = frozenset({"tools", "tool_choice"})  # checked by the frontend (frontend/tools.py)
 MAX_PROMPTS = 128
 # Samples one completions request may draw (n x prompts): each is an engine request.
 MAX_SAMPLES = 256
@@ -59,7 +60,7 @@ def _sampling(req: SamplingFields, *, max_tokens: int | None, logprobs: int | No
               names: dict[str, str] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from a request; `names` maps a SamplingParams field to the request
     field it came from where the two differ, so that an error names what the client sent."""
-    refused = unsupported_field(req)
+    refused = unsupported_field(req, _CHAT_ACCEPTS if isinstance(req, ChatRequest) else frozenset())
     if refused:
         raise BadRequest(refused[1], refused[0])
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or None)
@@ -176,10 +177,17 @@ def chat_generate(req: ChatRequest, new_id: Callable[[], str]) -> Generate:
     if req.echo:
         raise BadRequest("echo is not supported on chat completions", "echo")
     params = _sampling(req, max_tokens=max_tokens, logprobs=logprobs, names=names)
+    # The shapes here (a wrong type is the body's fault); what they say, in the frontend.
+    if req.tools is not None and not (isinstance(req.tools, list) and all(isinstance(t, dict) for t in req.tools)):
+        raise BadRequest("tools must be a list of tool objects", "tools", code=ErrorCode.INVALID_MESSAGE)
+    if req.tool_choice is not None and not isinstance(req.tool_choice, str | dict):
+        raise BadRequest("tool_choice must be a string or an object", "tool_choice", code=ErrorCode.INVALID_MESSAGE)
     msg = make_generate(new_id(), None, params, messages=[_message(m) for m in req.messages],
                         priority=req.priority, add_generation_prompt=req.add_generation_prompt,
                         cache_salt=_cache_salt(req), continue_final_message=req.continue_final_message,
-                        chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs)
+                        chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs,
+                        tools=req.tools, tool_choice=req.tool_choice,
+                        parallel_tool_calls=req.parallel_tool_calls is not False)
     return _server_defaults(msg, req)
 
 

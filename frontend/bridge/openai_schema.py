@@ -11,8 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from noria.frontend.bridge.openai_structured import StructuredFields
+from noria.protocol.client import ToolCall, ToolCallDelta
 from noria.protocol.sampling import Int64, Seed
 
 
@@ -72,6 +74,9 @@ class ChatRequest(SamplingFields, kw_only=True):
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     echo: bool = False  # vLLM's: refused (see chat_generate)
+    # OpenAI's tool calling, checked by the frontend (frontend/tools.py); `tools` and
+    # `tool_choice` are declared in RefusedFields, which /v1/completions still refuses.
+    parallel_tool_calls: bool | None = None
     # vLLM's chat template controls, passed on in `generate` (docs/protocol.md)
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -138,8 +143,11 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
-    content: str
+    content: str | None
     role: str = "assistant"
+    # Left out of the answer unless given (UNSET), as OpenAI leaves them out.
+    tool_calls: list[ToolCall] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -161,6 +169,8 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
