@@ -53,6 +53,8 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
         config = msgspec.structs.replace(config, pooling=pooling.mode)
         log.info("pooling runner: %s pooling%s", pooling.mode, ", normalized" if pooling.normalize else "")
     tokenizer = _tokenizer(config.tokenizer or model_path)
+    if chat.reasoning_parser is not None:
+        chat = msgspec.structs.replace(chat, reasoning_end_token_id=reasoning_end_token(tokenizer))
     # Read before the engine starts: a generation_config.json no request could use is one sentence.
     sampling_defaults = generation_defaults(model_path, config.generation_config)
     # A warning where the checkpoint overrides vLLM's defaults, as vLLM warns: outputs change.
