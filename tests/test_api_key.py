@@ -82,6 +82,10 @@ def test_the_key_guards_http_and_reaches_no_child(source, tmp_path):
         assert status == 200 and body["usage"]["completion_tokens"] >= 1
         status, body = _request(f"{served.http}/v1/completions", None, {"prompt": "Hello", "max_tokens": 3})
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        # vLLM's /tokenize and /detokenize sit beside /v1, behind the key all the same.
+        for path, body in (("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [5, 6]})):
+            assert _request(f"{served.http}{path}", None, body)[0] == 401
+            assert _request(f"{served.http}{path}", KEY, body)[0] == 200
 
 
 def _resolve(monkeypatch, argv: list[str], env: str | None) -> tuple[str | None, str | None]:
