@@ -1,0 +1,163 @@
+"""`noria bench gpu`'s measuring phases: noria's engine (offline throughput, TTFT, inter-token
+latency with CUDA graphs and eager) and the anchor, transformers' static-cache `generate`."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from noria.bench.gpu_budget import Budget, PhaseTimeout, Sizes
+from noria.bench.gpu_probes import sync
+from noria.bench.gpu_report import Report, Row
+from noria.bench.gpu_roofline import ModelCost, itl_floor, prefill_floor, throughput_ceiling
+
+
+def _prompt_vocab(shape: dict[str, Any]) -> int:
+    # Prompt ids below 32000 are real tokens of any tokenizer a --model checkpoint may bring
+    # (its config's vocab_size can exceed its tokenizer's).
+    return min(shape["vocab_size"], 32000)
+
+
+def _prompts(rng: Any, n: int, length: int, vocab: int) -> list[list[int]]:
+    # Distinct random ids: no prefix-cache hit between requests.
+    return [rng.integers(3, vocab, size=length).tolist() for _ in range(n)]
+
+
+def _noria_run(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    from noria import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def _itl(run: Any, rng: Any, batch: int, sizes: Sizes, vocab: int) -> float:
+    """Seconds per decode step at `batch`: a run of 1 + N tokens minus a run of 1 (the prefill
+    and the first token), over N, each on fresh prompts."""
+    one, _ = run(_prompts(rng, batch, sizes.itl_prompt, vocab), 1)
+    many, _ = run(_prompts(rng, batch, sizes.itl_prompt, vocab), 1 + sizes.itl_tokens)
+    return max(many - one, 1e-9) / sizes.itl_tokens
+
+
+def noria_phases(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, model: str, cost: ModelCost,
+                 shape: dict[str, Any], gbps: float, tflops: float | None) -> None:
+    import numpy as np
+
+    from noria import LLM
+    from noria.protocol.config import EngineConfig
+
+    vocab = _prompt_vocab(shape)
+    has_eager = "enforce_eager" in EngineConfig.__struct_fields__
+    rep.meta["graphs"] = "compared (--enforce-eager)" if has_eager else "n/a (the engine has no enforce_eager)"
+    max_len = min(sizes.max_model_len, shape.get("max_position_embeddings") or sizes.max_model_len)
+    flags: dict[str, Any] = {"dtype": args.dtype, "device": args.device, "max_model_len": max_len, "seed": args.seed}
+    if args.tiny:
+        flags["num_kv_blocks"] = 256
+    rng = np.random.default_rng(args.seed)
+    itl_ctx = sizes.itl_prompt + sizes.itl_tokens // 2
+    mode = "CUDA graphs" if args.device == "cuda" and has_eager else "default"
+    llm: Any = None
+    try:
+        with b.phase("throughput") as go:
+            if go:
+                start = time.perf_counter()
+                llm = LLM(model, **flags)
+                rep.add(Row("throughput", "engine start (load + graph capture)", time.perf_counter() - start, "s"))
+                _noria_run(llm, _prompts(rng, 2, 16, vocab), 2)  # warm-up
+                seconds, tokens = _noria_run(llm, _prompts(rng, sizes.requests, sizes.prompt, vocab), sizes.output)
+                max_batch = min(sizes.requests, llm.config.max_num_seqs)
+                ceiling = throughput_ceiling(cost, sizes.requests, sizes.prompt, sizes.output, max_batch, gbps, tflops)
+                rep.add(Row("throughput", f"offline {sizes.requests} x {sizes.prompt}/{sizes.output}",
+                            tokens / seconds, "tok/s", ceiling, f"{tokens} tokens in {seconds:.1f} s"))
+        with b.phase("ttft") as go:
+            if go:
+                llm = llm or LLM(model, **flags)
+                for p in sizes.ttft_prompts:
+                    if p >= max_len:
+                        rep.add(Row("ttft", f"TTFT {p}-token prompt", None, "ms", None,
+                                    f"over the model's {max_len} positions"))
+                        continue
+                    seconds, _ = _noria_run(llm, _prompts(rng, 1, p, vocab), 1)
+                    floor, bound = prefill_floor(cost, p, gbps, tflops)
+                    rep.add(Row("ttft", f"TTFT {p}-token prompt", seconds * 1e3, "ms", floor * 1e3,
+                                f"{bound}-bound floor"))
+        with b.phase("itl") as go:
+            if go:
+                llm = llm or LLM(model, **flags)
+                for batch in sizes.itl_batches:
+                    s = _itl(lambda ps, n: _noria_run(llm, ps, n), rng, batch, sizes, vocab)
+                    rep.add(Row("itl", f"ITL batch {batch} ({mode})", s * 1e3, "ms",
+                                itl_floor(cost, batch, itl_ctx, gbps) * 1e3, f"context ~{itl_ctx}"))
+    finally:
+        if llm is not None:
+            llm.shutdown()
+    llm = None
+    with b.phase("eager") as go:
+        if go:
+            if not has_eager:
+                rep.add(Row("eager", "graphs vs eager", None, "", None, "this engine has no enforce_eager flag"))
+            else:
+                try:
+                    start = time.perf_counter()
+                    llm = LLM(model, **flags, enforce_eager=True)
+                    rep.add(Row("eager", "engine start (eager)", time.perf_counter() - start, "s"))
+                    for batch in sizes.itl_batches:
+                        s = _itl(lambda ps, n: _noria_run(llm, ps, n), rng, batch, sizes, vocab)
+                        rep.add(Row("eager", f"ITL batch {batch} (eager)", s * 1e3, "ms",
+                                    itl_floor(cost, batch, itl_ctx, gbps) * 1e3, f"context ~{itl_ctx}"))
+                finally:
+                    if llm is not None:
+                        llm.shutdown()
+
+
+def hf_phase(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, model: str, cost: ModelCost,
+             shape: dict[str, Any], gbps: float, dev: Any) -> None:
+    with b.phase("hf") as go:
+        if not go:
+            return
+        import numpy as np
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype),
+                                                  device_map=dev.type if dev.type == "cuda" else None).eval()
+        rng = np.random.default_rng(args.seed + 1)
+        itl_ctx = sizes.itl_prompt + sizes.itl_tokens // 2
+
+        def run(compiled: bool) -> Any:
+            def go_(prompts: list[list[int]], n: int) -> tuple[float, int]:
+                ids = torch.tensor(prompts, device=dev)
+                sync(dev)
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=0, eos_token_id=None,
+                                      cache_implementation="static", disable_compile=not compiled)
+                sync(dev)
+                return time.perf_counter() - start, (out.shape[1] - ids.shape[1]) * ids.shape[0]
+            return go_
+
+        # Eager first: a compile that fails or eats the budget still leaves these figures.
+        for compiled in (False, True):
+            if compiled and dev.type != "cuda":
+                rep.add(Row("hf", "static cache + torch.compile", None, "", None, "measured on a GPU only"))
+                break
+            label = "static cache + torch.compile" if compiled else "static cache, eager"
+            for batch in sizes.hf_batches:
+                try:
+                    fn = run(compiled)
+                    fn(_prompts(rng, batch, sizes.itl_prompt, _prompt_vocab(shape)), 2)  # warm-up (the compile)
+                    s = _itl(fn, rng, batch, sizes, _prompt_vocab(shape))
+                except PhaseTimeout:
+                    raise
+                except Exception as e:  # noqa: BLE001 - compile failures come in many kinds
+                    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                    rep.add(Row("hf", f"ITL batch {batch} (transformers, {label})", None, "ms", None, f"failed: {first[:160]}"))
+                    continue
+                rep.add(Row("hf", f"ITL batch {batch} (transformers, {label})", s * 1e3, "ms",
+                            itl_floor(cost, batch, itl_ctx, gbps) * 1e3, f"context ~{itl_ctx}"))

@@ -1,0 +1,66 @@
+"""The roofline arithmetic of `noria bench gpu` (pure): what a model's forward pass must read and
+compute, and the floors that follow for a decode step, a prefill and a whole offline workload."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    weight_bytes: int  # every parameter, read once per forward pass
+    kv_bytes_per_token: int  # K and V of one token over all layers
+    flops_per_token: int  # 2 x the parameters a token multiplies through (the embedding is a lookup)
+    attn_flops_per_pair: int  # QK^T and PV for one (query, key) pair over all layers
+
+
+def model_cost(cfg: dict[str, Any], dtype_bytes: int = 2) -> ModelCost:
+    h, layers, inter, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or h // heads
+    per_layer = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h + 3 * h * inter
+    matmul_params = layers * per_layer + vocab * h  # lm_head
+    params = matmul_params + (0 if cfg.get("tie_word_embeddings") else vocab * h) + (2 * layers + 1) * h
+    return ModelCost(
+        weight_bytes=params * dtype_bytes,
+        kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype_bytes,
+        flops_per_token=2 * matmul_params,
+        attn_flops_per_pair=4 * layers * heads * head_dim,
+    )
+
+
+def decode_step_floor(cost: ModelCost, contexts: Sequence[int], gbps: float) -> float:
+    """Seconds a decode step over sequences of these context lengths must take at `gbps`:
+    the weights once plus every sequence's K/V."""
+    return (cost.weight_bytes + sum(contexts) * cost.kv_bytes_per_token) / (gbps * 1e9)
+
+
+def prefill_floor(cost: ModelCost, prompt: int, gbps: float, tflops: float | None) -> tuple[float, str]:
+    """(seconds, "memory" or "compute") for one prompt's prefill: the weights read and its K/V
+    written, or its matmul FLOPs (causal attention counted) at `tflops`, whichever is slower."""
+    memory = (cost.weight_bytes + prompt * cost.kv_bytes_per_token) / (gbps * 1e9)
+    if not tflops:
+        return memory, "memory"
+    flops = prompt * cost.flops_per_token + cost.attn_flops_per_pair * prompt * (prompt + 1) / 2
+    compute = flops / (tflops * 1e12)
+    return (compute, "compute") if compute > memory else (memory, "memory")
+
+
+def throughput_ceiling(cost: ModelCost, requests: int, prompt: int, output: int, max_batch: int, gbps: float,
+                       tflops: float | None) -> float:
+    """Output tokens/s no engine can beat on this workload: the requests in waves of `max_batch`,
+    each wave's prefills at their floor, then `output` decode steps (the first token comes from
+    the prefill) over contexts that grow by one a step."""
+    total, left = 0.0, requests
+    while left > 0:
+        b = min(left, max_batch)
+        total += b * prefill_floor(cost, prompt, gbps, tflops)[0]
+        total += sum(decode_step_floor(cost, [prompt + s] * b, gbps) for s in range(1, output))
+        left -= b
+    return requests * output / total
+
+
+def itl_floor(cost: ModelCost, batch: int, context: int, gbps: float) -> float:
+    return decode_step_floor(cost, [context] * batch, gbps)
