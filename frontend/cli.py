@@ -145,6 +145,12 @@ def bridge_limits(args: argparse.Namespace) -> Any:
                         max_connections=args.max_connections)
 
 
+def add_bridge_output_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--return-tokens-as-token-ids", action="store_true",
+                    help="spell logprob tokens \"token_id:ID\" instead of their text unless a request says otherwise "
+                         "(vLLM's flag; a request's return_tokens_as_token_ids wins)")
+
+
 def add_input_limit_args(ap: argparse.ArgumentParser) -> None:
     """The frontend's request-size limits (frontend/processor.py InputLimits; docs/protocol.md)."""
     from noria.frontend.processor import InputLimits
@@ -238,6 +244,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # is restarted (bounded), and if it cannot start (say its port is taken), the whole
     # server goes down non-zero.
     extra = ["--max-requests-per-connection", str(args.max_requests_per_connection), *bridge_limit_argv(args)]
+    if args.return_tokens_as_token_ids:
+        extra.append("--return-tokens-as-token-ids")
     if server.bridge_keys is not None:
         extra += ["--zmq-curve-keys", server.bridge_keys]
     bridge = BridgeProcess(engine_address(args.zmq_host, args.zmq_port), args.host, args.port, api_key, extra=extra)
@@ -281,7 +289,8 @@ def cmd_bridge(args: argparse.Namespace) -> int:
     from noria.frontend.bridge.main import run
 
     return run(args.engine, args.host, args.port, resolve_api_key(args), parent_pid=args.parent_pid,
-               limits=bridge_limits(args), curve_keys=args.zmq_curve_keys)
+               limits=bridge_limits(args), curve_keys=args.zmq_curve_keys,
+               return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -322,6 +331,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         f"(default {DEFAULT_SCHEDULER_RESTARTS}; 0: never)")
     add_limit_args(s)
     add_bridge_limit_args(s)
+    add_bridge_output_args(s)
     add_input_limit_args(s)
     add_api_key_args(s)
     s.set_defaults(fn=cmd_serve)
@@ -343,6 +353,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     help="connect to the engine with CURVE: DIR holds the server's public key and one client pair")
     add_limit_args(br)
     add_bridge_limit_args(br)
+    add_bridge_output_args(br)
     add_api_key_args(br)
     br.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # set by `noria serve`
     br.set_defaults(fn=cmd_bridge)

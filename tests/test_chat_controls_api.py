@@ -307,3 +307,17 @@ def test_offline_llm_chat_takes_the_template_controls(demo_tokenizer):
                        continue_final_message=True)[0]
         assert out.prompt_token_ids == demo_tokenizer(demo_tokenizer.apply_chat_template(
             partial, tokenize=False, continue_final_message=True), add_special_tokens=False)["input_ids"]
+
+
+def test_the_servers_token_ids_flag_is_the_default_a_request_may_override(demo_path, demo_tokenizer):
+    with serve_http("--max-model-len", "256", "--num-kv-blocks", "32", "--return-tokens-as-token-ids") as s, \
+            openai.OpenAI(base_url=f"{s.http}/v1", api_key="none", max_retries=0, timeout=120) as oai:
+        kw = dict(max_tokens=8, temperature=0, logprobs=True, top_logprobs=1, extra_body={"guided_choice": [MULTIBYTE]})
+        by_id = _chat(oai, **kw).choices[0].logprobs.content
+        ids = [int(t.token.removeprefix("token_id:")) for t in by_id]
+        assert demo_tokenizer.decode(ids) == MULTIBYTE
+        assert all(x.token.startswith("token_id:") for t in by_id for x in t.top_logprobs)
+        by_text = _chat(oai, **{**kw, "extra_body": {**kw["extra_body"], "return_tokens_as_token_ids": False}})
+        _check_joins(by_text.choices[0].logprobs.content, MULTIBYTE)
+        out = oai.completions.create(model="demo", prompt="the river", max_tokens=2, logprobs=1, temperature=0)
+        assert all(t.startswith("token_id:") for t in out.choices[0].logprobs.tokens)

@@ -33,6 +33,7 @@ from noria.frontend.bridge.state import (
     LIMITS,
     METRICS,
     STARTED,
+    TOKEN_IDS,
     WEBSOCKETS,
 )
 from noria.frontend.bridge.websocket import handle_stream
@@ -45,9 +46,11 @@ STATS_TIMEOUT = 2.0
 
 
 def make_app(engine: str, api_key: str | None = None, max_per_client: int | None = None,
-             curve_keys: str | None = None, limits: BridgeLimits | None = None) -> web.Application:
+             curve_keys: str | None = None, limits: BridgeLimits | None = None,
+             return_tokens_as_token_ids: bool = False) -> web.Application:
     """`max_per_client`: sequences in flight per client address (None: no cap); `limits`, the
-    bridge's other caps (its defaults when None)."""
+    bridge's other caps (its defaults when None); `return_tokens_as_token_ids`: logprob
+    tokens spelled "token_id:ID" by default (vLLM's flag)."""
     app = web.Application(middlewares=[_errors, _auth], client_max_size=64 * 2**20)
     app[API_KEY] = api_key or ""
     limits = limits or BridgeLimits()
@@ -58,6 +61,7 @@ def make_app(engine: str, api_key: str | None = None, max_per_client: int | None
     app[METRICS] = BridgeMetrics()
     app[WEBSOCKETS] = weakref.WeakSet()
     app[STARTED] = int(time.time())
+    app[TOKEN_IDS] = return_tokens_as_token_ids
 
     async def upstream(app: web.Application) -> AsyncIterator[None]:
         # No per-message timeout: a request may wait long in a busy engine; the

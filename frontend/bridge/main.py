@@ -118,9 +118,11 @@ def _raise_fd_limit(connections: int) -> None:
 
 
 async def serve(engine: str, host: str, port: int, api_key: str | None, *, handle_sigint: bool = True,
-                limits: BridgeLimits | None = None, curve_keys: str | None = None) -> int:
+                limits: BridgeLimits | None = None, curve_keys: str | None = None,
+                return_tokens_as_token_ids: bool = False) -> int:
     limits = limits or BridgeLimits()
-    app = make_app(engine, api_key, curve_keys=curve_keys, limits=limits)
+    app = make_app(engine, api_key, curve_keys=curve_keys, limits=limits,
+                   return_tokens_as_token_ids=return_tokens_as_token_ids)
     logging.getLogger("aiohttp.server").addFilter(_QuietBadRequests())
     if limits.max_connections:
         _raise_fd_limit(limits.max_connections)
@@ -169,7 +171,8 @@ async def _finish_streams(app: web.Application) -> None:
 
 
 def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: int | None = None,
-        limits: BridgeLimits | None = None, curve_keys: str | None = None) -> int:
+        limits: BridgeLimits | None = None, curve_keys: str | None = None,
+        return_tokens_as_token_ids: bool = False) -> int:
     if parent_pid:
         # Started by `noria serve`: Ctrl-C is the parent's to handle (it sends SIGTERM
         # in order), and a parent that dies takes the bridge with it. The pid is
@@ -180,4 +183,4 @@ def run(engine: str, host: str, port: int, api_key: str | None, *, parent_pid: i
 
         become_child()
     return uvloop.run(serve(engine, host, port, api_key, handle_sigint=not parent_pid, limits=limits,
-                            curve_keys=curve_keys))
+                            curve_keys=curve_keys, return_tokens_as_token_ids=return_tokens_as_token_ids))

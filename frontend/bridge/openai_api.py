@@ -44,7 +44,7 @@ from noria.frontend.bridge.openai_schema import (
     ModelList,
     SamplingFields,
 )
-from noria.frontend.bridge.state import BUDGETS, GATEWAY, LIMITS, METRICS, STARTED
+from noria.frontend.bridge.state import BUDGETS, GATEWAY, LIMITS, METRICS, STARTED, TOKEN_IDS
 from noria.protocol.client import Generate
 from noria.protocol.errors import ErrorCode, NoriaError
 
@@ -93,7 +93,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
             f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), num, req.n,
             logprobs=req.logprobs is not None, stream=req.stream, include_usage=_include_usage(req),
             echo=echo_prompts(req, prompts_of(req.prompt)), echo_only=req.echo and req.max_tokens == 0,
-            token_ids=bool(req.return_tokens_as_token_ids),
+            token_ids=_as_ids(request, req),
         )
 
     return await _serve(request, CompletionRequest, completion_generates, builder)
@@ -104,10 +104,16 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
         return ChatBuilder(
             f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), req.n,
             logprobs=req.logprobs, stream=req.stream, include_usage=_include_usage(req),
-            token_ids=bool(req.return_tokens_as_token_ids),
+            token_ids=_as_ids(request, req),
         )
 
     return await _serve(request, ChatRequest, lambda req, new_id: [chat_generate(req, new_id)], builder)
+
+
+def _as_ids(request: web.Request, req: SamplingFields) -> bool:
+    """Logprob tokens as "token_id:ID": the request's choice, else the server's flag (vLLM's rule)."""
+    own = req.return_tokens_as_token_ids
+    return request.app[TOKEN_IDS] if own is None else own
 
 
 async def _serve(request: web.Request, kind: type[R], to_messages: Callable[[R, Callable[[], str]], list[Generate]],

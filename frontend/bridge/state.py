@@ -17,3 +17,5 @@ WEBSOCKETS = web.AppKey("websockets", weakref.WeakSet)  # open sockets, closed a
 STARTED = web.AppKey("started", int)  # unix time the bridge started (OpenAI's `created` for models)
 BUDGETS = web.AppKey("budgets", ClientBudgets)  # sequences in flight per client address
 LIMITS = web.AppKey("limits", BridgeLimits)  # the bridge's own caps and timeouts (its flags)
+# --return-tokens-as-token-ids: logprob tokens as "token_id:ID" unless a request says otherwise
+TOKEN_IDS = web.AppKey("return_tokens_as_token_ids", bool)
