@@ -88,6 +88,14 @@ def plan_decode_split(
     return DecodePlan(chunk, tuple(max(1, -(-n // chunk)) for n in lens))
 
 
+def windowed_lengths(seq_lens_host: Sequence[int], window: int | None) -> list[int]:
+    """The keys a decode query sees per sequence: its context, or at most the sliding window.
+    The split plans count this as a sequence's work, so a long sliding-window context costs
+    its window."""
+    lens = [int(n) for n in seq_lens_host]
+    return lens if window is None else [min(n, window) for n in lens]
+
+
 def prefill_work_items(query_lens: Sequence[int], group: int) -> np.ndarray:
     """The tensor-core prefill kernel's flat work list, int32 [items, 2]: (sequence, tile) for
     every tile of PREFILL_TC_ROWS packed rows (a sequence's q_len tokens times the `group`

@@ -43,6 +43,7 @@ from noria.kernels.launch_plan import (  # noqa: F401
     plan_decode_split,
     plan_step,
     prefill_work_items,
+    windowed_lengths,
 )
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -98,13 +99,6 @@ def _window_args(window: int | None, soft_cap: float | None) -> tuple[np.int32, 
     if window is not None and window >= 1 << 30:
         window = None  # a window no context reaches
     return np.int32(window or 0), np.float32(soft_cap or 0.0)
-
-
-def windowed_lengths(seq_lens_host: Sequence[int], window: int | None) -> list[int]:
-    """The keys a decode query sees per sequence: its context, or at most the window. Split
-    plans count this as a sequence's work."""
-    lens = [int(n) for n in seq_lens_host]
-    return lens if window is None else [min(n, window) for n in lens]
 
 
 def _threads_for(elems: int, cap: int = 256) -> int:
