@@ -68,6 +68,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 and every multiple of 8 "
                         "up to --max-num-seqs); a batch runs in the graph of the next size up, padded")
+    g.add_argument("--runner", choices=_choices(Runner), default=None,
+                   help="generate (default): text generation; pooling: one embedding per input (/v1/embeddings)")
+    g.add_argument("--pooling", choices=_choices(PoolingType), default=None,
+                   help="how --runner pooling pools the final hidden states (default: the checkpoint's "
+                        "sentence-transformers modules.json, else last)")
     c = ap.add_argument_group("chat")
     c.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                    help="allow tool_choice \"auto\": the model decides whether to call a tool (needs --tool-call-parser)")
@@ -78,17 +83,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    help="move the model's <think>...</think> text into reasoning_content")
     c.add_argument("--chat-template", default=None, metavar="FILE",
                    help="the chat template to use instead of the tokenizer's: a file, or the Jinja template itself")
+    c.add_argument("--generation-config", choices=_choices(GenerationConfigMode), default=None,
+                   help="auto (default): the checkpoint's generation_config.json gives temperature, top_p, top_k, "
+                        "min_p and repetition_penalty to requests that do not set them; vllm, none: vLLM's defaults")
     c.add_argument("--trust-request-chat-template", action="store_true", default=None,
                    help="let requests bring their own chat_template (Jinja code, rendered sandboxed under a 2 s "
                         "deadline and --max-chat-template-chars; without this flag such a request is refused)")
-    g.add_argument("--runner", choices=_choices(Runner), default=None,
-                   help="generate (default): text generation; pooling: one embedding per input (/v1/embeddings)")
-    g.add_argument("--pooling", choices=_choices(PoolingType), default=None,
-                   help="how --runner pooling pools the final hidden states (default: the checkpoint's "
-                        "sentence-transformers modules.json, else last)")
-    g.add_argument("--generation-config", choices=_choices(GenerationConfigMode), default=None,
-                   help="auto (default): the checkpoint's generation_config.json gives temperature, top_p, top_k, "
-                        "min_p and repetition_penalty to requests that do not set them; vllm, none: vLLM's defaults")
 
 
 DEFAULT_MAX_QUEUED = 4096

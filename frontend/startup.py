@@ -57,9 +57,10 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
         chat = msgspec.structs.replace(chat, reasoning_end_token_id=reasoning_end_token(tokenizer))
     # Read before the engine starts: a generation_config.json no request could use is one sentence.
     sampling_defaults = generation_defaults(model_path, config.generation_config)
-    # A warning where the checkpoint overrides vLLM's defaults, as vLLM warns: outputs change.
-    log.log(logging.WARNING if sampling_defaults else logging.INFO, "%s",
-            describe_generation_defaults(sampling_defaults, config.generation_config))
+    if config.runner == "generate":
+        # A warning where the checkpoint overrides vLLM's defaults, as vLLM warns: outputs change.
+        log.log(logging.WARNING if sampling_defaults else logging.INFO, "%s",
+                describe_generation_defaults(sampling_defaults, config.generation_config))
     chat_template = load_chat_template(config.chat_template)  # a path that cannot be read fails now
     engine = EngineClient(config, link=link)
     ready = engine.ready
