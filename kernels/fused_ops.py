@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from noria.kernels import instances
+from noria.kernels.arg_checks import SLOT_DTYPES, check_cache, dtype_name
 from noria.kernels.backends import KernelBackend, default_backend
-from noria.kernels.ops import SLOT_DTYPES, _check_cache, _dtype_name
 
 NORM_MAX_THREADS = 1024  # one CTA per row; fused_add_rms_norm's launch bound
 ELEMWISE_THREADS = 256
@@ -56,7 +56,7 @@ def add_rms_norm(
     row are rounded before the next product. Returns `out` ([tokens, hidden], new if None)."""
     _check_rows("x", x)
     rows, hidden = x.shape
-    dtype = _dtype_name(x)
+    dtype = dtype_name(x)
     if residual is not None:
         _check_rows("residual", residual, hidden)
         if residual.shape[0] != rows:
@@ -107,7 +107,7 @@ def silu_and_mul(
     if width % 2:
         raise ValueError(f"gate_up needs an even number of features, got {width}")
     inter = width // 2
-    dtype = _dtype_name(gate_up)
+    dtype = dtype_name(gate_up)
     if out is None:
         out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     _check_rows("out", out, inter)
@@ -154,9 +154,9 @@ def rotary_qkv_cache(
     rotary_dim dims of each head rotate, the others pass through).
     Returns q [tokens, num_heads, head_dim], k and v [tokens, num_kv_heads, head_dim]: views
     of qkv, as the attention kernels take them."""
-    _, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    _, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
     _check_rows("qkv", qkv, (num_heads + 2 * num_kv_heads) * head_dim)
-    dtype = _dtype_name(qkv)
+    dtype = dtype_name(qkv)
     if head_dim % 2:
         raise ValueError(f"rotary needs an even head size, got {head_dim}")
     tokens = qkv.shape[0]

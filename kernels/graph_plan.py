@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from noria.kernels import instances, ops
+from noria.kernels.arg_checks import check_decode_args, check_window, dtype_name
 from noria.kernels.backends import KernelBackend, default_backend
 from noria.kernels.instances import AttentionConfig
 from noria.kernels.launch_plan import (
@@ -175,17 +176,17 @@ class GraphDecode:
     ) -> None:
         """One query per row (rows = the bucket size): out[s] = attention of query[s] over the
         first seq_lens[s] keys of row s, as ops.paged_attention_decode computes it."""
-        block_size, num_kv_heads, head_dim = ops._check_decode_args(
+        block_size, num_kv_heads, head_dim = check_decode_args(
             out, query, k_cache, v_cache, step.block_tables, step.seq_lens)
-        window_args = ops._window_args(window, soft_cap)
+        window_args = check_window(window, soft_cap)
         if window is not None and window >= 1 << 30:
-            window = None  # as _window_args: a window no context reaches
+            window = None  # as check_window: a window no context reaches
         rows, num_heads = query.shape[0], query.shape[1]
         if rows != step.rows:
             raise ValueError(f"{rows} query rows for a bucket of {step.rows}")
         device = k_cache.device
         be = self.backend or default_backend(device)
-        cfg = AttentionConfig(ops._dtype_name(k_cache), head_dim, block_size)
+        cfg = AttentionConfig(dtype_name(k_cache), head_dim, block_size)
         launch = self._launch(be, step, cfg, num_heads, num_kv_heads, window, device)
         split = launch.split
         spec = instances.decode_module(cfg)

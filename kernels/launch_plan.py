@@ -1,5 +1,6 @@
 """How a step's attention is cut into launches, decided on the host once per step: the split-K
-partitions of decode and the tensor-core prefill kernel's work list (kernels/ops.py launches them)."""
+partitions of decode and the tensor-core prefill kernel's work list (decode_launch.py and
+prefill_launch.py launch them), and the launch shapes the kernels are written for."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+NUM_THREADS = 128  # decode, reduce and prefill kernels are written for 4 warps
+PREFILL_TILE = 16  # query rows per CUDA-core (float32) prefill CTA
+GQA_ROWS = 16  # query heads per CTA of the tensor-core decode kernel (the mma's M)
 PREFILL_TC_ROWS = 64  # packed (query token, head) rows per tensor-core prefill CTA
 DEFAULT_PARTITION_SIZE = 512  # tokens per split-K partition
 SPLIT_MIN_CONTEXT = 1024  # below this one CTA per (head, sequence) is always enough

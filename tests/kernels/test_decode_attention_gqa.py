@@ -17,7 +17,7 @@ from test_decode_attention import decode_case, run_decode
 from test_kernel_ops_api import Recorder as ApiRecorder
 from test_kernel_ops_api import cache as api_cache
 
-from noria.kernels import ops
+from noria.kernels import decode_launch, ops
 from noria.kernels.instances import AttentionConfig, ModuleSpec, decode_module
 from noria.kernels.scenes import assert_matches, edge_lengths
 
@@ -192,7 +192,7 @@ def test_worker_tokens_match_torch_backend_with_split_decode(
     from tests.tiny_models import make_checkpoint
 
     checkpoint = make_checkpoint("llama", tmp_path / "llama", **OVERRIDES)
-    monkeypatch.setattr(ops, "GQA_MIN_CHUNK", BLOCK_SIZE)
+    monkeypatch.setattr(decode_launch, "GQA_MIN_CHUNK", BLOCK_SIZE)
     be = Recorder(emu("forward"))
     got = generate(checkpoint, KernelAttentionBackend(fallback=TorchAttentionBackend(), backend=be), "float16")
     merges = [grid for name, grid in be.launches if name == "paged_attention_decode_gqa_merge"]
