@@ -134,6 +134,12 @@ class InputProcessor:
         if bad:
             raise ParamError("prompt_token_ids", f"prompt_token_ids out of vocabulary range [0, {self.vocab_size}): "
                              f"{bad[:5]}")
+        default_max = self.sampling_defaults.get("max_tokens")
+        if default_max is not None and (msg.max_tokens is msgspec.UNSET or msg.max_tokens is None):
+            # generation_config.json's max_new_tokens stands in for the request's max_tokens, as
+            # in vLLM: never past the room the prompt leaves (a default the request did not
+            # choose must not fail it).
+            params = msgspec.structs.replace(params, max_tokens=max(1, min(default_max, self.max_model_len - len(ids))))
         # As vLLM's OpenAI server: a length that cannot fit is an error, not silently cut.
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ParamError("max_tokens", f"max_tokens ({params.max_tokens}) + prompt tokens ({len(ids)}) > "

@@ -22,8 +22,13 @@ class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
     out to mean "the server's default" (`GENERATION_DEFAULT_FIELDS`: the checkpoint's
     generation_config.json under --generation-config auto, else vLLM's); a field that is
     present, even holding vLLM's default value, is the request's own.
+
+    `max_tokens` left out is generation_config.json's `max_new_tokens`, else vLLM's 16; nil is
+    `max_new_tokens` too, else up to the model length (as a null `max_tokens` in vLLM's OpenAI
+    server). A server default never asks for more than the room the prompt leaves.
     """
 
+    max_tokens: Int64 | None | UnsetType = UNSET
     temperature: float | UnsetType = UNSET
     top_p: float | UnsetType = UNSET
     top_k: Int64 | UnsetType = UNSET
@@ -62,7 +67,8 @@ class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
         return SamplingParams(**{**(defaults or {}), **fields})
 
 
-# The `Generate` fields a request may leave to the server's defaults.
+# The sampling knobs a `Generate` may leave to the server's defaults (`max_tokens`, with a rule
+# of its own, aside).
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 

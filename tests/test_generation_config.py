@@ -27,6 +27,7 @@ from tests.procs import serve_http
 
 PROMPT = "the quick brown fox"
 SEEDED = {"temperature": 1.0, "seed": 3}
+NEW_TOKENS = 9  # the test checkpoint's max_new_tokens: neither 16 (vLLM's default) nor a length asked for
 
 
 def _with_generation_config(src: Path, dst: Path, **values: Any) -> Path:
@@ -38,7 +39,8 @@ def _with_generation_config(src: Path, dst: Path, **values: Any) -> Path:
 
 @pytest.fixture(scope="module")
 def greedy_model(demo_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _with_generation_config(demo_path, tmp_path_factory.mktemp("gen") / "m", temperature=0.0, top_k=50)
+    return _with_generation_config(demo_path, tmp_path_factory.mktemp("gen") / "m", temperature=0.0, top_k=50,
+                                   max_new_tokens=NEW_TOKENS)
 
 
 # ---- reading the file ----
@@ -64,6 +66,44 @@ def test_defaults_by_mode(tmp_path: Path) -> None:
     (path / "generation_config.json").write_text("{not json")
     with pytest.raises(GenerationConfigError, match="cannot be read as JSON"):
         generation_defaults(str(path), "auto")
+
+
+def test_max_new_tokens_is_the_default_max_tokens(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 300, "max_length": 4096}))
+    assert generation_defaults(str(tmp_path), "auto") == {"max_tokens": 300}
+    assert generation_defaults(str(tmp_path), "vllm") == {}
+    assert "max_tokens=300" in describe({"max_tokens": 300}, "auto")
+    assert "max_tokens" not in describe({}, "auto")  # vLLM's 16 is not a default worth a word
+    for bad in (0, -5, True, "many"):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": bad}))
+        with pytest.raises(GenerationConfigError, match="max_tokens|max_new_tokens"):
+            generation_defaults(str(tmp_path), "auto")
+
+
+def test_default_max_tokens_fills_an_absent_or_nil_one_within_the_model_length(demo_tokenizer) -> None:
+    from noria.frontend.processor import InputProcessor
+    from noria.protocol.errors import ParamError
+
+    max_model_len = 64
+    proc = InputProcessor(demo_tokenizer, [1], len(demo_tokenizer), max_model_len,
+                          sampling_defaults={"max_tokens": 20, "temperature": 0.0})
+    short = "hello"
+    long_prompt = " ".join(["word"] * 200)
+    ids = demo_tokenizer.encode(long_prompt)
+    long_ids = ids[: max_model_len - 5]  # room for 5 tokens only
+
+    def max_tokens(**fields: Any) -> int | None:
+        return proc.process(Generate(request_id="r", **fields))[1].max_tokens
+
+    assert max_tokens(prompt=short) == 20  # left out
+    assert max_tokens(prompt=short, max_tokens=None) == 20  # nil, as vLLM's OpenAI server reads a null
+    assert max_tokens(prompt=short, max_tokens=3) == 3 and max_tokens(prompt=short, max_tokens=40) == 40
+    assert max_tokens(prompt_token_ids=long_ids) == 5 == max_tokens(prompt_token_ids=long_ids, max_tokens=None)
+    with pytest.raises(ParamError, match="max_tokens"):  # a length the request chose is not cut
+        max_tokens(prompt_token_ids=long_ids, max_tokens=6)
+    plain = InputProcessor(demo_tokenizer, [1], len(demo_tokenizer), max_model_len)
+    assert plain.process(Generate(request_id="r", prompt=short))[1].max_tokens == 16  # vLLM's default
+    assert plain.process(Generate(request_id="r", prompt=short, max_tokens=None))[1].max_tokens is None
 
 
 # ---- the wire: unset is not the default value ----
@@ -117,6 +157,17 @@ def _http_completion(http: str, **body: Any) -> str:
         return json.loads(r.read())["choices"][0]["text"]
 
 
+def _http_chat_length(http: str, **body: Any) -> int:
+    """completion_tokens of a greedy chat completion with `body`'s fields, EOS ignored."""
+    with urllib.request.urlopen(f"{http}/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    data = json.dumps({"model": model, "messages": [{"role": "user", "content": PROMPT}], "ignore_eos": True,
+                       **body}).encode()
+    req = urllib.request.Request(f"{http}/v1/chat/completions", data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["usage"]["completion_tokens"]
+
+
 def _ws_tokens(http: str, **fields: Any) -> list[int]:
     """A websocket `generate` with only `fields` besides the prompt: its token ids."""
     import asyncio
@@ -142,11 +193,12 @@ def test_llm_defaults_from_generation_config(greedy_model: Path) -> None:
     from noria.frontend.llm import LLM
 
     with LLM(str(greedy_model), num_kv_blocks=32, swap_space=0.001, max_model_len=128) as llm:
-        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_k=50)
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_k=50, max_tokens=NEW_TOKENS)
         unset = llm.generate(PROMPT, use_tqdm=False)[0].outputs[0]
-        greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0), use_tqdm=False)[0].outputs[0]
+        greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
         sampled = llm.generate(PROMPT, SamplingParams(**SEEDED), use_tqdm=False)[0].outputs[0]
-    assert unset.token_ids == greedy.token_ids
+    # max_new_tokens, not vLLM's 16 that the explicit SamplingParams above asks for.
+    assert len(greedy.token_ids) == 16 and unset.token_ids == greedy.token_ids[:NEW_TOKENS]
     assert sampled.token_ids != greedy.token_ids  # the request's temperature 1.0 was honoured
     with LLM(str(greedy_model), generation_config="vllm", num_kv_blocks=32, swap_space=0.001,
              max_model_len=128) as llm:
@@ -167,13 +219,15 @@ def test_served_defaults_over_http_websocket_and_zmq(greedy_model: Path, tmp_pat
         sampled_http = _http_completion(s.http, **SEEDED)
         unset_ws, greedy_ws, sampled_ws = (_ws_tokens(s.http), _ws_tokens(s.http, temperature=0),
                                            _ws_tokens(s.http, **SEEDED))
+        chat_lengths = [_http_chat_length(s.http, **body) for body in ({}, {"max_tokens": None}, {"max_tokens": 3})]
         with Client(s.address) as c:
             unset_zmq = c.generate(PROMPT).outputs[0]
-            greedy_zmq = c.generate(PROMPT, SamplingParams(temperature=0.0)).outputs[0]
+            greedy_zmq = c.generate(PROMPT, SamplingParams(temperature=0.0, ignore_eos=True)).outputs[0]
             sampled_zmq = c.generate(PROMPT, SamplingParams(max_tokens=12, **SEEDED)).outputs[0]
-    assert unset_http == greedy_http and unset_zmq.token_ids == greedy_zmq.token_ids
+    assert unset_http == greedy_http and unset_zmq.token_ids == greedy_zmq.token_ids[:NEW_TOKENS]
+    assert len(greedy_zmq.token_ids) == 16 and chat_lengths == [NEW_TOKENS, NEW_TOKENS, 3]
     assert sampled_http != greedy_http and sampled_http == sampled_zmq.text
     assert unset_ws == greedy_ws and sampled_ws == sampled_zmq.token_ids != greedy_ws
     text = log.read_text()
     assert text.count("sampling defaults for requests that do not set them: temperature=0.0, top_p=1.0, "
-                      "top_k=50, min_p=0.0, repetition_penalty=1.0;") == 1, text
+                      f"top_k=50, min_p=0.0, repetition_penalty=1.0, max_tokens={NEW_TOKENS} ") == 1, text
