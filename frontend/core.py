@@ -1,14 +1,14 @@
 """Request bookkeeping shared by the ZMQ server and the offline LLM.
 
 Maps client requests (a key plus n samples) to engine requests, one per
-sample (this class alone knows which engine ids are one request's), feeds
-engine updates through each sample's detokenizer and stop strings, and makes
-sure every request ends with exactly one final message (done or error).
+sample (this class alone knows which engine ids are one request's), hands
+engine updates to their samples (frontend/sample_output.py: detokenizer, stop
+strings, deltas), applies the admission caps, and makes sure every request
+ends with exactly one final message (done or error).
 
 What the engine needs of a request is made once for all its samples
-(`prepare`: token ids, `EngineSamplingParams`, the indexed stop strings) and
-crosses to the scheduler in one `EngineRequest`; stop strings and other text
-stay here. `prepare` touches no state, so a server may run it on another thread.
+(frontend/prepare.py) and crosses to the scheduler in one `EngineRequest`;
+stop strings and other text stay in the frontend.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 
 import msgspec
-from msgspec import UNSET, UnsetType
 
-from noria.frontend.chat_output import ChatConfig, ChatOutput, ChatSetup, chat_setup
-from noria.frontend.detokenizer import IncrementalDetokenizer, StopStrings
-from noria.frontend.embeddings import EMBED_ON_GENERATE, GENERATE_ON_POOLING, Embedder
+from noria.frontend.chat_output import ChatConfig
+from noria.frontend.embeddings import Embedder
 from noria.frontend.engine_client import EngineClient
+from noria.frontend.prepare import Prepared, prepare
 from noria.frontend.processor import InputProcessor
+from noria.frontend.sample_output import Sample, done_message
 from noria.protocol.client import (
     Delta,
     Done,
@@ -31,67 +31,14 @@ from noria.protocol.client import (
     Embedding,
     Error,
     Generate,
-    Logprob,
     SchedulerStats,
     Usage,
 )
-from noria.protocol.engine import EngineOutputs, EngineRequest, EngineSample, RequestUpdate
+from noria.protocol.engine import EngineOutputs, EngineRequest, EngineSample
 from noria.protocol.errors import ErrorCode, NoriaError
-from noria.protocol.sampling import EngineSamplingParams, SamplingParams
+from noria.protocol.sampling import EngineSamplingParams
 
 Sink = Callable[[Delta | Done | Error | Embedding], None]
-
-
-class _Sample:
-    __slots__ = ("rid", "index", "detok", "num_tokens", "finish_reason", "stream", "ids", "held_logprobs",
-                 "prompt_logprobs", "chat", "drop")
-
-    def __init__(self, rid: int, index: int, detok: IncrementalDetokenizer, stream: bool) -> None:
-        self.rid = rid
-        self.index = index
-        self.detok = detok
-        self.num_tokens = 0
-        self.finish_reason: str | None = None
-        # Final-only samples detokenize once, when they finish.
-        self.stream = stream
-        # Every output id so far: a request resubmitted after a scheduler restart goes on from them.
-        self.ids: list[int] = []
-        self.held_logprobs: list[Logprob] | None = None
-        self.prompt_logprobs: list[Logprob | None] | None = None  # until a delta carries them
-        # Reasoning and tool calls split out of the text (frontend/chat_output.py), if asked for.
-        self.chat: ChatOutput | None = None
-        # Ids kept out of the text: EOS, where special tokens are kept for a tool parser.
-        self.drop: frozenset[int] | None = None
-
-    def text_ids(self, ids: list[int]) -> list[int]:
-        return ids if self.drop is None else [t for t in ids if t not in self.drop]
-
-    def split(self, text: str, final: bool) -> dict:
-        """The Delta fields of the next `text`: content, reasoning and tool-call pieces."""
-        if self.chat is None:
-            return {"text": text}
-        content, reasoning, calls = self.chat.feed(text, final)
-        out: dict = {"text": content}
-        if reasoning:
-            out["reasoning_content"] = reasoning
-        if calls:
-            out["tool_calls"] = calls
-        return out
-
-
-class Prepared:
-    """A `Generate` turned into what its engine request is made of (`FrontendCore.prepare`)."""
-
-    __slots__ = ("prompt_ids", "params", "engine_params", "stop", "embed", "chat")
-
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, engine_params: EngineSamplingParams,
-                 stop: StopStrings | None, embed: Embed | None = None) -> None:
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.engine_params = engine_params
-        self.stop = stop
-        self.embed = embed  # an `embed` request: it ends with one `Embedding`
-        self.chat: ChatSetup | None = None  # tools and reasoning: how its samples' text is split
 
 
 class _Request:
@@ -107,7 +54,7 @@ class _Request:
         self.request_id = request_id
         self.sink = sink
         self.prompt_ids = prompt_ids
-        self.samples: list[_Sample] = []
+        self.samples: list[Sample] = []
         self.open = 0
         self.num_cached_tokens = 0
         # What its engine requests are made of, to send them again to a restarted scheduler.
@@ -142,7 +89,7 @@ class FrontendCore:
         # themselves: `max_per_client` does not apply to them, `max_queued` does.
         self.relays: dict[Hashable, None] = {}  # in the order they last said so
         self._next_id = 0
-        self.by_rid: dict[int, tuple[_Request, _Sample]] = {}
+        self.by_rid: dict[int, tuple[_Request, Sample]] = {}
         self.by_key: dict[Hashable, _Request] = {}
         self.stats: SchedulerStats | None = None
         self.dead_reason: str | None = None
@@ -157,23 +104,7 @@ class FrontendCore:
     def prepare(self, msg: Generate | Embed) -> Prepared:
         """Validate, template and tokenize `msg`; raises NoriaError naming the problem.
         Reads the processor only, so it may run on another thread than the rest."""
-        if isinstance(msg, Embed):
-            if self.embedder is None:
-                raise NoriaError(ErrorCode.INVALID_REQUEST, EMBED_ON_GENERATE)
-            ids = self.embedder.input_ids(self.processor, msg)
-            return Prepared(ids, _EMBED_PARAMS, _EMBED_ENGINE_PARAMS, None, msg)
-        if self.embedder is not None:
-            raise NoriaError(ErrorCode.INVALID_REQUEST, GENERATE_ON_POOLING)
-        chat = chat_setup(msg, self.chat)  # tools checked before the template sees them
-        prompt_ids, params = self.processor.process(msg)
-        if chat is not None and chat.structured is not None:  # tool_choice "required" or a named function
-            params = msgspec.structs.replace(params, structured_output=chat.structured)
-        engine_params = self.processor.engine_params(params)
-        if chat is not None and chat.grammar_after is not None:  # the grammar waits for the reasoning's end
-            engine_params = msgspec.structs.replace(engine_params, reasoning_end_token_id=chat.grammar_after)
-        prepared = Prepared(prompt_ids, params, engine_params, StopStrings(params.stop) if params.stop else None)
-        prepared.chat = chat
-        return prepared
+        return prepare(msg, self.processor, self.embedder, self.chat)
 
     def submit(self, key: Hashable, msg: Generate | Embed, sink: Sink, stream: bool = True, client: Hashable = None,
                prepared: Prepared | NoriaError | None = None) -> None:
@@ -201,20 +132,11 @@ class FrontendCore:
         req = _Request(key, client, msg.request_id, sink, prompt_ids, prepared.engine_params, msg.priority, group,
                        msg.cache_salt)
         req.embed = prepared.embed
-        tok = self.processor.tokenizer
+        tok, eos = self.processor.tokenizer, self.processor.eos_ids
         for i in range(params.n):
-            rid = first + i
-            chat = prepared.chat
-            special = chat is not None and chat.needs_special_tokens
-            detok = IncrementalDetokenizer(tok, prompt_ids, prepared.stop, params.skip_special_tokens and not special)
-            # Stop strings need the text as it grows, so such samples always stream inside.
-            sample = _Sample(rid, i, detok, stream or bool(params.stop))
-            if chat is not None:
-                sample.chat = chat.sample_output()
-                if special:
-                    sample.drop = frozenset(self.processor.eos_ids)
+            sample = Sample.start(first + i, i, prepared, tok, eos, stream)
             req.samples.append(sample)
-            self.by_rid[rid] = (req, sample)
+            self.by_rid[sample.rid] = (req, sample)
         self.engine.add(EngineRequest(first, prompt_ids, prepared.engine_params, self.processor.eos_ids,
                                       msg.priority, group,
                                       more_samples=[EngineSample(first + i, i) for i in range(1, params.n)],
@@ -280,39 +202,15 @@ class FrontendCore:
                 # The prompt counts once, as sample 0 found it: the other samples'
                 # hits on sample 0's blocks are no cached tokens for the client.
                 req.num_cached_tokens = u.num_cached_tokens
-            s.num_tokens += len(u.new_token_ids)
-            s.ids += u.new_token_ids
-            # The engine knows ids only; token texts and bytes come from the tokenizer here.
-            if u.logprobs:
-                self.processor.token_texts.fill_all(u.logprobs)
-            if u.prompt_logprobs is not None:
-                self.processor.token_texts.fill_all(u.prompt_logprobs)
-                s.prompt_logprobs = u.prompt_logprobs
-            if not s.stream:
-                self._hold(req, s, u)
-                continue
-            s.detok.add(s.text_ids(u.new_token_ids))
-            finish = u.finish_reason
-            if s.detok.stopped:
-                if finish is None:
-                    self.engine.abort([s.rid])
-                finish = "stop"
-            parts = s.split(s.detok.take(final=finish is not None), finish is not None)
-            if len(parts) > 1 or parts["text"] or u.new_token_ids:
-                req.sink(Delta(request_id=req.request_id, token_ids=list(u.new_token_ids),
-                               index=s.index, logprobs=u.logprobs, prompt_logprobs=s.prompt_logprobs,
-                               prompt_tokens=self._prompt_tokens(req, s), **parts))
-                s.prompt_logprobs = None
+            delta, finish, cut = s.on_update(u, req.request_id, req.prompt_ids, self.processor.token_texts)
+            if cut:  # a stop string ended it: the engine need not go on
+                self.engine.abort([s.rid])
+            if delta is not None:
+                req.sink(delta)
             if finish is not None:
                 self._finish_sample(req, s, finish)
 
-    def _prompt_tokens(self, req: _Request, s: _Sample) -> list[str] | UnsetType:
-        """The prompt tokens' texts, beside the prompt logprobs that a delta carries."""
-        if s.prompt_logprobs is None:
-            return UNSET
-        return [self.processor.token_texts.entry(t)[0] for t in req.prompt_ids]
-
-    def _embedded(self, req: _Request, s: _Sample, pooled: bytes, num_cached_tokens: int) -> None:
+    def _embedded(self, req: _Request, s: Sample, pooled: bytes, num_cached_tokens: int) -> None:
         """An `embed` request's one result: its final message."""
         assert req.embed is not None and self.embedder is not None, "an embedding for a request that asked none"
         vector = self.embedder.vector(pooled, req.embed.dimensions)
@@ -322,21 +220,8 @@ class FrontendCore:
                            usage=Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=0,
                                        cached_tokens=num_cached_tokens)))
 
-    def _hold(self, req: _Request, s: _Sample, u: RequestUpdate) -> None:
-        if u.logprobs:
-            s.held_logprobs = (s.held_logprobs or []) + u.logprobs
-        if u.finish_reason is not None:
-            s.detok.add(s.text_ids(s.ids))
-            parts = s.split(s.detok.take(final=True), True)
-            req.sink(Delta(request_id=req.request_id, token_ids=s.ids, index=s.index,
-                           logprobs=s.held_logprobs, prompt_logprobs=s.prompt_logprobs,
-                               prompt_tokens=self._prompt_tokens(req, s), **parts))
-            self._finish_sample(req, s, u.finish_reason)
-
-    def _finish_sample(self, req: _Request, s: _Sample, finish: str) -> None:
-        if finish == "stop" and s.chat is not None and s.chat.calls:
-            finish = "tool_calls"  # OpenAI's reason for an answer that calls tools
-        s.finish_reason = finish
+    def _finish_sample(self, req: _Request, s: Sample, finish: str) -> None:
+        s.finish(finish)
         del self.by_rid[s.rid]
         req.open -= 1
         if req.open == 0:
@@ -400,19 +285,4 @@ class FrontendCore:
 
     @staticmethod
     def _done(req: _Request) -> Done:
-        reasons = [s.finish_reason or "abort" for s in req.samples]
-        calls = [s.chat.calls if s.chat is not None else [] for s in req.samples]
-        return Done(
-            request_id=req.request_id,
-            finish_reason=reasons[0],
-            usage=Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=sum(s.num_tokens for s in req.samples),
-                        cached_tokens=req.num_cached_tokens),
-            finish_reasons=reasons if len(reasons) > 1 else None,
-            prompt_token_ids=req.prompt_ids,
-            tool_calls=calls if any(calls) else msgspec.UNSET,
-        )
-
-
-# What an `embed` request's engine request carries: it samples nothing, so nothing to say.
-_EMBED_PARAMS = SamplingParams(max_tokens=None)
-_EMBED_ENGINE_PARAMS = EngineSamplingParams(max_tokens=None)
+        return done_message(req.request_id, req.prompt_ids, req.samples, req.num_cached_tokens)

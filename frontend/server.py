@@ -4,7 +4,7 @@ One thread polls the client socket and the scheduler's output socket; it
 blocks when there is nothing to do. A large `generate` (a frame over
 LARGE_REQUEST bytes) is validated, templated and tokenized on a helper thread
 instead (`FrontendCore.prepare`), so that one request never holds up the others'
-deltas or the liveness answers (`hello`, `stats`); its result comes back to the
+deltas or the liveness answers (`hello`, `stats`: frontend/queries.py); its result comes back to the
 loop through a pipe. A client's `generate` and `abort` messages still take
 effect in the order it sent them: behind a request being prepared, its later
 ones wait (an abort then finds the request it names). A scheduler that dies is restarted and its
@@ -33,14 +33,13 @@ import msgspec
 import zmq
 
 from noria.frontend.core import FrontendCore, Prepared
+from noria.frontend.queries import TokenAnswers, mark_relay, ready, stats, token_answer
 from noria.frontend.supervisor import Supervisor
-from noria.protocol import PROTOCOL_VERSION
 from noria.protocol.client import (
     Abort,
     ClientToServer,
     Delta,
     Detokenize,
-    Detokenized,
     Done,
     Embed,
     Embedding,
@@ -49,10 +48,8 @@ from noria.protocol.client import (
     GetStats,
     Hello,
     Ready,
-    SchedulerStats,
     Stats,
     Tokenize,
-    Tokenized,
 )
 from noria.protocol.codec import Codec
 from noria.protocol.errors import ErrorCode, NoriaError
@@ -64,7 +61,6 @@ log = logging.getLogger("noria.frontend")
 SAME_STOP = 1.0  # s: a second SIGTERM sooner than this is not a second request (see install_signal_handlers)
 LARGE_REQUEST = 32 << 10  # bytes: a `generate` frame larger than this is prepared off the I/O loop
 MAX_BACKLOG = 256  # messages of one client waiting behind a request being prepared (aborts always may)
-MAX_RELAYS = 1024  # connections known for relays (hello `relay`), the latest ones
 
 
 class _Waiting:
@@ -106,8 +102,7 @@ class FrontendServer:
         # client's messages behind one wait in its backlog, in order.
         self.preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noria-prepare")
         self.backlog: dict[bytes, deque[_Waiting]] = {}
-        # `tokenize` / `detokenize` answers being made on the helper thread (no order to keep).
-        self.token_answers: deque[tuple[bytes, Future[Tokenized | Detokenized | Error]]] = deque()
+        self.token_answers = TokenAnswers()  # `tokenize` / `detokenize` made on the helper thread
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
@@ -166,29 +161,17 @@ class FrontendServer:
             self._release(identity)
         elif isinstance(msg, Tokenize | Detokenize):
             if size > LARGE_REQUEST or _brings_template(msg):
-                future = self.preparer.submit(self._tokens, msg)
+                future = self.preparer.submit(token_answer, self.core.processor, msg)
                 future.add_done_callback(self._wake)
-                self.token_answers.append((identity, future))
+                self.token_answers.add(identity, future)
             else:
-                self._sink(identity)(self._tokens(msg))
+                self._sink(identity)(token_answer(self.core.processor, msg))
         elif isinstance(msg, Hello):
             if msg.relay:
-                self._mark_relay(identity)
-            ready = self.core.engine.ready
-            self._sink(identity)(Ready(
-                protocol_version=PROTOCOL_VERSION, model=self.model_name,
-                max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
-            ))
+                mark_relay(self.core.relays, identity)
+            self._sink(identity)(ready(self.core, self.model_name))
         elif isinstance(msg, GetStats):
-            # The latest published stats answer at once; the query makes the next ones fresh.
-            self.core.engine.query_stats()
-            # Before the scheduler's first report nothing says a worker serves: /health must not
-            # answer 200 from defaults (a server with no worker did, for a moment after start).
-            stats = self.core.stats or SchedulerStats(workers_live=False,
-                                                      worker_status="the scheduler has not reported yet")
-            status, reason = self.status()
-            self._sink(identity)(Stats(stats=stats, num_open_requests=self.core.num_open, status=status, reason=reason,
-                                       scheduler_restarts=self.supervisor.restarts))
+            self._sink(identity)(stats(self.core, self.status(), self.supervisor.restarts))
 
     def _prepare(self, msg: Generate | Embed) -> Prepared | NoriaError:
         """On the helper thread: what `submit` needs, or why the request is refused."""
@@ -200,28 +183,7 @@ class FrontendServer:
             log.exception("internal error preparing a request")
             return NoriaError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:500])
 
-    def _tokens(self, msg: Tokenize | Detokenize) -> Tokenized | Detokenized | Error:
-        """The answer to a `tokenize` or `detokenize` (reads the processor only: any thread)."""
-        processor = self.core.processor
-        try:
-            return processor.tokenize_request(msg) if isinstance(msg, Tokenize) else processor.detokenize(msg)
-        except NoriaError as e:
-            return Error(request_id=msg.request_id, code=e.code, message=e.message, param=e.param)
-        except Exception as e:  # a bug must cost one request, not the server
-            log.exception("internal error on a %s message", type(msg).__name__.lower())
-            return Error(request_id=msg.request_id, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}"[:500])
-
-    def _send_token_answers(self) -> None:
-        pending: deque[tuple[bytes, Future[Tokenized | Detokenized | Error]]] = deque()
-        for identity, future in self.token_answers:
-            if future.done():
-                if not future.cancelled():
-                    self._sink(identity)(future.result())
-            else:
-                pending.append((identity, future))
-        self.token_answers = pending
-
-    def _wake(self, _future: Future[Prepared | NoriaError]) -> None:
+    def _wake(self, _future: Future) -> None:
         with contextlib.suppress(BlockingIOError):  # a full pipe wakes the loop just as well
             os.write(self.wake_w, b"\0")
 
@@ -249,7 +211,7 @@ class FrontendServer:
         for identity in [i for i, w in self.backlog.items() if w[0].prepared is None or w[0].prepared.done()]:
             self._release(identity)
         if self.token_answers:
-            self._send_token_answers()
+            self.token_answers.send_done(self._sink)
 
     def _answer_backlog(self) -> None:
         """Before the loop ends: every waiting request gets its final message (the core, which
@@ -262,16 +224,6 @@ class FrontendServer:
                     self._guarded(identity, w.msg, lambda: self._apply(
                         identity, w.msg, NoriaError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")))  # noqa: B023
         self.backlog.clear()
-
-    def _mark_relay(self, identity: bytes) -> None:
-        relays = self.core.relays
-        relays.pop(identity, None)
-        relays[identity] = None
-        if len(relays) > MAX_RELAYS:
-            # A ROUTER is not told of a peer that left, so the identities of relays that
-            # reconnected stay behind: the oldest go. A relay says so in every heartbeat,
-            # so one still there is back within a second.
-            del relays[next(iter(relays))]
 
     def status(self) -> tuple[str, str]:
         """("ok" | "draining" | "restarting", why) for `stats` and the bridge's /health."""
