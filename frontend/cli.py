@@ -78,7 +78,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    help="allow tool_choice \"auto\": the model decides whether to call a tool (needs --tool-call-parser)")
     c.add_argument("--tool-call-parser", choices=_choices(ToolCallParserName), default=None,
                    help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), llama3_json "
-                        "({\"name\": ..., \"parameters\": ...}), mistral ([TOOL_CALLS][...])")
+                        "({\"name\": ..., \"parameters\": ...}), mistral ([TOOL_CALLS][...] or [TOOL_CALLS]name[ARGS]{...}), "
+                        "pythonic ([f(a=1), g(b=\"x\")])")
     c.add_argument("--reasoning-parser", choices=_choices(ReasoningParserName), default=None,
                    help="move the model's <think>...</think> text into reasoning_content")
     c.add_argument("--chat-template", default=None, metavar="FILE",

@@ -19,7 +19,7 @@ BlockSize = Literal[8, 16, 32, 64, 128]
 # to start without them; torch: never the kernels.
 AttentionBackendChoice = Literal["auto", "kernels", "torch"]
 # Chat output parsers (frontend/tool_parsers/, frontend/reasoning.py), vLLM's names.
-ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
+ToolCallParserName = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]
 GenerationConfigMode = Literal["auto", "vllm", "none"]  # vLLM's --generation-config
 AtLeastOne = Annotated[int, Meta(ge=1)]

@@ -6,6 +6,7 @@ whole call's."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 
@@ -113,6 +114,81 @@ def test_mistral():
     assert content == "[TOOL_CALLS] nothing" and calls == []
     content, _, calls = every_split(tools("mistral"), '[TOOL_CALLS]{"name": "f", "arguments": {"a": 1}}')
     assert content == "" and calls == [("call_0", "f", '{"a": 1}')]
+
+
+def test_mistral_v11_name_args_format():
+    # Tokenizer v11+: [TOOL_CALLS]name[ARGS]{...} per call; one without [ARGS] (a tokenizer that
+    # drops it) reads the same; the arguments run to the next [TOOL_CALLS] or the end.
+    text = f'Checking. [TOOL_CALLS]get_weather[ARGS]{WEATHER}[TOOL_CALLS]now[ARGS]{{}}[TOOL_CALLS]ping{{"n": 1}}\n'
+    content, _, calls = every_split(tools("mistral"), text)
+    assert content == "Checking. "
+    assert calls == [("call_0", "get_weather", WEATHER), ("call_1", "now", "{}"), ("call_2", "ping", '{"n": 1}')]
+    assert json.loads(calls[0][2]) == json.loads(WEATHER)
+    # No arguments written (cut by max_tokens): an empty object, as the JSON formats give it.
+    assert every_split(tools("mistral"), "[TOOL_CALLS]now[ARGS]")[2] == [("call_0", "now", "{}")]
+    # A word after the tag that never reaches [ARGS] or `{` is no call: it stays content.
+    for text in ("[TOOL_CALLS]nothing here", "[TOOL_CALLS]almost[ARG", "[TOOL_CALLS]x[TOOL_CALLS]f[ARGS]{}"):
+        content, _, calls = every_split(tools("mistral"), text)
+        if text.endswith("{}"):
+            assert content == "[TOOL_CALLS]x" and calls == [("call_0", "f", "{}")]
+        else:
+            assert content == text and calls == []
+    # The older array format still reads after a v11 call, and the other way round.
+    text = '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS][{"name": "g", "arguments": {"b": 2}}]'
+    assert every_split(tools("mistral"), text)[2] == [("call_0", "f", '{"a": 1}'), ("call_1", "g", '{"b": 2}')]
+
+
+def test_pythonic_calls_read_with_ast():
+    # Values of every literal kind; strings holding brackets, quotes, commas and escapes;
+    # triple quotes; a nested call-looking string. Each call's arguments are json.dumps of
+    # the values an independent reading (ast.literal_eval of a dict display) gives.
+    args = ('city="Paris (Nord), ]", days=[1, 2], unit={"c": True, \'k\': None}, t=(1.5, -2), '
+            "q='it\\'s', doc=\'\'\'a \"b\" ) ]\'\'\', e=\"東🙂\"")
+    text = f'[get_weather({args}), now(), f(s="g(x=1)")]'
+    content, _, calls = every_split(tools("pythonic"), text)
+    reference = eval_kwargs(args)
+    assert content == "" and [(c[0], c[1]) for c in calls] == [("call_0", "get_weather"), ("call_1", "now"),
+                                                                ("call_2", "f")]
+    assert json.loads(calls[0][2]) == json.loads(json.dumps(reference)) and calls[1][2] == "{}"
+    assert json.loads(calls[2][2]) == {"s": "g(x=1)"}
+    # Leading whitespace, and text after the list, which is content.
+    content, _, calls = every_split(tools("pythonic"), ' \n[f(a=1)] Done.')
+    assert content == " Done." and calls == [("call_0", "f", '{"a": 1}')]
+
+
+def eval_kwargs(args: str) -> dict:
+    """The keyword arguments `args` spells, read by ast alone (an independent reading)."""
+    call = ast.parse(f"f({args})", mode="eval").body
+    assert isinstance(call, ast.Call)
+    return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+
+
+@pytest.mark.parametrize("text", [
+    "The answer is [42].",
+    "[1, 2, 3]",
+    "[Note] see above",
+    "[]",
+    "[f(1)]",  # a positional argument
+    "[f(x=open('/etc/passwd'))]",  # not a literal: never run
+    "[f(x=__import__('os').system('true'))]",
+    "[f(**{'a': 1})]",
+    "[f(x={1, 2})]",  # a set has no JSON form
+    "[f(x=1e999)]",  # inf has none either
+    "[os.system(x='y')]",  # a dotted name
+    "[f(x=1",  # cut off
+    "[f(x='a)]",
+])
+def test_pythonic_text_that_is_no_call_list_is_content(text):
+    content, _, calls = every_split(tools("pythonic"), text)
+    assert content == text and calls == []
+
+
+def test_pythonic_content_from_the_first_element_that_is_no_call():
+    content, _, calls = every_split(tools("pythonic"), "[f(a=1), g(2), h()]")
+    assert calls == [("call_0", "f", '{"a": 1}')] and content == " g(2), h()]"
+    # Cut by max_tokens after a complete call: that call stands.
+    content, _, calls = every_split(tools("pythonic"), '[f(a="x"), g(b=')
+    assert calls == [("call_0", "f", '{"a": "x"}')] and content == " g(b="
 
 
 def test_required_and_named_readers():
