@@ -31,7 +31,7 @@ from noria import LLM, SamplingParams
 from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig
 from noria.protocol.sampling import EngineSamplingParams
-from noria.protocol.step import NewRequestData, StepPlan
+from noria.protocol.step import NewRequestData, StepPlan, StepResult
 from noria.worker import native_stack
 from noria.worker.attention_select import EMULATED_KERNELS_ENV
 from noria.worker.model_runner import ModelRunner
@@ -99,6 +99,9 @@ def test_greedy_matches_transformers(arch: str, attention: str, checkpoints: dic
     driver.add(Req(102, resumed + full[:4], len(resumed), 8, arrival=3, outputs=full[:4]))
 
     got = driver.run()
+    stack = runner.model._stack
+    if attention == "native":  # decode steps and short prefills ran on the native decoder stack
+        assert stack is not None and stack.layer_runs > 0
     for rid, prompt in extra.items():
         expected[rid] = reference_greedy(ref, prompt, 5)
     expected[102] = full
@@ -204,11 +207,51 @@ def test_tensor_parallel_matches_one_rank_and_transformers(checkpoints: dict[str
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
 
 
-def test_native_stack_declines_gemma_in_one_line(checkpoints: dict[str, Path]) -> None:
-    runner = ModelRunner(EngineConfig(model=str(checkpoints["gemma2"]), dtype="float32", device="cpu",
-                                      num_kv_blocks=8, swap_space=0))
-    line = native_stack.describe(native_stack.coverage(runner.model, runner._kv_layers))
-    assert line.startswith("native CPU stack: off (Gemma layers") and "\n" not in line
+@pytest.mark.parametrize("arch", GEMMA_ARCHS)
+def test_the_start_up_line_says_the_native_stack_is_on(arch: str, checkpoints: dict[str, Path],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="noria.worker"):
+        runner = ModelRunner(EngineConfig(model=str(checkpoints[arch]), dtype="float32", device="cpu",
+                                          num_kv_blocks=8, swap_space=0))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("native CPU stack: ")]
+    assert lines == ["native CPU stack: on for all 3 layers"]
+    assert native_stack.describe(native_stack.coverage(runner.model, runner._kv_layers)) == lines[0]
+
+
+def _greedy_steps(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[StepResult]:
+    """Every prompt in one step (as rows of the paged kernel: 40 tokens at most), then
+    decode steps; greedy with the top-5 logprobs (of the soft-capped logits) of every sample."""
+    news, block = [], 0
+    for rid, prompt in enumerate(prompts):
+        n = -(-(len(prompt) + steps) // runner.block_size)
+        news.append(NewRequestData(rid, prompt, list(range(block, block + n)), 0, 0, len(prompt)))
+        block += n
+    plan = StepPlan(0, [(r.req_id, len(r.token_ids)) for r in news], new_requests=news,
+                    params=[EngineSamplingParams(temperature=0.0, logprobs=5)])
+    results = []
+    for step in range(steps):
+        results.append(runner.execute(plan))
+        plan = StepPlan(step + 1, [(r.req_id, 1) for r in news])
+    return results
+
+
+@pytest.mark.parametrize("arch", GEMMA_ARCHS)
+def test_native_stack_on_and_off_give_the_same_tokens_and_logprobs(arch: str,
+                                                                   checkpoints: dict[str, Path]) -> None:
+    """The worker with the native decoder stack and with its layers in Python (the same kernels
+    called one by one): the same tokens and the same logprobs, bit for bit, over prompts and
+    decode steps; with it on, the stack ran every layer of every step."""
+    prompts = _prompts(seed=11)[2:11:2]  # 3 to 40 tokens: sliding (window 20) and global layers differ
+    on = _runner(checkpoints[arch])
+    off = _runner(checkpoints[arch])
+    off.model._native_stack = lambda *a: None  # type: ignore[method-assign]
+    steps = 6
+    got_on, got_off = _greedy_steps(on, prompts, steps), _greedy_steps(off, prompts, steps)
+    assert got_on == got_off
+    assert all(len(r.req_ids) == len(prompts) and r.logprobs for r in got_on)
+    stack = on.model._stack
+    assert stack is not None and stack.layer_runs == steps * len(on.model.layers)
+    assert off.model._stack is None
 
 
 def test_spec_reads_gemma_configs() -> None:

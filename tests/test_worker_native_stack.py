@@ -87,6 +87,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                "use_sliding_window": True, "sliding_window": 48,
                                                "max_window_layers": 1}),
     "phi3, partial rotary": ("phi3", {"sliding_window": 48}),
+    # Gemma 2: four (1 + w) norms per layer, GeGLU (tanh), scores soft-capped at 1.0, sliding and
+    # global layers (window 20). Gemma 3: per-head (1 + w) q/k norm, the sliding layers' rope of
+    # their own (base 100; the global ones' linear-scaled), also with head_dim 64 and GQA 8:1 over
+    # four layers, two sliding ones in a row.
+    "gemma2": ("gemma2", {"tied": True}),
+    "gemma3": ("gemma3", {"tied": True}),
+    "gemma3, head_dim 64, GQA 8:1": ("gemma3", {"head_dim": 64, "num_attention_heads": 8, "num_key_value_heads": 1,
+                                                "num_hidden_layers": 4,
+                                                "layer_types": ["sliding_attention", "sliding_attention",
+                                                                "full_attention", "sliding_attention"]}),
 }
 
 
@@ -111,6 +121,32 @@ def test_qwen3_runs_on_the_driver(tmp_path: Path) -> None:
     assert stack is not None and stack.segments == [(0, 3, True)] and stack.layer_runs == 3
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_runs_on_the_driver(arch: str, tmp_path: Path) -> None:
+    """Every layer of a Gemma step whose attention is paged rows goes through the driver, counted
+    by the stack itself; a Gemma layer the driver does not know (its MLP's exact gelu) runs in
+    Python between the driver's runs, bit for bit the same."""
+    runner = _runner(make_checkpoint(arch, tmp_path / arch, tied=True))
+    _forward(runner, STEPS["decode"], native=True)
+    _forward(runner, STEPS["prompts as rows"], native=True)
+    _forward(runner, STEPS["long prompt"], native=True)  # SDPA: the Python path, not counted
+    stack = runner.model._stack
+    assert stack is not None and stack.segments == [(0, 3, True)] and stack.layer_runs == 2 * 3
+
+    runner.model.layers[1].mlp.approximate = "none"
+    runner.model._stack_key = None
+    reasons = _coverage(runner)
+    assert reasons == [None, "mlp.approximate='none': the driver's GeGLU is the tanh form", None]
+    for name, step in STEPS.items():
+        python, _ = _forward(runner, step, native=False)
+        native, ran = _forward(runner, step, native=True)
+        assert ran == (name != "long prompt"), name
+        assert torch.equal(python, native), f"{name}: hidden states or written K/V differ"
+    stack = runner.model._stack
+    assert stack is not None and stack.segments == [(0, 1, True), (1, 2, False), (2, 3, True)]
+    assert stack.layer_runs == 3 * 2
+
+
 def test_declined_layers_run_in_python_between_the_drivers_runs(tmp_path: Path) -> None:
     runner = _runner(make_checkpoint("qwen3", tmp_path / "qwen3", num_hidden_layers=4))
     runner.model.layers[1].mlp.gate_up_packed = None  # F.linear for this one: outside the driver
@@ -129,9 +165,12 @@ def test_declined_layers_run_in_python_between_the_drivers_runs(tmp_path: Path) 
     assert stack.layer_runs == 3 * 3  # three steps on the driver, three of the four layers each
 
 
-def test_the_avx2_builds_run_qwen3_bit_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("case", ["qwen3, head_dim 128", "gemma2", "gemma3"])
+def test_the_avx2_builds_run_the_stack_bit_identically(case: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Every kernel the driver calls built for AVX2 (x86-64-v3: 8-float vectors, where an AVX-512
-    host's -march=native build has 16), the driver on them against the Python path on them."""
+    host's -march=native build has 16), the driver on them against the Python path on them:
+    Qwen3, and Gemma's GeGLU, extra norms, soft-capped attention and local rope."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("AVX2 is an x86 instruction set")
     modules = (gemm_kernels, fused_kernels, cpu_kernels)
@@ -144,7 +183,8 @@ def test_the_avx2_builds_run_qwen3_bit_identically(tmp_path: Path, monkeypatch: 
     try:
         if native_stack.load() is None:
             pytest.skip("no compiler for the AVX2 builds")
-        runner = _runner(make_checkpoint("qwen3", tmp_path / "qwen3", tied=True, head_dim=128))
+        arch, options = ("qwen3", {"tied": True, "head_dim": 128}) if case.startswith("qwen3") else (case, {})
+        runner = _runner(make_checkpoint(arch, tmp_path / arch, **options))
         for name, step in STEPS.items():
             python, _ = _forward(runner, step, native=False)
             native, ran = _forward(runner, step, native=True)

@@ -1,8 +1,8 @@
 """Fused elementwise steps for the CPU layers (worker/csrc/fused_f32.c): RMSNorm with
 the residual add, rotary with the q/k/v split (and Qwen3's per-head q/k norm before it),
-SiLU-and-mul, and the greedy argmax. `load()` is None where no C compiler works or
-worker/cpu_ops.py puts the fused family on torch; the layers then run the same steps as
-torch operators."""
+SiLU-and-mul, Gemma's tanh-GeGLU-and-mul, and the greedy argmax. `load()` is None where no
+C compiler works or worker/cpu_ops.py puts the fused family on torch; the layers then run
+the same steps as torch operators."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def load() -> ctypes.CDLL | None:
     dll.argmax_rows.restype = _I64
     dll.silu_mul.argtypes = [_F32P, _I64, _F32P, _I64, _I64, ctypes.c_int]
     dll.silu_mul.restype = None
+    dll.gelu_tanh_mul.argtypes = [_F32P, _I64, _F32P, _I64, _I64, ctypes.c_int]
+    dll.gelu_tanh_mul.restype = None
     return dll
 
 
@@ -117,6 +119,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, n, dtype=torch.float32)
     dll.silu_mul(_ptr(gate_up), gate_up.stride(0), _ptr(out), t, n, torch.get_num_threads())
+    return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """F.gelu(gate, approximate="tanh") * up (Gemma's GeGLU) for gate_up [T, 2n] float32
+    (gate, then up), within a few float32 ulps of the exact value (fused_f32.c says how).
+    The native decoder stack calls the same kernel: Gemma's Python layers match it bit for bit."""
+    dll = load()
+    assert dll is not None and gate_up.stride(-1) == 1
+    t, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, n, dtype=torch.float32)
+    dll.gelu_tanh_mul(_ptr(gate_up), gate_up.stride(0), _ptr(out), t, n, torch.get_num_threads())
     return out
 
 

@@ -4,9 +4,10 @@ The C driver calls the same kernels as the modules' Python path, in the same
 order, on the same inputs, so its output is bit for bit theirs; what it removes
 is the Python between them (wrappers, ctypes conversions, a tensor per result).
 It runs the layers built exactly as the Llama family's (Qwen3's per-head q/k norm,
-Phi-3's partial rotary included) on those kernels: float32 on the CPU, one rank, packed native GEMM
-weights, and a step whose attention is one call of the paged kernel per layer
-(decode rows, or short prompts as rows: `TorchAttentionBackend.paged_rows`).
+Phi-3's partial rotary included) or as Gemma 2 / 3's (worker/models/gemma.py) on those
+kernels: float32 on the CPU, one rank, packed native GEMM weights, and a step whose
+attention is one call of the paged kernel per layer (decode rows, or short prompts as
+rows: `TorchAttentionBackend.paged_rows`).
 `coverage` says, per layer, why not where it does not; those layers run in Python
 between the driver's runs of the others, and the worker logs `describe`'s line at
 start-up. worker/cpu_ops.py decides whether it is on (NORIA_DISABLE_CPU_STACK=1: off).
@@ -37,13 +38,15 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 class _Kernels(ctypes.Structure):
     _fields_ = [("gemm", _P), ("norm", _P), ("rope", _P), ("silu", _P), ("attn", _P), ("qk_rope", _P),
-                ("rope_partial", _P)]
+                ("rope_partial", _P), ("gelu_tanh", _P), ("attn_capped", _P)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down",
                                         "down_bias", "input_norm", "post_norm", "k_cache", "v_cache")]
     _fields_ += [("window", _I64), ("q_norm", _P), ("k_norm", _P)]
+    _fields_ += [("post_attn_norm", _P), ("post_mlp_norm", _P), ("soft_cap", ctypes.c_float),
+                 ("geglu", ctypes.c_int32), ("local_rope", _I64)]
 
 
 class _Shape(ctypes.Structure):
@@ -56,6 +59,7 @@ class _Step(ctypes.Structure):
     _fields_ += [(name, _P) for name in ("cos", "sin", "tables", "lens", "slots", "normed", "qkv", "q", "k", "v",
                                          "attn", "gate_up", "act")]
     _fields_ += [("num_threads", ctypes.c_int), ("residual", ctypes.c_int), ("rotary_dim", _I64)]
+    _fields_ += [("cos_local", _P), ("sin_local", _P)]
 
 
 @cache
@@ -74,7 +78,8 @@ def load() -> tuple[ctypes.CDLL, _Kernels] | None:
 
     kernels = _Kernels(addr(gemm.gemm_f32), addr(fused.add_rms_norm), addr(fused.rope_split),
                        addr(fused.silu_mul), addr(attn.paged_decode_f32), addr(fused.qk_norm_rope_split),
-                       addr(fused.rope_split_partial))
+                       addr(fused.rope_split_partial), addr(fused.gelu_tanh_mul),
+                       addr(attn.paged_decode_capped_f32))
     return dll, kernels
 
 
@@ -103,12 +108,20 @@ class NativeStack:
             k_cache, v_cache = kv_caches[i]
             q_norm, k_norm = (None, None) if at.q_norm is None else (at.q_norm.weight.data_ptr(),
                                                                       at.k_norm.weight.data_ptr())
+            gemma = model.spec.gemma is not None  # `coverage` checked the layer is built as Gemma's
+            # The norm before the MLP: a Gemma layer's post-attention norm is on the attention's output.
+            mlp_norm = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
             self.layers[i] = _Layer(
                 _packed(at.qkv_packed), self._bias(at.qkv_bias), _packed(at.o_packed), self._bias(at.o_bias),
                 _packed(mlp.gate_up_packed), self._bias(mlp.gate_up_bias), _packed(mlp.down_packed),
-                self._bias(mlp.down_bias), layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                at.attn.sliding_window or 0, q_norm, k_norm)
+                self._bias(mlp.down_bias), layer.input_layernorm.weight.data_ptr(), mlp_norm.weight.data_ptr(),
+                k_cache.data_ptr(), v_cache.data_ptr(), at.attn.sliding_window or 0, q_norm, k_norm)
+            if gemma:
+                self.layers[i].post_attn_norm = layer.post_attention_layernorm.weight.data_ptr()
+                self.layers[i].post_mlp_norm = layer.post_feedforward_layernorm.weight.data_ptr()
+                self.layers[i].soft_cap = at.attn.logits_soft_cap or 0.0
+                self.layers[i].geglu = 1
+                self.layers[i].local_rope = int(layer.sliding and model.local_rotary is not None)
 
     def _scratch(self, tokens: int) -> list[torch.Tensor]:
         """Flat buffers for `tokens` rows (normed, qkv, q, k, v, attn, gate_up, act, other), kept
@@ -131,10 +144,11 @@ class NativeStack:
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
             meta: AttentionMetadata, rows: tuple[torch.Tensor, torch.Tensor], start: int,
-            end: int) -> tuple[torch.Tensor, torch.Tensor]:
+            end: int, local: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers start..end-1 on the embedded tokens or the previous layer's output x [T, hidden]
         (contiguous; overwritten) and the residual stream (None before layer 0): (the last
-        layer's output, the residual stream), as DecoderLayer.forward leaves them."""
+        layer's output, the residual stream), as DecoderLayer.forward leaves them. `local`: the
+        cos / sin of Gemma 3's sliding layers (their own rope), of the width of `cos`."""
         loaded = load()
         assert loaded is not None
         dll, kernels = loaded
@@ -144,13 +158,14 @@ class NativeStack:
         tables, lens = (r.contiguous() for r in rows)
         slots = meta.slot_mapping.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
+        cos_local, sin_local = (cos, sin) if local is None else (t.contiguous() for t in local)
         buf = self._scratch(t)
         other = buf[-1][: t * hidden].view(t, hidden)
         if residual is not None and residual.data_ptr() != other.data_ptr():
             other.copy_(residual)  # the driver writes the new stream over it
         step = _Step(t, tables.shape[1], cos.data_ptr(), sin.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                      slots.data_ptr(), *(b.data_ptr() for b in buf[:-1]), torch.get_num_threads(),
-                     int(residual is not None), 2 * cos.shape[-1])
+                     int(residual is not None), 2 * cos.shape[-1], cos_local.data_ptr(), sin_local.data_ptr())
         layers = ctypes.byref(self.layers, start * ctypes.sizeof(_Layer))
         status = dll.decoder_stack(ctypes.byref(kernels), layers, end - start, ctypes.byref(self.shape),
                                    ctypes.byref(step), x.data_ptr(), other.data_ptr())
@@ -165,16 +180,21 @@ class NativeStack:
 # LayerAttention field or ModelSpec field the driver does not know is switched off (its
 # dataclass default, or None / False / 0). A layer kind added to worker/models/ (experts,
 # extra norms, soft-capping) is declined by that rule, with its name in the reason, until
-# the driver learns it.
+# the driver learns it. Gemma 2 / 3 (worker/models/gemma.py) is the one other structure it
+# knows: its own classes, two more norms, GeGLU (tanh), soft-capped scores, a local rope.
 _PARAMS = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
            "input_layernorm.weight", "post_attention_layernorm.weight"}
 _OPTIONAL_PARAMS = {"self_attn.qkv_bias", "self_attn.o_bias", "mlp.gate_up_bias", "mlp.down_bias"}
 _QK_NORM_PARAMS = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+_GEMMA_PARAMS = {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"}
 _ATTRS = {"DecoderLayer": {"training"},
           "Attention": {"training", "layer_index", "tp", "q_size", "kv_size", "attn", "qkv_packed", "o_packed"},
           "MLP": {"training", "tp", "gate_up_packed", "down_packed"},
           "RMSNorm": {"training", "eps"}}
+_ATTRS |= {"GemmaDecoderLayer": {"training", "sliding"}, "GemmaAttention": _ATTRS["Attention"],
+           "GemmaMLP": _ATTRS["MLP"] | {"approximate"}, "GemmaRMSNorm": _ATTRS["RMSNorm"]}
 _ATTENTION_FIELDS = {"num_heads", "num_kv_heads", "head_dim", "scale", "sliding_window"}
+_GEMMA_ATTENTION_FIELDS = _ATTENTION_FIELDS | {"logits_soft_cap"}
 # ModelSpec fields the layers' structure follows and the driver reads or handles (biases,
 # q/k norm, windows, sizes); `rope` through the cos / sin it is given, whose width is checked.
 _SPEC_FIELDS = {"architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -285,53 +305,67 @@ def _model_reason(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, t
         return f"{str(w.dtype).removeprefix('torch.')} on {w.device.type}: the driver is float32 on the CPU"
     if len(kv_caches) != len(model.layers):
         return "no KV cache per layer"
-    if getattr(model.spec, "gemma", None) is not None:  # declined below too; this names why in words
-        return ("Gemma layers: the driver has no (1 + w) norms around attention and MLP, GeGLU, "
-                "logit soft-capping or second rope")
-    unknown = _unknown_fields(model.spec, _SPEC_FIELDS | _MOE_FIELDS)
+    # `gemma`: what Gemma adds, each part known: the scale and soft-cap through LayerAttention, the
+    # activation and the local rope checked here, the embedding scale and final cap outside the layers.
+    unknown = _unknown_fields(model.spec, _SPEC_FIELDS | _MOE_FIELDS | {"gemma"})
     if unknown:
         return ", ".join(unknown)
     rot = _rotary_dim(model)
     if rot % 2 or not 0 < rot <= model.spec.head_dim:
         return f"rotary on {rot} of {model.spec.head_dim} dims per head"
+    gemma = model.spec.gemma
+    if gemma is not None:
+        if gemma.gelu_approximate != "tanh":
+            return f"GeGLU with gelu approximate={gemma.gelu_approximate!r}: the driver's kernel is the tanh form"
+        local = getattr(model, "local_rotary", None)
+        if local is not None and _rotary_dim(model, local) != rot:
+            return f"the sliding layers' rope rotates {_rotary_dim(model, local)} dims per head, the others' {rot}"
     return None
 
 
-def _rotary_dim(model: LlamaForCausalLM) -> int:
-    """How many dims of each head rotate: twice the width of the cos / sin rows the layers get."""
-    cos, _ = model.rotary.cos_sin(torch.zeros(1, dtype=torch.long), torch.float32)
+def _rotary_dim(model: LlamaForCausalLM, rotary: torch.nn.Module | None = None) -> int:
+    """How many dims of each head rotate: twice the width of the cos / sin rows the layers get
+    (from `rotary`, else the model's)."""
+    cos, _ = (rotary or model.rotary).cos_sin(torch.zeros(1, dtype=torch.long), torch.float32)
     return 2 * cos.shape[-1]
 
 
 def _layer_reason(model: LlamaForCausalLM, layer: torch.nn.Module,
                   cache: tuple[torch.Tensor, torch.Tensor]) -> str | None:
+    from noria.worker.models import gemma as gm
     from noria.worker.models.layers import RMSNorm
     from noria.worker.models.llama import MLP, Attention, DecoderLayer
 
+    # A Gemma model's layers are built from Gemma's classes, with two more norms.
+    gemma = model.spec.gemma is not None
+    layer_cls, attn_cls, mlp_cls, norm_cls = ((gm.GemmaDecoderLayer, gm.GemmaAttention, gm.GemmaMLP, gm.GemmaRMSNorm)
+                                              if gemma else (DecoderLayer, Attention, MLP, RMSNorm))
+    norm_names = ("input_layernorm", "post_attention_layernorm")
+    if gemma:
+        norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     at, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-    expected = ((layer, DecoderLayer, "layer"), (at, Attention, "self_attn"), (mlp, MLP, "mlp"),
-                (norms[0], RMSNorm, "input_layernorm"), (norms[1], RMSNorm, "post_attention_layernorm"))
+    norms = tuple(getattr(layer, name, None) for name in norm_names)
+    expected = ((layer, layer_cls, "layer"), (at, attn_cls, "self_attn"), (mlp, mlp_cls, "mlp"),
+                *((norm, norm_cls, name) for norm, name in zip(norms, norm_names, strict=True)))
     for module, cls, name in expected:
         if type(module) is not cls:
             return f"{name} is {type(module).__name__}"
     assert isinstance(at, Attention) and isinstance(mlp, MLP)
     params = {name for name, _ in layer.named_parameters()}
     qk_norm = at.q_norm is not None or at.k_norm is not None
-    allowed = _PARAMS | _OPTIONAL_PARAMS | (_QK_NORM_PARAMS if qk_norm else set())
-    extra = sorted(params - allowed)
+    required = _PARAMS | (_QK_NORM_PARAMS if qk_norm else set()) | (_GEMMA_PARAMS if gemma else set())
+    extra = sorted(params - required - _OPTIONAL_PARAMS)
     if extra:
         return f"parameters outside its structure: {', '.join(extra)}"
-    missing = sorted((_PARAMS | (_QK_NORM_PARAMS if qk_norm else set())) - params)
+    missing = sorted(required - params)
     if missing:
         return f"missing parameters: {', '.join(missing)}"
-    modules = [(layer, "layer"), (at, "self_attn"), (mlp, "mlp"), (norms[0], "input_layernorm"),
-               (norms[1], "post_attention_layernorm")]
+    modules = [(layer, "layer"), (at, "self_attn"), (mlp, "mlp"), *zip(norms, norm_names, strict=True)]
     if qk_norm and _rotary_dim(model) != at.attn.head_dim:
         return "per-head q/k norm with partial rotary: its fused kernel rotates whole heads"
     if qk_norm:
         for module, name in ((at.q_norm, "self_attn.q_norm"), (at.k_norm, "self_attn.k_norm")):
-            if type(module) is not RMSNorm:
+            if type(module) is not norm_cls:
                 return f"{name} is {type(module).__name__}"
             modules.append((module, name))
     for module, name in modules:
@@ -339,9 +373,14 @@ def _layer_reason(model: LlamaForCausalLM, layer: torch.nn.Module,
         for attr, value in vars(module).items():
             if not attr.startswith("_") and attr not in known and not _switched_off(value):
                 return f"{name}.{attr}={value!r}"
-    unknown = _unknown_fields(at.attn, _ATTENTION_FIELDS)
+    if isinstance(mlp, gm.GemmaMLP) and mlp.approximate != "tanh":
+        return f"mlp.approximate={mlp.approximate!r}: the driver's GeGLU is the tanh form"
+    unknown = _unknown_fields(at.attn, _GEMMA_ATTENTION_FIELDS if gemma else _ATTENTION_FIELDS)
     if unknown:
         return ", ".join(unknown)
+    cap = at.attn.logits_soft_cap
+    if cap is not None and not cap > 0:
+        return f"LayerAttention.logits_soft_cap={cap!r}: a cap must be positive"
     packed = {"qkv": at.qkv_packed, "o": at.o_packed, "gate_up": mlp.gate_up_packed, "down": mlp.down_packed}
     unpacked = [name for name, p in packed.items() if not isinstance(p, PackedWeight)]
     if unpacked:

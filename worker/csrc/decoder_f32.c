@@ -1,4 +1,4 @@
-/* A Llama-family decoder stack in one call, for the CPU torch backend.
+/* A Llama-family or Gemma 2 / 3 decoder stack in one call, for the CPU torch backend.
  *
  * Per layer the Python path makes nine native calls (norm, qkv GEMM, rotary
  * (with Qwen3's per-head q/k norm before it, in the same kernel), paged
@@ -21,6 +21,10 @@
  *   normed; down_proj -> x.
  * so on return x holds the last layer's output and other the residual stream,
  * which the caller's final norm adds, as DecoderLayer.forward leaves them.
+ * A Gemma layer also normalizes o_proj's output (other) and down_proj's (x) in
+ * place, with the (1 + w) weights its Python layers pass the same norm kernel;
+ * its MLP's activation is GeGLU (tanh), its attention may soft-cap the scores,
+ * and Gemma 3's sliding layers rotate with a rope of their own.
  */
 #include <stdint.h>
 
@@ -36,6 +40,11 @@ typedef void (*qk_rope_fn)(const float *qkv, int64_t ld, const float *cos, const
                            const float *k_weight, float eps, float *q, float *k, float *v, int64_t T, int64_t H,
                            int64_t KVH, int64_t D, int num_threads);
 typedef void (*silu_fn)(const float *gate_up, int64_t ld, float *out, int64_t T, int64_t n, int num_threads);
+typedef int (*attn_capped_fn)(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
+                              const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                              float scale, int64_t window, int num_threads, const float *k_new, const float *v_new,
+                              const int64_t *slots, int64_t num_new, float cap);
 typedef int (*attn_fn)(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
                        const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
@@ -50,6 +59,8 @@ typedef struct {
     attn_fn attn;
     qk_rope_fn qk_rope;
     rope_partial_fn rope_partial;
+    silu_fn gelu_tanh;          /* GeGLU (tanh) and mul: silu's signature */
+    attn_capped_fn attn_capped; /* attn with soft-capped scores */
 } Kernels;
 
 typedef struct { /* packed weights (see gemm_f32.c), biases or NULL, norm weights, this layer's caches */
@@ -58,6 +69,12 @@ typedef struct { /* packed weights (see gemm_f32.c), biases or NULL, norm weight
     float *k_cache, *v_cache;
     int64_t window; /* sliding window, 0 for none */
     const float *q_norm, *k_norm; /* per-head q/k RMSNorm weights [head_dim] (Qwen3), or NULL */
+    /* Gemma: norms of the attention's and the MLP's outputs before they join the residual
+     * stream (post_norm is then the pre-feedforward norm), or NULL */
+    const float *post_attn_norm, *post_mlp_norm;
+    float soft_cap;     /* attention logit soft-cap, 0 for none */
+    int32_t geglu;      /* the MLP's activation: GeGLU (tanh) if set, else SiLU */
+    int64_t local_rope; /* rotate with Step's cos_local / sin_local (Gemma 3's sliding layers) */
 } Layer;
 
 typedef struct {
@@ -73,6 +90,7 @@ typedef struct {
     int num_threads;
     int residual; /* whether `other` holds a residual stream on entry (a layer ran before these) */
     int64_t rotary_dim; /* head_dim, or fewer for partial rotary (the first rotary_dim dims rotate) */
+    const float *cos_local, *sin_local; /* the local_rope layers' [T, rotary_dim / 2] */
 } Step;
 
 /* Returns 0, or -1 when the attention kernel could not allocate (nothing after it computed). */
@@ -82,25 +100,36 @@ int decoder_stack(const Kernels *kn, const Layer *layers, int64_t num_layers, co
     const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_n = q_size + 2 * kv_size;
     for (int64_t i = 0; i < num_layers; i++) {
         const Layer *l = &layers[i];
+        const float *cos = l->local_rope ? st->cos_local : st->cos, *sin = l->local_rope ? st->sin_local : st->sin;
         kn->norm(x, i || st->residual ? other : 0, l->input_norm, st->normed, T, hid, s->eps, th);
         kn->gemm(st->normed, hid, l->qkv, l->qkv_bias, st->qkv, qkv_n, T, qkv_n, hid, th);
         if (l->q_norm)
-            kn->qk_rope(st->qkv, qkv_n, st->cos, st->sin, l->q_norm, l->k_norm, s->eps, st->q, st->k, st->v, T,
+            kn->qk_rope(st->qkv, qkv_n, cos, sin, l->q_norm, l->k_norm, s->eps, st->q, st->k, st->v, T,
                         s->heads, s->kv_heads, D, th);
         else if (st->rotary_dim == D)
-            kn->rope(st->qkv, qkv_n, st->cos, st->sin, st->q, st->k, st->v, T, s->heads, s->kv_heads, D, th);
+            kn->rope(st->qkv, qkv_n, cos, sin, st->q, st->k, st->v, T, s->heads, s->kv_heads, D, th);
         else
-            kn->rope_partial(st->qkv, qkv_n, st->cos, st->sin, st->q, st->k, st->v, T, s->heads, s->kv_heads, D,
+            kn->rope_partial(st->qkv, qkv_n, cos, sin, st->q, st->k, st->v, T, s->heads, s->kv_heads, D,
                              st->rotary_dim, th);
-        if (kn->attn(st->q, l->k_cache, l->v_cache, st->tables, st->lens, st->attn, T, s->heads, s->kv_heads, D,
-                     s->block_size, st->max_blocks, s->scale, l->window, th, st->k, st->v, st->slots, T) != 0)
+        const int status =
+            l->soft_cap > 0
+                ? kn->attn_capped(st->q, l->k_cache, l->v_cache, st->tables, st->lens, st->attn, T, s->heads,
+                                  s->kv_heads, D, s->block_size, st->max_blocks, s->scale, l->window, th, st->k,
+                                  st->v, st->slots, T, l->soft_cap)
+                : kn->attn(st->q, l->k_cache, l->v_cache, st->tables, st->lens, st->attn, T, s->heads, s->kv_heads,
+                           D, s->block_size, st->max_blocks, s->scale, l->window, th, st->k, st->v, st->slots, T);
+        if (status != 0)
             return -1;
         kn->gemm(st->attn, q_size, l->o, l->o_bias, other, hid, T, hid, q_size, th);
+        if (l->post_attn_norm) /* in place: each row is summed before any of it is written */
+            kn->norm(other, 0, l->post_attn_norm, other, T, hid, s->eps, th);
         kn->norm(other, x, l->post_norm, st->normed, T, hid, s->eps, th);
         kn->gemm(st->normed, hid, l->gate_up, l->gate_up_bias, st->gate_up, 2 * s->intermediate, T,
                  2 * s->intermediate, hid, th);
-        kn->silu(st->gate_up, 2 * s->intermediate, st->act, T, s->intermediate, th);
+        (l->geglu ? kn->gelu_tanh : kn->silu)(st->gate_up, 2 * s->intermediate, st->act, T, s->intermediate, th);
         kn->gemm(st->act, s->intermediate, l->down, l->down_bias, x, hid, T, hid, s->intermediate, th);
+        if (l->post_mlp_norm)
+            kn->norm(x, 0, l->post_mlp_norm, x, T, hid, s->eps, th);
     }
     return 0;
 }

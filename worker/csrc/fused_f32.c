@@ -143,6 +143,32 @@ void silu_mul(const float *gate_up, int64_t ld, float *out, int64_t T, int64_t n
     }
 }
 
+/* GeGLU's activation with gelu_pytorch_tanh (Gemma): gate_up [T, ld] holds gate then up
+ * (n columns each); out [T, n] = gelu_tanh(gate) * up, where
+ * gelu_tanh(x) = 0.5 x (1 + tanh(y)), y = sqrt(2 / pi) (x + 0.044715 x^3). Since
+ * 1 + tanh(y) = 2 / (1 + e^-2y), that is x / (1 + e^-2y): SiLU's form, without the
+ * cancellation of 1 + tanh(y) where tanh(y) is near -1 (torch's float32 tanh there loses
+ * every digit of a small negative output). Both the native decoder stack and the Python
+ * layers call this kernel, so their outputs agree bit for bit. */
+#define GELU_2C 1.5957691216057308f /* 2 sqrt(2 / pi) */
+void gelu_tanh_mul(const float *gate_up, int64_t ld, float *out, int64_t T, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && T * n >= (1 << 17))
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * ld, *u = g + n;
+        float *o = out + t * n;
+        int64_t i = 0;
+        for (; i + VL <= n; i += VL) {
+            const vf x = *(const vfu *)(g + i);
+            const vf z = x + 0.044715f * (x * x * x);
+            *(vfu *)(o + i) = (x / (1.f + exp_v(-GELU_2C * z))) * *(const vfu *)(u + i);
+        }
+        for (; i < n; i++) {
+            const float x = g[i], z = x + 0.044715f * (x * x * x);
+            o[i] = (x / (1.f + exp_s(-GELU_2C * z))) * u[i];
+        }
+    }
+}
+
 /* Greedy sampling: the index of each row's largest value, the first one on ties
  * (torch.argmax's answer). One vector pass with four running (max, index)
  * pairs per lane, so that four compares are in flight instead of one chain; a

@@ -18,9 +18,10 @@ modeling_gemma3 are the reference for every number):
   (possibly scaled).
 
 Tensor parallelism, fused q/k/v and gate/up weights, loading and the tied lm_head are the
-Llama family's (worker/models/llama.py). The native CPU decoder stack does not run these
-layers (worker/native_stack.py says why at start-up); they take the Python path, whose
-attention and GEMMs are native on the CPU all the same.
+Llama family's (worker/models/llama.py), and so is the native CPU decoder stack
+(worker/native_stack.py), which runs these layers too: in float32 on the CPU the Python
+layers call the kernels it calls (the fused norm for the post-norms, GeGLU-and-mul, the
+soft-capped paged attention), so the two agree bit for bit.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from noria.worker import fused_kernels, native_stack
 from noria.worker.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from noria.worker.gemm_kernels import PackedWeight
 from noria.worker.models.layers import RMSNorm, RotaryEmbedding, linear
@@ -56,6 +58,10 @@ class GemmaRMSNorm(RMSNorm):
         self.weight = nn.Parameter(torch.empty(size, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_kernels.usable(x) and x.dim() == 2 and x.is_contiguous():
+            # The kernel the native decoder stack calls for the post-attention and post-MLP
+            # norms: the two paths agree bit for bit (torch's differs in the order of the sum).
+            return fused_kernels.add_rms_norm(x, None, self.weight, self.eps)[0]
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
 
@@ -83,8 +89,13 @@ class GemmaMLP(MLP):
         self.approximate = _gemma(spec).gelu_approximate
 
     def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj, self.gate_up_bias, self.gate_up_packed).chunk(2, dim=-1)
-        act = F.gelu(gate, approximate=self.approximate) * up
+        gate_up = linear(x, self.gate_up_proj, self.gate_up_bias, self.gate_up_packed)
+        if self.approximate == "tanh" and gate_up.dim() == 2 and gate_up.stride(-1) == 1 \
+                and fused_kernels.usable(gate_up):
+            act = fused_kernels.gelu_tanh_mul(gate_up)  # the native decoder stack's kernel
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate=self.approximate) * up
         return _row_parallel(act, self.down_proj, self.down_bias, self.down_packed, self.tp)
 
 
@@ -149,7 +160,20 @@ class GemmaForCausalLM(LlamaForCausalLM):
         local = ctx
         if self.local_rotary is not None and any(layer.sliding for layer in self.layers):
             local = StepContext(meta, backend, kv_caches, *self.local_rotary.cos_sin(positions, x.dtype))
+        stack = self._native_stack(kv_caches, x)
+        rows = None if stack is None else native_stack.paged_rows(backend, meta)
         residual = None
+        if stack is not None and rows is not None:
+            # The driver's runs of layers (each sliding layer on the local rope's cos / sin),
+            # and in between the layers it declines.
+            for start, end, native in stack.segments:
+                if native:
+                    x, residual = stack.run(x, residual, ctx.cos, ctx.sin, meta, rows, start, end,
+                                            (local.cos, local.sin))
+                    continue
+                for layer in self.layers[start:end]:
+                    x, residual = layer(x, residual, local if layer.sliding else ctx)
+            return self.norm.add_forward(x, residual, ctx.fused)[0]
         for layer in self.layers:
             x, residual = layer(x, residual, local if layer.sliding else ctx)
         return self.norm.add_forward(x, residual, ctx.fused)[0]
