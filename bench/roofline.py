@@ -4,12 +4,15 @@ A step's floor is the larger of
   (a) the bytes it must move over the streaming bandwidth (bench/roofline_machine.py, copy_):
       every linear weight once (q/k/v, o, gate/up, down per layer; the LM head
       once when any row samples), the final and per-layer norm weights, the
-      embedding rows of its tokens, the K/V rows each sequence attends to
+      embedding rows of its tokens (a mixture-of-experts layer: its router, any shared
+      expert, and the experts its tokens route to, see `Shape.expected_experts`), the
+      K/V rows each sequence attends to
       (per layer: its sequence length x kv heads x head dim x 2 (K and V) x
       dtype bytes), the K/V rows it writes and the logits of its sampling rows;
       other activations are left out (an ideal kernel keeps them in cache);
   (b) its floating-point work over the measured float32 GEMM peak: 2 x the
-      layers' linear parameters x tokens, 2 x the LM head's parameters x
+      layers' linear parameters a token goes through (in a sparse layer its k
+      experts', not all of them) x tokens, 2 x the LM head's parameters x
       sampling rows, and attention's QK and PV products (a query token at
       position p attends to p + 1 keys: 4 x heads x head dim FLOPs per key).
 Norms, rotary, SiLU and softmax are left out of (b): a few FLOPs per
@@ -36,7 +39,9 @@ BUCKETS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 127), (128,
 
 @dataclass(frozen=True)
 class Shape:
-    """The sizes of a Llama-family model that its step costs depend on."""
+    """The sizes of a Llama-family model that its step costs depend on; for a mixture of
+    experts (Mixtral, Qwen2-MoE, Qwen3-MoE) also how many of its layers are sparse, their
+    experts, top-k, each expert's intermediate size and any shared expert's."""
     hidden: int
     intermediate: int
     layers: int
@@ -45,6 +50,11 @@ class Shape:
     head_dim: int
     vocab: int
     dtype_bytes: int = 4
+    sparse_layers: int = 0
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
 
     @staticmethod
     def from_config(cfg: dict) -> Shape:
@@ -54,7 +64,7 @@ class Shape:
                      layers=cfg["num_hidden_layers"], heads=heads,
                      kv_heads=cfg.get("num_key_value_heads") or heads,
                      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                     vocab=cfg["vocab_size"], dtype_bytes=DTYPE_BYTES.get(dtype, 4))
+                     vocab=cfg["vocab_size"], dtype_bytes=DTYPE_BYTES.get(dtype, 4), **_moe_shape(cfg))
 
     @staticmethod
     def from_checkpoint(path: str | Path) -> Shape:
@@ -62,10 +72,38 @@ class Shape:
 
     @property
     def layer_params(self) -> int:
-        """Linear weights of all decoder layers (q, k, v, o, gate, up, down)."""
+        """Linear weights of all decoder layers (q, k, v, o, gate, up, down; a sparse layer's
+        router, shared expert and every expert)."""
+        return self._params(self.experts)
+
+    def _params(self, experts: float) -> int:
+        """Linear weights of all decoder layers counting `experts` of each sparse layer's experts."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
-        return self.layers * per
+        attention = self.hidden * (q + 2 * kv) + q * self.hidden
+        dense = self.layers - self.sparse_layers
+        sparse = self.experts * self.hidden + (3 * self.shared_intermediate + (1 if self.shared_intermediate else 0)
+                                               ) * self.hidden
+        routed = round(self.sparse_layers * experts * 3 * self.hidden * self.expert_intermediate)
+        return self.layers * attention + dense * 3 * self.hidden * self.intermediate + self.sparse_layers * sparse \
+            + routed
+
+    def expected_experts(self, tokens: int) -> float:
+        """The distinct experts one sparse layer runs for `tokens` tokens, expected if each
+        token's top-k were k distinct experts drawn uniformly and tokens independently:
+        E (1 - (1 - k/E)^T). The worker does not report the experts a step actually hit;
+        a trained router's skew makes the true count lower at a few tokens."""
+        if not self.sparse_layers or tokens <= 0:
+            return 0.0
+        return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** tokens)
+
+    def weight_bytes(self, tokens: int) -> int:
+        """The decoder layers' linear weights one step of `tokens` tokens reads."""
+        return self._params(self.expected_experts(tokens)) * self.dtype_bytes
+
+    @property
+    def token_params(self) -> int:
+        """Linear weights one token goes through in the decoder layers (its k experts per sparse layer)."""
+        return self._params(self.top_k)
 
     @property
     def head_params(self) -> int:
@@ -81,16 +119,33 @@ def step_cost(shape: Shape, query_lens: list[int], seq_lens: list[int], num_samp
     """(bytes, FLOPs) one step must move and compute (see the module's docstring)."""
     b = shape.dtype_bytes
     tokens = sum(query_lens)
-    weights = shape.layer_params * b + (2 * shape.layers + 1) * shape.hidden * b
+    weights = shape.weight_bytes(tokens) + (2 * shape.layers + 1) * shape.hidden * b
     weights += shape.head_params * b if num_sampled else 0
     moved = (weights + tokens * shape.hidden * b  # embedding rows
              + shape.layers * shape.kv_row_bytes * (sum(seq_lens) + tokens)  # K/V read and written
              + num_sampled * shape.vocab * 4)  # float32 logits out
     # Keys attended to by the tokens of one sequence: positions s-q .. s-1 see s-q+1 .. s keys.
     keys = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens, strict=True))
-    flops = (2 * shape.layer_params * tokens + 2 * shape.head_params * num_sampled
+    flops = (2 * shape.token_params * tokens + 2 * shape.head_params * num_sampled
              + 4 * shape.layers * shape.heads * shape.head_dim * keys)
     return moved, flops
+
+
+def _moe_shape(cfg: dict) -> dict:
+    """A sparse family's Shape fields from its config.json, read as worker/models/spec.py reads them."""
+    kind = cfg.get("model_type")
+    if kind == "mixtral":
+        return {"sparse_layers": cfg["num_hidden_layers"], "experts": cfg["num_local_experts"],
+                "top_k": cfg["num_experts_per_tok"], "expert_intermediate": cfg["intermediate_size"]}
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if kind not in ("qwen2_moe", "qwen3_moe") or not experts:
+        return {}
+    step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+    sparse = sum(i not in dense and (i + 1) % step == 0 for i in range(cfg["num_hidden_layers"]))
+    shared = (cfg.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
+    return {"sparse_layers": sparse, "experts": experts, "top_k": cfg["num_experts_per_tok"],
+            "expert_intermediate": cfg["moe_intermediate_size"], "shared_intermediate": shared}
 
 
 def step_roofline(shape: Shape, machine: Machine, step: tuple) -> tuple[float, float, float]:

@@ -182,3 +182,42 @@ def test_sustained_gemm_reports_one_rate_per_window(capsys):
     rates = sustained(threads=1, seconds=0.6, window=0.2, gemm_n=128)
     assert 2 <= len(rates) <= 3 and all(r > 0 for r in rates)
     assert capsys.readouterr().out.count("GFLOP/s") == len(rates)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_a_mixture_of_experts_counts_every_expert_and_reads_the_ones_hit(family):
+    """layer_params: every linear weight of the decoder layers transformers builds (router, each
+    expert, Qwen2-MoE's shared expert and its gate, Qwen3-MoE's dense layer); a step reads the
+    experts its tokens are expected to hit, and a token's FLOPs go through its k experts only."""
+    import transformers
+
+    cfg = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 50, "num_experts_per_tok": 2}
+    if family == "mixtral":
+        cfg |= {"num_local_experts": 8}
+        config = transformers.MixtralConfig(**cfg)
+    else:
+        cfg |= {"num_experts": 8, "moe_intermediate_size": 24, "mlp_only_layers": [1]}
+        if family == "qwen2_moe":
+            cfg |= {"shared_expert_intermediate_size": 40}
+            config = transformers.Qwen2MoeConfig(**cfg)
+        else:
+            config = transformers.Qwen3MoeConfig(**cfg)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    linear = sum(p.numel() for n, p in model.named_parameters()
+                 if ".layers." in n and "norm" not in n and not n.endswith(".bias"))
+    shape = Shape.from_config(config.to_dict())
+    assert shape.layer_params == linear
+    inter = 48 if family == "mixtral" else 24
+    expert = 3 * 32 * inter
+    assert shape.sparse_layers == (3 if family == "mixtral" else 2) and shape.experts == 8 and shape.top_k == 2
+    # One token hits exactly its k = 2 experts; a long prefill all 8 (to within 1e-9).
+    assert shape.expected_experts(1) == pytest.approx(2)
+    assert shape.expected_experts(1000) == pytest.approx(8)
+    assert shape.expected_experts(3) == pytest.approx(8 * (1 - 0.75 ** 3))
+    unhit = shape.sparse_layers * (8 - 2) * expert * 4
+    assert shape.weight_bytes(1) == shape.layer_params * 4 - unhit
+    assert shape.token_params == shape.layer_params - shape.sparse_layers * (8 - 2) * expert
+    moved_1, flops_1 = step_cost(shape, [1], [5], 1)
+    moved_big, flops_big = step_cost(shape, [1000], [1000], 1)
+    assert moved_big - moved_1 == pytest.approx(unhit + 999 * 32 * 4 + 3 * shape.kv_row_bytes * (995 + 999), abs=1)

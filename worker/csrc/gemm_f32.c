@@ -149,6 +149,13 @@ static void panel_range(const float *x, int64_t ldx, const float *packed, const 
     }
 }
 
+/* Panels [p0, p1) of the product on the calling thread alone: for a caller that
+ * splits the work of many GEMMs over its own threads (moe_f32.c's experts). */
+void gemm_f32_panels(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                     int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+    panel_range(x, ldx, packed, bias, y, ldy, M, N, K, p0, p1);
+}
+
 void gemm_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy, int64_t M,
               int64_t N, int64_t K, int num_threads) {
     const int64_t panels = (N + NR - 1) / NR;

@@ -10,7 +10,8 @@ Experts run grouped: the (token, choice) pairs are sorted by expert, each active
 runs one gate/up GEMM and one down GEMM over its rows (the native CPU GEMM through
 pre-packed weights where the dense MLP uses it, torch's matmul elsewhere), and the
 weighted rows are added back to their tokens with one index_add in expert order, the
-order transformers adds them in. Qwen2-MoE adds a shared expert scaled by
+order transformers adds them in. Where the experts are packed for the native GEMM, all of
+that is one native call (worker/moe_kernels.py), bit for bit the same numbers. Qwen2-MoE adds a shared expert scaled by
 sigmoid(shared_expert_gate(x)).
 
 Tensor parallelism shards every expert's intermediate dimension (and the shared
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from noria.worker import moe_kernels
 from noria.worker.gemm_kernels import PackedWeight
 from noria.worker.models.layers import linear, pack_linear_weight, silu_and_mul
 from noria.worker.models.parallel import TensorParallel
@@ -102,6 +104,7 @@ class SparseMoeBlock(nn.Module):
         self.down_packed: list[PackedWeight | None] = [None] * e
         self.shared_gate_up_packed: PackedWeight | None = None
         self.shared_down_packed: PackedWeight | None = None
+        self.native: moe_kernels.PackedExperts | None = None  # the one-call path's view of the packed experts
         self._filled: set[tuple[str, Any]] = set()
 
     # -- forward ----------------------------------------------------------------
@@ -130,6 +133,8 @@ class SparseMoeBlock(nn.Module):
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fused: Any = None) -> torch.Tensor:
         """sum over each token's k experts of weight * expert(x), grouped by expert ([T, hidden])."""
         t, k = ids.shape
+        if self.native is not None and fused is None and t and moe_kernels.usable(x, ids):
+            return moe_kernels.experts(x, weights, ids, self.native)
         out = torch.zeros_like(x)
         if t == 0:
             return out
@@ -153,6 +158,9 @@ class SparseMoeBlock(nn.Module):
     def pack_weights(self) -> None:
         self.gate_up_packed = [pack_linear_weight(w) for w in self.experts_gate_up]
         self.down_packed = [pack_linear_weight(w) for w in self.experts_down]
+        gate_up, down = self.gate_up_packed, self.down_packed
+        if moe_kernels.load() is not None and all(w is not None for w in gate_up + down):
+            self.native = moe_kernels.PackedExperts(gate_up, down)  # type: ignore[arg-type]
         if self.shared_gate_up is not None and self.shared_down is not None:
             self.shared_gate_up_packed = pack_linear_weight(self.shared_gate_up)
             self.shared_down_packed = pack_linear_weight(self.shared_down)
