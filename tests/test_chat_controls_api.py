@@ -161,6 +161,40 @@ def test_chat_logprobs_join_to_the_text_partial_characters_too(oai, demo_tokeniz
     assert [len(t.bytes) for t in content] == [len(p) for p in pieces]  # byte-level: one character per byte
 
 
+def test_logprobs_under_a_grammar_are_the_models_over_what_it_allows(served, demo_path, demo_tokenizer):
+    """vLLM's logprobs: log_softmax of the logits the sampler gets, before penalties, bias and
+    temperature; a grammar's mask is applied before that (vLLM's model runner masks the logits
+    it hands its sampler), so the allowed tokens share all the mass and the rest are -inf,
+    which JSON spells -9999.0 as vLLM does. Reference: transformers on the same checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = demo_tokenizer.encode("Where does the river run?")
+    model = AutoModelForCausalLM.from_pretrained(str(demo_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].double()
+    y, n = demo_tokenizer.convert_tokens_to_ids(["y", "n"])  # the only tokens ["y", "n"] allows first
+    mass = torch.logsumexp(logits[[y, n]], 0)
+    expect = {f"token_id:{t}": (logits[t] - mass).item() for t in (y, n)}
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 1, "logprobs": 5, "guided_choice": ["y", "n"],
+            "return_tokens_as_token_ids": True}
+    edits = {"temperature": 1.7, "seed": 5, "presence_penalty": 2.0, "frequency_penalty": 1.0,
+             "repetition_penalty": 1.8, "logit_bias": {str(y): 4.0, str(n): -3.0}, "min_p": 0.2}
+    tops = []
+    for extra in ({"temperature": 0}, edits):
+        status, out = _post(f"{served.http}/v1/completions", {**body, **extra})
+        assert status == 200, out
+        lp = out["choices"][0]["logprobs"]
+        token, top = lp["tokens"][0], lp["top_logprobs"][0]
+        assert token in expect and lp["token_logprobs"][0] == pytest.approx(expect[token], abs=1e-4)
+        allowed = {t: v for t, v in top.items() if v > -9999.0}
+        assert allowed == pytest.approx(expect, abs=1e-4)
+        assert sum(2.718281828459045 ** v for v in allowed.values()) == pytest.approx(1.0, abs=1e-4)
+        assert len(top) == 5 and [v for v in top.values() if v <= -9999.0] == [-9999.0] * 3  # numbers, not null
+        tops.append(allowed)
+    assert tops[0] == tops[1]  # penalties, bias, min_p and temperature change the draw, not the logprobs
+
+
 def test_top_logprobs_range(oai):
     zero = _chat(oai, max_tokens=2, logprobs=True, top_logprobs=0)
     assert all(t.top_logprobs == [] for t in zero.choices[0].logprobs.content)

@@ -192,6 +192,25 @@ def test_logprobs_match_float64_log_softmax() -> None:
         assert lp.top_logprobs == pytest.approx(reference[i].topk(k).values.tolist(), abs=1e-5)
 
 
+def test_logprobs_are_raw_whatever_edits_the_logits() -> None:
+    """vLLM's default logprobs mode ("raw_logprobs"): allowed ids, bad words, logit bias,
+    penalties, the min_tokens ban and temperature change what is drawn, never the logprobs,
+    the sampled token's included (here one the edits forced, with a low raw logprob)."""
+    logits = _logits(12, rows=1)
+    reference = torch.log_softmax(logits.double(), dim=-1)[0]
+    forced = int(reference.argmin())  # the model's least likely token: only the edits pick it
+    edits = EngineSamplingParams(temperature=0.0, logprobs=4, allowed_token_ids=[forced, 2], logit_bias={forced: 50.0},
+                                 bad_words_token_ids=[[2]], presence_penalty=1.5, frequency_penalty=0.5,
+                                 repetition_penalty=1.7, min_tokens=3)
+    state = _state(edits, tokens=[1, 2, 3, forced, 2], num_prompt=3, eos=[int(reference.argmax())])
+    tokens, logprobs = Sampler(V, CPU).sample(logits.clone(), [state])
+    assert tokens == [forced] and logprobs is not None and logprobs[0] is not None
+    lp = logprobs[0]
+    assert lp.logprob == pytest.approx(reference[forced].item(), abs=1e-5)
+    assert lp.top_token_ids == reference.topk(4).indices.tolist()
+    assert lp.top_logprobs == pytest.approx(reference.topk(4).values.tolist(), abs=1e-5)
+
+
 def test_no_logprobs_field_when_nobody_asks() -> None:
     _, logprobs = Sampler(V, CPU).sample(_logits(0, rows=2), [_state(EngineSamplingParams()) for _ in range(2)])
     assert logprobs is None

@@ -47,13 +47,22 @@ def _bytes(lp: Logprob) -> list[int] | None:
     return None if lp.bytes is UNSET else lp.bytes
 
 
+# JSON has no -inf: a token a grammar forbids (logprob -inf) is given this, as vLLM's and
+# OpenAI's servers give it, and not a null that typed clients refuse.
+LOGPROB_FLOOR = -9999.0
+
+
+def _value(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
 def _tops(lp: Logprob, as_ids: bool) -> list[tuple[str, float, list[int] | None]]:
     """(text, logprob, bytes) of each top token."""
     n = len(lp.top_token_ids)
     texts = ([token_str(t) for t in lp.top_token_ids] if as_ids or lp.top_tokens is UNSET
              else lp.top_tokens)
     data: list[list[int] | None] = [None] * n if lp.top_bytes is UNSET else list(lp.top_bytes)
-    return list(zip(texts, lp.top_logprobs, data, strict=False))
+    return list(zip(texts, [_value(v) for v in lp.top_logprobs], data, strict=False))
 
 
 def _bytes_of_text(text: str) -> bytes:
@@ -161,14 +170,14 @@ class _Choices:
 def _top_map(lp: Logprob, as_ids: bool) -> dict[str, float]:
     """OpenAI's completions shape: top tokens keyed by their text, the sampled one too."""
     top = {text: v for text, v, _ in _tops(lp, as_ids)}
-    top.setdefault(_spelled(lp, as_ids), lp.logprob)
+    top.setdefault(_spelled(lp, as_ids), _value(lp.logprob))
     return top
 
 
 def _completion_logprobs(lps: list[Logprob], offsets: list[int], as_ids: bool = False) -> CompletionLogprobs:
     return CompletionLogprobs(
         tokens=[_spelled(lp, as_ids) for lp in lps],
-        token_logprobs=[lp.logprob for lp in lps],
+        token_logprobs=[_value(lp.logprob) for lp in lps],
         top_logprobs=[_top_map(lp, as_ids) for lp in lps],
         text_offset=offsets,
     )
@@ -192,7 +201,7 @@ def _echo_logprobs(ids: list[int], lps: list[Logprob | None] | None, texts: list
             offsets.append(cursor.place(None if k == 0 and not head.startswith(data) else data))
     return CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=[None if lp is None else lp.logprob for lp in entries],
+        token_logprobs=[None if lp is None else _value(lp.logprob) for lp in entries],
         top_logprobs=[None if lp is None else _top_map(lp, as_ids) for lp in entries],
         text_offset=offsets,
     )
@@ -202,7 +211,7 @@ def _chat_logprobs(lps: list[Logprob], as_ids: bool = False) -> ChatLogprobs:
     return ChatLogprobs(content=[
         ChatTokenLogprob(
             token=_spelled(lp, as_ids),
-            logprob=lp.logprob,
+            logprob=_value(lp.logprob),
             bytes=_bytes(lp),
             top_logprobs=[TopLogprob(token=text, logprob=v, bytes=data) for text, v, data in _tops(lp, as_ids)],
         )
