@@ -86,7 +86,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    help="the chat template to use instead of the tokenizer's: a file, or the Jinja template itself")
     c.add_argument("--generation-config", choices=_choices(GenerationConfigMode), default=None,
                    help="auto (default): the checkpoint's generation_config.json gives temperature, top_p, top_k, "
-                        "min_p and repetition_penalty to requests that do not set them; vllm, none: vLLM's defaults")
+                        "min_p, repetition_penalty and (max_new_tokens) max_tokens to requests that do not set them; "
+                        "vllm, none: vLLM's defaults")
     c.add_argument("--trust-request-chat-template", action="store_true", default=None,
                    help="let requests bring their own chat_template (Jinja code, rendered sandboxed under a 2 s "
                         "deadline and --max-chat-template-chars; without this flag such a request is refused)")
