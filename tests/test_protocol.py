@@ -240,7 +240,10 @@ def test_engine_params_carry_token_ids_only_once_each():
     wire = msgspec.msgpack.encode(EngineRequest(0, [1], e, [2], more_samples=[EngineSample(i, i) for i in range(1, 4)]))
     assert b"zebra" not in wire and b"giraffe" not in wire  # text stays in the frontend
     assert e.stop_token_ids == [3, 9] and e.allowed_token_ids == [1, 5] and e.bad_words_token_ids == [[7, 8], [4]]
-    assert set(EngineSamplingParams.__struct_fields__) <= set(SamplingParams.__struct_fields__) | {"bad_words_token_ids"}
+    # Beyond SamplingParams' own fields only token ids the frontend derived: the bad words' and the
+    # reasoning parser's end-of-thinking token (the grammar waits for it).
+    derived = {"bad_words_token_ids", "reasoning_end_token_id"}
+    assert set(EngineSamplingParams.__struct_fields__) <= set(SamplingParams.__struct_fields__) | derived
     # Sample i's seed is the request's + i, wrapping at 2**64 (vLLM's rule, 64 bits in torch).
     assert [sample_seed(e.seed, i) for i in range(4)] == [2**64 - 2, 2**64 - 1, 0, 1]
     assert sample_seed(None, 3) is None
