@@ -196,19 +196,46 @@ def test_the_avx2_builds_run_the_stack_bit_identically(case: str, tmp_path: Path
             load.cache_clear()
 
 
-def test_a_dense_layer_beside_experts_runs_on_the_driver(tmp_path: Path) -> None:
-    """Qwen3-MoE with a dense first layer (mlp_only_layers): that layer on the driver, the sparse
-    one in Python, declined by its block's class; bit for bit the Python path."""
-    if "qwen3_moe" not in getattr(tiny_models, "MOE_ARCHS", ()):
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_mixture_of_experts_layers_run_on_the_driver(arch: str, tmp_path: Path) -> None:
+    """Mixtral (every layer sparse), Qwen2-MoE (a shared expert and its gate) and Qwen3-MoE (a
+    dense first layer, mlp_only_layers): every layer on the driver, a sparse one's MLP its block
+    called back on the driver's normed rows; bit for bit the Python path, and each block ran
+    once per layer and step."""
+    if arch not in getattr(tiny_models, "MOE_ARCHS", ()):
         pytest.skip("no mixture-of-experts tiny checkpoints here")
-    runner = _runner(make_checkpoint("qwen3_moe", tmp_path / "qwen3_moe"))
-    reasons = _coverage(runner)
-    assert reasons[0] is None and all(r is not None and r.startswith("mlp is ") for r in reasons[1:]), reasons
+    runner = _runner(make_checkpoint(arch, tmp_path / arch))
+    layers = runner.model.layers
+    sparse = [i for i, layer in enumerate(layers) if type(layer.mlp).__name__ == "SparseMoeBlock"]
+    assert sparse and (arch != "qwen3_moe" or sparse == list(range(1, len(layers))))
+    assert native_stack.coverage(runner.model, runner._kv_layers) == [None] * len(layers)
+    calls: list[int] = []
+    for i in sparse:
+        layers[i].mlp.register_forward_hook(lambda m, args, out, i=i: calls.append(i))
     for name, step in STEPS.items():
         python, _ = _forward(runner, step, native=False)
+        calls.clear()
         native, ran = _forward(runner, step, native=True)
         assert ran == (name != "long prompt"), name
-        assert torch.equal(python, native), f"{name}: hidden states or written K/V differ"
+        assert calls == sparse, name
+        assert torch.equal(python, native), f"{arch}, {name}: hidden states or written K/V differ"
+    stack = runner.model._stack
+    assert stack is not None and stack.segments == [(0, len(layers), True)]
+
+
+def test_a_failing_expert_block_raises_from_the_driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception in a sparse layer's block, called from inside the C driver, reaches the caller."""
+    if "mixtral" not in getattr(tiny_models, "MOE_ARCHS", ()):
+        pytest.skip("no mixture-of-experts tiny checkpoints here")
+    runner = _runner(make_checkpoint("mixtral", tmp_path / "mixtral"))
+    block = runner.model.layers[-1].mlp
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("expert block failed")
+
+    monkeypatch.setattr(block, "forward", broken)
+    with pytest.raises(RuntimeError, match="expert block failed"):
+        _forward(runner, STEPS["decode"], native=True)
 
 
 class _ExpertsMLP(MLP):

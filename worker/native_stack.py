@@ -7,7 +7,9 @@ It runs the layers built exactly as the Llama family's (Qwen3's per-head q/k nor
 Phi-3's partial rotary included) or as Gemma 2 / 3's (worker/models/gemma.py) on those
 kernels: float32 on the CPU, one rank, packed native GEMM weights, and a step whose
 attention is one call of the paged kernel per layer (decode rows, or short prompts as
-rows: `TorchAttentionBackend.paged_rows`).
+rows: `TorchAttentionBackend.paged_rows`). A mixture-of-experts layer (Mixtral, Qwen2-MoE,
+Qwen3-MoE) runs its attention on the driver too; its MLP is the layer's own SparseMoeBlock,
+called back from the driver on the driver's normed rows (its experts one native call).
 `coverage` says, per layer, why not where it does not; those layers run in Python
 between the driver's runs of the others, and the worker logs `describe`'s line at
 start-up. worker/cpu_ops.py decides whether it is on (NORIA_DISABLE_CPU_STACK=1: off).
@@ -47,6 +49,11 @@ class _Layer(ctypes.Structure):
     _fields_ += [("window", _I64), ("q_norm", _P), ("k_norm", _P)]
     _fields_ += [("post_attn_norm", _P), ("post_mlp_norm", _P), ("soft_cap", ctypes.c_float),
                  ("geglu", ctypes.c_int32), ("local_rope", _I64)]
+    _fields_ += [("moe", _P), ("index", _I64)]
+
+
+# A sparse layer's MLP as the driver calls it: (layer index, rows) -> 0, or nonzero on failure.
+_MOE_CALL = ctypes.CFUNCTYPE(ctypes.c_int, _I64, _I64)
 
 
 class _Shape(ctypes.Structure):
@@ -100,6 +107,12 @@ class NativeStack:
         self._capacity, self._buffers = 0, []
         # Biases the driver reads: contiguous copies, kept alive here.
         self._keep: list[torch.Tensor] = []
+        # The sparse layers' blocks, the callback the driver calls them through, and while the
+        # driver runs, its normed rows and output (`run`) and the failure of a block's call.
+        self._moe_blocks: dict[int, torch.nn.Module] = {}
+        self._moe_call = _MOE_CALL(self._run_moe)
+        self._io: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._moe_error: BaseException | None = None
         self.layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             if reasons[i] is not None:
@@ -113,9 +126,13 @@ class NativeStack:
             mlp_norm = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
             self.layers[i] = _Layer(
                 _packed(at.qkv_packed), self._bias(at.qkv_bias), _packed(at.o_packed), self._bias(at.o_bias),
-                _packed(mlp.gate_up_packed), self._bias(mlp.gate_up_bias), _packed(mlp.down_packed),
-                self._bias(mlp.down_bias), layer.input_layernorm.weight.data_ptr(), mlp_norm.weight.data_ptr(),
+                _packed(mlp.gate_up_packed), self._bias(getattr(mlp, "gate_up_bias", None)),
+                _packed(mlp.down_packed), self._bias(getattr(mlp, "down_bias", None)), layer.input_layernorm.weight.data_ptr(), mlp_norm.weight.data_ptr(),
                 k_cache.data_ptr(), v_cache.data_ptr(), at.attn.sliding_window or 0, q_norm, k_norm)
+            if _is_moe(mlp):
+                self._moe_blocks[i] = mlp
+                self.layers[i].moe = ctypes.cast(self._moe_call, _P).value
+                self.layers[i].index = i
             if gemma:
                 self.layers[i].post_attn_norm = layer.post_attention_layernorm.weight.data_ptr()
                 self.layers[i].post_mlp_norm = layer.post_feedforward_layernorm.weight.data_ptr()
@@ -167,12 +184,30 @@ class NativeStack:
                      slots.data_ptr(), *(b.data_ptr() for b in buf[:-1]), torch.get_num_threads(),
                      int(residual is not None), 2 * cos.shape[-1], cos_local.data_ptr(), sin_local.data_ptr())
         layers = ctypes.byref(self.layers, start * ctypes.sizeof(_Layer))
-        status = dll.decoder_stack(ctypes.byref(kernels), layers, end - start, ctypes.byref(self.shape),
-                                   ctypes.byref(step), x.data_ptr(), other.data_ptr())
+        self._io, self._moe_error = (buf[0][: t * hidden].view(t, hidden), x), None
+        try:
+            status = dll.decoder_stack(ctypes.byref(kernels), layers, end - start, ctypes.byref(self.shape),
+                                       ctypes.byref(step), x.data_ptr(), other.data_ptr())
+        finally:
+            self._io = None
+        if status == -2 and self._moe_error is not None:
+            raise self._moe_error
         if status != 0:
             raise MemoryError("decoder_stack: no memory for the attention kernel's task list")
         self.layer_runs += end - start
         return x, other
+
+    def _run_moe(self, index: int, tokens: int) -> int:
+        """The driver's call of sparse layer `index` on its first `tokens` normed rows: the
+        block's output into x. An exception cannot cross the C frames: it is kept for `run`."""
+        try:
+            assert self._io is not None
+            normed, x = self._io
+            x[:tokens].copy_(self._moe_blocks[index](normed[:tokens]))
+            return 0
+        except BaseException as e:  # noqa: BLE001 - re-raised by `run` once the driver has returned
+            self._moe_error = e
+            return 1
 
 
 # The structure the driver runs, and nothing else: a layer is native only if it is built
@@ -201,7 +236,7 @@ _SPEC_FIELDS = {"architecture", "vocab_size", "hidden_size", "intermediate_size"
                 "num_kv_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
                 "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "rope", "sliding_windows", "checkpoint_dtype"}
 # ModelSpec fields read only by the mixture-of-experts block that takes a sparse layer's `mlp`:
-# each layer's check declines that block by its class, so a dense layer beside it stays native.
+# the driver calls that block back as it is, so they are its business alone.
 _MOE_FIELDS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                "norm_topk_prob", "router_weights_in_model_dtype", "sparse_layers"}
 
@@ -335,11 +370,16 @@ def _layer_reason(model: LlamaForCausalLM, layer: torch.nn.Module,
     from noria.worker.models import gemma as gm
     from noria.worker.models.layers import RMSNorm
     from noria.worker.models.llama import MLP, Attention, DecoderLayer
+    from noria.worker.models.moe import SparseMoeBlock
 
     # A Gemma model's layers are built from Gemma's classes, with two more norms.
     gemma = model.spec.gemma is not None
     layer_cls, attn_cls, mlp_cls, norm_cls = ((gm.GemmaDecoderLayer, gm.GemmaAttention, gm.GemmaMLP, gm.GemmaRMSNorm)
                                               if gemma else (DecoderLayer, Attention, MLP, RMSNorm))
+    # A sparse layer's MLP is its block, called back as it is (its own parameters and switches).
+    moe = not gemma and _is_moe(getattr(layer, "mlp", None))
+    if moe:
+        mlp_cls = SparseMoeBlock
     norm_names = ("input_layernorm", "post_attention_layernorm")
     if gemma:
         norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -350,17 +390,21 @@ def _layer_reason(model: LlamaForCausalLM, layer: torch.nn.Module,
     for module, cls, name in expected:
         if type(module) is not cls:
             return f"{name} is {type(module).__name__}"
-    assert isinstance(at, Attention) and isinstance(mlp, MLP)
-    params = {name for name, _ in layer.named_parameters()}
+    assert isinstance(at, Attention) and isinstance(mlp, SparseMoeBlock if moe else MLP)
+    params = {name for name, _ in layer.named_parameters() if not (moe and name.startswith("mlp."))}
     qk_norm = at.q_norm is not None or at.k_norm is not None
     required = _PARAMS | (_QK_NORM_PARAMS if qk_norm else set()) | (_GEMMA_PARAMS if gemma else set())
+    if moe:
+        required -= {"mlp.gate_up_proj", "mlp.down_proj"}
     extra = sorted(params - required - _OPTIONAL_PARAMS)
     if extra:
         return f"parameters outside its structure: {', '.join(extra)}"
     missing = sorted(required - params)
     if missing:
         return f"missing parameters: {', '.join(missing)}"
-    modules = [(layer, "layer"), (at, "self_attn"), (mlp, "mlp"), *zip(norms, norm_names, strict=True)]
+    modules = [(layer, "layer"), (at, "self_attn"), *zip(norms, norm_names, strict=True)]
+    if not moe:
+        modules.append((mlp, "mlp"))
     if qk_norm and _rotary_dim(model) != at.attn.head_dim:
         return "per-head q/k norm with partial rotary: its fused kernel rotates whole heads"
     if qk_norm:
@@ -381,7 +425,9 @@ def _layer_reason(model: LlamaForCausalLM, layer: torch.nn.Module,
     cap = at.attn.logits_soft_cap
     if cap is not None and not cap > 0:
         return f"LayerAttention.logits_soft_cap={cap!r}: a cap must be positive"
-    packed = {"qkv": at.qkv_packed, "o": at.o_packed, "gate_up": mlp.gate_up_packed, "down": mlp.down_packed}
+    packed = {"qkv": at.qkv_packed, "o": at.o_packed}
+    if not moe:
+        packed |= {"gate_up": mlp.gate_up_packed, "down": mlp.down_packed}
     unpacked = [name for name, p in packed.items() if not isinstance(p, PackedWeight)]
     if unpacked:
         return f"{', '.join(unpacked)} not packed for the native GEMM"
@@ -405,7 +451,15 @@ def _shape_key(model: LlamaForCausalLM, layer: torch.nn.Module) -> tuple[object,
 def _layer_dims(model: LlamaForCausalLM, layer: torch.nn.Module) -> tuple[int, int, int, int, int]:
     """(hidden, heads, KV heads, head size, intermediate) of one decoder layer."""
     a = layer.self_attn.attn
-    return model.spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, layer.mlp.gate_up_proj.shape[0] // 2
+    # A sparse layer has no dense MLP of its own: the model's dense size keeps its shape the dense layers'.
+    inter = model.spec.intermediate_size if _is_moe(layer.mlp) else layer.mlp.gate_up_proj.shape[0] // 2
+    return model.spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, inter
+
+
+def _is_moe(mlp: object) -> bool:
+    from noria.worker.models.moe import SparseMoeBlock
+
+    return type(mlp) is SparseMoeBlock
 
 
 def _packed(p: object) -> int | None:

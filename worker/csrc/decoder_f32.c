@@ -25,6 +25,9 @@
  * place, with the (1 + w) weights its Python layers pass the same norm kernel;
  * its MLP's activation is GeGLU (tanh), its attention may soft-cap the scores,
  * and Gemma 3's sliding layers rotate with a rope of their own.
+ * A mixture-of-experts layer's MLP is the caller's function (its router and
+ * experts: the model's own block, whose experts are one native call), which
+ * reads st->normed and writes x, as the Python layer passes them.
  */
 #include <stdint.h>
 
@@ -75,6 +78,9 @@ typedef struct { /* packed weights (see gemm_f32.c), biases or NULL, norm weight
     float soft_cap;     /* attention logit soft-cap, 0 for none */
     int32_t geglu;      /* the MLP's activation: GeGLU (tanh) if set, else SiLU */
     int64_t local_rope; /* rotate with Step's cos_local / sin_local (Gemma 3's sliding layers) */
+    /* A sparse layer's MLP: x[:T] = moe(layer, normed[:T]) by the caller, 0 on success; NULL: dense */
+    int (*moe)(int64_t layer, int64_t T);
+    int64_t index; /* this layer's index in the model, moe's first argument */
 } Layer;
 
 typedef struct {
@@ -93,7 +99,8 @@ typedef struct {
     const float *cos_local, *sin_local; /* the local_rope layers' [T, rotary_dim / 2] */
 } Step;
 
-/* Returns 0, or -1 when the attention kernel could not allocate (nothing after it computed). */
+/* Returns 0, -1 when the attention kernel could not allocate (nothing after it computed), or
+ * -2 when a layer's moe call failed (the caller holds why). */
 int decoder_stack(const Kernels *kn, const Layer *layers, int64_t num_layers, const Shape *s, const Step *st,
                   float *x, float *other) {
     const int64_t T = st->tokens, hid = s->hidden, D = s->head_dim, th = st->num_threads;
@@ -124,10 +131,16 @@ int decoder_stack(const Kernels *kn, const Layer *layers, int64_t num_layers, co
         if (l->post_attn_norm) /* in place: each row is summed before any of it is written */
             kn->norm(other, 0, l->post_attn_norm, other, T, hid, s->eps, th);
         kn->norm(other, x, l->post_norm, st->normed, T, hid, s->eps, th);
-        kn->gemm(st->normed, hid, l->gate_up, l->gate_up_bias, st->gate_up, 2 * s->intermediate, T,
-                 2 * s->intermediate, hid, th);
-        (l->geglu ? kn->gelu_tanh : kn->silu)(st->gate_up, 2 * s->intermediate, st->act, T, s->intermediate, th);
-        kn->gemm(st->act, s->intermediate, l->down, l->down_bias, x, hid, T, hid, s->intermediate, th);
+        if (l->moe) {
+            if (l->moe(l->index, T) != 0)
+                return -2;
+        } else {
+            kn->gemm(st->normed, hid, l->gate_up, l->gate_up_bias, st->gate_up, 2 * s->intermediate, T,
+                     2 * s->intermediate, hid, th);
+            (l->geglu ? kn->gelu_tanh : kn->silu)(st->gate_up, 2 * s->intermediate, st->act, T, s->intermediate,
+                                                  th);
+            kn->gemm(st->act, s->intermediate, l->down, l->down_bias, x, hid, T, hid, s->intermediate, th);
+        }
         if (l->post_mlp_norm)
             kn->norm(x, 0, l->post_mlp_norm, x, T, hid, s->eps, th);
     }
