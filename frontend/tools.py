@@ -11,7 +11,6 @@ tools.
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -96,16 +95,22 @@ def named_schema(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """A non-empty array of calls, each `{"name": one of the tools, "arguments": that
     tool's parameters}`; one call only when `parallel` is false. Each tool's `$defs` move
-    to the root under a name of their own, its `$ref`s with them."""
+    to the root under a name of their own, its `$ref`s with them; a tool whose refs point
+    into its own parameters (`#`, a recursive schema) has them under the root's `$defs` too,
+    so that its `#` still means its parameters, not the array of calls. One pass over each
+    tool's schema: the work grows with the tools' size, whatever their number."""
     defs: dict[str, Any] = {}
     options = []
     for i, tool in enumerate(tools):
-        params = copy.deepcopy(_parameters(tool))
+        own = f"#/$defs/tool{i}"
+        root_refs = [False]
+        params = _rename_refs(_parameters(tool), f"tool{i}_", own, root_refs)
         for key in ("$defs", "definitions"):
             for name, schema in (params.pop(key, None) or {}).items():
                 defs[f"tool{i}_{name}"] = schema
-        params = _rename_refs(params, i)
-        defs = {k: _rename_refs(v, i) if k.startswith(f"tool{i}_") else v for k, v in defs.items()}
+        if root_refs[0]:
+            defs[f"tool{i}"] = params
+            params = {"$ref": own}
         options.append({"type": "object",
                         "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
                                        "arguments": params},
@@ -118,17 +123,25 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
     return schema
 
 
-def _rename_refs(value: Any, i: int) -> Any:
+def _rename_refs(value: Any, prefix: str, own: str, root_refs: list[bool]) -> Any:
+    """A copy of `value` whose local `$ref`s point where `required_schema` moves their
+    targets: `#/$defs/x` (or `#/definitions/x`) to `#/$defs/{prefix}x`, any other pointer
+    into the parameters (`#`, `#/properties/...`) under `own`; `root_refs[0]` is set when
+    there was one of those."""
     if isinstance(value, dict):
-        out = {k: _rename_refs(v, i) for k, v in value.items()}
+        out = {k: _rename_refs(v, prefix, own, root_refs) for k, v in value.items()}
         ref = out.get("$ref")
-        if isinstance(ref, str):
-            for prefix in ("#/$defs/", "#/definitions/"):
-                if ref.startswith(prefix):
-                    out["$ref"] = f"#/$defs/tool{i}_{ref[len(prefix):]}"
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            for moved in ("#/$defs/", "#/definitions/"):
+                if ref.startswith(moved):
+                    out["$ref"] = f"#/$defs/{prefix}{ref[len(moved):]}"
+                    break
+            else:
+                out["$ref"] = own + ref[1:]
+                root_refs[0] = True
         return out
     if isinstance(value, list):
-        return [_rename_refs(v, i) for v in value]
+        return [_rename_refs(v, prefix, own, root_refs) for v in value]
     return value
 
 

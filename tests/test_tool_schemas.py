@@ -1,0 +1,106 @@
+"""The JSON schema that tool_choice "required" constrains a chat's output to
+(frontend/tools.py `required_schema`): every tool keeps its own meaning inside the array of
+calls, `$ref`s included, judged by jsonschema on the tool's parameters alone; llguidance
+compiles it; and building it costs work in proportion to the tools' size, never their
+number squared (it runs on the frontend's helper thread, which every large request shares)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from noria.frontend import tools as tooling
+
+TREE = {"type": "object", "properties": {"label": {"type": "string"},
+                                         "children": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["label"], "additionalProperties": False}
+DEFS = {"$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+        "type": "object", "properties": {"at": {"$ref": "#/$defs/point"}}, "required": ["at"]}
+DRAFT7 = {"definitions": {"unit": {"enum": ["c", "f"]}},
+          "type": "object", "properties": {"unit": {"$ref": "#/definitions/unit"}}, "required": ["unit"]}
+POINTER = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
+           "required": ["a", "b"]}
+# Same def name as DEFS, another meaning: the two must not meet at the root.
+CLASH = {"$defs": {"point": {"type": "string"}}, "type": "object", "properties": {"at": {"$ref": "#/$defs/point"}},
+         "required": ["at"]}
+SCHEMAS = {"tree": TREE, "defs": DEFS, "draft7": DRAFT7, "pointer": POINTER, "clash": CLASH}
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
+
+INSTANCES = [
+    ("tree", {"label": "a", "children": [{"label": "b", "children": [{"label": "c"}]}]}),
+    ("tree", {"label": "a", "children": [{"children": []}]}),  # a child without its label
+    ("tree", {"label": "a", "children": [[{"name": "tree", "arguments": {"label": "x"}}]]}),  # a call list as child
+    ("defs", {"at": {"x": 1}}),
+    ("defs", {"at": "here"}),
+    ("draft7", {"unit": "c"}),
+    ("draft7", {"unit": "k"}),
+    ("pointer", {"a": 1, "b": 2}),
+    ("pointer", {"a": 1, "b": "2"}),
+    ("clash", {"at": "here"}),
+    ("clash", {"at": {"x": 1}}),
+]
+
+
+def _valid(instance, schema) -> bool:
+    try:
+        jsonschema.validate(instance, schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name,arguments", INSTANCES)
+def test_required_schema_keeps_each_tools_meaning(name, arguments):
+    combined = tooling.required_schema(TOOLS, parallel=True)
+    want = _valid(arguments, SCHEMAS[name])
+    assert _valid([{"name": name, "arguments": arguments}], combined) == want
+    # One call's arguments judged by another tool's schema would be a wrong answer too.
+    for other, schema in SCHEMAS.items():
+        if other != name:
+            assert _valid([{"name": other, "arguments": arguments}], combined) == _valid(arguments, schema)
+    assert TOOLS[0]["function"]["parameters"] == TREE  # the request's own tools are left as they came
+
+
+def test_required_schema_compiles(demo_path: Path):
+    import llguidance as llg
+
+    tok = llg.LLTokenizer((demo_path / "tokenizer.json").read_text(), eos_token=[2])
+    for parallel in (True, False):
+        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(tooling.required_schema(TOOLS, parallel)))
+        matcher = llg.LLMatcher(tok, grammar, log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+
+
+def _lines_run(n: int) -> int:
+    """Lines of frontend/tools.py executed to build the schema of `n` tools that each have
+    `$defs`: a count of work that does not depend on the machine's speed."""
+    many = [{"type": "function", "function": {"name": f"f{i}", "parameters": DEFS}} for i in range(n)]
+    path = tooling.__file__
+    count = 0
+
+    def trace(frame, event, _arg):
+        nonlocal count
+        if frame.f_code.co_filename != path:
+            return None
+        if event == "line":
+            count += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        tooling.required_schema(many, parallel=True)
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_required_schema_work_grows_with_the_tools_not_their_square():
+    small, large = _lines_run(40), _lines_run(160)
+    assert small > 0
+    # Four times the tools: four times the work, give or take the fixed part; a pass over
+    # every earlier tool's definitions per tool makes it about sixteen.
+    assert large < 5 * small, (small, large)
