@@ -175,6 +175,8 @@ def add_input_limit_args(ap: argparse.ArgumentParser) -> None:
                    help=f"logit_bias entries per request (default {d.max_logit_bias})")
     g.add_argument("--max-chat-template-chars", type=int, default=d.max_chat_template_chars, metavar="N",
                    help=f"characters of a request's own chat_template (default {d.max_chat_template_chars})")
+    g.add_argument("--max-tools", type=int, default=d.max_tools, metavar="N",
+                   help=f"OpenAI tools of a chat request (default {d.max_tools})")
 
 
 def input_limits(args: argparse.Namespace) -> Any:

@@ -42,8 +42,11 @@ def prepare(msg: Generate | Embed, processor: InputProcessor, embedder: Embedder
         return Prepared(ids, _EMBED_PARAMS, _EMBED_ENGINE_PARAMS, None, msg)
     if embedder is not None:
         raise NoriaError(ErrorCode.INVALID_REQUEST, GENERATE_ON_POOLING)
+    # Sizes first, in time proportional to the request's size: reading the tools (and building
+    # the grammar of tool_choice "required") costs more per character.
+    processor.check_sizes(msg)
     setup = chat_setup(msg, chat)  # tools checked before the template sees them
-    prompt_ids, params = processor.process(msg)
+    prompt_ids, params = processor.process(msg, sizes_checked=True)
     if setup is not None and setup.structured is not None:  # tool_choice "required" or a named function
         params = msgspec.structs.replace(params, structured_output=setup.structured)
     engine_params = processor.engine_params(params)

@@ -78,6 +78,9 @@ class InputLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_logit_bias: Positive = 1024
     # Characters of a request's own `chat_template` (a server's --chat-template is not held to it).
     max_chat_template_chars: Positive = 65536
+    # OpenAI `tools` of a chat request: each is checked, rendered and, under tool_choice
+    # "required", turned into one branch of the output's grammar.
+    max_tools: Positive = 1024
 
 
 class InputProcessor:
@@ -105,8 +108,9 @@ class InputProcessor:
         given = self.limits.max_prompt_chars
         self.max_prompt_chars = longest if given is None else min(given, longest)
 
-    def process(self, msg: Generate) -> tuple[list[int], SamplingParams]:
-        """Tokenize and validate; raises NoriaError naming the problem."""
+    def process(self, msg: Generate, sizes_checked: bool = False) -> tuple[list[int], SamplingParams]:
+        """Tokenize and validate; raises NoriaError naming the problem. `sizes_checked`: the
+        caller has already run `check_sizes` on `msg`."""
         given = [x is not None for x in (msg.prompt, msg.messages, msg.prompt_token_ids)]
         if sum(given) != 1:
             raise NoriaError(
@@ -114,7 +118,8 @@ class InputProcessor:
             )
         if not msg.request_id:
             raise NoriaError(ErrorCode.INVALID_REQUEST, "request_id must be a non-empty string")
-        self.check_sizes(msg)
+        if not sizes_checked:
+            self.check_sizes(msg)
         self.check_priority(msg.priority)
         salt_problem = cache_salt_problem(msg.cache_salt)
         if salt_problem:
@@ -208,11 +213,17 @@ class InputProcessor:
             if len(msg.messages) > lim.max_messages:
                 raise ParamError("messages", f"{len(msg.messages)} messages, more than the {lim.max_messages} "
                                  "this server accepts")
+            if msg.tools is not None and len(msg.tools) > lim.max_tools:
+                raise ParamError("tools", f"{len(msg.tools)} tools, more than the {lim.max_tools} this server "
+                                 "accepts (--max-tools)")
             # The template's variables and tools are rendered into the prompt too.
             extra = [v for v in (msg.chat_template_kwargs, msg.tools) if v]
             size = json_size([msg.messages, *extra], self.max_prompt_chars)
             if size > self.max_prompt_chars:
-                raise ParamError("messages", f"messages hold more than {self.max_prompt_chars} characters (every "
+                # Name the tools when they alone are too large: they are what to cut.
+                field = "tools" if msg.tools and json_size(msg.tools, self.max_prompt_chars) > self.max_prompt_chars \
+                    else "messages"
+                raise ParamError(field, f"messages hold more than {self.max_prompt_chars} characters (every "
                                  "field counted, with chat_template_kwargs and tools), more than max_model_len "
                                  f"{self.max_model_len} tokens can spell", ErrorCode.PROMPT_TOO_LONG)
 

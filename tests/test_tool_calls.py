@@ -40,6 +40,7 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "add": ADD, "now": {"type": "object", "additionalProperties": False}}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+MANY_TOOLS = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(9)]
 MODEL = [""]
 
 # Qwen2.5's way of writing tools and calls, on the demo tokenizer's header tokens.
@@ -69,7 +70,7 @@ def tools_model(demo_path, tmp_path_factory):
 def served(tools_model):
     MODEL[0] = str(tools_model)  # the served model's name is its --model
     with serve_http("--model", str(tools_model), "--num-kv-blocks", "256", "--enable-auto-tool-choice",
-                    "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3") as s:
+                    "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--max-tools", "8") as s:
         yield s
 
 
@@ -189,6 +190,7 @@ def test_reasoning_content_whole_and_streamed(served, oai):
     ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": "get_weather"}, "tools"),
+    ({"tools": MANY_TOOLS, "tool_choice": "required"}, "tools"),  # past --max-tools
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_tools_are_400s_naming_the_field(served, oai, extra, param):
@@ -266,3 +268,41 @@ def test_zmq_client_chat_with_tools_and_history(served, tools_model):
             regex="<think>[a-z]{3}</think>ok")))
         assert thought.outputs[0].reasoning_content and len(thought.outputs[0].reasoning_content) == 3
         assert thought.outputs[0].text == "ok"
+
+
+def test_websocket_tools_past_the_limits_fail_alone(served):
+    """On one websocket: a request with more tools than --max-tools and one whose tool
+    schema nests too deeply get errors naming `tools`; the socket's tool call beside them
+    is served."""
+    import asyncio
+
+    import websockets
+
+    deep: dict = {"type": "object", "properties": {}}
+    node = deep
+    for _ in range(400):
+        node["properties"]["a"] = {"type": "object", "properties": {}}
+        node = node["properties"]["a"]
+    nested = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+
+    async def main() -> dict[str, dict]:
+        url = served.http.replace("http://", "ws://") + "/v1/stream"
+        async with websockets.connect(url, max_size=None) as ws:
+            for rid, tools in (("many", MANY_TOOLS), ("deep", nested), ("ok", TOOLS)):
+                await ws.send(json.dumps({"type": "generate", "request_id": rid, "messages": MESSAGES, "tools": tools,
+                                          "tool_choice": "required", "max_tokens": 1000, "seed": 1}))
+            finals: dict[str, dict] = {}
+            while len(finals) < 3:
+                m = json.loads(await ws.recv())
+                if m["type"] in ("done", "error"):
+                    finals[m["request_id"]] = m
+            return finals
+
+    finals = asyncio.run(main())
+    assert finals["many"]["type"] == "error" and finals["many"]["param"] == "tools", finals["many"]
+    assert "--max-tools" in finals["many"]["message"]
+    assert finals["deep"]["type"] == "error" and finals["deep"]["param"] == "tools", finals["deep"]
+    ok = finals["ok"]
+    assert ok["type"] == "done" and ok["finish_reason"] == "tool_calls", ok
+    for tc in ok["tool_calls"][0]:
+        check_call(tc["function"]["name"], tc["function"]["arguments"])

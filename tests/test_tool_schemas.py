@@ -104,3 +104,47 @@ def test_required_schema_work_grows_with_the_tools_not_their_square():
     # Four times the tools: four times the work, give or take the fixed part; a pass over
     # every earlier tool's definitions per tool makes it about sixteen.
     assert large < 5 * small, (small, large)
+
+
+def test_tools_are_counted_and_sized_before_they_are_read(demo_tokenizer, monkeypatch):
+    """`--max-tools` and the prompt-size limit refuse a request before its tools are checked
+    or turned into a grammar (work that grows faster with them than the size check does),
+    naming `tools` when they are at fault; /tokenize's tools are held to the same count."""
+    from noria.frontend.chat_output import ChatConfig
+    from noria.frontend.prepare import prepare
+    from noria.frontend.processor import InputLimits, InputProcessor
+    from noria.protocol.client import Generate, Tokenize
+    from noria.protocol.errors import ErrorCode, NoriaError, ParamError
+
+    built = []
+    original = tooling.required_schema
+    monkeypatch.setattr(tooling, "required_schema", lambda *a: built.append(a) or original(*a))
+    proc = InputProcessor(demo_tokenizer, [2], 700, 2048, InputLimits(max_prompt_chars=3000, max_tools=3))
+    small = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(4)]
+    messages = [{"role": "user", "content": "hi"}]
+
+    def refusal(tools, content="hi", choice="required"):
+        msg = Generate(request_id="r", messages=[{"role": "user", "content": content}], tools=tools,
+                       tool_choice=choice)
+        try:
+            prepare(msg, proc, None, ChatConfig())
+        except NoriaError as e:
+            return e
+        return None
+
+    e = refusal(small)
+    assert isinstance(e, ParamError) and e.param == "tools" and "--max-tools" in e.message
+    # One named choice that is not among them: the count is what the answer names.
+    e = refusal(small, choice={"type": "function", "function": {"name": "missing"}})
+    assert isinstance(e, ParamError) and e.param == "tools"
+    wordy = [{"type": "function", "function": {"name": "f", "description": "d" * 4000}}]
+    e = refusal(wordy)
+    assert isinstance(e, ParamError) and e.param == "tools" and e.code == ErrorCode.PROMPT_TOO_LONG
+    e = refusal(small[:1], content="x" * 4000)
+    assert isinstance(e, ParamError) and e.param == "messages" and e.code == ErrorCode.PROMPT_TOO_LONG
+    assert built == []
+    refusal(small[:3])  # within the limits: read (whatever the tiny context then says of the prompt)
+    assert len(built) == 1
+    with pytest.raises(ParamError) as info:
+        proc.tokenize_request(Tokenize(request_id="t", messages=messages, tools=small))
+    assert info.value.param == "tools"
