@@ -72,8 +72,15 @@ class LLM:
         tool_choice: str | dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation or several; the chat template controls (vLLM's) and OpenAI's
-        `tools` / `tool_choice` apply to each (the calls come back in each output's `tool_calls`)."""
+        `tools` / `tool_choice` apply to each (the calls come back in each output's `tool_calls`).
+        `tools` without a `tool_choice` on an engine made without `enable_auto_tool_choice` and a
+        `tool_call_parser` only reach the template, as vLLM's `LLM.chat` hands them on: the
+        text is the model's, unread (`tool_choice="required"` or a named one still constrain)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        chat_config = self.core.chat
+        if tools and tool_choice is None and not (chat_config.enable_auto_tool_choice
+                                                  and chat_config.tool_call_parser is not None):
+            tool_choice = "none"
         plist = _as_params_list(params, len(convs))
         chat = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                 "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs,

@@ -341,6 +341,16 @@ def test_offline_llm_chat_takes_the_template_controls(demo_tokenizer):
                        continue_final_message=True)[0]
         assert out.prompt_token_ids == demo_tokenizer(demo_tokenizer.apply_chat_template(
             partial, tokenize=False, continue_final_message=True), add_special_tokens=False)["input_ids"]
+        # As vLLM's LLM.chat: tools reach the template with no tool-call parser configured.
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+        with_tools = own + "{% for t in tools %}({{ t['function']['name'] }}){% endfor %}"
+        out = llm.chat(CHAT, SamplingParams(max_tokens=2), use_tqdm=False, chat_template=with_tools, tools=tools)[0]
+        assert out.prompt_token_ids == _render(demo_tokenizer, CHAT, chat_template=with_tools, tools=tools)
+        assert out.outputs[0].finish_reason == "length"
+        # A constraining choice still constrains.
+        out = llm.chat(CHAT, SamplingParams(max_tokens=200), use_tqdm=False, chat_template=with_tools, tools=tools,
+                       tool_choice="required")[0].outputs[0]
+        assert out.finish_reason == "tool_calls" and [c.function.name for c in out.tool_calls] == ["lookup"]
 
 
 def test_the_servers_token_ids_flag_is_the_default_a_request_may_override(demo_path, demo_tokenizer):
