@@ -39,11 +39,14 @@ from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.sampling import EngineSamplingParams
 
 Sink = Callable[[Delta | Done | Error | Embedding], None]
+# How the scheduler begins a grammar's compile error (scheduler/scheduler.py).
+_GRAMMAR = "structured_output does not compile: "
 
 
 class _Request:
     __slots__ = ("key", "client", "started", "request_id", "sink", "prompt_ids", "samples", "open",
-                 "num_cached_tokens", "params", "priority", "group", "resumed", "cache_salt", "embed")
+                 "num_cached_tokens", "params", "priority", "group", "resumed", "cache_salt", "embed",
+                 "grammar_param")
 
     def __init__(self, key: Hashable, client: Hashable, request_id: str, sink: Sink, prompt_ids: list[int],
                  params: EngineSamplingParams, priority: int, group: int | None,
@@ -64,6 +67,9 @@ class _Request:
         self.cache_salt = cache_salt
         self.resumed = False
         self.embed: Embed | None = None
+        # The field to blame when its grammar does not compile: `tools` where the grammar is
+        # tool_choice's, made from the tools' parameters (the client sent no grammar itself).
+        self.grammar_param: str | None = None
 
 
 class Limits(msgspec.Struct, frozen=True):
@@ -132,6 +138,8 @@ class FrontendCore:
         req = _Request(key, client, msg.request_id, sink, prompt_ids, prepared.engine_params, msg.priority, group,
                        msg.cache_salt)
         req.embed = prepared.embed
+        if prepared.chat is not None and prepared.chat.structured is not None:
+            req.grammar_param = "tools"
         tok, eos = self.processor.tokenizer, self.processor.eos_ids
         for i in range(params.n):
             sample = Sample.start(first + i, i, prepared, tok, eos, stream)
@@ -193,7 +201,11 @@ class FrontendCore:
                 self.num_queued -= 1
             if u.finish_reason == "error":
                 # Errors concern the whole request (all samples).
-                self._fail(req, u.error_code or ErrorCode.INTERNAL, u.error_message or "engine error")
+                code, message, param = u.error_code or ErrorCode.INTERNAL, u.error_message or "engine error", None
+                if code == ErrorCode.INVALID_GRAMMAR and req.grammar_param is not None:
+                    param = req.grammar_param
+                    message = f"a tool's parameters do not compile as a JSON schema: {message.removeprefix(_GRAMMAR)}"
+                self._fail(req, code, message, param)
                 continue
             if u.embedding is not None:
                 self._embedded(req, s, u.embedding, u.num_cached_tokens)
@@ -258,14 +270,14 @@ class FrontendCore:
                                           cache_salt=req.cache_salt))
         return len(self.by_rid)
 
-    def _fail(self, req: _Request, code: str, message: str) -> None:
+    def _fail(self, req: _Request, code: str, message: str, param: str | None = None) -> None:
         open_rids = [s.rid for s in req.samples if s.finish_reason is None]
         for s in req.samples:
             s.finish_reason = s.finish_reason or "error"
         self._close(req)
         if not self.dead_reason:
             self.engine.abort(open_rids)
-        req.sink(Error(request_id=req.request_id, code=code, message=message))
+        req.sink(Error(request_id=req.request_id, code=code, message=message, param=param))
 
     def _close(self, req: _Request) -> None:
         for s in req.samples:

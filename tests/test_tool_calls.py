@@ -191,6 +191,11 @@ def test_reasoning_content_whole_and_streamed(served, oai):
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": "get_weather"}, "tools"),
     ({"tools": MANY_TOOLS, "tool_choice": "required"}, "tools"),  # past --max-tools
+    # A schema object that llguidance cannot compile: the engine's invalid_grammar names the tools.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": 5}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "nonsense"}}}}}], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_tools_are_400s_naming_the_field(served, oai, extra, param):
