@@ -23,7 +23,9 @@
  *
  * x [T, H]; ids [T, k] int64 in [0, E); weights [T, k] float32;
  * gate_up[e]: expert e's [2I, H] weight packed as gemm_f32.c packs it,
- * down[e]: its [H, I]; out [T, H] (overwritten).
+ * down[e]: its [H, I]; out [T, H] (overwritten); scratch: T * k * (H + 3I)
+ * floats, the caller's, kept across calls (a fresh mapping of a prefill's
+ * tens of MB per call costs its page faults, ~10 % of the call).
  * Returns 0, -1 when scratch memory could not be allocated (out untouched),
  * -2 on an expert id out of range or k outside 1..64.
  */
@@ -67,7 +69,7 @@ static int64_t plan(Task *tasks, const int64_t *counts, const int64_t *offsets, 
 
 int moe_experts(panels_fn gemm, silu_fn silu, int64_t nr, const float *x, int64_t T, int64_t H, int64_t I,
                 int64_t E, int64_t k, const int64_t *ids, const float *weights, const float *const *gate_up,
-                const float *const *down, float *out, int num_threads) {
+                const float *const *down, float *out, float *scratch, int num_threads) {
     const int64_t R = T * k, gu_n = 2 * I;
     if (k < 1 || k > 64) return -2;
     for (int64_t i = 0; i < R; i++)
@@ -78,11 +80,11 @@ int moe_experts(panels_fn gemm, silu_fn silu, int64_t nr, const float *x, int64_
     /* plan() makes at most tiles + 16 * threads tasks, tiles <= R / ROWS + E */
     const int64_t max_tasks = 2 * (R + E + 16 * (int64_t)threads) + 2;
     /* rows [R, H] (the gathered inputs, then the down GEMM's outputs), gate/up [R, 2I], act [R, I] */
-    float *rows = malloc(sizeof(float) * (size_t)(R * (H + gu_n + I)));
+    float *rows = scratch;
     int64_t *counts = calloc((size_t)(3 * E + 2 * R), sizeof(int64_t));
     Task *tasks = malloc(sizeof(Task) * (size_t)max_tasks);
-    if (rows == NULL || counts == NULL || tasks == NULL) {
-        free(rows), free(counts), free(tasks);
+    if (counts == NULL || tasks == NULL) {
+        free(counts), free(tasks);
         return -1;
     }
     float *gu = rows + R * H, *act = gu + R * gu_n;
@@ -142,6 +144,6 @@ int moe_experts(panels_fn gemm, silu_fn silu, int64_t nr, const float *x, int64_
             }
         }
     }
-    free(rows), free(counts), free(tasks);
+    free(counts), free(tasks);
     return 0;
 }
