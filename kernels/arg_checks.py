@@ -56,16 +56,17 @@ def check_window(window: int | None, soft_cap: float | None) -> tuple[np.int32, 
     return np.int32(window or 0), np.float32(soft_cap or 0.0)
 
 
-def check_decode_args(
+def check_attention_args(
     out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor,
 ) -> tuple[int, int, int]:
-    """The decode contract's shape checks; returns (block_size, num_kv_heads, head_dim)."""
+    """The shape checks decode and prefill share (out has one row per query row); returns
+    (block_size, num_kv_heads, head_dim)."""
     block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
-    num_seqs, num_heads = query.shape[0], query.shape[1]
+    num_rows, num_heads = query.shape[0], query.shape[1]
     check_rows("query", query, num_heads, head_dim)
-    if out.shape != (num_seqs, num_heads, head_dim) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{num_seqs}, {num_heads}, {head_dim}] tensor")
+    if out.shape != (num_rows, num_heads, head_dim) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{num_rows}, {num_heads}, {head_dim}] tensor")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"{num_heads} query heads do not group evenly over {num_kv_heads}")
     check_int32("block_tables", block_tables, 2)

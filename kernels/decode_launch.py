@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from noria.kernels import instances
-from noria.kernels.arg_checks import check_decode_args, check_window, dtype_name
+from noria.kernels.arg_checks import check_attention_args, check_window, dtype_name
 from noria.kernels.backends import KernelBackend, default_backend
 from noria.kernels.instances import AttentionConfig, ModuleSpec
 from noria.kernels.launch_plan import (
@@ -59,7 +59,7 @@ def paged_attention_decode(
     lets choose_num_partitions decide, True / False force split-K (partitions of
     partition_size tokens) or a single pass. A window splits by the keys it covers, not the
     context: a long sliding-window context costs its window."""
-    block_size, num_kv_heads, head_dim = check_decode_args(out, query, k_cache, v_cache, block_tables, seq_lens)
+    block_size, num_kv_heads, head_dim = check_attention_args(out, query, k_cache, v_cache, block_tables, seq_lens)
     window_args = check_window(window, soft_cap)
     num_seqs, num_heads = query.shape[0], query.shape[1]
     if num_seqs == 0:

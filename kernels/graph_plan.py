@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from noria.kernels import instances, ops
-from noria.kernels.arg_checks import check_decode_args, check_window, dtype_name
+from noria.kernels.arg_checks import check_attention_args, check_window, dtype_name
 from noria.kernels.backends import KernelBackend, default_backend
 from noria.kernels.instances import AttentionConfig
 from noria.kernels.launch_plan import (
@@ -176,7 +176,7 @@ class GraphDecode:
     ) -> None:
         """One query per row (rows = the bucket size): out[s] = attention of query[s] over the
         first seq_lens[s] keys of row s, as ops.paged_attention_decode computes it."""
-        block_size, num_kv_heads, head_dim = check_decode_args(
+        block_size, num_kv_heads, head_dim = check_attention_args(
             out, query, k_cache, v_cache, step.block_tables, step.seq_lens)
         window_args = check_window(window, soft_cap)
         if window is not None and window >= 1 << 30:

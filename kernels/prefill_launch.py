@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from noria.kernels import instances
-from noria.kernels.arg_checks import check_cache, check_int32, check_rows, check_window, dtype_name
+from noria.kernels.arg_checks import check_attention_args, check_int32, check_window, dtype_name
 from noria.kernels.backends import KernelBackend, default_backend
 from noria.kernels.instances import AttentionConfig
 from noria.kernels.launch_plan import NUM_THREADS, PREFILL_TILE, StepPlan, plan_step
@@ -41,16 +41,9 @@ def paged_attention_prefill(
     from query_start_loc with a device sync); skip_decode (with a plan) leaves the rows of
     one-token sequences unwritten, for the decode kernel. float32 runs the CUDA-core kernel
     over every sequence (max_query_len sizes its grid)."""
-    block_size, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
+    block_size, num_kv_heads, head_dim = check_attention_args(out, query, k_cache, v_cache, block_tables, seq_lens)
     window_args = check_window(window, soft_cap)
     num_tokens, num_heads = query.shape[0], query.shape[1]
-    check_rows("query", query, num_heads, head_dim)
-    if out.shape != (num_tokens, num_heads, head_dim) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{num_tokens}, {num_heads}, {head_dim}] tensor")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"{num_heads} query heads do not group evenly over {num_kv_heads}")
-    check_int32("block_tables", block_tables, 2)
-    check_int32("seq_lens", seq_lens, 1)
     check_int32("query_start_loc", query_start_loc, 1)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1:
