@@ -20,7 +20,7 @@ from noria.frontend.reasoning import ReasoningParser, make_reasoning_parser
 from noria.frontend.tool_parsers import PARSERS, NamedParser, RequiredParser, ToolParser
 from noria.protocol.client import Generate, ToolCall, ToolCallDelta
 from noria.protocol.errors import ParamError
-from noria.protocol.structured import StructuredOutput
+from noria.protocol.structured import MAX_SPEC_CHARS, StructuredOutput, json_problem, spec_text
 
 
 class ChatConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,7 +88,13 @@ def chat_setup(msg: Generate, config: ChatConfig) -> ChatSetup | None:
                       else tooling.named_schema(msg.tools, choice.removeprefix("function:")))  # type: ignore[union-attr]
         except RecursionError:
             raise ParamError("tools", "a tool's parameters nest too deeply") from None
+        # As a request's own schema is checked (protocol/structured.py): JSON data, not too large.
+        problem = json_problem(schema)
+        if problem is not None:
+            raise ParamError("tools", f"a tool's parameters are not a JSON schema: {problem}")
         structured = StructuredOutput(json=schema)
+        if len(spec_text(structured)) > MAX_SPEC_CHARS:
+            raise ParamError("tools", f"the tools' parameters make a schema larger than {MAX_SPEC_CHARS} characters")
     kwargs = getattr(msg, "chat_template_kwargs", None)
     template_kwargs = kwargs if isinstance(kwargs, dict) else None
     reasoning = config.reasoning_parser

@@ -164,6 +164,6 @@ def _parsed_call(call: Any) -> Any:
         return call
     try:
         args = json.loads(fn["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what the decoder follows
         return call
     return {**call, "function": {**fn, "arguments": args}}

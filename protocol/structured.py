@@ -15,6 +15,7 @@ import msgspec
 from noria.protocol.errors import ParamError
 
 MAX_SPEC_CHARS = 1 << 20  # a schema or grammar larger than this is refused, not compiled
+MAX_SPEC_DEPTH = 256  # objects and arrays inside one another in a JSON schema
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -42,12 +43,44 @@ def check_structured(so: StructuredOutput, field: str = "structured_output") -> 
     if isinstance(so.json, str):
         try:
             schema = json.loads(so.json)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ParamError(field, f"{field}.json is not valid JSON: {e}") from None
         if not isinstance(schema, dict | bool):
             raise ParamError(field, f"{field}.json must be a JSON schema (an object), got {type(schema).__name__}")
+    else:
+        schema = so.json
+    # msgpack carries what JSON cannot (bytes, integer keys, NaN); the scheduler writes the
+    # schema as JSON text, so such a schema is refused here, for this request alone.
+    problem = json_problem(schema)
+    if problem is not None:
+        raise ParamError(field, f"{field}.json is not a JSON schema: {problem}")
     if len(spec_text(so)) > MAX_SPEC_CHARS:
         raise ParamError(field, f"{field} is larger than {MAX_SPEC_CHARS} characters")
+
+
+def json_problem(value: Any, max_depth: int = MAX_SPEC_DEPTH) -> str | None:
+    """Why `value` is not plain JSON data (objects with string keys, arrays, strings, finite
+    numbers, true, false, null), or None. A loop, not recursion: it may nest deeply."""
+    todo: list[tuple[Any, int]] = [(value, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, dict):
+            if depth >= max_depth:
+                return f"it nests more than {max_depth} objects and arrays deep"
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    return f"an object key is a {type(k).__name__}, not a string"
+                todo.append((x, depth + 1))
+        elif isinstance(v, list):
+            if depth >= max_depth:
+                return f"it nests more than {max_depth} objects and arrays deep"
+            todo.extend((x, depth + 1) for x in v)
+        elif isinstance(v, float):
+            if v != v or v in (float("inf"), float("-inf")):
+                return f"{v} is not a JSON number"
+        elif v is not None and not isinstance(v, str | int):  # bool is an int
+            return f"a {type(v).__name__} value is not JSON"
+    return None
 
 
 def spec_text(so: StructuredOutput) -> str:

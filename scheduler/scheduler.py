@@ -152,7 +152,13 @@ class Scheduler(StepResults):
         self.requests[rid] = req
         self.stats.prompt_tokens += req.num_prompt_tokens
         if msg.params.structured_output is not None:
-            matcher = self.grammars.submit(rid, msg.params.structured_output, msg.eos_token_ids)
+            try:
+                matcher = self.grammars.submit(rid, msg.params.structured_output, msg.eos_token_ids)
+            except (TypeError, ValueError, RecursionError) as e:
+                # A constraint the frontend should have refused (not JSON): this request fails,
+                # never the loop that serves every other (and its resubmission after a restart).
+                self._finish(req)
+                return self.reject(rid, ErrorCode.INVALID_GRAMMAR, f"structured_output does not compile: {e}")
             if matcher is None:  # queues in `grammars_ready` once its grammar has compiled
                 req.status = Status.WAITING_GRAMMAR
                 return

@@ -26,6 +26,13 @@ from noria.scheduler.structured_output import StructuredOutputManager, advance
 from noria.worker.grammar_mask import apply_grammar_bitmask
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize("so, words", [
     (StructuredOutput(), "exactly one"),
     (StructuredOutput(regex="a", grammar="start: x"), "exactly one"),
@@ -33,6 +40,14 @@ from noria.worker.grammar_mask import apply_grammar_bitmask
     (StructuredOutput(choice=["a", ""]), "non-empty"),
     (StructuredOutput(json="{oops"), "not valid JSON"),
     (StructuredOutput(json="[1]"), "JSON schema"),
+    # What msgpack can carry and JSON cannot: the scheduler writes the schema as JSON text.
+    (StructuredOutput(json={"type": "string", "title": b"\xff"}), "bytes value is not JSON"),
+    (StructuredOutput(json={"properties": {1: {}, "a": {}}}), "key is a int"),
+    (StructuredOutput(json={"maximum": float("nan")}), "nan is not a JSON number"),
+    (StructuredOutput(json={"items": [{"minimum": float("-inf")}]}), "-inf is not a JSON number"),
+    (StructuredOutput(json='{"a":' * 300 + "1" + "}" * 300), "nests more than 256"),
+    (StructuredOutput(json="[" * 5000 + "]" * 5000), "not valid JSON"),
+    (StructuredOutput(json=_nested(300)), "nests more than 256"),
 ])
 def test_malformed_constraints_are_param_errors(so, words):
     with pytest.raises(ParamError, match=words) as e:
@@ -100,6 +115,23 @@ def test_manager_compiles_off_thread_caches_and_reports_errors(demo_path):
 
 def _request(rid: int, n_prompt: int, so: StructuredOutput | None) -> EngineRequest:
     return EngineRequest(rid, list(range(3, 3 + n_prompt)), EngineSamplingParams(max_tokens=8, structured_output=so), [2])
+
+
+def test_scheduler_refuses_a_schema_it_cannot_write_and_serves_on(demo_path):
+    """A constraint that reaches the scheduler unchecked and is no JSON (a frontend bug, or
+    a client of the engine link) fails its request alone: the scheduler's loop, and every
+    other request, go on."""
+    config = EngineConfig(model=str(demo_path), max_num_batched_tokens=64)
+    sched = Scheduler(config, 64, 512)
+    for rid, schema in ((1, {"title": b"\x00"}), (2, {"properties": {1: {}, "a": {}}})):
+        sched.add_request(_request(rid, 4, StructuredOutput(json=schema)))
+    sched.add_request(_request(3, 4, None))
+    updates = {u.req_id: u for u in sched.take_updates()}
+    assert {r: (u.finish_reason, u.error_code) for r, u in updates.items()} == {
+        1: ("error", "invalid_grammar"), 2: ("error", "invalid_grammar")}
+    assert set(sched.requests) == {3}
+    plan = sched.schedule()
+    assert [r for r, _ in plan.scheduled] == [3]
 
 
 def test_scheduler_waits_for_the_grammar_and_masks_only_sampling_steps(demo_path):

@@ -311,3 +311,54 @@ def test_websocket_tools_past_the_limits_fail_alone(served):
     assert ok["type"] == "done" and ok["finish_reason"] == "tool_calls", ok
     for tc in ok["tool_calls"][0]:
         check_call(tc["function"]["name"], tc["function"]["arguments"])
+
+
+def test_zmq_tools_and_schemas_json_cannot_spell_fail_alone(served):
+    """msgpack carries what JSON cannot: bytes, integer keys, NaN and infinities, in tool
+    parameters or a request's own schema. Each such request gets its own 400-class error;
+    none reaches the scheduler (one that did stopped it, and its resubmission after every
+    restart stopped the next, until the engine was declared dead), and the next request is served."""
+    import msgspec
+    import zmq
+
+    def tool(params):
+        return [{"type": "function", "function": {"name": "f", "parameters": params}}]
+
+    prop = {"type": "object", "properties": {"a": {"type": "number"}}}
+    cases = {
+        "bytes": {"tools": tool({**prop, "description": b"\xff"}), "tool_choice": "required"},
+        "nan": {"tools": tool({**prop, "maximum": float("nan")}), "tool_choice": "required"},
+        "inf": {"tools": tool({**prop, "minimum": float("-inf")}), "tool_choice": {"type": "function",
+                                                                                 "function": {"name": "f"}}},
+        "keys": {"tools": tool({"type": "object", "properties": {1: {"type": "integer"}, "b": {}}}),
+                 "tool_choice": "required"},
+        "own_schema": {"structured_output": {"json": {"type": "object", "title": b"\x00"}}},
+        "own_keys": {"structured_output": {"json": {"type": "object", "properties": {2: {}, "x": {}}}}},
+    }
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(served.address)
+    try:
+        for rid, body in cases.items():
+            sock.send(msgspec.msgpack.encode({"type": "generate", "request_id": rid, "messages": MESSAGES,
+                                              "max_tokens": 20, **body}))
+        got: dict[str, dict] = {}
+        while len(got) < len(cases):
+            assert sock.poll(120_000), f"no answer for {set(cases) - set(got)}"
+            m = msgspec.msgpack.decode(sock.recv())
+            if m["type"] in ("done", "error"):
+                got[m["request_id"]] = m
+        sock.send(msgspec.msgpack.encode({"type": "generate", "request_id": "after", "messages": MESSAGES,
+                                          "tools": TOOLS, "tool_choice": "required", "max_tokens": 1000}))
+        sock.send(msgspec.msgpack.encode({"type": "get_stats"}))
+        while "after" not in got or "stats" not in got:
+            assert sock.poll(120_000), "no answer after the bad requests"
+            m = msgspec.msgpack.decode(sock.recv())
+            if m["type"] != "delta":
+                got[m.get("request_id") or m["type"]] = m
+    finally:
+        sock.close()
+    for rid in cases:
+        assert got[rid]["type"] == "error" and got[rid]["code"] == "invalid_request", got[rid]
+        assert got[rid]["param"] == ("tools" if rid in ("bytes", "nan", "inf", "keys") else "structured_output")
+    assert got["after"]["type"] == "done" and got["after"]["finish_reason"] == "tool_calls", got["after"]
+    assert got["stats"]["scheduler_restarts"] == 0

@@ -148,3 +148,14 @@ def test_tools_are_counted_and_sized_before_they_are_read(demo_tokenizer, monkey
     with pytest.raises(ParamError) as info:
         proc.tokenize_request(Tokenize(request_id="t", messages=messages, tools=small))
     assert info.value.param == "tools"
+
+
+def test_history_arguments_too_deep_for_json_stay_text():
+    """An assistant call's arguments are handed to the template as an object when they are
+    JSON; nested past what json.loads follows, they stay the text they are (they were an
+    internal error)."""
+    deep = "[" * 5000 + "]" * 5000
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}},
+             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"a": 1}'}}]
+    out = tooling.template_messages([{"role": "assistant", "content": None, "tool_calls": calls}])
+    assert [c["function"]["arguments"] for c in out[0]["tool_calls"]] == [deep, {"a": 1}]
