@@ -116,23 +116,30 @@ def _as_ids(request: web.Request, req: SamplingFields) -> bool:
     return request.app[TOKEN_IDS] if own is None else own
 
 
+async def read_body(request: web.Request) -> bytes | web.Response:
+    """The body, read whole under a deadline (a client that sends its body slowly holds a
+    connection and a buffer), or the 408 to answer when it did not come in time."""
+    limits = request.app[LIMITS]
+    try:
+        async with asyncio.timeout(limits.body_timeout or None):
+            return await request.read()
+    except TimeoutError:
+        request.app[METRICS].body_timeouts.inc()
+        resp = error_response(408, f"the request body did not come within {limits.body_timeout:g}s "
+                              "(--http-body-timeout)", "request_timeout")
+        resp.force_close()  # the rest of the body is not worth waiting for
+        return resp
+
+
 async def _serve(request: web.Request, kind: type[R], to_messages: Callable[[R, Callable[[], str]], list[Generate]],
                  make_builder: Callable[[R, str, int], Any]) -> web.StreamResponse:
     """Read and check the body, then fan its generate messages out and build OpenAI's answer."""
     app = request.app
     gateway, limits, budgets = app[GATEWAY], app[LIMITS], app[BUDGETS]
     try:
-        try:
-            # Read whole under a deadline: a client that sends its body slowly holds a
-            # connection and a buffer.
-            async with asyncio.timeout(limits.body_timeout or None):
-                body = await request.read()
-        except TimeoutError:
-            app[METRICS].body_timeouts.inc()
-            resp = error_response(408, f"the request body did not come within {limits.body_timeout:g}s "
-                                  "(--http-body-timeout)", "request_timeout")
-            resp.force_close()  # the rest of the body is not worth waiting for
-            return resp
+        body = await read_body(request)
+        if isinstance(body, web.Response):
+            return body
         if len(body) > LARGE_BODY:
             # Hundreds of milliseconds of decoding and converting for a body with 100,000
             # messages: on a thread, so that the event loop keeps relaying everyone's streams.

@@ -17,15 +17,16 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from noria.frontend.bridge.errors import BadRequest, error_response, from_noria
+from noria.frontend.bridge.errors import BadRequest, from_noria
 from noria.frontend.bridge.openai_api import (
     LARGE_BODY,
     _error_response,
     _served_model,
     json_response,
+    read_body,
 )
 from noria.frontend.bridge.openai_requests import decode_body
-from noria.frontend.bridge.state import BUDGETS, GATEWAY, LIMITS, METRICS
+from noria.frontend.bridge.state import BUDGETS, GATEWAY
 from noria.frontend.inputs import Prompt, make_embed
 from noria.protocol.client import Embedding
 from noria.protocol.errors import NoriaError
@@ -102,17 +103,11 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
 
 async def handle_embeddings(request: web.Request) -> web.Response:
     app = request.app
-    gateway, limits, budgets = app[GATEWAY], app[LIMITS], app[BUDGETS]
+    gateway, budgets = app[GATEWAY], app[BUDGETS]
     try:
-        try:
-            async with asyncio.timeout(limits.body_timeout or None):
-                body = await request.read()
-        except TimeoutError:
-            app[METRICS].body_timeouts.inc()
-            resp = error_response(408, f"the request body did not come within {limits.body_timeout:g}s "
-                                  "(--http-body-timeout)", "request_timeout")
-            resp.force_close()
-            return resp
+        body = await read_body(request)
+        if isinstance(body, web.Response):
+            return body
         if len(body) > LARGE_BODY:  # off the event loop, as the other endpoints do
             req = await asyncio.to_thread(decode_body, body, EmbeddingRequest)
         else:
