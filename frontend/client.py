@@ -17,7 +17,7 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 from noria.frontend.connection import ENGINE_UNREACHABLE, Connection
-from noria.frontend.inputs import Prompt, embed_inputs, make_embed, make_generate
+from noria.frontend.inputs import Prompt, make_embed, make_generate, prompt_list
 from noria.frontend.outputs import OutputBuilder, RequestOutput
 from noria.protocol.client import (
     Abort,
@@ -286,7 +286,7 @@ class AsyncClient:
         from a server started with `--runner pooling`. The inputs run as one request each, side by
         side; the first error is raised and the others are aborted."""
         msgs = [make_embed(self.new_request_id(), p, dimensions=dimensions, priority=priority, cache_salt=cache_salt)
-                for p in embed_inputs(inputs)]
+                for p in prompt_list(inputs)]
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self.embed_request(m)) for m in msgs]

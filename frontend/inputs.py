@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -47,8 +48,9 @@ def make_generate(
                     parallel_tool_calls=parallel_tool_calls, **fields)
 
 
-def embed_inputs(inputs: Prompt | list[Prompt]) -> list[Prompt]:
-    """What `embed` takes, as a list of inputs: a text, token ids, or a list of either."""
+def prompt_list(inputs: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """What `generate` and `embed` take, as a list of inputs: a text, token ids, or a list of
+    either."""
     if isinstance(inputs, str):
         return [inputs]
     items = list(inputs)

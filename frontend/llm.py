@@ -14,7 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from noria.frontend.core import FrontendCore
-from noria.frontend.inputs import Prompt, embed_inputs, make_embed, make_generate
+from noria.frontend.inputs import Prompt, make_embed, make_generate, prompt_list
 from noria.frontend.outputs import OutputBuilder, RequestOutput
 from noria.frontend.pump import pump_engine
 from noria.frontend.startup import make_config, start_core
@@ -50,7 +50,7 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        items = _as_prompt_list(prompts)
+        items = prompt_list(prompts)
         plist = _as_params_list(params, len(items))
         msgs = [
             make_generate(self._next_id(), prompt, p, priority=priority[i] if priority else 0)
@@ -93,7 +93,7 @@ class LLM:
               use_tqdm: bool = True) -> list[list[float]]:
         """One embedding per input (a text or token ids), in input order, from an engine made
         with `runner="pooling"`; `dimensions` keeps that many components, normalized again."""
-        inputs = embed_inputs(texts if isinstance(texts, str) else list(texts))
+        inputs = prompt_list(texts)
         msgs = [make_embed(self._next_id(), p, dimensions=dimensions) for p in inputs]
         finals: dict[str, Embedding | Error | Done] = {}
 
@@ -185,15 +185,6 @@ class LLM:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.shutdown()
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
-        return [prompts]  # one prompt given as token ids
-    return prompts
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,
