@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -18,7 +18,7 @@ from noria.frontend.inputs import Prompt, make_embed, make_generate, prompt_list
 from noria.frontend.outputs import OutputBuilder, RequestOutput
 from noria.frontend.pump import pump_engine
 from noria.frontend.startup import make_config, start_core
-from noria.protocol.client import Delta, Done, Embedding, Error, Generate, SchedulerStats
+from noria.protocol.client import Delta, Done, Embed, Embedding, Error, Generate, SchedulerStats
 from noria.protocol.errors import ErrorCode, NoriaError
 from noria.protocol.sampling import SamplingParams
 
@@ -101,21 +101,9 @@ class LLM:
             if not isinstance(out, Delta):
                 finals[out.request_id or ""] = out
 
-        core = self.core
         for m in msgs:
-            core.submit(m.request_id, m, sink, stream=False)
-        bar = tqdm(total=len(msgs), desc="embed", unit="req", disable=not use_tqdm or len(msgs) < 2, leave=False)
-        try:
-            while len(finals) < len(msgs):
-                before = len(finals)
-                self._pump(500)
-                bar.update(len(finals) - before)
-        except BaseException:
-            for m in msgs:
-                core.abort(m.request_id)
-            raise
-        finally:
-            bar.close()
+            self.core.submit(m.request_id, m, sink, stream=False)
+        self._wait(msgs, lambda: len(finals), "embed", use_tqdm)
         out = [finals[m.request_id] for m in msgs]
         vectors = []
         for e in out:
@@ -126,26 +114,32 @@ class LLM:
             vectors.append(e.embedding)
         return vectors
 
+    def _wait(self, msgs: Sequence[Generate | Embed], finished: Callable[[], int], desc: str,
+              use_tqdm: bool) -> None:
+        """Pump the engine until `finished()` counts every message, with a progress bar; any
+        exception on the way (Ctrl-C too) aborts them all."""
+        bar = tqdm(total=len(msgs), desc=desc, unit="req", disable=not use_tqdm or len(msgs) < 2, leave=False)
+        done = finished()
+        bar.update(done)
+        try:
+            while done < len(msgs):
+                self._pump(500)
+                now_done = finished()
+                bar.update(now_done - done)
+                done = now_done
+        except BaseException:
+            for m in msgs:
+                self.core.abort(m.request_id)
+            raise
+        finally:
+            bar.close()
+
     def _run(self, msgs: list[Generate], prompts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
         core = self.core
         builders = [OutputBuilder(m.request_id, pr, m.n) for m, pr in zip(msgs, prompts, strict=True)]
         for m, c in zip(msgs, builders, strict=True):
             core.submit(m.request_id, m, c, stream=False)
-        bar = tqdm(total=len(msgs), desc="generate", unit="req", disable=not use_tqdm or len(msgs) < 2, leave=False)
-        done = sum(c.final is not None for c in builders)
-        bar.update(done)
-        try:
-            while done < len(msgs):
-                self._pump(500)
-                now_done = sum(c.final is not None for c in builders)
-                bar.update(now_done - done)
-                done = now_done
-        except BaseException:
-            for m in msgs:
-                core.abort(m.request_id)
-            raise
-        finally:
-            bar.close()
+        self._wait(msgs, lambda: sum(c.final is not None for c in builders), "generate", use_tqdm)
         errors = [c.final for c in builders if isinstance(c.final, Error)]
         if errors:
             e = errors[0]
