@@ -50,23 +50,13 @@ void add_rms_norm(float *h, const float *residual, const float *weight, float *o
  * qkv [T, ld] holds q (H heads), k (KVH heads), v (KVH heads) of size D;
  * cos, sin [T, D/2]. q [T, H, D], k and v [T, KVH, D] are written contiguous.
  * Per pair (x1, x2) = (x[i], x[i + D/2]): x1 * c - x2 * s and x2 * c + x1 * s. */
+void rope_split_partial(const float *qkv, int64_t ld, const float *cos, const float *sin, float *q, float *k,
+                        float *v, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R, int num_threads);
+
+/* Every dim rotates: the partial rotary with R = D (its copy of the unrotated dims is empty). */
 void rope_split(const float *qkv, int64_t ld, const float *cos, const float *sin, float *q, float *k, float *v,
                 int64_t T, int64_t H, int64_t KVH, int64_t D, int num_threads) {
-    const int64_t half = D / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && T >= 64)
-    for (int64_t t = 0; t < T; t++) {
-        const float *row = qkv + t * ld, *c = cos + t * half, *s = sin + t * half;
-        for (int64_t head = 0; head < H + KVH; head++) {
-            const float *x = row + head * D;
-            float *o = head < H ? q + (t * H + head) * D : k + (t * KVH + head - H) * D;
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = x[i], x2 = x[i + half];
-                o[i] = x1 * c[i] - x2 * s[i];
-                o[i + half] = x2 * c[i] + x1 * s[i];
-            }
-        }
-        memcpy(v + t * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
-    }
+    rope_split_partial(qkv, ld, cos, sin, q, k, v, T, H, KVH, D, D, num_threads);
 }
 
 /* Qwen3's per-head q/k RMSNorm, then rotary and the split, in one pass: as rope_split,
