@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from noria.frontend.tool_parsers.json_scan import partial_suffix
+from noria.frontend.tool_parsers.json_scan import split_at_tag
 
 START, END = "<think>", "</think>"
 _BEFORE, _REASONING, _CONTENT = range(3)
@@ -48,24 +48,17 @@ class ReasoningParser:
                         break  # maybe an opening tag: wait
                     self.state = _REASONING
                     continue
-                k = buf.find(START)
-                if k >= 0:
-                    content.append(buf[:k])
-                    self.buf, self.state = buf[k + len(START):], _REASONING
-                    continue
-                hold = 0 if final else partial_suffix(buf, START)
-                content.append(buf[:len(buf) - hold])
-                self.buf = buf[len(buf) - hold:]
-                break
-            k = buf.find(END)
-            if k >= 0:
-                reasoning.append(buf[:k])
-                self.buf, self.state, self.ended = buf[k + len(END):], _CONTENT, True
+                before, self.buf, found = split_at_tag(buf, START, final)
+                content.append(before)
+                if not found:
+                    break
+                self.state = _REASONING
                 continue
-            hold = 0 if final else partial_suffix(buf, END)
-            reasoning.append(buf[:len(buf) - hold])
-            self.buf = buf[len(buf) - hold:]
-            break
+            before, self.buf, found = split_at_tag(buf, END, final)
+            reasoning.append(before)
+            if not found:
+                break
+            self.state, self.ended = _CONTENT, True
         return "".join(reasoning), "".join(content)
 
 

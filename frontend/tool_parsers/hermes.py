@@ -4,7 +4,7 @@ them, with content around them (Qwen2.5, Qwen3, Hermes 2/3)."""
 from __future__ import annotations
 
 from noria.frontend.tool_parsers.base import ToolParser
-from noria.frontend.tool_parsers.json_scan import CallStreamer, partial_suffix
+from noria.frontend.tool_parsers.json_scan import CallStreamer, split_at_tag
 from noria.protocol.client import ToolCallDelta
 
 START, END = "<tool_call>", "</tool_call>"
@@ -24,24 +24,14 @@ class HermesParser(ToolParser):
         while True:
             buf = self.buf
             if self.call is None:
-                k = buf.find(START)
-                if k >= 0:
-                    content.append(buf[:k])
-                    self.buf = buf[k + len(START):]
-                    self.call = CallStreamer(len(self.calls), self.new_id)
-                    self.raw = ""
-                    continue
-                hold = 0 if final else partial_suffix(buf, START)
-                content.append(buf[:len(buf) - hold])
-                self.buf = buf[len(buf) - hold:]
-                break
-            k = buf.find(END)
-            closed = k >= 0
-            if closed:
-                body, self.buf = buf[:k], buf[k + len(END):]
-            else:
-                hold = 0 if final else partial_suffix(buf, END)
-                body, self.buf = buf[:len(buf) - hold], buf[len(buf) - hold:]
+                before, self.buf, found = split_at_tag(buf, START, final)
+                content.append(before)
+                if not found:
+                    break
+                self.call = CallStreamer(len(self.calls), self.new_id)
+                self.raw = ""
+                continue
+            body, self.buf, closed = split_at_tag(buf, END, final)
             self.raw += body
             out += self.call.feed(body)
             if not (closed or final):

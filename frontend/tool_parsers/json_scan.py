@@ -285,6 +285,17 @@ class CallSequence:
         self.rest, self.buf, self.state = rest, "", _SEQ_END
 
 
+def split_at_tag(buf: str, tag: str, final: bool) -> tuple[str, str, bool]:
+    """(the text before `tag`, what stays in the buffer, whether the tag was found). Found,
+    the buffer keeps what follows the tag; not found, the end of `buf` that may become the tag
+    is held back (nothing when the stream is final)."""
+    k = buf.find(tag)
+    if k >= 0:
+        return buf[:k], buf[k + len(tag):], True
+    cut = len(buf) - (0 if final else partial_suffix(buf, tag))
+    return buf[:cut], buf[cut:], False
+
+
 def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that `tag` starts with (held back in a
     stream: it may become the tag)."""
