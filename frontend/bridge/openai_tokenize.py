@@ -10,15 +10,16 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from noria.frontend.bridge.errors import BadRequest, error_response
+from noria.frontend.bridge.errors import BadRequest
 from noria.frontend.bridge.openai_api import (
     LARGE_BODY,
     _error_response,
     _served_model,
     json_response,
+    read_body,
 )
 from noria.frontend.bridge.openai_requests import _message, decode_body
-from noria.frontend.bridge.state import GATEWAY, LIMITS, METRICS
+from noria.frontend.bridge.state import GATEWAY
 from noria.protocol.client import Detokenize, Detokenized, Tokenize, Tokenized
 from noria.protocol.errors import NoriaError
 from noria.protocol.sampling import Int64
@@ -56,29 +57,24 @@ class DetokenizeResponse(msgspec.Struct, kw_only=True):
 
 
 async def _read(request: web.Request, kind: type[Any]) -> Any:
-    """The body decoded as `kind`; raises what `_error_response` answers."""
-    limits = request.app[LIMITS]
-    try:
-        async with asyncio.timeout(limits.body_timeout or None):
-            body = await request.read()
-    except TimeoutError:
-        request.app[METRICS].body_timeouts.inc()
-        raise _BodyTimeout(limits.body_timeout) from None
+    """The body decoded as `kind`; raises what `_error_response` answers, or _BodyTimeout."""
+    body = await read_body(request)
+    if isinstance(body, web.Response):
+        raise _BodyTimeout(body)
     if len(body) > LARGE_BODY:  # off the event loop, as the other endpoints do
         return await asyncio.to_thread(decode_body, body, kind)
     return decode_body(body, kind)
 
 
 class _BodyTimeout(Exception):
-    def __init__(self, seconds: float) -> None:
-        super().__init__(seconds)
-        self.seconds = seconds
+    """read_body's 408, carried out of _read to the handler."""
+
+    def __init__(self, resp: web.Response) -> None:
+        super().__init__(resp.status)
+        self.resp = resp
 
     def response(self) -> web.Response:
-        resp = error_response(408, f"the request body did not come within {self.seconds:g}s (--http-body-timeout)",
-                              "request_timeout")
-        resp.force_close()
-        return resp
+        return self.resp
 
 
 _INPUT_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, BadRequest, NoriaError)
