@@ -12,10 +12,7 @@ import torch
 from noria.kernels import instances
 from noria.kernels.arg_checks import SLOT_DTYPES, check_cache, check_rows, dtype_name
 from noria.kernels.backends import KernelBackend, default_backend
-
-
-def _threads_for(elems: int, cap: int = 256) -> int:
-    return max(32, min(cap, (elems + 31) // 32 * 32))
+from noria.kernels.launch_plan import block_threads
 
 
 def reshape_and_cache(
@@ -48,7 +45,7 @@ def reshape_and_cache(
     with be.launch_context(k_cache.device):
         kern(
             (num_tokens,),
-            (_threads_for(row),),
+            (block_threads(row),),
             (
                 be.ptr(key),
                 be.ptr(value),
@@ -107,6 +104,6 @@ def copy_blocks(
     with be.launch_context(device):
         kern(
             (pairs, len(src_caches)),
-            (_threads_for(units),),
+            (block_threads(units),),
             (be.ptr(src_table), be.ptr(dst_table), be.ptr(mapping), np.int64(units)),
         )

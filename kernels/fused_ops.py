@@ -16,6 +16,7 @@ import torch
 from noria.kernels import instances
 from noria.kernels.arg_checks import SLOT_DTYPES, check_cache, dtype_name
 from noria.kernels.backends import KernelBackend, default_backend
+from noria.kernels.launch_plan import block_threads
 
 NORM_MAX_THREADS = 1024  # one CTA per row; fused_add_rms_norm's launch bound
 ELEMWISE_THREADS = 256
@@ -36,10 +37,6 @@ def _vec_for(dtype: str, features: int, tensors: list[torch.Tensor]) -> int:
         t.data_ptr() % 16 == 0 and (t.dim() == 1 or t.stride(0) % vec == 0) for t in tensors
     )
     return vec if ok else 1
-
-
-def _threads(work: int, cap: int) -> int:
-    return max(32, min(cap, (work + 31) // 32 * 32))
 
 
 def add_rms_norm(
@@ -78,7 +75,7 @@ def add_rms_norm(
     with be.launch_context(x.device):
         kern(
             (rows,),
-            (_threads(hidden // vec, NORM_MAX_THREADS),),
+            (block_threads(hidden // vec, NORM_MAX_THREADS),),
             (
                 be.ptr(x),
                 be.ptr(res),
@@ -119,7 +116,7 @@ def silu_and_mul(
     # The up half starts inter elements into the row: it must be aligned too.
     vec = _vec_for(dtype, inter, [gate_up, out])
     kern = be.kernel(instances.fused_module(dtype), instances.silu_and_mul_name(dtype, vec))
-    threads = _threads(inter // vec, ELEMWISE_THREADS)
+    threads = block_threads(inter // vec, ELEMWISE_THREADS)
     with be.launch_context(gate_up.device):
         kern(
             (rows, -(-(inter // vec) // threads)),
@@ -185,7 +182,7 @@ def rotary_qkv_cache(
     with be.launch_context(qkv.device):
         kern(
             (tokens,),
-            (_threads((num_heads + num_kv_heads) * head_dim // 2, ELEMWISE_THREADS),),
+            (block_threads((num_heads + num_kv_heads) * head_dim // 2, ELEMWISE_THREADS),),
             (
                 be.ptr(qkv),
                 be.ptr(cos2),

@@ -21,6 +21,12 @@ GQA_MIN_CHUNK = 256  # tokens: a shorter partition costs more in partials and me
 GQA_CTAS_PER_SM = 2  # the balanced split aims at this many CTAs per SM
 
 
+def block_threads(work: int, cap: int = 256) -> int:
+    """Threads per CTA of an elementwise kernel with `work` items per CTA: whole warps, at
+    least one, at most `cap`."""
+    return max(32, min(cap, (work + 31) // 32 * 32))
+
+
 def choose_num_partitions(
     max_seq_len: int,
     num_seqs: int,
