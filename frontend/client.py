@@ -129,10 +129,10 @@ class AsyncClient:
         finished = False
         try:
             try:
-                conn.send(msg)
-            except (OverflowError, RecursionError) as e:  # a value msgpack cannot carry: nothing was sent
-                finished = True
-                raise NoriaError(ErrorCode.INVALID_REQUEST, f"the request cannot be encoded: {e}") from None
+                _send_new(conn, msg)
+            except NoriaError:
+                finished = True  # nothing was sent: nothing to abort
+                raise
             while True:
                 out = await inbox.get(loop, self.timeout)
                 if out is None:
@@ -229,10 +229,7 @@ class AsyncClient:
         loop = conn.start()
         inbox = conn.open_inbox(msg.request_id)
         try:
-            try:
-                conn.send(msg)
-            except (OverflowError, RecursionError) as e:  # a value msgpack cannot carry: nothing was sent
-                raise NoriaError(ErrorCode.INVALID_REQUEST, f"the request cannot be encoded: {e}") from None
+            _send_new(conn, msg)
             out = await inbox.get(loop, self.timeout)
         finally:
             conn.close_inbox(msg.request_id, inbox)
@@ -256,10 +253,10 @@ class AsyncClient:
         finished = False
         try:
             try:
-                conn.send(msg)
-            except (OverflowError, RecursionError) as e:  # a value msgpack cannot carry: nothing was sent
-                finished = True
-                raise NoriaError(ErrorCode.INVALID_REQUEST, f"the request cannot be encoded: {e}") from None
+                _send_new(conn, msg)
+            except NoriaError:
+                finished = True  # nothing was sent: nothing to abort
+                raise
             out = await inbox.get(loop, self.timeout)
             if out is None:
                 raise NoriaError(ErrorCode.TIMEOUT, f"no answer from {self.address} for request {rid} within {self.timeout}s")
@@ -390,6 +387,15 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _send_new(conn: Connection, msg: Generate | Embed | Tokenize | Detokenize) -> None:
+    """Send a request's first message; a value msgpack cannot carry (nothing was sent) is a
+    NoriaError for that request."""
+    try:
+        conn.send(msg)
+    except (OverflowError, RecursionError) as e:
+        raise NoriaError(ErrorCode.INVALID_REQUEST, f"the request cannot be encoded: {e}") from None
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
