@@ -21,7 +21,7 @@ FREE = 5  # a token the grammar ("ab" or "ba") rejects
 
 def _compiled(sched: Scheduler, rid: int) -> None:
     while sched.requests[rid].status == Status.WAITING_GRAMMAR:
-        assert select.select([sched.grammars.wake_fd], [], [], 30)[0]
+        assert select.select([sched.grammars.wake_fd], [], [], 600)[0]  # a bound, not a timing: the wait ends on the compile
         sched.grammars_ready()
 
 

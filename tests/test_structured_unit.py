@@ -62,7 +62,12 @@ def test_equal_schemas_share_one_key_and_params_survive_the_wire():
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
 
 
-def _ready(mgr: StructuredOutputManager, timeout: float = 30.0) -> list:
+# Waits end on the state (a compiled grammar, an opened gate); the bounds only keep a broken
+# test from hanging, so they are far past what a loaded 2-core machine needs.
+STATE_WAIT_S = 600.0
+
+
+def _ready(mgr: StructuredOutputManager, timeout: float = STATE_WAIT_S) -> list:
     assert select.select([mgr.wake_fd], [], [], timeout)[0], "no grammar compiled in time"
     return mgr.take_ready()
 
@@ -70,7 +75,7 @@ def _ready(mgr: StructuredOutputManager, timeout: float = 30.0) -> list:
 def _gate(mgr: StructuredOutputManager) -> threading.Event:
     """Hold every compile until the event is set, so that a test sees requests wait."""
     gate, compile_ = threading.Event(), mgr._compile
-    mgr._compile = lambda so, eos: (gate.wait(30), compile_(so, eos))[1]
+    mgr._compile = lambda so, eos: (gate.wait(STATE_WAIT_S), compile_(so, eos))[1]
     return gate
 
 
@@ -148,7 +153,7 @@ def test_scheduler_waits_for_the_grammar_and_masks_only_sampling_steps(demo_path
     assert [r for r, _ in plan.scheduled] == [2] and plan.grammar is None
     gate.set()
     while sched.requests[1].status == Status.WAITING_GRAMMAR:  # the wake-up may be request 3's
-        assert select.select([sched.grammars.wake_fd], [], [], 30)[0]
+        assert select.select([sched.grammars.wake_fd], [], [], STATE_WAIT_S)[0]
         sched.grammars_ready()
     sched.update_from_result(StepResult(plan.step_id, [2], [5]))
     tok = sched.grammars._tokenizer
@@ -199,7 +204,7 @@ def test_a_resumed_request_goes_on_from_its_outputs_in_the_grammar(demo_path):
     so = StructuredOutput(choice=["ab", "ba"])
     sched.add_request(_request(1, 4, so))  # compiles the grammar (cached from here on)
     while sched.requests[1].status == Status.WAITING_GRAMMAR:
-        assert select.select([sched.grammars.wake_fd], [], [], 30)[0]
+        assert select.select([sched.grammars.wake_fd], [], [], STATE_WAIT_S)[0]
         sched.grammars_ready()
     sched.abort([1])
     tok = sched.grammars._tokenizer

@@ -328,9 +328,11 @@ def test_scratch_buffers_grow_and_are_reused(tmp_path: Path) -> None:
 def test_qwen3_through_the_engine_is_the_same_with_the_stack_on_and_off(
         tmp_path: Path, demo_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Real processes: a Qwen3 checkpoint (head_dim 64, GQA, tied embeddings) gives the same greedy
-    tokens and the same logprobs, bit for bit, with the native stack on and with
+    tokens and the same logprobs, to float32 rounding, with the native stack on and with
     NORIA_DISABLE_CPU_STACK=1; both are transformers' greedy continuation, logprobs within float32
-    rounding of transformers' (teacher-forced)."""
+    rounding of transformers' (teacher-forced). Bit for bit is asserted on fixed steps above: two
+    engine runs may cut their steps differently (a request can arrive after the first step is
+    planned), and a row's rounding follows the rows beside it in the GEMMs."""
     from transformers import AutoModelForCausalLM
 
     from noria import LLM, SamplingParams
@@ -353,7 +355,10 @@ def test_qwen3_through_the_engine_is_the_same_with_the_stack_on_and_off(
     on = generate()
     monkeypatch.setenv("NORIA_DISABLE_CPU_STACK", "1")
     off = generate()
-    assert on == off
+    assert [tokens for tokens, _ in on] == [tokens for tokens, _ in off]
+    for (_, a), (_, b) in zip(on, off, strict=True):
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in a]),  # type: ignore[attr-defined]
+                                   torch.tensor([lp.logprob for lp in b]), rtol=0, atol=1e-5)  # type: ignore[attr-defined]
 
     reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     for prompt, (tokens, logprobs) in zip(prompts, on, strict=True):
