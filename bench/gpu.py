@@ -22,7 +22,6 @@ at tiny sizes, on the CPU if there is no GPU: the harness's check, not a measure
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -40,6 +39,7 @@ from noria.bench.gpu_roofline import (
     prefill_floor,
     throughput_ceiling,
 )
+from noria.protocol.model_spec import read_spec
 
 # The benchmark's parts, reachable from its entry point as one surface.
 __all__ = ["CHECKPOINT_VERSION", "LLAMA3_8B", "PHASES", "TINY", "TINY_SIZES", "Budget", "ModelCost", "PhaseTimeout",
@@ -117,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         print("noria bench gpu: no checkpoint (the build was skipped or failed); see", rep.md_path)
         return 0
     rep.meta["model"] = model
-    shape = json.loads((Path(model) / "config.json").read_text())
-    cost = model_cost(shape, torch.tensor([], dtype=getattr(torch, args.dtype)).element_size())
+    spec = read_spec(model)
+    cost = model_cost(spec, torch.tensor([], dtype=getattr(torch, args.dtype)).element_size())
     rep.meta["weight_gb"] = cost.weight_bytes / 1e9
     rep.meta["kv_bytes_per_token"] = cost.kv_bytes_per_token
     rep.flush()
 
-    noria_phases(budget, rep, args, sizes, model, cost, shape, gbps, tflops)
-    hf_phase(budget, rep, args, sizes, model, cost, shape, gbps, dev)
+    noria_phases(budget, rep, args, sizes, model, cost, spec, gbps, tflops)
+    hf_phase(budget, rep, args, sizes, model, cost, spec, gbps, dev)
     for r in speedups(rep.rows):
         rep.add(r)
     print(rep.markdown())

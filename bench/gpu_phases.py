@@ -11,12 +11,13 @@ from noria.bench.gpu_budget import Budget, PhaseTimeout, Sizes
 from noria.bench.gpu_probes import sync
 from noria.bench.gpu_report import Report, Row
 from noria.bench.gpu_roofline import ModelCost, itl_floor, prefill_floor, throughput_ceiling
+from noria.protocol.model_spec import ModelSpec
 
 
-def _prompt_vocab(shape: dict[str, Any]) -> int:
+def _prompt_vocab(spec: ModelSpec) -> int:
     # Prompt ids below 32000 are real tokens of any tokenizer a --model checkpoint may bring
     # (its config's vocab_size can exceed its tokenizer's).
-    return min(shape["vocab_size"], 32000)
+    return min(spec.vocab_size, 32000)
 
 
 def _prompts(rng: Any, n: int, length: int, vocab: int) -> list[list[int]]:
@@ -43,16 +44,16 @@ def _itl(run: Any, rng: Any, batch: int, sizes: Sizes, vocab: int) -> float:
 
 
 def noria_phases(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, model: str, cost: ModelCost,
-                 shape: dict[str, Any], gbps: float, tflops: float | None) -> None:
+                 spec: ModelSpec, gbps: float, tflops: float | None) -> None:
     import numpy as np
 
     from noria import LLM
     from noria.protocol.config import EngineConfig
 
-    vocab = _prompt_vocab(shape)
+    vocab = _prompt_vocab(spec)
     has_eager = "enforce_eager" in EngineConfig.__struct_fields__
     rep.meta["graphs"] = "compared (--enforce-eager)" if has_eager else "n/a (the engine has no enforce_eager)"
-    max_len = min(sizes.max_model_len, shape.get("max_position_embeddings") or sizes.max_model_len)
+    max_len = min(sizes.max_model_len, spec.max_position_embeddings)
     flags: dict[str, Any] = {"dtype": args.dtype, "device": args.device, "max_model_len": max_len, "seed": args.seed}
     if args.tiny:
         flags["num_kv_blocks"] = 256
@@ -114,7 +115,7 @@ def noria_phases(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes,
 
 
 def hf_phase(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, model: str, cost: ModelCost,
-             shape: dict[str, Any], gbps: float, dev: Any) -> None:
+             spec: ModelSpec, gbps: float, dev: Any) -> None:
     with b.phase("hf") as go:
         if not go:
             return
@@ -151,8 +152,8 @@ def hf_phase(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, mod
             for batch in sizes.hf_batches:
                 try:
                     fn = run(compiled)
-                    fn(_prompts(rng, batch, sizes.itl_prompt, _prompt_vocab(shape)), 2)  # warm-up (the compile)
-                    s = _itl(fn, rng, batch, sizes, _prompt_vocab(shape))
+                    fn(_prompts(rng, batch, sizes.itl_prompt, _prompt_vocab(spec)), 2)  # warm-up (the compile)
+                    s = _itl(fn, rng, batch, sizes, _prompt_vocab(spec))
                 except PhaseTimeout:
                     raise
                 except Exception as e:  # noqa: BLE001 - compile failures come in many kinds

@@ -3,9 +3,12 @@ compute, and the floors that follow for a decode step, a prefill and a whole off
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from noria.bench.roofline import config_spec
+from noria.protocol.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -16,13 +19,14 @@ class ModelCost:
     attn_flops_per_pair: int  # QK^T and PV for one (query, key) pair over all layers
 
 
-def model_cost(cfg: dict[str, Any], dtype_bytes: int = 2) -> ModelCost:
-    h, layers, inter, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or h // heads
+def model_cost(model: ModelSpec | Mapping[str, Any], dtype_bytes: int = 2) -> ModelCost:
+    """`model`: a spec, or a config dict (a bare dict of sizes is Llama's, see config_spec)."""
+    spec = config_spec(model)
+    h, layers, inter, vocab = spec.hidden_size, spec.num_layers, spec.intermediate_size, spec.vocab_size
+    heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     per_layer = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h + 3 * h * inter
     matmul_params = layers * per_layer + vocab * h  # lm_head
-    params = matmul_params + (0 if cfg.get("tie_word_embeddings") else vocab * h) + (2 * layers + 1) * h
+    params = matmul_params + (0 if spec.tie_word_embeddings else vocab * h) + (2 * layers + 1) * h
     return ModelCost(
         weight_bytes=params * dtype_bytes,
         kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype_bytes,

@@ -26,11 +26,13 @@ synchronous, so the time is the step's own).
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from noria.bench.roofline_machine import Machine, describe
+from noria.protocol.model_spec import ModelSpec, model_spec, read_spec
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 # Row-count buckets for the table: [lo, hi] sequences in the step.
@@ -57,18 +59,22 @@ class Shape:
     shared_intermediate: int = 0
 
     @staticmethod
-    def from_config(cfg: dict) -> Shape:
-        heads = cfg["num_attention_heads"]
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-        return Shape(hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],
-                     layers=cfg["num_hidden_layers"], heads=heads,
-                     kv_heads=cfg.get("num_key_value_heads") or heads,
-                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                     vocab=cfg["vocab_size"], dtype_bytes=DTYPE_BYTES.get(dtype, 4), **_moe_shape(cfg))
+    def from_spec(spec: ModelSpec) -> Shape:
+        sparse = spec.num_experts > 0
+        return Shape(hidden=spec.hidden_size, intermediate=spec.intermediate_size, layers=spec.num_layers,
+                     heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, vocab=spec.vocab_size,
+                     dtype_bytes=DTYPE_BYTES.get(spec.dtype or "float32", 4), sparse_layers=sum(spec.sparse_layers),
+                     experts=spec.num_experts, top_k=spec.num_experts_per_tok if sparse else 0,
+                     expert_intermediate=spec.moe_intermediate_size if sparse else 0,
+                     shared_intermediate=spec.shared_expert_intermediate_size)
+
+    @staticmethod
+    def from_config(cfg: Mapping[str, Any]) -> Shape:
+        return Shape.from_spec(config_spec(cfg))
 
     @staticmethod
     def from_checkpoint(path: str | Path) -> Shape:
-        return Shape.from_config(json.loads((Path(path) / "config.json").read_text()))
+        return Shape.from_spec(read_spec(path))
 
     @property
     def layer_params(self) -> int:
@@ -131,21 +137,14 @@ def step_cost(shape: Shape, query_lens: list[int], seq_lens: list[int], num_samp
     return moved, flops
 
 
-def _moe_shape(cfg: dict) -> dict:
-    """A sparse family's Shape fields from its config.json, read as worker/models/spec.py reads them."""
-    kind = cfg.get("model_type")
-    if kind == "mixtral":
-        return {"sparse_layers": cfg["num_hidden_layers"], "experts": cfg["num_local_experts"],
-                "top_k": cfg["num_experts_per_tok"], "expert_intermediate": cfg["intermediate_size"]}
-    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-    if kind not in ("qwen2_moe", "qwen3_moe") or not experts:
-        return {}
-    step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
-    sparse = sum(i not in dense and (i + 1) % step == 0 for i in range(cfg["num_hidden_layers"]))
-    shared = (cfg.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
-    return {"sparse_layers": sparse, "experts": experts, "top_k": cfg["num_experts_per_tok"],
-            "expert_intermediate": cfg["moe_intermediate_size"], "shared_intermediate": shared}
+def config_spec(cfg: Mapping[str, Any] | ModelSpec) -> ModelSpec:
+    """The spec of a config.json dict; a bare dict of sizes, naming neither architectures nor
+    model_type (as the benchmarks write their shapes), is read as Llama's."""
+    if isinstance(cfg, ModelSpec):
+        return cfg
+    if not cfg.get("architectures") and not cfg.get("model_type"):
+        cfg = {**cfg, "model_type": "llama"}
+    return model_spec(cfg)
 
 
 def step_roofline(shape: Shape, machine: Machine, step: tuple) -> tuple[float, float, float]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from noria.protocol.codec import Codec
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest
+from noria.protocol.model_spec import read_spec
 from noria.protocol.sampling import EngineSamplingParams, SamplingParams
 from noria.protocol.step import StepResult
 from noria.protocol.worker_link import SchedulerToWorker
@@ -83,7 +84,7 @@ def engine_ab(model: str, num_requests: int, max_tokens: int | None, rounds: int
     from noria.bench.workloads import CHECKPOINTS, w1
 
     path = str(CHECKPOINTS[model]()) if model in CHECKPOINTS else model
-    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    vocab = read_spec(path).vocab_size
     work = [(p, min(m, max_tokens or m)) for p, m in w1(vocab, num_requests)]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
     rows, first = [], None

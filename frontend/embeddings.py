@@ -8,10 +8,6 @@ into what the client gets: the first `dimensions` components (all by default), L
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Any
-
 import numpy as np
 
 from noria.frontend.processor import InputProcessor
@@ -23,18 +19,6 @@ GENERATE_ON_POOLING = ("this server runs the pooling runner (--runner pooling): 
                        "(/v1/embeddings, `embed`), not text generation")
 EMBED_ON_GENERATE = ("this server runs the generate runner: it serves text generation, not embeddings "
                      "(start it with --runner pooling for /v1/embeddings)")
-
-
-def hidden_size(model_path: str) -> int | None:
-    """The width of the model's final hidden state, from its config.json (None if not said)."""
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            cfg: Any = json.load(f)
-    except (OSError, ValueError):
-        return None
-    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
-    size = cfg.get("hidden_size") if isinstance(cfg, dict) else None
-    return int(size) if isinstance(size, int) and size > 0 else None
 
 
 class Embedder:

@@ -10,8 +10,8 @@ value, always wins: the wire tells "unset" from "set" (protocol/client.py, `Gene
 OpenAI request's omitted field is unset, and `LLM.generate` / `Client.generate` with no
 params leave every field unset (an explicit `SamplingParams` sets them all, as in vLLM).
 
-Only the sampling knobs are read here; the EOS ids of the same file are read whatever the
-mode (frontend/processor.py, `eos_token_ids`), as vLLM does.
+The file is read here once for both of its uses: the sampling knobs under `auto`, and the EOS
+ids whatever the mode (frontend/processor.py, `eos_token_ids`), as vLLM does.
 """
 
 from __future__ import annotations
@@ -34,12 +34,11 @@ class GenerationConfigError(ValueError):
     """generation_config.json holds a default no request could use; one sentence."""
 
 
-def generation_defaults(model_path: str, mode: str = "auto") -> dict[str, Any]:
-    """The sampling defaults `mode` puts in effect: the file's values for FIELDS under `auto`
-    (where the file exists), none otherwise. Raises GenerationConfigError for an unreadable
-    file or a value a request could not carry."""
+def read_generation_config(model_path: str) -> dict[str, Any]:
+    """The checkpoint's generation_config.json ({} without one); GenerationConfigError when it
+    cannot be read as a JSON object."""
     path = os.path.join(model_path, "generation_config.json")
-    if mode != "auto" or not os.path.isfile(path):
+    if not os.path.isfile(path):
         return {}
     try:
         with open(path) as f:
@@ -49,6 +48,17 @@ def generation_defaults(model_path: str, mode: str = "auto") -> dict[str, Any]:
             from None
     if not isinstance(raw, dict):
         raise GenerationConfigError(f"{path} does not hold a JSON object")
+    return raw
+
+
+def generation_defaults(model_path: str, mode: str = "auto") -> dict[str, Any]:
+    """The sampling defaults `mode` puts in effect: the file's values for FIELDS under `auto`
+    (where the file exists), none otherwise. Raises GenerationConfigError for an unreadable
+    file or a value a request could not carry."""
+    if mode != "auto":
+        return {}
+    path = os.path.join(model_path, "generation_config.json")
+    raw = read_generation_config(model_path)
     defaults = {k: raw[k] for k in FIELDS if raw.get(k) is not None}
     if raw.get(MAX_NEW_TOKENS) is not None:
         if isinstance(raw[MAX_NEW_TOKENS], bool):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Annotated, Any
 
 import msgspec
@@ -11,6 +9,7 @@ from msgspec import Meta
 
 from noria.frontend.bad_words import bad_words_token_ids
 from noria.frontend.chat_template import RenderError, render_chat, template_kwargs
+from noria.frontend.generation_config import read_generation_config
 from noria.frontend.token_text import TokenTexts
 from noria.frontend.tools import template_messages
 from noria.protocol.client import (
@@ -43,14 +42,11 @@ def load_tokenizer(model_path: str) -> Any:
 def eos_token_ids(model_path: str, tokenizer: Any) -> list[int]:
     """EOS ids from generation_config.json (may be a list), else the tokenizer's."""
     ids: set[int] = set()
-    gen = os.path.join(model_path, "generation_config.json")
-    if os.path.exists(gen):
-        with open(gen) as f:
-            eos = json.load(f).get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(e) for e in eos)
+    eos = read_generation_config(model_path).get("eos_token_id")
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list):
+        ids.update(int(e) for e in eos)
     if not ids and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)

@@ -12,15 +12,16 @@ from noria.frontend.chat_output import ChatConfig, reasoning_end_token
 from noria.frontend.chat_template import load_chat_template
 from noria.frontend.core import FrontendCore, Limits
 from noria.frontend.demo_model import resolve_model
-from noria.frontend.embeddings import Embedder, hidden_size
+from noria.frontend.embeddings import Embedder
 from noria.frontend.engine_client import EngineClient
 from noria.frontend.generation_config import describe as describe_generation_defaults
 from noria.frontend.generation_config import generation_defaults
 from noria.frontend.processor import InputLimits, InputProcessor, eos_token_ids, load_tokenizer
 from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig, WorkerLinkConfig
-from noria.protocol.model_identity import context_error, model_facts
+from noria.protocol.model_identity import context_error, spec_facts
 from noria.protocol.model_shapes import check_tensor_parallel
+from noria.protocol.model_spec import ModelSpec
 from noria.protocol.pooling import engine_pooling
 from noria.protocol.validation import convert
 
@@ -42,9 +43,9 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
     """Start the engine (its worker link as `link` says: local ranks over ipc by default)."""
     chat = chat_config(config)
     model_path = resolve_model(config.model)
-    check_checkpoint(model_path)  # a bad checkpoint is one sentence here, not a worker's traceback
+    spec = check_checkpoint(model_path)  # a bad checkpoint is one sentence here, not a worker's traceback
     check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
-    _check_length(model_path, config.max_model_len)
+    _check_length(spec, config.max_model_len)
     config = msgspec.structs.replace(config, model=model_path)
     # Resolved once here (a bad sentence-transformers file fails now, in one sentence), so that
     # the scheduler and every worker pool the same way.
@@ -73,7 +74,7 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
                                input_limits, config.scheduling_policy, chat_template=chat_template,
                                trust_request_chat_template=config.trust_request_chat_template,
                                sampling_defaults=sampling_defaults)
-    embedder = Embedder(pooling, hidden_size(model_path)) if pooling is not None else None
+    embedder = Embedder(pooling, spec.hidden_size) if pooling is not None else None
     return FrontendCore(engine, processor, limits, embedder, chat)
 
 
@@ -85,12 +86,12 @@ def chat_config(config: EngineConfig) -> ChatConfig:
                       tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
 
 
-def _check_length(model_path: str, max_model_len: int | None) -> None:
+def _check_length(spec: ModelSpec, max_model_len: int | None) -> None:
     """The worker's own check, made here too: with remote workers the engine is up before
     any worker has loaded the model, and a length no worker accepts must fail now."""
-    if max_model_len is None or not os.path.isfile(os.path.join(model_path, "config.json")):
-        return  # nothing to check, or the engine reports the missing file by name
-    facts = model_facts(model_path)
+    if max_model_len is None:
+        return
+    facts = spec_facts(spec)
     if max_model_len > facts.max_model_len:
         raise ValueError(context_error(max_model_len, facts))
 

@@ -1,6 +1,6 @@
-"""An attention backend over the kernels with the worker's interface (worker.attention's
+"""An attention backend over the kernels with the worker's interface (kernels/attention_api.py's
 AttentionBackend protocol: prepare(meta) once per step, forward(layer, q, k, v, k_cache,
-v_cache, meta) per layer). It only reads attributes, so kernels/ does not import worker/.
+v_cache, meta) per layer).
 
 The worker's metadata is int64; the kernels take int32 block tables, sequence lengths and
 query offsets, converted once per step in prepare(). A layer's sliding window and logit soft-cap go to the
@@ -10,21 +10,22 @@ reaches a kernel that was not built for it. `warm_up` compiles the modules a mod
 start-up instead of at its first step. A decode step that a CUDA graph captures is prepared by
 `prepare_graph` instead: persistent buffers and launches fixed per bucket (kernels/graph_plan.py).
 
-The same backend carries the layer's fused elementwise kernels (kernels.fused_ops), so the
-worker runs them exactly where it runs the attention kernels: `add_rms_norm`,
-`silu_and_mul`, and `rotary_attention`, which applies rotary to q and k in the fused QKV
-projection, writes the cache and attends (three launches of torch operators and a cache
-write become one kernel before the attention's).
+`rotary_attention` takes a layer's fused QKV projection instead: it applies rotary to q and k,
+writes the cache and attends (three launches of torch operators and a cache write become one
+kernel before the attention's). The other fused elementwise kernels are the worker's CUDA ops
+(worker/models/ops.py), which call kernels.fused_ops themselves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from noria.kernels import fused_ops, instances, ops
+from noria.kernels.attention_api import AttentionBackend, AttentionMetadata, LayerAttention
 from noria.kernels.backends import KernelBackend, default_backend
 from noria.kernels.graph_plan import GraphDecode, GraphStep
 
@@ -40,13 +41,12 @@ class _StepTensors:
     fallback_data: Any  # what the fallback's prepare() left in meta.backend_data
 
 
-def unsupported(layer: Any, dtype: torch.dtype, block_size: int) -> str | None:
-    """Why the kernels cannot run `layer` (a worker.attention.LayerAttention) with this cache
-    dtype and block size, or None when they can."""
-    window = getattr(layer, "sliding_window", None)
+def unsupported(layer: LayerAttention, dtype: torch.dtype, block_size: int) -> str | None:
+    """Why the kernels cannot run `layer` with this cache dtype and block size, or None when they can."""
+    window = layer.sliding_window
     if window is not None and (not isinstance(window, int) or window < 1):
         return f"sliding window {window!r} (kernels: a positive number of tokens)"
-    cap = getattr(layer, "logits_soft_cap", None)
+    cap = layer.logits_soft_cap
     if cap is not None and not 0.0 < cap < float("inf"):
         return f"logit soft-cap {cap!r} (kernels: a positive finite number)"
     if dtype not in ops.DTYPE_NAMES:
@@ -66,23 +66,23 @@ class KernelAttentionBackend:
     # persistent buffers (kernels/graph_plan.py), so CUDA graphs may capture it.
     graph_safe = True
 
-    def __init__(self, fallback: Any = None, backend: KernelBackend | None = None) -> None:
+    def __init__(self, fallback: AttentionBackend | None = None, backend: KernelBackend | None = None) -> None:
         self.fallback = fallback
         self.backend = backend  # None: CuPy for CUDA tensors, the emulator for CPU ones
         # (layer, dtype, block size) -> why not, or None; decided once per layer shape.
-        self._decisions: dict[tuple[Any, torch.dtype, int], str | None] = {}
+        self._decisions: dict[tuple[LayerAttention, torch.dtype, int], str | None] = {}
         self.graph = GraphDecode(backend)
 
-    def supports(self, layer: Any, dtype: torch.dtype, block_size: int) -> bool:
+    def supports(self, layer: LayerAttention, dtype: torch.dtype, block_size: int) -> bool:
         return self.unsupported(layer, dtype, block_size) is None
 
-    def unsupported(self, layer: Any, dtype: torch.dtype, block_size: int) -> str | None:
+    def unsupported(self, layer: LayerAttention, dtype: torch.dtype, block_size: int) -> str | None:
         key = (layer, dtype, block_size)
         if key not in self._decisions:
             self._decisions[key] = unsupported(layer, dtype, block_size)
         return self._decisions[key]
 
-    def warm_up(self, layers: Any, dtype: torch.dtype, block_size: int, device: torch.device) -> None:
+    def warm_up(self, layers: Sequence[LayerAttention], dtype: torch.dtype, block_size: int, device: torch.device) -> None:
         """Check the backend and compile every module the supported `layers` need, so that a
         missing NVRTC or a compile error shows at start-up, not at the first step."""
         be = self.backend or default_backend(device)
@@ -101,7 +101,7 @@ class KernelAttentionBackend:
             for name in spec.names:
                 be.kernel(spec, name)
 
-    def prepare(self, meta: Any) -> None:
+    def prepare(self, meta: AttentionMetadata) -> None:
         fallback_data = None
         if self.fallback is not None:
             self.fallback.prepare(meta)
@@ -116,7 +116,7 @@ class KernelAttentionBackend:
             fallback_data=fallback_data,
         )
 
-    def prepare_graph(self, meta: Any) -> None:
+    def prepare_graph(self, meta: AttentionMetadata) -> None:
         """prepare() for a decode step a CUDA graph captures or replays (worker/cuda_graphs.py):
         meta's tensors are the persistent buffers at the bucket's size and the full table width,
         and its host lengths are not the step's. The step's tables and lengths are copied into
@@ -129,19 +129,20 @@ class KernelAttentionBackend:
         step.fallback_data = fallback_data
         meta.backend_data = step
 
-    def copy_blocks(self, src_caches: Any, dst_caches: Any, block_mapping: torch.Tensor) -> None:
+    def copy_blocks(self, src_caches: Sequence[torch.Tensor], dst_caches: Sequence[torch.Tensor],
+                    block_mapping: torch.Tensor) -> None:
         """Swaps for worker.kv_cache.KVCache.block_copier: one launch."""
         ops.copy_blocks(src_caches, dst_caches, block_mapping, backend=self.backend)
 
     def forward(
         self,
-        layer: Any,
+        layer: LayerAttention,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: Any,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         step: _StepTensors | GraphStep = meta.backend_data
         why = self.unsupported(layer, k_cache.dtype, k_cache.shape[1])
@@ -156,30 +157,15 @@ class KernelAttentionBackend:
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=self.backend)
         return self._attend(layer, q, k_cache, v_cache, step)
 
-    def fuses(self, t: torch.Tensor) -> bool:
-        """Whether the fused elementwise kernels take `t`'s dtype."""
-        return t.dtype in ops.DTYPE_NAMES
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weight * rmsnorm(x + residual), the new residual stream): the sum is written into
-        `residual` (the stream the caller owns); without one the stream is `x`."""
-        out = fused_ops.add_rms_norm(x, residual, weight, eps, backend=self.backend)
-        return out, (x if residual is None else residual)
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return fused_ops.silu_and_mul(gate_up, backend=self.backend)
-
     def rotary_attention(
         self,
-        layer: Any,
+        layer: LayerAttention,
         qkv: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: Any,
+        meta: AttentionMetadata,
     ) -> torch.Tensor | None:
         """Attention of a layer from its fused QKV projection [tokens, (H + 2 KVH) D]: rotary
         on q and k in place with the cache write in one kernel, then the attention kernel.
@@ -193,13 +179,13 @@ class KernelAttentionBackend:
         return self._attend(layer, q, k_cache, v_cache, meta.backend_data)
 
     def _attend(
-        self, layer: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self, layer: LayerAttention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         step: _StepTensors | GraphStep,
     ) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if isinstance(step, GraphStep):
             step.attend(out, q, k_cache, v_cache, layer.scale, window=layer.sliding_window,
-                        soft_cap=getattr(layer, "logits_soft_cap", None))
+                        soft_cap=layer.logits_soft_cap)
             return out
         ops.paged_attention(
             out,
@@ -214,7 +200,7 @@ class KernelAttentionBackend:
             max_seq_len=step.max_seq_len,
             plan=step.plan,
             window=layer.sliding_window,
-            soft_cap=getattr(layer, "logits_soft_cap", None),
+            soft_cap=layer.logits_soft_cap,
             backend=self.backend,
         )
         return out

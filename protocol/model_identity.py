@@ -10,12 +10,12 @@ truncated download does not. Reading headers only keeps it instant on multi-GB c
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from pathlib import Path
-from typing import Any
 
 import msgspec
+
+from noria.protocol.model_spec import ModelSpec, read_spec
 
 
 class WeightFile(msgspec.Struct, array_like=True, gc=False):
@@ -86,12 +86,12 @@ def identity_difference(engine: ModelIdentity, worker: ModelIdentity) -> str | N
 
 
 def model_facts(folder: str | Path) -> ModelFacts:
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    if not cfg.get("vocab_size"):
-        raise ValueError(f"{folder}/config.json names no vocab_size")
-    # The worker's default too (worker/models/spec.py) when the config names none.
-    max_pos = int(cfg.get("max_position_embeddings") or 2048)
-    return ModelFacts(int(cfg["vocab_size"]), max_pos, _scaled_length(cfg, max_pos))
+    """The facts of the checkpoint in `folder` (FileNotFoundError without a config.json)."""
+    return spec_facts(read_spec(folder))
+
+
+def spec_facts(spec: ModelSpec) -> ModelFacts:
+    return ModelFacts(spec.vocab_size, spec.max_position_embeddings, spec.context_length)
 
 
 def context_error(max_model_len: int, facts: ModelFacts) -> str:
@@ -100,14 +100,3 @@ def context_error(max_model_len: int, facts: ModelFacts) -> str:
         return f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {facts.max_model_len}"
     return (f"max_model_len {max_model_len} exceeds the model's context length {facts.max_model_len} "
             f"(max_position_embeddings {facts.max_position_embeddings} scaled by its rope_scaling factor)")
-
-
-def _scaled_length(cfg: dict[str, Any], max_pos: int) -> int:
-    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    kind = rope.get("rope_type", rope.get("type"))
-    factor = rope.get("factor")
-    # Gemma 3 keeps a rope per layer type and serves max_position_embeddings (as vLLM reads it).
-    if kind not in ("linear", "dynamic", "yarn") or not factor or "gemma3" in str(cfg.get("model_type")):
-        return max_pos
-    base = int(rope.get("original_max_position_embeddings") or max_pos) if kind == "yarn" else max_pos
-    return int(base * float(factor))

@@ -11,9 +11,11 @@ splits every expert's intermediate dimension (and a shared expert's) as well.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from noria.protocol.families import FAMILIES
+from noria.protocol.model_spec import ModelSpec, read_spec
 
 
 @dataclass(frozen=True)
@@ -25,25 +27,26 @@ class ShardedShapes:
     expert_sizes: tuple[tuple[str, int], ...] = ()
 
 
-# config.json keys of the expert intermediate sizes (Mixtral's experts use intermediate_size itself).
-_EXPERT_KEYS = ("moe_intermediate_size", "shared_expert_intermediate_size")
+def sharded_shapes(spec: ModelSpec) -> ShardedShapes:
+    """The sizes of `spec` that tensor parallelism splits."""
+    sizes: list[tuple[str, int]] = []
+    family = FAMILIES.get(spec.architecture)
+    key = family.recipe.moe.expert_size_key if family and family.recipe.moe else "moe_intermediate_size"
+    # Named by the config.json key that holds them; where that is intermediate_size (Mixtral),
+    # the dense size's check covers the experts.
+    if spec.num_experts and key != "intermediate_size":
+        sizes.append((key, spec.moe_intermediate_size))
+    if spec.num_experts and spec.shared_expert_intermediate_size:
+        sizes.append(("shared_expert_intermediate_size", spec.shared_expert_intermediate_size))
+    return ShardedShapes(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, tuple(sizes))
 
 
 def read_shapes(model_path: str | Path) -> ShardedShapes | None:
-    """The shapes tensor parallelism splits, from the checkpoint's config.json;
+    """The shapes tensor parallelism splits, from the checkpoint's spec;
     None when there is no config.json (the worker reports that itself)."""
-    config_file = Path(model_path) / "config.json"
-    if not config_file.is_file():
+    if not (Path(model_path) / "config.json").is_file():
         return None
-    cfg = json.loads(config_file.read_text())
-    num_heads = int(cfg["num_attention_heads"])
-    return ShardedShapes(
-        num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        intermediate_size=int(cfg["intermediate_size"]),
-        expert_sizes=tuple((key, int(cfg[key])) for key in _EXPERT_KEYS
-                           if (cfg.get("num_experts") or cfg.get("num_local_experts")) and cfg.get(key)),
-    )
+    return sharded_shapes(read_spec(model_path))
 
 
 def tensor_parallel_error(shapes: ShardedShapes, tp: int) -> str | None:

@@ -27,7 +27,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from noria.protocol.model_identity import model_facts
+from noria.protocol.model_spec import read_spec
 from noria.protocol.step import GrammarBitmask
 from noria.protocol.structured import StructuredOutput, spec_text
 
@@ -129,7 +129,7 @@ class StructuredOutputManager:
                     raise ValueError(f"structured output needs a fast tokenizer (tokenizer.json) in {self.tokenizer_path}")
                 with open(path) as f:
                     text = f.read()
-                vocab = self.vocab_size or model_facts(self.model_path).vocab_size
+                vocab = self.vocab_size or read_spec(self.model_path).vocab_size
                 # n_vocab is the model's (logits) width, which may exceed the tokenizer's.
                 self._tokenizer = llg.LLTokenizer(text, n_vocab=vocab, eos_token=list(eos_token_ids) or None)
             return self._tokenizer

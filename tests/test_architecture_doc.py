@@ -259,7 +259,7 @@ def _tree() -> set[str]:
 
 def _resolves(name: str, named_in: str, tree: set[str]) -> bool:
     """A path with a folder is named from the root, from the naming file's folder, or from a
-    folder the text is about (`models/spec.py` in the worker's row, `csrc/common.cuh` in the
+    folder the text is about (`models/moe.py` in the worker's row, `csrc/common.cuh` in the
     kernels' README): some file's path ends with it. A bare name must be some file's name,
     unless its stem is all capitals: a placeholder (`OUT.md` for `--out OUT`), as a real one
     (README.md, RESULTS.md) is named with its folder where it matters."""

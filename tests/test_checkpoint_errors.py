@@ -84,14 +84,6 @@ def test_an_engine_that_cannot_start_is_one_final_line_and_exit_1(demo_path):
     assert last.startswith("noria: error: start-up failed") and "no CUDA device" in last, r.stderr
 
 
-def test_the_architecture_list_matches_the_worker():
-    from noria.protocol import checkpoint
-    from noria.worker.models import spec
-
-    assert checkpoint.SUPPORTED_ARCHITECTURES == spec.SUPPORTED_ARCHITECTURES
-    assert checkpoint._BY_MODEL_TYPE == spec._BY_MODEL_TYPE
-
-
 def test_the_demo_checkpoint_passes(demo_path):
     from noria.protocol.checkpoint import check_checkpoint
 

@@ -52,9 +52,11 @@ def test_the_switches_reach_the_call_sites(monkeypatch: pytest.MonkeyPatch, fres
     """With every family on torch, nothing reaches a kernel: the torch path of each family serves."""
     monkeypatch.setenv(cpu_ops.ALL_ENV, "1")
     assert set(cpu_ops.paths().values()) == {f"torch ({cpu_ops.ALL_ENV}=1)"}
-    from noria.worker.models.layers import pack_linear_weight
+    from noria.worker.models.linear import TorchLinear, linear_op
+    from noria.worker.models.ops import TorchOps, choose_ops
 
-    assert pack_linear_weight(torch.randn(8, 8)) is None
+    assert isinstance(linear_op(torch.randn(8, 8)), TorchLinear)
+    assert type(choose_ops("silu", torch.device("cpu"), torch.float32)) is TorchOps
     assert not fused_kernels.usable(torch.randn(2, 8))
     k_cache = torch.zeros(4, 16, 2, 8)
     assert not cpu_kernels.usable(torch.randn(3, 4, 8), k_cache)

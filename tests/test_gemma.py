@@ -30,12 +30,12 @@ import torch
 from noria import LLM, SamplingParams
 from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig
+from noria.protocol.model_spec import model_spec
 from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.step import NewRequestData, StepPlan, StepResult
 from noria.worker import native_stack
 from noria.worker.attention_select import EMULATED_KERNELS_ENV
 from noria.worker.model_runner import ModelRunner
-from noria.worker.models.spec import model_spec
 from tests.test_engine_half import _reference_logprobs, _tolerance
 from tests.test_engine_parity import _hf_greedy
 from tests.test_worker_parity import Driver, Req, _prompts, _runner
@@ -258,9 +258,10 @@ def test_spec_reads_gemma_configs() -> None:
     from transformers import Gemma3TextConfig
 
     g2 = model_spec(tiny_config("gemma2", tied=True))
-    assert g2.gemma is not None and g2.gemma.attn_logit_softcap == 1.0 and g2.gemma.final_logit_softcap == 3.0
+    assert g2.attn_softcap == 1.0 and g2.final_softcap == 3.0
     assert g2.sliding_windows == (20, None, 20) and g2.head_dim == 32 and not g2.qk_norm
-    assert g2.gemma.query_pre_attn_scalar == 24 and g2.gemma.local_rope is None
+    assert g2.scale == 24**-0.5 and g2.local_rope is None
+    assert (g2.norm, g2.sandwich_norms, g2.activation, g2.embed_scale) == ("rms_one_plus", True, "gelu_tanh", True)
     # A Gemma 3 config as older checkpoints write it: rope_theta / rope_local_base_freq and a
     # sliding_window_pattern instead of layer_types; attn_logit_softcapping, which transformers
     # never applies in Gemma 3, stays off.
@@ -272,9 +273,9 @@ def test_spec_reads_gemma_configs() -> None:
     assert g3.architecture == "Gemma3ForCausalLM" and g3.qk_norm
     assert g3.sliding_windows == (8, 8, None, 8, 8, None, 8)
     assert (g3.rope.theta, g3.rope.rope_type, g3.rope.factor) == (5e5, "linear", 8.0)
-    assert g3.gemma is not None and g3.gemma.local_rope is not None
-    assert (g3.gemma.local_rope.theta, g3.gemma.local_rope.rope_type) == (1e3, "default")
-    assert g3.gemma.attn_logit_softcap is None and g3.gemma.final_logit_softcap is None
+    assert g3.local_rope is not None
+    assert (g3.local_rope.theta, g3.local_rope.rope_type) == (1e3, "default")
+    assert g3.attn_softcap is None and g3.final_softcap is None
     with pytest.raises(ValueError, match="bidirectional"):
         model_spec(Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16,

@@ -25,12 +25,14 @@ import torch.nn.functional as F
 from noria import LLM, SamplingParams
 from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.model_shapes import ShardedShapes, read_shapes, tensor_parallel_error
+from noria.protocol.model_spec import model_spec
 from noria.protocol.sockets import free_tcp_port
 from noria.worker import gemm_kernels
 from noria.worker.models import moe
+from noria.worker.models.linear import packed as packed_weight
 from noria.worker.models.moe import SparseMoeBlock
+from noria.worker.models.ops import choose_ops
 from noria.worker.models.parallel import TensorParallel
-from noria.worker.models.spec import model_spec
 from tests import test_engine_half, test_engine_parity, test_worker_parity, test_worker_tp
 from tests.tiny_models import (
     MOE_ARCHS,
@@ -82,8 +84,8 @@ def _per_token(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
             h = gate_up[e] @ row
             out[t] += w * (down[e] @ (F.silu(h[:i]) * h[i:]))
         if block.shared_gate_up is not None and block.shared_down is not None and block.shared_expert_gate is not None:
-            s, h = block.shared_inter, block.shared_gate_up.double() @ row
-            shared = block.shared_down.double() @ (F.silu(h[:s]) * h[s:])
+            s, h = block.shared_inter, block.shared_gate_up.weight.double() @ row
+            shared = block.shared_down.weight.double() @ (F.silu(h[:s]) * h[s:])
             out[t] += torch.sigmoid(block.shared_expert_gate.double() @ row)[0] * shared
     return out
 
@@ -93,15 +95,15 @@ def _per_token(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_grouped_experts_match_a_per_token_loop(arch: str, top_k: int, packed: bool) -> None:
     spec = model_spec(tiny_config(arch, num_experts_per_tok=top_k))
-    block = SparseMoeBlock(spec, TensorParallel())
+    block = SparseMoeBlock(spec, TensorParallel(), choose_ops(spec.activation, torch.device("cpu"), torch.float32))
     g = torch.Generator().manual_seed(top_k)
     for p in block.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
     if packed:
         if gemm_kernels.load() is None:
             pytest.skip("no native GEMM on this host")
-        block.pack_weights()
-        assert all(w is not None for w in block.gate_up_packed + block.down_packed)
+        block.pack()
+        assert all(packed_weight(op) is not None for op in block.gate_up_ops + block.down_ops)
     for tokens in (0, 1, 6, 67):
         x = torch.randn(tokens, spec.hidden_size, generator=g)
         got = block(x)
@@ -272,7 +274,7 @@ def _rank_main(rank: int, size: int, path: str, init: str, out: str) -> None:
     try:
         block = next(layer.mlp for layer in runner.model.layers if isinstance(layer.mlp, SparseMoeBlock))
         facts = {"gate_up": tuple(block.experts_gate_up.shape), "down": tuple(block.experts_down.shape),
-                 "shared": None if block.shared_down is None else tuple(block.shared_down.shape),
+                 "shared": None if block.shared_down is None else tuple(block.shared_down.weight.shape),
                  "router": tuple(block.router.shape)}
         outputs, logits = test_worker_tp._drive(runner, 512)
         torch.save({"outputs": outputs, "logits": logits, **facts}, out)
@@ -375,8 +377,10 @@ def test_greedy_on_the_emulated_gpu_layer_path(checkpoints: dict[str, Path], mon
     runner = test_worker_parity._runner(path)
     assert runner.attention_choice.backend.name == "kernels"
     calls = []
-    silu = runner.attention.silu_and_mul
-    monkeypatch.setattr(runner.attention, "silu_and_mul", lambda x: calls.append(x.shape) or silu(x))
+    from noria.kernels import fused_ops
+
+    silu = fused_ops.silu_and_mul
+    monkeypatch.setattr(fused_ops, "silu_and_mul", lambda x, **kw: calls.append(x.shape) or silu(x, **kw))
     ref = load_reference(path)
     prompts = test_worker_parity._prompts(seed=5)[::4]
     driver = test_worker_parity.Driver(runner, token_budget=48)

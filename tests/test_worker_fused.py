@@ -7,9 +7,10 @@ import platform
 import pytest
 import torch
 
+from noria.protocol.model_spec import RopeSpec
 from noria.worker import fused_kernels
 from noria.worker.models.layers import RMSNorm, RotaryEmbedding, apply_rope
-from noria.worker.models.spec import RopeSpec
+from noria.worker.models.ops import CpuOps, TorchOps
 
 pytestmark = pytest.mark.skipif(fused_kernels.load() is None, reason="no C compiler: the fused kernels are not built")
 
@@ -34,13 +35,16 @@ def test_add_rms_norm_matches_float64(rows: int, n: int, with_residual: bool) ->
 
 @pytest.mark.parametrize("rows", [1, 5, 70])
 def test_add_rms_norm_agrees_with_the_torch_module(rows: int) -> None:
-    """The module's fused and plain paths give the same result (to float32 rounding)."""
+    """The native CPU ops' fused norm and the torch ops' give the same result (to float32 rounding)."""
     torch.manual_seed(rows)
     norm = RMSNorm(96, 1e-6)
     norm.weight.data.normal_()
     h, residual = torch.randn(rows, 96), torch.randn(rows, 96)
-    fused, fused_res = norm.add_forward(h.clone(), residual)
+    fused, fused_res = CpuOps("silu").add_norm(h.clone(), residual, norm)
     assert torch.equal(fused_res, residual + h)
+    plain, plain_res = TorchOps("silu").add_norm(h.clone(), residual, norm)
+    assert torch.equal(plain_res, fused_res)
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(fused, norm(residual + h), rtol=1e-6, atol=1e-6)
 
 

@@ -9,7 +9,9 @@ import torch
 
 from noria.worker import cpu_kernels, cpu_ops, fused_kernels, gemm_kernels, native_stack
 from noria.worker.gemm_kernels import PackedWeight, gemm
-from noria.worker.models.layers import RMSNorm, linear, pack_linear_weight
+from noria.worker.models.layers import RMSNorm
+from noria.worker.models.linear import TorchLinear, linear_op
+from noria.worker.models.ops import TorchOps, choose_ops
 
 pytestmark = pytest.mark.skipif(gemm_kernels.load() is None, reason="no C compiler: the native GEMM is not built")
 
@@ -137,11 +139,14 @@ def test_no_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_pa
         why = f"torch (no C compiler at {tmp_path / 'no-such-compiler'})"
         assert cpu_ops.paths() == {"gemm": why, "fused": why, "attention": why, "stack": why}
         weight, x = torch.randn(24, 16), torch.randn(5, 16)
-        assert pack_linear_weight(weight) is None
-        torch.testing.assert_close(linear(x, weight, None, None), x @ weight.T, rtol=1e-5, atol=1e-5)
+        op = linear_op(weight)
+        assert isinstance(op, TorchLinear)
+        torch.testing.assert_close(op(x, None), x @ weight.T, rtol=1e-5, atol=1e-5)
+        ops = choose_ops("silu", torch.device("cpu"), torch.float32)
+        assert type(ops) is TorchOps
         norm = RMSNorm(16, 1e-6)
         norm.weight.data.fill_(1.0)
-        out, residual = norm.add_forward(x.clone(), x)
+        out, residual = ops.add_norm(x.clone(), x, norm)
         assert torch.equal(residual, x + x)
         torch.testing.assert_close(out, norm(x + x))
         assert torch.equal(fused_kernels.argmax_rows(x), x.argmax(dim=-1))

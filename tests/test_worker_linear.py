@@ -10,7 +10,7 @@ import torch
 from noria.worker import gemm_kernels
 from noria.worker.gemm_kernels import PackedWeight
 from noria.worker.loader import load_model, load_spec
-from noria.worker.models.layers import linear, pack_linear_weight
+from noria.worker.models.linear import PackedLinear, TorchLinear, linear_op
 from tests.tiny_models import make_checkpoint
 
 
@@ -24,17 +24,17 @@ def test_linear_matches_float64_reference(rows: int, with_bias: bool) -> None:
     x = torch.randn(rows, 80)
     if not gemm_kernels.usable(weight):
         pytest.skip("no C compiler: the native GEMM is not built")
-    packed = pack_linear_weight(weight)
-    assert isinstance(packed, PackedWeight)
+    packed = linear_op(weight)
+    assert isinstance(packed, PackedLinear) and isinstance(packed.packed, PackedWeight)
     want = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
-    for got in (linear(x, weight, bias, packed), linear(x, weight, bias, None)):
+    for got in (packed(x, bias), TorchLinear(weight)(x, bias)):
         assert got.shape == (rows, 96) and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_packing_applies_only_to_cpu_float32() -> None:
-    assert pack_linear_weight(torch.randn(8, 8, dtype=torch.bfloat16)) is None
-    assert pack_linear_weight(torch.randn(8, 8, dtype=torch.float64)) is None
+    assert isinstance(linear_op(torch.randn(8, 8, dtype=torch.bfloat16)), TorchLinear)
+    assert isinstance(linear_op(torch.randn(8, 8, dtype=torch.float64)), TorchLinear)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -47,14 +47,15 @@ def test_loaded_model_uses_packed_weights_and_they_hold_the_checkpoint(tied: boo
     model = load_model(path, load_spec(path), torch.device("cpu"), torch.float32)
     x = torch.randn(7, model.spec.hidden_size)
     attn, mlp = model.layers[0].self_attn, model.layers[-1].mlp
+    head = model.embed_tokens if tied else model.lm_head.weight
     pairs = [
-        (attn.qkv_proj, attn.qkv_packed),
-        (mlp.gate_up_proj, mlp.gate_up_packed),
-        (model.embed_tokens if tied else model.lm_head, model.lm_head_packed),
+        (attn.qkv_proj.weight, attn.qkv_proj.op),
+        (mlp.gate_up_proj.weight, mlp.gate_up_proj.op),
+        (head, model.head),
     ]
-    for weight, packed in pairs:
-        assert packed is not None
-        torch.testing.assert_close(linear(x, weight, None, packed), x @ weight.T, rtol=1e-5, atol=1e-5)
+    for weight, op in pairs:
+        assert isinstance(op, PackedLinear)
+        torch.testing.assert_close(op(x, None), x @ weight.T, rtol=1e-5, atol=1e-5)
     hidden = torch.randn(4, model.spec.hidden_size)
-    unpacked = torch.nn.functional.linear(hidden, model.embed_tokens if tied else model.lm_head)
+    unpacked = torch.nn.functional.linear(hidden, head)
     torch.testing.assert_close(model.compute_logits(hidden), unpacked, rtol=1e-5, atol=1e-5)

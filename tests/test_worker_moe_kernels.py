@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from noria.protocol.model_spec import model_spec
 from noria.worker import fused_kernels, gemm_kernels, moe_kernels
 from noria.worker.models.moe import SparseMoeBlock
+from noria.worker.models.ops import CpuOps
 from noria.worker.models.parallel import TensorParallel
-from noria.worker.models.spec import model_spec
 from tests.tiny_models import MOE_ARCHS, tiny_config
 
 ROWS = (1, 2, 5, 13, 64, 193, 300)
@@ -24,11 +25,11 @@ ROWS = (1, 2, 5, 13, 64, 193, 300)
 
 def _block(arch: str, top_k: int = 2, seed: int = 0) -> SparseMoeBlock:
     spec = model_spec(tiny_config(arch, num_experts_per_tok=top_k))
-    block = SparseMoeBlock(spec, TensorParallel())
+    block = SparseMoeBlock(spec, TensorParallel(), CpuOps(spec.activation))
     g = torch.Generator().manual_seed(seed)
     for p in block.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    block.pack_weights()
+    block.pack()
     if block.native is None:
         pytest.skip("no native GEMM and fused kernels on this host")
     return block

@@ -19,10 +19,10 @@ import torch
 
 from noria.bench.ceiling import _metadata
 from noria.protocol.config import EngineConfig
+from noria.protocol.families import FAMILIES
 from noria.worker import cpu_kernels, fused_kernels, gemm_kernels, native_stack
 from noria.worker.model_runner import ModelRunner
-from noria.worker.models.layers import RMSNorm, RotaryEmbedding
-from noria.worker.models.llama import MLP
+from noria.worker.models.linear import TorchLinear
 from tests import tiny_models
 from tests.tiny_models import make_checkpoint
 
@@ -133,10 +133,10 @@ def test_gemma_runs_on_the_driver(arch: str, tmp_path: Path) -> None:
     stack = runner.model._stack
     assert stack is not None and stack.segments == [(0, 3, True)] and stack.layer_runs == 2 * 3
 
-    runner.model.layers[1].mlp.approximate = "none"
+    _unpack(runner.model.layers[1].mlp.gate_up_proj)  # F.linear for this one: outside the driver
     runner.model._stack_key = None
     reasons = _coverage(runner)
-    assert reasons == [None, "mlp.approximate='none': the driver's GeGLU is the tanh form", None]
+    assert reasons == [None, "gate_up not packed for the native GEMM", None]
     for name, step in STEPS.items():
         python, _ = _forward(runner, step, native=False)
         native, ran = _forward(runner, step, native=True)
@@ -149,7 +149,7 @@ def test_gemma_runs_on_the_driver(arch: str, tmp_path: Path) -> None:
 
 def test_declined_layers_run_in_python_between_the_drivers_runs(tmp_path: Path) -> None:
     runner = _runner(make_checkpoint("qwen3", tmp_path / "qwen3", num_hidden_layers=4))
-    runner.model.layers[1].mlp.gate_up_packed = None  # F.linear for this one: outside the driver
+    _unpack(runner.model.layers[1].mlp.gate_up_proj)  # F.linear for this one: outside the driver
     runner.model._stack_key = None
     reasons = native_stack.coverage(runner.model, runner._kv_layers)
     assert reasons == [None, "gate_up not packed for the native GEMM", None, None]
@@ -238,56 +238,58 @@ def test_a_failing_expert_block_raises_from_the_driver(tmp_path: Path, monkeypat
         _forward(runner, STEPS["decode"], native=True)
 
 
-class _ExpertsMLP(MLP):
-    """Stands for a layer kind the driver does not know (a mixture of experts, GeGLU...)."""
+def _unpack(linear: torch.nn.Module) -> None:
+    linear.op = TorchLinear(linear.weight)
 
 
 def _coverage(runner: ModelRunner) -> list[str | None]:
     return native_stack.coverage(runner.model, runner._kv_layers)
 
 
-def test_structure_outside_the_drivers_is_declined_with_its_name(tmp_path: Path) -> None:
-    """Whatever the driver does not run is named in the layer's reason, not run wrong: other module
-    classes, parameters or attributes it does not know, LayerAttention and ModelSpec fields away
-    from their defaults, rotary over part of the head."""
+# tests/tiny_models.py's name of each family's tiny checkpoint, by model_type.
+_TINY = {"gemma3_text": "gemma3"}
+
+
+@pytest.mark.parametrize("architecture", sorted(FAMILIES))
+def test_every_supported_family_runs_on_the_driver(architecture: str, tmp_path: Path) -> None:
+    """No family noria implements falls off the native stack: every layer of its tiny checkpoint
+    is on the driver, and a decode step runs there, bit for bit the Python path."""
+    model_type = FAMILIES[architecture].model_type
+    arch = _TINY.get(model_type, model_type)
+    runner = _runner(make_checkpoint(arch, tmp_path / arch))
+    assert _coverage(runner) == [None] * len(runner.model.layers)
+    python, _ = _forward(runner, STEPS["decode"], native=False)
+    native, ran = _forward(runner, STEPS["decode"], native=True)
+    assert ran and torch.equal(python, native)
+
+
+def test_recipe_entries_outside_the_drivers_are_declined_with_their_name(tmp_path: Path) -> None:
+    """What the driver does not run is named in the reason, from the model's spec, not run wrong:
+    an activation, a partial rotary under a q/k norm, a non-positive soft-cap, quantized weights,
+    and any spec field the driver has not learnt (fine at its default, declined off it)."""
     runner = _runner(make_checkpoint("qwen3", tmp_path / "qwen3", num_hidden_layers=3))
     model = runner.model
-    assert _coverage(runner) == [None, None, None]
-
-    mlp = model.layers[0].mlp
-    model.layers[0].mlp = _ExpertsMLP.__new__(_ExpertsMLP)
-    model.layers[0].mlp.__dict__.update(mlp.__dict__)
-    model.layers[1].pre_feedforward_layernorm = RMSNorm(model.spec.hidden_size, 1e-6)
-    attn = model.layers[2].self_attn.attn
-    model.layers[2].self_attn.attn = dataclasses.replace(attn, logits_soft_cap=50.0)
-    assert _coverage(runner) == ["mlp is _ExpertsMLP",
-                                 "parameters outside its structure: pre_feedforward_layernorm.weight",
-                                 "LayerAttention.logits_soft_cap=50.0"]
-    model.layers[0].mlp = mlp
-    del model.layers[1].pre_feedforward_layernorm
-    model.layers[2].self_attn.attn = attn
-
-    # An attribute a layer kind adds: declined when it is switched on, not when it is off.
-    for value, want in ((None, None), (0.0, None), (30.0, "self_attn.soft_cap=30.0")):
-        model.layers[1].self_attn.soft_cap = value
-        assert _coverage(runner)[1] == want
-    del model.layers[1].self_attn.soft_cap
-
-    # A ModelSpec field the driver does not know: fine at its default, the whole model declined off it.
-    fields = [(f.name, f.type, f) for f in dataclasses.fields(model.spec)]
-    grown = dataclasses.make_dataclass("ModelSpec", [*fields, ("final_logit_softcap", float | None, None)],
-                                       frozen=True)
     spec = model.spec
-    model.spec = grown(**dataclasses.asdict(spec) | {"rope": spec.rope})
     assert _coverage(runner) == [None, None, None]
-    model.spec = grown(**dataclasses.asdict(spec) | {"rope": spec.rope, "final_logit_softcap": 30.0})
-    assert _coverage(runner) == ["ModelSpec.final_logit_softcap=30.0"] * 3
+    for changes, want in (
+        ({"activation": "gelu"}, "activation 'gelu': the driver's gated activations are silu and the tanh GeGLU"),
+        ({"rope": dataclasses.replace(spec.rope, partial_rotary_factor=0.5)},
+         "per-head q/k norm with partial rotary: its fused kernel rotates whole heads"),
+        ({"attn_softcap": -1.0}, "attention soft-cap -1.0: a cap must be positive"),
+        ({"quantization": "fp8"}, "fp8 weights: the driver's GEMM is float32"),
+    ):
+        model.spec = dataclasses.replace(spec, **changes)
+        assert _coverage(runner) == [want] * 3, changes
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(spec)]
+    grown = dataclasses.make_dataclass("ModelSpec", [*fields, ("logit_scale", float | None,
+                                                               dataclasses.field(default=None, kw_only=True))],
+                                       frozen=True)
+    copy = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    model.spec = grown(**copy)
+    assert _coverage(runner) == [None, None, None]
+    model.spec = grown(**copy, logit_scale=0.5)
+    assert _coverage(runner) == ["ModelSpec.logit_scale=0.5"] * 3
     model.spec = spec
-
-    rotary = model.rotary
-    model.rotary = RotaryEmbedding(spec.rope, spec.head_dim // 2)  # rotary on the first half of each head
-    assert _coverage(runner) == ["per-head q/k norm with partial rotary: its fused kernel rotates whole heads"] * 3
-    model.rotary = rotary
     assert _coverage(runner) == [None, None, None]
 
 
@@ -370,3 +372,28 @@ def test_qwen3_through_the_engine_is_the_same_with_the_stack_on_and_off(
         ref = torch.log_softmax(logits, -1)[start : start + len(tokens)]
         got = torch.tensor([lp.logprob for lp in logprobs])  # type: ignore[attr-defined]
         torch.testing.assert_close(got, ref[torch.arange(len(tokens)), torch.tensor(tokens)], rtol=0, atol=1e-4)
+
+
+def test_the_c_structs_match_their_python_mirror(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver reads its structs by offset: the ctypes mirror is checked against the compiled
+    C (sizes and offsets) when the library loads, and a field moved or added on one side only
+    fails there, named."""
+    import ctypes
+
+    from noria.worker import native_layout
+
+    loaded = native_stack.load()
+    assert loaded is not None
+    dll = loaded[0]
+    native_layout.check(dll)
+    fields = list(native_layout.Layer._fields_)
+    at = [name for name, _ in fields].index("window")
+    moved = fields[:at] + [fields[at + 1], fields[at]] + fields[at + 2:]  # window and q_norm swapped
+    grown = [*fields, ("lora", ctypes.c_void_p)]
+    for layout, want in ((moved, r"differs at Layer\.window: 104 in Python, 96 in C"),
+                         (grown, r"differs at sizeof\(Layer\)")):
+        layer = type("Layer", (ctypes.Structure,), {"_fields_": layout})
+        monkeypatch.setattr(native_layout, "STRUCTS", (native_layout.Kernels, layer, native_layout.Shape,
+                                                       native_layout.Step))
+        with pytest.raises(RuntimeError, match=want):
+            native_layout.check(dll)

@@ -316,8 +316,10 @@ def test_dtype_and_device_resolution() -> None:
     from noria.worker.device import resolve_device, resolve_dtype
 
     cpu = torch.device("cpu")
-    assert resolve_dtype("auto", cpu, torch.bfloat16) == torch.float32  # CPU: float32 whatever the checkpoint
-    assert resolve_dtype("auto", torch.device("cuda"), torch.bfloat16) == torch.bfloat16
+    # The checkpoint's dtype as config.json names it (ModelSpec.dtype).
+    assert resolve_dtype("auto", cpu, "bfloat16") == torch.float32  # CPU: float32 whatever the checkpoint
+    assert resolve_dtype("auto", torch.device("cuda"), "bfloat16") == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda"), "float64") == torch.float32
     assert resolve_dtype("bf16", cpu, None) == torch.bfloat16
     assert resolve_dtype("half", cpu, None) == torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):

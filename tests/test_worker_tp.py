@@ -22,7 +22,7 @@ from noria.protocol.model_shapes import ShardedShapes, kv_heads_per_rank, tensor
 from noria.protocol.sockets import free_tcp_port
 from noria.worker import gemm_kernels
 from noria.worker.model_runner import ModelRunner
-from noria.worker.models.layers import linear
+from noria.worker.models.linear import PackedLinear
 from tests.test_worker_parity import Driver, Req
 from tests.tiny_models import load_reference, make_checkpoint, reference_greedy
 
@@ -81,16 +81,18 @@ def _shard_facts(runner: ModelRunner) -> dict[str, Any]:
     attn, mlp = model.layers[0].self_attn, model.layers[-1].mlp
     x = torch.randn(7, model.spec.hidden_size)
     packed_ok = True
-    for weight, packed in [(attn.qkv_proj, attn.qkv_packed), (mlp.gate_up_proj, mlp.gate_up_packed),
-                           (model._lm_head_weight(), model.lm_head_packed)]:
-        assert packed is not None or gemm_kernels.load() is None  # F.linear where nothing is built
-        packed_ok &= torch.allclose(linear(x, weight, None, packed), x @ weight.T, rtol=1e-5, atol=1e-5)
+    head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens[
+        model.shapes.vocab_start:model.shapes.vocab_end]
+    for weight, op in [(attn.qkv_proj.weight, attn.qkv_proj.op), (mlp.gate_up_proj.weight, mlp.gate_up_proj.op),
+                       (head, model.head)]:
+        assert isinstance(op, PackedLinear) or gemm_kernels.load() is None  # F.linear where nothing is built
+        packed_ok &= torch.allclose(op(x, None), x @ weight.T, rtol=1e-5, atol=1e-5)
     return {
         "kv_cache_shape": tuple(runner.kv_cache.device_cache.shape),
         "num_heads": attn.attn.num_heads,
-        "qkv_rows": attn.qkv_proj.shape[0],
-        "o_cols": attn.o_proj.shape[1],
-        "down_cols": mlp.down_proj.shape[1],
+        "qkv_rows": attn.qkv_proj.weight.shape[0],
+        "o_cols": attn.o_proj.weight.shape[1],
+        "down_cols": mlp.down_proj.weight.shape[1],
         "packed_ok": packed_ok,
         "samples": runner.sampler is not None,
     }

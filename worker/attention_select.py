@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from noria.protocol import switches
 from noria.protocol.config import AttentionBackendChoice
 from noria.worker.attention import AttentionBackend, LayerAttention, TorchAttentionBackend
 from noria.worker.errors import WorkerFatal
+
+if TYPE_CHECKING:
+    from noria.kernels.attention_backend import KernelAttentionBackend
 
 log = logging.getLogger("noria.worker")
 
@@ -34,6 +37,15 @@ EMULATED_KERNELS_ENV = switches.EMULATED_KERNELS
 def attention_layers(model: nn.Module) -> list[LayerAttention]:
     """The LayerAttention of every attention layer of `model`, in layer order."""
     return [m.attn for m in model.modules() if isinstance(getattr(m, "attn", None), LayerAttention)]
+
+
+def kernel_attention(backend: object) -> KernelAttentionBackend | None:
+    """`backend` when it is the CUDA kernels' (whose layers then run the CUDA ops), else None."""
+    if getattr(backend, "name", None) != "kernels":
+        return None
+    from noria.kernels.attention_backend import KernelAttentionBackend
+
+    return backend if isinstance(backend, KernelAttentionBackend) else None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,11 @@ sequence reads it within its length). Their outputs are dropped.
 The buffers are also the eager decode path's inputs, on every device: the step's host
 lists are packed into one host staging tensor (pinned on CUDA) and copied to the device
 in one non-blocking copy, so a step stages its inputs once and the CPU runs the same code.
+
+The worker's side of it is here too: whether it captures at all and what the graphs will
+take (decided before the KV cache is sized, which keeps that back), the forward pass a
+graph captures, and the capture after the KV cache, falling back to eager decode steps
+when the memory runs out.
 """
 
 from __future__ import annotations
@@ -19,12 +24,20 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from noria.worker.attention import AttentionMetadata
+from noria.protocol.config import EngineConfig
+from noria.worker.attention import AttentionBackend, AttentionMetadata
+from noria.worker.kv_cache import GraphShapes
+
+if TYPE_CHECKING:
+    from noria.worker.models.parallel import RankShapes
 
 log = logging.getLogger("noria.worker.cuda_graphs")
+# Whether the worker captures is a line of its start-up, beside its other choices.
+worker_log = logging.getLogger("noria.worker")
 
 
 def capture_sizes(max_num_seqs: int, sizes: Sequence[int] | None = None) -> list[int]:
@@ -231,3 +244,77 @@ class DecodeGraphs:
         captured = self._graphs[size]
         captured.graph.replay()
         return captured.hidden[:num_seqs]
+
+
+class ModelFacts(Protocol):
+    """What the decision to capture and the graphs' shapes read of the model's spec."""
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+
+def graphs_wanted(config: EngineConfig, device: torch.device, spec: ModelFacts, attention: AttentionBackend,
+                  tp_size: int, pooling: bool) -> bool:
+    """CUDA graphs on one CUDA rank, unless --enforce-eager, with an attention backend whose
+    decode steps a graph can replay (`graph_safe`: the torch backend's prepare() only takes
+    views of the buffers; the kernel backend's prepare_graph() fixes its launches per bucket)."""
+    if device.type != "cuda" or config.enforce_eager or pooling:
+        return False  # a pooling engine's steps are prefills: nothing for a decode graph
+    if spec.num_experts:
+        # Each MoE layer reads its experts' row counts on the host, which a graph cannot replay.
+        worker_log.info("cuda graphs: off (mixture-of-experts layers group their tokens by expert on the host)")
+        return False
+    if tp_size > 1 or not getattr(attention, "graph_safe", False):
+        worker_log.info("cuda graphs: off (%s)", "tensor parallel" if tp_size > 1
+                        else f"the {attention.name} attention backend runs eagerly")
+        return False
+    return True
+
+
+def planned_graphs(config: EngineConfig, device: torch.device, spec: ModelFacts, shapes: RankShapes,
+                   attention: AttentionBackend, tp_size: int, pooling: bool, buffers: DecodeBuffers,
+                   sizes: Sequence[int], dtype: torch.dtype) -> GraphShapes | None:
+    """What the decode graphs of `sizes` over `buffers` will allocate on this rank (`shapes`:
+    its slice of the model), for kv_cache.graph_memory_reserve; None where the worker captures
+    none (graphs_wanted says why in the log)."""
+    if not graphs_wanted(config, device, spec, attention, tp_size, pooling):
+        return None
+    return GraphShapes(tuple(sizes), spec.hidden_size, shapes.num_heads, shapes.num_kv_heads, spec.head_dim,
+                       shapes.intermediate_size, buffers.max_cols, dtype)
+
+
+def decode_forward(model: torch.nn.Module, attention: AttentionBackend,
+                   kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], block_size: int, size: int,
+                   views: DecodeViews) -> torch.Tensor:
+    """The decode forward pass a graph of `size` rows captures: every row's block table at
+    full width (the lengths on the device bound what each row reads)."""
+    assert views.input_ids.shape[0] == size
+    meta = graph_metadata(views, block_size)
+    # A backend that plans launches on the host fixes them per bucket in prepare_graph.
+    getattr(attention, "prepare_graph", attention.prepare)(meta)
+    return model(views.input_ids, views.positions, meta, attention, kv_layers)
+
+
+def capture_graphs(buffers: DecodeBuffers, sizes: Sequence[int], forward: DecodeForward, null_block: int,
+                   block_size: int, reserve: int) -> DecodeGraphs | None:
+    """The decode graphs of `sizes`, captured after the KV cache that they address; None when
+    the capture runs out of memory."""
+    graphs = DecodeGraphs(buffers, sizes)
+    try:
+        with torch.inference_mode():  # as the steps run: no autograd state in the graphs
+            graphs.capture(forward, null_block, block_size, reserve=reserve)
+    except torch.cuda.OutOfMemoryError as e:
+        # The KV cache took the memory first; serving eagerly beats not serving.
+        worker_log.warning("cuda graphs: off, out of memory while capturing (%s); decode steps run eagerly", e)
+    else:
+        return graphs
+    # Out here the error's frames are gone too, so nothing holds the partial graphs' pool.
+    del graphs
+    torch.cuda.empty_cache()
+    return None

@@ -29,7 +29,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
     """`auto` is float32 on CPU (half-precision matmuls are slow there and break
     parity with transformers); on a GPU it is the checkpoint's own dtype."""
     if name != "auto":
@@ -38,6 +38,5 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype
         return _DTYPES[name]
     if device.type == "cpu":
         return torch.float32
-    if checkpoint_dtype in (torch.float16, torch.bfloat16, torch.float32):
-        return checkpoint_dtype
-    return torch.float32
+    # The checkpoint's own where it is a float dtype the kernels take (config.json spells it as torch does).
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(checkpoint_dtype or "", torch.float32)

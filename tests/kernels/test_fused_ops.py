@@ -191,8 +191,8 @@ def test_rotary_partial_with_scaled_table(emu: Any, schedule: str, case: tuple[i
     """Partial rotary (Phi-3's partial_rotary_factor): cos / sin hold rot / 2 < head_dim / 2
     values per token, from a yarn table whose attention factor scales them; only the first rot
     dims of each head turn, the rest of q and k stay bit for bit, and the cache holds all of k."""
+    from noria.protocol.model_spec import RopeSpec
     from noria.worker.models.layers import RotaryEmbedding, apply_rope
-    from noria.worker.models.spec import RopeSpec
 
     heads, kv_heads, head_dim, rot_half = case
     tokens, bs, num_blocks = 10, 8, 4

@@ -258,7 +258,7 @@ def test_worker_graph_steps_on_kernels_match_eager(emu: Any, checkpoint: Any) ->
 
     def runner(**kw: Any) -> Any:
         r = make_runner(checkpoint, **kw)
-        r.attention = KernelAttentionBackend(fallback=TorchAttentionBackend(), backend=emu("forward"))
+        r.use_attention(KernelAttentionBackend(fallback=TorchAttentionBackend(), backend=emu("forward")))
         return r
 
     eager = runner()

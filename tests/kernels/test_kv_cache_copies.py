@@ -75,7 +75,7 @@ def kernel_runners(emu: Any, monkeypatch: pytest.MonkeyPatch) -> list[CountingCo
 
     def runner(path: Path) -> ModelRunner:
         r = plain(path)
-        r.attention = KernelAttentionBackend(fallback=TorchAttentionBackend(), backend=emu("greedy-reverse"))
+        r.use_attention(KernelAttentionBackend(fallback=TorchAttentionBackend(), backend=emu("greedy-reverse")))
         copier = CountingCopier(emu("greedy-reverse"))
         r.kv_cache.block_copier = copier
         made.append(copier)

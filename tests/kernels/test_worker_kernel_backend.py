@@ -82,7 +82,7 @@ def generate(path: Path, attention: Any | None, dtype: str = "float32", hit: boo
     runner = ModelRunner(config)
     runner.kv_cache.device_cache[:, :, : runner.num_kv_blocks] = float("nan")
     if attention is not None:
-        runner.attention = attention
+        runner.use_attention(attention)
     driver = Driver(runner, token_budget=40)
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 15, 17, 33, 50)]
@@ -143,7 +143,7 @@ def test_decode_layer_launches(emu: Any, checkpoint: Path, monkeypatch: pytest.M
     torch's (float32 on the CPU takes the native GEMM) and the attention the tensor-core kernel."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from noria.worker.models.llama import DecoderLayer
+    from noria.worker.models.decoder import DecoderLayer
 
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:

@@ -29,6 +29,7 @@
  * experts: the model's own block, whose experts are one native call), which
  * reads st->normed and writes x, as the Python layer passes them.
  */
+#include <stddef.h>
 #include <stdint.h>
 
 typedef void (*gemm_fn)(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
@@ -98,6 +99,39 @@ typedef struct {
     int64_t rotary_dim; /* head_dim, or fewer for partial rotary (the first rotary_dim dims rotate) */
     const float *cos_local, *sin_local; /* the local_rope layers' [T, rotary_dim / 2] */
 } Step;
+
+/* Every struct's size and every field's offset, by name: worker/native_layout.py compares its
+ * ctypes mirror with these at load, so a field added, moved or resized on one side only is an
+ * error naming it, not a driver reading the wrong bytes. One list feeds the names and the values. */
+#define DECODER_LAYOUT(S, F)                                                                                    \
+    S(Kernels) F(Kernels, gemm) F(Kernels, norm) F(Kernels, rope) F(Kernels, silu) F(Kernels, attn)          \
+    F(Kernels, qk_rope) F(Kernels, rope_partial) F(Kernels, gelu_tanh) F(Kernels, attn_capped)                 \
+    S(Layer) F(Layer, qkv) F(Layer, qkv_bias) F(Layer, o) F(Layer, o_bias) F(Layer, gate_up)                  \
+    F(Layer, gate_up_bias) F(Layer, down) F(Layer, down_bias) F(Layer, input_norm) F(Layer, post_norm)        \
+    F(Layer, k_cache) F(Layer, v_cache) F(Layer, window) F(Layer, q_norm) F(Layer, k_norm)                    \
+    F(Layer, post_attn_norm) F(Layer, post_mlp_norm) F(Layer, soft_cap) F(Layer, geglu) F(Layer, local_rope) \
+    F(Layer, moe) F(Layer, index)                                                                             \
+    S(Shape) F(Shape, hidden) F(Shape, heads) F(Shape, kv_heads) F(Shape, head_dim) F(Shape, intermediate)   \
+    F(Shape, block_size) F(Shape, eps) F(Shape, scale)                                                        \
+    S(Step) F(Step, tokens) F(Step, max_blocks) F(Step, cos) F(Step, sin) F(Step, tables) F(Step, lens)      \
+    F(Step, slots) F(Step, normed) F(Step, qkv) F(Step, q) F(Step, k) F(Step, v) F(Step, attn)               \
+    F(Step, gate_up) F(Step, act) F(Step, num_threads) F(Step, residual) F(Step, rotary_dim)                  \
+    F(Step, cos_local) F(Step, sin_local)
+#define SIZE_NAME(S) "sizeof(" #S ") "
+#define FIELD_NAME(S, f) #S "." #f " "
+#define SIZE_VALUE(S) (int64_t) sizeof(S),
+#define FIELD_VALUE(S, f) (int64_t) offsetof(S, f),
+
+/* The names, space-separated, in the order of decoder_layout's values. */
+const char *decoder_layout_names(void) { return DECODER_LAYOUT(SIZE_NAME, FIELD_NAME); }
+
+int64_t decoder_layout(int64_t *out, int64_t cap) {
+    const int64_t v[] = {DECODER_LAYOUT(SIZE_VALUE, FIELD_VALUE)};
+    const int64_t n = (int64_t)(sizeof v / sizeof v[0]);
+    for (int64_t i = 0; i < n && i < cap; i++)
+        out[i] = v[i];
+    return n;
+}
 
 /* Returns 0, -1 when the attention kernel could not allocate (nothing after it computed), or
  * -2 when a layer's moe call failed (the caller holds why). */

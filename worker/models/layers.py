@@ -1,53 +1,39 @@
-"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, SwiGLU, linear."""
+"""The torch reference of a decoder layer's elementwise pieces: RMSNorm, rotary, gated activations.
+
+These follow transformers' operator order, so float32 greedy output matches it token for
+token; worker/models/ops.py decides once at load whether a layer runs them or a native or
+CUDA kernel that computes the same step.
+"""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from noria.worker import fused_kernels, gemm_kernels
-from noria.worker.gemm_kernels import PackedWeight
+from noria.protocol.rope_config import RopeSpec
 from noria.worker.models.rope import rope_frequencies
-from noria.worker.models.spec import RopeSpec
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """transformers' Llama RMSNorm (normalize in float32, cast back, then scale), or with
+    `one_plus` Gemma's: x / rms(x) * (1 + w) all in float32, cast back once. A (1 + w) norm keeps
+    its weight in float32 holding 1 + w (the loader adds the 1), so in a float32 model both
+    kinds are one kernel: weight * normalized."""
+
+    def __init__(self, size: int, eps: float, one_plus: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+        dtype = torch.float32 if one_plus else None
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.one_plus = one_plus
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers (normalize in float32, cast back, then
-        # scale) so float32 greedy output matches token for token.
-        dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
-
-    def add_forward(self, h: torch.Tensor, residual: torch.Tensor | None,
-                    fused: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(residual + h), residual + h), or (self(h), h) without a residual.
-
-        `h` is a layer's fresh output: the CPU's fused kernel writes the sum into it;
-        `fused` (the kernel attention backend, GPU path) writes it into `residual`.
-        Either kernel is one pass instead of six operators; only the order of the
-        sum of squares differs from torch's."""
-        if fused is not None and h.dim() == 2 and fused.fuses(h) and self.weight.dtype == h.dtype:
-            return fused.add_rms_norm(h, residual, self.weight, self.eps)
-        if fused_kernels.usable(h) and h.is_contiguous() and h.dim() == 2:
-            return fused_kernels.add_rms_norm(h, residual, self.weight, self.eps)
-        if residual is not None:
-            h = residual + h
-        return self(h), h
-
-
-def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies of the rotated dims, with the checkpoint's scaling applied."""
-    return rope_frequencies(rope, head_dim)[0]
+        if self.one_plus:
+            return (xf * self.weight).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -84,32 +70,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
-def silu_and_mul(gate_up: torch.Tensor, fused: Any = None) -> torch.Tensor:
-    """`fused`: the kernel attention backend, whose kernel runs it on the GPU path."""
-    if fused is not None and gate_up.dim() == 2 and fused.fuses(gate_up):
-        return fused.silu_and_mul(gate_up)
-    if gate_up.dim() == 2 and gate_up.stride(-1) == 1 and fused_kernels.usable(gate_up):
-        return fused_kernels.silu_mul(gate_up)
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up for [..., 2 I] rows (gate first): activation "silu", "gelu_tanh" or "gelu"."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """The native GEMM's pre-packed copy of a [out, in] weight, or None where F.linear serves.
-
-    Packed for float32 on the CPU while worker/cpu_ops.py has the gemm family native:
-    against oneDNN's packed weights (torch's private mkldnn ops, which noria does not use) it
-    is 1.05-1.7x faster per call at 1-512 rows on the "small" model's shapes, and it keeps
-    no state per row count. The plain weight stays: it serves everything off the CPU.
-    """
-    if gemm_kernels.usable(weight):
-        return PackedWeight(weight)
-    return None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight | None) -> torch.Tensor:
-    """x @ weight.T + bias for 2-D x: the native GEMM through `packed`, else F.linear."""
-    if packed is not None and x.dtype == torch.float32:
-        return gemm_kernels.gemm(x, packed, bias)
-    return F.linear(x, weight, bias)
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up

@@ -10,9 +10,9 @@ Experts run grouped: the (token, choice) pairs are sorted by expert, each active
 runs one gate/up GEMM and one down GEMM over its rows (the native CPU GEMM through
 pre-packed weights where the dense MLP uses it, torch's matmul elsewhere), and the
 weighted rows are added back to their tokens with one index_add in expert order, the
-order transformers adds them in. Where the experts are packed for the native GEMM, all of
-that is one native call (worker/moe_kernels.py), bit for bit the same numbers. Qwen2-MoE adds a shared expert scaled by
-sigmoid(shared_expert_gate(x)).
+order transformers adds them in. Where the experts are packed for the native GEMM and the
+layer runs the CPU ops, all of that is one native call (worker/moe_kernels.py), bit for bit
+the same numbers. Qwen2-MoE adds a shared expert scaled by sigmoid(shared_expert_gate(x)).
 
 Tensor parallelism shards every expert's intermediate dimension (and the shared
 expert's): gate/up column-parallel, down row-parallel, so each rank's output is a
@@ -22,38 +22,18 @@ per block. The router is replicated, so every rank picks the same experts.
 
 from __future__ import annotations
 
-import re
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from noria.protocol.model_spec import ModelSpec
 from noria.worker import moe_kernels
-from noria.worker.gemm_kernels import PackedWeight
-from noria.worker.models.layers import linear, pack_linear_weight, silu_and_mul
+from noria.worker.models.linear import Linear, LinearOp, TorchLinear, linear_op, packed
+from noria.worker.models.ops import CpuOps, Ops
 from noria.worker.models.parallel import TensorParallel
-from noria.worker.models.spec import ModelSpec
-
-# Checkpoint names below `layers.N.`: the hub's per-expert tensors (Mixtral's
-# block_sparse_moe w1 = gate, w3 = up, w2 = down; the Qwen families' gate/up/down_proj)
-# and the fused [E, 2I, H] / [E, H, I] tensors transformers 5 keeps in memory.
-_PER_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
-_FUSED_EXPERTS = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)")
-_ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.weight")
-_SHARED = re.compile(r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight")
-_SHARED_GATE = "mlp.shared_expert_gate.weight"
-_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}  # 0 gate, 1 up, 2 down
-
-
-def expert_sizes(spec: ModelSpec) -> tuple[tuple[str, int], ...]:
-    """The intermediate sizes tensor parallelism splits besides the dense MLP's, named as in config.json."""
-    if not spec.num_experts:
-        return ()
-    sizes = [("moe_intermediate_size", spec.moe_intermediate_size)]
-    if spec.shared_expert_intermediate_size:
-        sizes.append(("shared_expert_intermediate_size", spec.shared_expert_intermediate_size))
-    return tuple(sizes)
+from noria.worker.models.weights import Loader, Slot, WeightMap, narrow, rows
 
 
 def describe(spec: ModelSpec, tp: TensorParallel) -> str:
@@ -69,11 +49,6 @@ def describe(spec: ModelSpec, tp: TensorParallel) -> str:
             f"of {spec.moe_intermediate_size}, top-{spec.num_experts_per_tok} ({norm}){shared}; {split}")
 
 
-def owns(name: str) -> bool:
-    """Whether a checkpoint name below `layers.N.` belongs to a sparse block."""
-    return name.startswith(("mlp.", "block_sparse_moe."))
-
-
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -81,10 +56,11 @@ def _param(*shape: int) -> nn.Parameter:
 class SparseMoeBlock(nn.Module):
     """A decoder layer's MLP when the layer is sparse: router, experts, optional shared expert."""
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, tp: TensorParallel, ops: Ops) -> None:
         super().__init__()
         e, h, n = spec.num_experts, spec.hidden_size, tp.size
         self.tp = tp
+        self.ops = ops
         self.num_experts, self.top_k = e, spec.num_experts_per_tok
         self.norm_topk_prob = spec.norm_topk_prob
         self.weights_in_model_dtype = spec.router_weights_in_model_dtype
@@ -97,15 +73,13 @@ class SparseMoeBlock(nn.Module):
         shared = spec.shared_expert_intermediate_size
         self.shared_inter = shared // n
         self.shared_start = tp.rank * self.shared_inter
-        self.shared_gate_up = _param(2 * self.shared_inter, h) if shared else None
-        self.shared_down = _param(h, self.shared_inter) if shared else None
+        self.shared_gate_up = Linear(h, 2 * self.shared_inter) if shared else None
+        self.shared_down = Linear(self.shared_inter, h) if shared else None
         self.shared_expert_gate = _param(1, h) if shared else None
-        self.gate_up_packed: list[PackedWeight | None] = [None] * e
-        self.down_packed: list[PackedWeight | None] = [None] * e
-        self.shared_gate_up_packed: PackedWeight | None = None
-        self.shared_down_packed: PackedWeight | None = None
+        # Each expert's linear kinds (`pack`).
+        self.gate_up_ops: list[LinearOp] = [TorchLinear(w) for w in self.experts_gate_up]
+        self.down_ops: list[LinearOp] = [TorchLinear(w) for w in self.experts_down]
         self.native: moe_kernels.PackedExperts | None = None  # the one-call path's view of the packed experts
-        self._filled: set[tuple[str, Any]] = set()
 
     # -- forward ----------------------------------------------------------------
 
@@ -120,20 +94,19 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(x.dtype)
         return weights, ids
 
-    def forward(self, x: torch.Tensor, fused: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = self.experts(x, weights, ids, fused)
+        out = self.experts(x, weights, ids)
         if self.shared_gate_up is not None and self.shared_down is not None and self.shared_expert_gate is not None:
-            h = silu_and_mul(linear(x, self.shared_gate_up, None, self.shared_gate_up_packed), fused)
-            shared = linear(h, self.shared_down, None, self.shared_down_packed)
+            shared = self.shared_down(self.ops.act_and_mul(self.shared_gate_up(x)))
             # sigmoid(gate) is the same on every rank, so gating partial sums gates their total.
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
         return self.tp.all_reduce(out)
 
-    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fused: Any = None) -> torch.Tensor:
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum over each token's k experts of weight * expert(x), grouped by expert ([T, hidden])."""
         t, k = ids.shape
-        if self.native is not None and fused is None and t and moe_kernels.usable(x, ids):
+        if self.native is not None and t and k <= moe_kernels.MAX_TOP_K:
             return moe_kernels.experts(x, weights, ids, self.native)
         out = torch.zeros_like(x)
         if t == 0:
@@ -142,107 +115,88 @@ class SparseMoeBlock(nn.Module):
         order = torch.argsort(flat, stable=True)  # expert by expert, tokens in order within one
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
         tokens = order // k
-        rows = x.index_select(0, tokens)
-        done = torch.empty_like(rows)
+        picked = x.index_select(0, tokens)
+        done = torch.empty_like(picked)
         start = 0
         for e, n in enumerate(counts):
             if not n:
                 continue
-            h = linear(rows[start:start + n], self.experts_gate_up[e], None, self.gate_up_packed[e])
-            done[start:start + n] = linear(silu_and_mul(h, fused), self.experts_down[e], None, self.down_packed[e])
+            h = self.gate_up_ops[e](picked[start:start + n], None)
+            done[start:start + n] = self.down_ops[e](self.ops.act_and_mul(h), None)
             start += n
         # Mixtral's float32 weights promote the product; it is rounded once, as transformers does.
         weighted = (done * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
         return out.index_add_(0, tokens, weighted)
 
-    def pack_weights(self) -> None:
-        self.gate_up_packed = [pack_linear_weight(w) for w in self.experts_gate_up]
-        self.down_packed = [pack_linear_weight(w) for w in self.experts_down]
-        gate_up, down = self.gate_up_packed, self.down_packed
-        if moe_kernels.load() is not None and all(w is not None for w in gate_up + down):
+    def pack(self) -> None:
+        """The linear kind of every expert, and the one-call path where all are packed and the
+        layer runs the CPU ops (the CUDA ops keep the grouped loop on their kernels)."""
+        self.gate_up_ops = [linear_op(w) for w in self.experts_gate_up]
+        self.down_ops = [linear_op(w) for w in self.experts_down]
+        for shared in (self.shared_gate_up, self.shared_down):
+            if shared is not None:
+                shared.pack()
+        self.use_ops(self.ops)
+
+    def use_ops(self, ops: Ops) -> None:
+        self.ops = ops
+        gate_up, down = [packed(op) for op in self.gate_up_ops], [packed(op) for op in self.down_ops]
+        self.native = None
+        if isinstance(ops, CpuOps) and moe_kernels.load() is not None and all(w is not None for w in gate_up + down):
             self.native = moe_kernels.PackedExperts(gate_up, down)  # type: ignore[arg-type]
-        if self.shared_gate_up is not None and self.shared_down is not None:
-            self.shared_gate_up_packed = pack_linear_weight(self.shared_gate_up)
-            self.shared_down_packed = pack_linear_weight(self.shared_down)
 
     # -- loading ----------------------------------------------------------------
 
-    def load(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor (its name below `layers.N.`) into this rank's share.
-
-        Raises ValueError on a name this block has no place for or a shape that does not fit."""
-        if _ROUTER.fullmatch(name):
-            self._copy(name, self.router.data, tensor, ("router", None))
-        elif m := _PER_EXPERT.fullmatch(name):
-            e, part = int(m.group(1)), _PART[m.group(2)]
-            if e >= self.num_experts:
-                raise ValueError(f"checkpoint tensor {name!r} names expert {e} of {self.num_experts}")
-            if part == 2:
-                self._copy(name, self.experts_down.data[e], self._cols(tensor, self.inter_start, self.inter),
-                           ("down", e))
-            else:
-                dest = self.experts_gate_up.data[e].narrow(0, part * self.inter, self.inter)
-                self._copy(name, dest, self._rows(tensor, self.inter_start, self.inter), ("gate_up", (e, part)))
-        elif m := _FUSED_EXPERTS.fullmatch(name):
-            self._load_fused(name, m.group(1), tensor)
-        elif m := _SHARED.fullmatch(name):
-            part = _PART[m.group(1)]
-            if self.shared_gate_up is None or self.shared_down is None:
-                raise ValueError(f"checkpoint tensor {name!r} is a shared expert, which the config does not have")
-            if part == 2:
-                self._copy(name, self.shared_down.data, self._cols(tensor, self.shared_start, self.shared_inter),
-                           ("shared_down", None))
-            else:
-                dest = self.shared_gate_up.data.narrow(0, part * self.shared_inter, self.shared_inter)
-                self._copy(name, dest, self._rows(tensor, self.shared_start, self.shared_inter),
-                           ("shared_gate_up", part))
-        elif name == _SHARED_GATE:
-            if self.shared_expert_gate is None:
-                raise ValueError(f"checkpoint tensor {name!r} is a shared expert, which the config does not have")
-            self._copy(name, self.shared_expert_gate.data, tensor, ("shared_expert_gate", None))
-        else:
-            raise ValueError(f"unexpected checkpoint tensor {name!r} in a mixture-of-experts layer")
-
-    def _load_fused(self, name: str, kind: str, tensor: torch.Tensor) -> None:
-        e = self.num_experts
-        if tensor.dim() != 3 or tensor.shape[0] != e:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {e} experts "
-                             "along its first dimension")
-        if kind == "down_proj":
-            self._copy(name, self.experts_down.data, self._cols(tensor, self.inter_start, self.inter), ("down", "all"))
+    def register_weights(self, wm: WeightMap, prefix: str, spec: ModelSpec) -> None:
+        """Loaders for this block's checkpoint tensors below `prefix` (`layers.N.`): the router,
+        every expert per expert under `mlp.` or `block_sparse_moe.` (the family's part names),
+        or all at once as transformers 5 holds them ([E, 2I, H] gate_up_proj, [E, H, I] down_proj),
+        and Qwen2-MoE's shared expert and its gate."""
+        e, n, inter = self.num_experts, self.tp.size, self.inter
+        gate_up = wm.slot(prefix + "mlp.experts_gate_up", self.experts_gate_up,
+                          [((i, p), ("all", p)) for i in range(e) for p in (0, 1)])
+        down = wm.slot(prefix + "mlp.experts_down", self.experts_down, [(i, "all") for i in range(e)])
+        router = wm.slot(prefix + "mlp.router", self.router)
+        gate, up, dn = spec.expert_parts
+        cols = narrow(-1, self.inter_start, inter, n)
+        for block in ("mlp.", "block_sparse_moe."):
+            b = prefix + block
+            wm.add(b + "gate.weight", router.loader())
+            for i in range(e):
+                for part, name in ((0, gate), (1, up)):
+                    wm.add(f"{b}experts.{i}.{name}.weight",
+                           gate_up.loader((i, part), _expert_rows(i, part, inter), narrow(0, self.inter_start, inter, n)))
+                wm.add(f"{b}experts.{i}.{dn}.weight", down.loader(i, lambda p, i=i: p[i], cols))
+            wm.add(b + "experts.gate_up_proj", self._fused_gate_up(gate_up))
+            wm.add(b + "experts.down_proj", down.loader("all", None, cols))
+        if self.shared_gate_up is None or self.shared_down is None or self.shared_expert_gate is None:
             return
-        full = tensor.shape[1] // 2  # [E, 2I, H]: every expert's gate rows, then its up rows
-        for part in (0, 1):
-            src = tensor.narrow(1, part * full, full)
-            if self.tp.size > 1:
-                src = src.narrow(1, self.inter_start, self.inter)
-            dest = self.experts_gate_up.data.narrow(1, part * self.inter, self.inter)
-            self._copy(name, dest, src, ("gate_up", ("all", part)))
+        s, si = prefix + "mlp.shared_expert.", self.shared_inter
+        sgu = wm.slot(s + "gate_up_proj", self.shared_gate_up.weight, [(0,), (1,)])
+        rank_rows = narrow(0, self.shared_start, si, n)
+        wm.add(s + "gate_proj.weight", sgu.loader(0, rows(0, si), rank_rows))
+        wm.add(s + "up_proj.weight", sgu.loader(1, rows(si, si), rank_rows))
+        wm.add(s + "down_proj.weight", wm.slot(s + "down_proj", self.shared_down.weight)
+               .loader("all", None, narrow(-1, self.shared_start, si, n)))
+        wm.add(prefix + "mlp.shared_expert_gate.weight",
+               wm.slot(prefix + "mlp.shared_expert_gate", self.shared_expert_gate).loader())
 
-    def _rows(self, tensor: torch.Tensor, start: int, size: int) -> torch.Tensor:
-        return tensor if self.tp.size == 1 else tensor.narrow(0, start, size)
+    def _fused_gate_up(self, slot: Slot) -> Loader:
+        e, inter = self.num_experts, self.inter
 
-    def _cols(self, tensor: torch.Tensor, start: int, size: int) -> torch.Tensor:
-        return tensor if self.tp.size == 1 else tensor.narrow(tensor.dim() - 1, start, size)
+        def load(tensor: torch.Tensor, what: str) -> None:
+            if tensor.dim() != 3 or tensor.shape[0] != e:
+                raise ValueError(f"checkpoint tensor {what!r} has shape {tuple(tensor.shape)}, expected {e} experts "
+                                 "along its first dimension")
+            full = tensor.shape[1] // 2  # [E, 2I, H]: every expert's gate rows, then its up rows
+            for part in (0, 1):
+                src = tensor.narrow(1, part * full, full)
+                if self.tp.size > 1:
+                    src = src.narrow(1, self.inter_start, inter)
+                slot.fill(("all", part), slot.param.data.narrow(1, part * inter, inter), src, what)
 
-    def _copy(self, name: str, dest: torch.Tensor, src: torch.Tensor, key: tuple[str, Any]) -> None:
-        if dest.shape != src.shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
-        dest.copy_(src)
-        self._filled.add(key)
+        return load
 
-    def missing(self) -> list[str]:
-        """Names of this block's parameters the checkpoint has not filled (whole or per expert)."""
-        f, e = self._filled, self.num_experts
-        out = []
-        if ("router", None) not in f:
-            out.append("router")
-        gate_up = all(("gate_up", (i, p)) in f or ("gate_up", ("all", p)) in f for i in range(e) for p in (0, 1))
-        if not gate_up:
-            out.append("experts_gate_up")
-        if not (("down", "all") in f or all(("down", i) in f for i in range(e))):
-            out.append("experts_down")
-        if self.shared_gate_up is not None:
-            need = [("shared_gate_up", 0), ("shared_gate_up", 1), ("shared_down", None), ("shared_expert_gate", None)]
-            out += sorted({k[0] for k in need if k not in f})
-        return out
+
+def _expert_rows(expert: int, part: int, inter: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda p: p[expert].narrow(0, part * inter, inter)

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from noria.worker.models.spec import RopeSpec
+from noria.protocol.rope_config import RopeSpec
 
 
 def rotary_dim(rope: RopeSpec, head_dim: int) -> int:

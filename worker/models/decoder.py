@@ -1,0 +1,194 @@
+"""One decoder layer, built from the model's spec (its family's recipe resolved for the checkpoint).
+
+Every family is this layer with different entries: q/k/v and o_proj biases (Qwen2), a
+per-head q/k RMSNorm (Qwen3, Gemma 3), Gemma's (1 + w) norms around attention and MLP
+("sandwich" norms), the gated MLP's activation, a sliding window or a rope of the sliding
+layers' own, soft-capped scores, and a mixture-of-experts MLP (worker/models/moe.py) on the
+sparse layers. q/k/v and gate/up are fused into one matmul each at load time.
+
+Tensor parallelism (Megatron): q/k/v and gate/up are column-parallel (each rank holds its
+heads / columns), o_proj and down_proj row-parallel (the matching input slice, then one
+all_reduce each); norms are replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from noria.protocol.model_spec import ModelSpec
+from noria.worker.attention import AttentionBackend, AttentionMetadata, LayerAttention
+from noria.worker.models.layers import RMSNorm
+from noria.worker.models.linear import Linear, RowParallelLinear
+from noria.worker.models.moe import SparseMoeBlock
+from noria.worker.models.ops import AttendFn, Ops, TorchOps
+from noria.worker.models.parallel import RankShapes, TensorParallel
+from noria.worker.models.rope import rotary_dim
+from noria.worker.models.weights import Loader, WeightMap, narrow, rows, split_rows
+
+
+@dataclass
+class StepContext:
+    """What every layer needs for one forward pass besides its input."""
+
+    meta: AttentionMetadata
+    backend: AttentionBackend
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    local_cos: torch.Tensor  # the rope of the sliding layers that have their own (else cos / sin)
+    local_sin: torch.Tensor
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_index: int, shapes: RankShapes, tp: TensorParallel) -> None:
+        super().__init__()
+        h, kvh, d = shapes.num_heads, shapes.num_kv_heads, spec.head_dim
+        self.layer_index = layer_index
+        self.q_size, self.kv_size = h * d, kvh * d
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, spec.hidden_size, spec.o_bias, tp)
+        one_plus = spec.norm == "rms_one_plus"
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps, one_plus) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps, one_plus) if spec.qk_norm else None
+        window = spec.sliding_windows[layer_index]
+        self.attn = LayerAttention(h, kvh, d, spec.scale, window, spec.attn_softcap)
+        # The sliding layers of a model with a local rope rotate with it (Gemma 3).
+        self.local_rope = window is not None and spec.local_rope is not None
+        self.rotary_dim = rotary_dim(spec.local_rope if self.local_rope and spec.local_rope else spec.rope, d)
+        self.attend: AttendFn = TorchOps(spec.activation).attention(self)
+
+    def register_weights(self, wm: WeightMap, prefix: str, spec: ModelSpec, shapes: RankShapes,
+                         tp: TensorParallel) -> None:
+        """q, k and v into their rows of qkv_proj (this rank's heads of each), o_proj's input columns
+        of this rank; a checkpoint with q/k/v stored as one qkv_proj (Phi-3) is cut first."""
+        d, n, p = spec.head_dim, tp.size, prefix + "self_attn."
+        q_rank = narrow(0, shapes.head_start * d, self.q_size, n)
+        kv_rank = narrow(0, shapes.kv_head_start * d, self.kv_size, n)
+        parts = (("q", 0, self.q_size, q_rank), ("k", self.q_size, self.kv_size, kv_rank),
+                 ("v", self.q_size + self.kv_size, self.kv_size, kv_rank))
+        full = (spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d)
+        fused = [("weight", self.qkv_proj.weight), ("bias", self.qkv_proj.bias)]
+        for kind, param in fused:
+            if param is None:
+                continue
+            slot = wm.slot(f"{p}qkv_proj.{kind}", param, [(k,) for k, *_ in parts])
+            loaders: list[Loader] = [slot.loader(k, rows(start, size), rank) for k, start, size, rank in parts]
+            if spec.fused_checkpoint:
+                wm.add(f"{p}qkv_proj.{kind}", split_rows(full, loaders))
+            else:
+                for (k, *_), load in zip(parts, loaders, strict=True):
+                    wm.add(f"{p}{k}_proj.{kind}", load)
+        wm.add(p + "o_proj.weight", wm.slot(p + "o_proj.weight", self.o_proj.weight)
+               .loader("all", None, narrow(1, shapes.head_start * d, self.q_size, n)))
+        if self.o_proj.bias is not None:  # replicated: added once, after the sum
+            wm.add(p + "o_proj.bias", wm.slot(p + "o_proj.bias", self.o_proj.bias).loader())
+        for name, norm in (("q_norm", self.q_norm), ("k_norm", self.k_norm)):
+            if norm is not None:
+                register_norm(wm, f"{p}{name}.weight", norm)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        cos, sin = (ctx.local_cos, ctx.local_sin) if self.local_rope else (ctx.cos, ctx.sin)
+        out = self.attend(self.qkv_proj(x), ctx, cos, sin)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
+
+class MLP(nn.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)), gate and up one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TensorParallel, ops: Ops) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
+        self.ops = ops
+
+    def register_weights(self, wm: WeightMap, prefix: str, spec: ModelSpec, shapes: RankShapes,
+                         tp: TensorParallel) -> None:
+        """gate and up into their rows of gate_up_proj (this rank's columns of each), down_proj's
+        input columns of this rank; Phi-3's stored gate_up_proj is cut first."""
+        inter, start, n, p = shapes.intermediate_size, shapes.inter_start, tp.size, prefix + "mlp."
+        rank = narrow(0, start, inter, n)
+        for kind, param in (("weight", self.gate_up_proj.weight), ("bias", self.gate_up_proj.bias)):
+            if param is None:
+                continue
+            slot = wm.slot(f"{p}gate_up_proj.{kind}", param, [("gate",), ("up",)])
+            gate, up = slot.loader("gate", rows(0, inter), rank), slot.loader("up", rows(inter, inter), rank)
+            if spec.fused_checkpoint:
+                wm.add(f"{p}gate_up_proj.{kind}", split_rows((spec.intermediate_size,) * 2, (gate, up)))
+            else:
+                wm.add(f"{p}gate_proj.{kind}", gate)
+                wm.add(f"{p}up_proj.{kind}", up)
+        wm.add(p + "down_proj.weight", wm.slot(p + "down_proj.weight", self.down_proj.weight)
+               .loader("all", None, narrow(1, start, inter, n)))
+        if self.down_proj.bias is not None:
+            wm.add(p + "down_proj.bias", wm.slot(p + "down_proj.bias", self.down_proj.bias).loader())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_index: int, shapes: RankShapes, tp: TensorParallel) -> None:
+        super().__init__()
+        ops = TorchOps(spec.activation)
+        self.ops: Ops = ops
+        self.self_attn = Attention(spec, layer_index, shapes, tp)
+        self.mlp: MLP | SparseMoeBlock = (SparseMoeBlock(spec, tp, ops) if spec.is_sparse(layer_index)
+                                          else MLP(spec.hidden_size, shapes.intermediate_size, spec.mlp_bias, tp, ops))
+        h, eps, one_plus = spec.hidden_size, spec.rms_norm_eps, spec.norm == "rms_one_plus"
+        self.input_layernorm = RMSNorm(h, eps, one_plus)
+        self.post_attention_layernorm = RMSNorm(h, eps, one_plus)
+        # Gemma: post_attention_layernorm normalizes the attention's output, pre_feedforward the
+        # stream into the MLP, post_feedforward the MLP's output.
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, one_plus) if spec.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(h, eps, one_plus) if spec.sandwich_norms else None
+
+    def use_ops(self, ops: Ops) -> None:
+        self.ops = ops
+        self.self_attn.attend = ops.attention(self.self_attn)
+        if isinstance(self.mlp, SparseMoeBlock):
+            self.mlp.use_ops(ops)
+        else:
+            self.mlp.ops = ops
+
+    def register_weights(self, wm: WeightMap, prefix: str, spec: ModelSpec, shapes: RankShapes,
+                         tp: TensorParallel) -> None:
+        self.self_attn.register_weights(wm, prefix, spec, shapes, tp)
+        if isinstance(self.mlp, SparseMoeBlock):
+            self.mlp.register_weights(wm, prefix, spec)
+        else:
+            self.mlp.register_weights(wm, prefix, spec, shapes, tp)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            norm = getattr(self, name)
+            if norm is not None:
+                register_norm(wm, f"{prefix}{name}.weight", norm)
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        """The norm of the stream into the MLP."""
+        return self.pre_feedforward_layernorm or self.post_attention_layernorm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it): the add of a layer's output to
+        the stream is fused into the next norm, as in vLLM. `x` is the previous layer's output
+        (or the embedding, with no residual)."""
+        ops = self.ops
+        normed, residual = ops.add_norm(x, residual, self.input_layernorm)
+        h = self.self_attn(normed, ctx)
+        if self.post_feedforward_layernorm is not None:
+            h = ops.norm(h, self.post_attention_layernorm)
+        normed, residual = ops.add_norm(h, residual, self.mlp_norm)
+        out = self.mlp(normed)
+        if self.post_feedforward_layernorm is not None:
+            out = ops.norm(out, self.post_feedforward_layernorm)
+        return out, residual
+
+
+def register_norm(wm: WeightMap, name: str, norm: RMSNorm) -> None:
+    """A replicated norm weight; a (1 + w) norm keeps 1 + w in float32 (transformers' `1.0 + w.float()`)."""
+    slot = wm.slot(name, norm.weight)
+    wm.add(name, slot.loader("all", None, (lambda t: 1.0 + t.float()) if norm.one_plus else None))
