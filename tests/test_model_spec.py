@@ -113,11 +113,21 @@ def _read(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
+def _known_to_transformers() -> list[Any]:
+    """The families transformers implements (a made-up family has no reference to compare with;
+    its own test holds it to an equivalent transformers network instead)."""
+    from transformers import CONFIG_MAPPING
+
+    return [f for f in FAMILIES.values() if f.model_type in CONFIG_MAPPING]
+
+
 def test_every_family_has_a_case() -> None:
     from tests.tiny_models import tiny_config
 
     covered = [find_family({"model_type": tiny_config(arch).model_type}) for arch in CASES]
-    assert {f.architecture for f in covered if f} == set(FAMILIES), "a family without a tiny checkpoint case"
+    known = {f.architecture for f in _known_to_transformers()}
+    assert {f.architecture for f in covered if f} == known, "a family without a tiny checkpoint case"
+    assert known, "no family transformers knows"
 
 
 @pytest.mark.parametrize("arch", CASES)
@@ -141,7 +151,7 @@ def test_spec_agrees_with_transformers(arch: str, checkpoints: dict[str, Path]) 
     check_checkpoint(folder)  # the pre-check derives every tensor it expects from this same spec
 
 
-@pytest.mark.parametrize("family", list(FAMILIES.values()), ids=lambda f: f.model_type)
+@pytest.mark.parametrize("family", _known_to_transformers(), ids=lambda f: f.model_type)
 def test_defaults_and_aliases_are_the_config_class(family: Any) -> None:
     cls = _config_class(family.model_type)
     assert dict(family.aliases) == dict(cls.attribute_map)
