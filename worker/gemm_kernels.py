@@ -68,7 +68,9 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.T
     m = x.shape[0]
     y = torch.empty(m, w.out_features, dtype=torch.float32)
     if m:
-        dll.gemm_f32(_ptr(x), x.stride(0), w.ptr, None if bias is None else _ptr(bias.contiguous()),
+        # Held in a local: a temporary's storage would be freed before the C code reads it.
+        b = None if bias is None else bias.contiguous()
+        dll.gemm_f32(_ptr(x), x.stride(0), w.ptr, None if b is None else _ptr(b),
                      _ptr(y), w.out_features, m, w.out_features, w.in_features, torch.get_num_threads())
     return y
 

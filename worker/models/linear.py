@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from noria.worker import gemm_kernels
+from noria.worker import gemm_bf16_kernels, gemm_kernels
+from noria.worker.gemm_bf16_kernels import PackedBF16Weight
 from noria.worker.gemm_kernels import PackedWeight
 from noria.worker.models.parallel import TensorParallel
 
@@ -42,6 +43,19 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return gemm_kernels.gemm(x, self.packed, bias)
+
+
+class PackedBF16Linear:
+    """The native GEMM over a bf16 copy of W (worker/gemm_bf16_kernels.py): float32 in and out,
+    half the weight bytes per call; each output is PackedLinear's over the bf16-rounded W."""
+
+    kind = "packed_bf16"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = PackedBF16Weight(weight)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return gemm_bf16_kernels.gemm_bf16(x, self.packed, bias)
 
 
 LinearOp = TorchLinear | PackedLinear

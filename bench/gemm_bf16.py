@@ -1,0 +1,82 @@
+"""The CPU GEMM over bf16 weights against the float32 one, on the "small" model's shapes.
+
+`python -m noria.bench.gemm_bf16`: per shape (K = 768; N = 1536 qkv, 768 o, 4096 gate_up,
+32000 lm head) and row count, the median time of each native kernel (worker/gemm_kernels.py,
+worker/gemm_bf16_kernels.py), the GB/s of packed weight bytes it read, and float32 / bf16
+time. Decode is bound by those bytes, so the ratio at few rows should approach 2. On a
+loaded machine, --threads 1: a descheduled OpenMP thread holds every call up by a time slice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+import torch
+
+from noria.worker import gemm_bf16_kernels, gemm_kernels
+
+K = 768
+SHAPES = {"qkv": 1536, "o": 768, "gate_up": 4096, "lm_head": 32000}
+ROWS = [1, 8, 32, 128]
+FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16")
+
+
+def cpu_facts() -> str:
+    """The CPU's model name and its flags of interest (avx2, avx512f, avx512_bf16, amx*)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        out = ""
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    name = fields.get("Model name", "unknown CPU").strip()
+    flags = fields.get("Flags", "").split()
+    have = [f for f in FLAGS_OF_INTEREST if f in flags] + [f for f in flags if f.startswith("amx")]
+    lacks = [f for f in FLAGS_OF_INTEREST if f not in flags] + ([] if any(f.startswith("amx") for f in flags)
+                                                               else ["amx"])
+    return (f"{name}, {torch.get_num_threads()} threads; has: {' '.join(have) or '-'}; "
+            f"lacks: {' '.join(lacks) or '-'}")
+
+
+def median_seconds(call: Callable[[], object], repeats: int) -> float:
+    for _ in range(2):
+        call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: torch's count)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if gemm_kernels.load() is None or gemm_bf16_kernels.load() is None:
+        print("the native GEMMs are not built (no C compiler, or the gemm family is on torch)")
+        return 1
+    print(cpu_facts())
+    print(f"{'layer':<8} {'N':>6} {'rows':>5} {'f32 ms':>8} {'f32 GB/s':>9} {'bf16 ms':>8} {'bf16 GB/s':>10} "
+          f"{'f32/bf16':>9}")
+    torch.manual_seed(0)
+    for layer, n in SHAPES.items():
+        weight = torch.randn(n, K)
+        f32, bf16 = gemm_kernels.PackedWeight(weight), gemm_bf16_kernels.PackedBF16Weight(weight)
+        for rows in ROWS:
+            x = torch.randn(rows, K)
+            t32 = median_seconds(lambda: gemm_kernels.gemm(x, f32, None), args.repeats)  # noqa: B023
+            t16 = median_seconds(lambda: gemm_bf16_kernels.gemm_bf16(x, bf16, None), args.repeats)  # noqa: B023
+            print(f"{layer:<8} {n:>6} {rows:>5} {t32 * 1e3:>8.3f} {f32.data.nbytes / t32 / 1e9:>9.1f} "
+                  f"{t16 * 1e3:>8.3f} {bf16.data.nbytes / t16 / 1e9:>10.1f} {t32 / t16:>9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

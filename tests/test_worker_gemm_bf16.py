@@ -1,0 +1,128 @@
+"""The native GEMM over bfloat16 weights (worker/csrc/gemm_bf16.c): against a float64 reference
+on the bf16-rounded weight, and bit for bit against the float32 native GEMM on that weight."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from noria.worker import gemm_bf16_kernels, gemm_kernels
+from noria.worker.gemm_bf16_kernels import PackedBF16Weight, gemm_bf16
+from noria.worker.models.linear import PackedBF16Linear
+
+pytestmark = pytest.mark.skipif(gemm_bf16_kernels.load() is None,
+                                reason="no C compiler: the native bf16 GEMM is not built")
+
+ROWS = [0, 1, 2, 5, 6, 7, 13, 64, 130, 300]
+SHAPES = [(1, 1), (17, 3), (96, 80), (257, 769), (1, 769), (257, 1)]  # (N, K): odd on purpose
+
+
+def _case(rows: int, n: int, k: int, with_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A weight, x as a strided view (a column slice of a wider tensor), a bias or None."""
+    torch.manual_seed(rows * 10_000 + n * 100 + k)
+    weight = torch.randn(n, k)
+    x = torch.randn(rows, k + 9)[:, 4 : 4 + k]
+    return weight, x, torch.randn(n) if with_bias else None
+
+
+def _float32_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The float32 native GEMM on the bf16-rounded weight: the same in-order fused sum per output."""
+    if gemm_kernels.load() is None:
+        pytest.skip("the float32 native GEMM is off")
+    return gemm_kernels.gemm(x, gemm_kernels.PackedWeight(weight.to(torch.bfloat16).float()), bias)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64_and_the_float32_gemm_bit_for_bit(rows: int, n: int, k: int, with_bias: bool) -> None:
+    weight, x, bias = _case(rows, n, k, with_bias)
+    assert rows < 2 or not x.is_contiguous()
+    got = gemm_bf16(x, PackedBF16Weight(weight), bias)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    want = x.double() @ weight.to(torch.bfloat16).double().T + (0 if bias is None else bias.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
+    assert torch.equal(got, _float32_gemm(x, weight, bias))
+
+
+def test_a_bfloat16_weight_packs_as_its_float32_copy() -> None:
+    torch.manual_seed(1)
+    bf16 = torch.randn(257, 80).to(torch.bfloat16)
+    from_bf16, from_f32 = PackedBF16Weight(bf16), PackedBF16Weight(bf16.float())
+    assert (from_bf16.n, from_bf16.k) == (257, 80)
+    assert torch.equal(from_bf16.data, from_f32.data)
+    x = torch.randn(7, 80)
+    assert torch.equal(gemm_bf16(x, from_bf16, None), gemm_bf16(x, from_f32, None))
+
+
+def test_float32_weights_round_to_nearest_even() -> None:
+    """1 + 2^-8 lies halfway between two bf16 values: it rounds to even (1.0), 1 + 3 * 2^-8 up."""
+    weight = torch.tensor([[1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-9)]])
+    out = gemm_bf16(torch.eye(3), PackedBF16Weight(weight), None)
+    assert out[:, 0].tolist() == [1.0, 1 + 2**-6, -1.0]
+
+
+def test_thread_counts_give_identical_bits() -> None:
+    """Threads split the panels, never K: 1 and 2 threads (and more threads than panels)."""
+    torch.manual_seed(2)
+    nr = int(gemm_bf16_kernels._dll().gemm_bf16_nr())
+    weight, x = torch.randn(5 * nr + 3, 131), torch.randn(130, 200)[:, 7:138]
+    packed = PackedBF16Weight(weight)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 8):
+            torch.set_num_threads(n)
+            results.append(gemm_bf16(x, packed, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    # A row's result does not depend on the other rows of its batch.
+    assert torch.equal(gemm_bf16(x[64:65], packed, None), results[0][64:65])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 130])
+def test_the_avx2_build_gives_the_native_bits(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built for x86-64-v3 (8-float vectors where an AVX-512 host's -march=native build has 16:
+    other panels, another interleaving), the kernel gives the native build's bits."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX2 is an x86 instruction set")
+    torch.manual_seed(rows)
+    cases = [(w, torch.randn(rows, k), torch.randn(n)) for n, k in SHAPES for w in [torch.randn(n, k)]]
+    native = [gemm_bf16(x, PackedBF16Weight(w), b) for w, x, b in cases]
+    flags = ["-march=x86-64-v3" if f == "-march=native" else f for f in gemm_bf16_kernels._FLAGS]
+    monkeypatch.setattr(gemm_bf16_kernels, "_FLAGS", flags)
+    gemm_bf16_kernels.load.cache_clear()
+    try:
+        dll = gemm_bf16_kernels.load()
+        if dll is None:
+            pytest.skip("no compiler for the AVX2 build")
+        assert int(dll.gemm_bf16_nr()) == 16
+        for (w, x, b), want in zip(cases, native, strict=True):
+            assert torch.equal(gemm_bf16(x, PackedBF16Weight(w), b), want)
+    finally:
+        monkeypatch.undo()
+        gemm_bf16_kernels.load.cache_clear()
+
+
+def test_the_linear_kind() -> None:
+    torch.manual_seed(3)
+    weight, x, bias = torch.randn(96, 80), torch.randn(5, 80), torch.randn(96)
+    op = PackedBF16Linear(weight)
+    assert op.kind == "packed_bf16"
+    assert torch.equal(op(x, bias), gemm_bf16(x, PackedBF16Weight(weight), bias))
+    assert gemm_bf16_kernels.usable(weight) and gemm_bf16_kernels.usable(weight.to(torch.bfloat16))
+    assert not gemm_bf16_kernels.usable(weight.half()) and not gemm_bf16_kernels.usable(weight[0])
+
+
+def test_disabled_with_the_gemm_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    gemm_bf16_kernels.load.cache_clear()
+    monkeypatch.setenv("NORIA_DISABLE_CPU_GEMM", "1")
+    try:
+        assert gemm_bf16_kernels.load() is None
+        assert not gemm_bf16_kernels.usable(torch.randn(4, 4))
+    finally:
+        monkeypatch.delenv("NORIA_DISABLE_CPU_GEMM")
+        gemm_bf16_kernels.load.cache_clear()
