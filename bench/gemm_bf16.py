@@ -5,6 +5,10 @@
 worker/gemm_bf16_kernels.py), the GB/s of packed weight bytes it read, and float32 / bf16
 time. Decode is bound by those bytes, so the ratio at few rows should approach 2. On a
 loaded machine, --threads 1: a descheduled OpenMP thread holds every call up by a time slice.
+
+`--engine`: the same comparison through the whole engine, one request alone (where the weight
+bytes decide): `LLM.generate` on the "small" model with `--dtype float32` and with `--dtype
+bfloat16` (bf16 weights, float32 activations), milliseconds per output token after the first.
 """
 
 from __future__ import annotations
@@ -56,7 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: torch's count)")
+    parser.add_argument("--engine", action="store_true", help="batch-1 inter-token latency through LLM.generate")
     args = parser.parse_args(argv)
+    if args.engine:
+        print(cpu_facts())
+        for dtype in ("float32", "bfloat16", "float32", "bfloat16"):  # interleaved
+            print(f"{dtype:<9} {engine_ms_per_token(dtype):6.2f} ms per output token, one request alone")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     if gemm_kernels.load() is None or gemm_bf16_kernels.load() is None:
@@ -76,6 +86,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{layer:<8} {n:>6} {rows:>5} {t32 * 1e3:>8.3f} {f32.data.nbytes / t32 / 1e9:>9.1f} "
                   f"{t16 * 1e3:>8.3f} {bf16.data.nbytes / t16 / 1e9:>10.1f} {t32 / t16:>9.2f}")
     return 0
+
+
+def engine_ms_per_token(dtype: str, tokens: int = 256) -> float:
+    """One greedy request of `tokens` + 1 tokens, less the time to its first token, per token."""
+    from noria import LLM, SamplingParams
+    from noria.bench.workloads import CHECKPOINTS
+
+    with LLM(str(CHECKPOINTS["small"]()), dtype=dtype, num_kv_blocks=512, seed=0) as llm:
+        def run(n: int) -> float:
+            start = time.perf_counter()
+            llm.generate([[9, 10, 11, 12]], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                         use_tqdm=False)
+            return time.perf_counter() - start
+
+        run(16)  # warm: the kernels' first calls
+        return (run(tokens + 1) - run(1)) / tokens * 1e3
 
 
 if __name__ == "__main__":

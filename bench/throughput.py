@@ -174,7 +174,7 @@ def workload(args: argparse.Namespace) -> Work:
 def run_one(name: str, args: argparse.Namespace, record: str, skip: int) -> dict:
     path = CHECKPOINTS[args.model]()
     work = workload(args)
-    flags = {"num_kv_blocks": args.num_kv_blocks}
+    flags = {"num_kv_blocks": args.num_kv_blocks, "dtype": args.dtype}
     if name.startswith("hf-static-"):
         return run_hf_static(path, work, int(name.rsplit("-", 1)[1]))
     if name == "hf-cb":
@@ -186,7 +186,8 @@ def run_one(name: str, args: argparse.Namespace, record: str, skip: int) -> dict
         # with half the threads, plus two all-reduces per layer.
         return {**run_noria_llm(path, work, {**flags, "tensor_parallel_size": 2}, record), "system": name}
     if name == "noria-serve":
-        return run_noria_serve(path, work, ["--num-kv-blocks", str(args.num_kv_blocks)], record)
+        return run_noria_serve(path, work, ["--num-kv-blocks", str(args.num_kv_blocks), "--dtype", args.dtype],
+                               record)
     if name == "ceiling":
         return run_ceiling(path, record, flags, skip)
     raise SystemExit(f"unknown system {name!r}")
@@ -220,6 +221,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", choices=sorted(CHECKPOINTS), default="small",
                     help="the benchmark model (\"serving\" is smaller, for quick runs)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap every request's output length")
+    ap.add_argument("--dtype", default="auto",
+                    help="noria's --dtype (the roofline counts float32 weight bytes whatever it is)")
     ap.add_argument("--no-vllm-install", action="store_true",
                     help="skip the vLLM systems unless vLLM's venv is already made (else it is made on first use)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: run one system
@@ -303,7 +306,8 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> tuple[dict[str,
     from noria.bench.roofline_machine import measure_in_child
 
     child_argv = ["--num-requests", str(args.num_requests), "--num-kv-blocks", str(args.num_kv_blocks),
-                  "--model", args.model, *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])]
+                  "--model", args.model, "--dtype", args.dtype,
+                  *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])]
     runs: dict[str, list[dict]] = {}
     machines: list = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,6 +29,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_precision(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """(the dtype the model computes in and caches KV in, the dtype its linear weights are kept
+    in where that differs). On a CPU, bfloat16 means bf16 weights through the native bf16-weight
+    GEMM with float32 activations and KV cache: half float32's weight bytes, which decode reads
+    every step, at float32's accuracy; torch's bfloat16 operators (about half float32's speed
+    here) only where that GEMM does not build."""
+    from noria.worker import gemm_bf16_kernels
+
+    if device.type == "cpu" and dtype == torch.bfloat16 and gemm_bf16_kernels.load() is not None:
+        return torch.float32, torch.bfloat16
+    return dtype, None
+
+
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
     """`auto` is float32 on CPU (half-precision matmuls are slow there and break
     parity with transformers); on a GPU it is the checkpoint's own dtype."""

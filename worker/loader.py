@@ -54,10 +54,11 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallel | None = None) -> CausalLM:
+               tp: TensorParallel | None = None, weights: torch.dtype | None = None) -> CausalLM:
     """Build the model for `spec` (this rank's shard of it under `tp`) directly on `device` in
-    `dtype`, fill it from `path`, and give it the ops of its device and dtype (the worker gives
-    it the CUDA ops once its attention backend is chosen: `CausalLM.use_ops`)."""
+    `dtype`, fill it from `path`, keep its linear weights in `weights`' dtype where a kernel
+    takes it (None: `dtype`), and give it the ops of its device and dtype (the worker gives it
+    the CUDA ops once its attention backend is chosen: `CausalLM.use_ops`)."""
     tp = tp or TensorParallel()
     if spec.num_experts and tp.first:
         log.info("%s", moe.describe(spec, tp))
@@ -69,6 +70,6 @@ def load_model(path: str | Path, spec: ModelSpec, device: torch.device, dtype: t
     finally:
         torch.set_default_dtype(previous)
     model.load_weights(iter_weights(checkpoint_files(path)))
-    model.pack_weights()
+    model.pack_weights(weights)
     model.use_ops(choose_ops(spec.activation, device, dtype))
     return model.eval()

@@ -43,7 +43,7 @@ from noria.worker.cuda_graphs import (
     decode_forward,
     planned_graphs,
 )
-from noria.worker.device import resolve_device, resolve_dtype
+from noria.worker.device import cpu_precision, resolve_device, resolve_dtype
 from noria.worker.grammar_mask import apply_grammar_bitmask
 from noria.worker.kv_cache import (
     GraphShapes,
@@ -134,8 +134,11 @@ class ModelRunner:
         if problem:
             raise ValueError(f"cannot shard {config.model}: {problem}")
         self.tp = init_tensor_parallel(rank, tp_size, dist_init_method, self.device, config.startup_timeout)
-        self.dtype = resolve_dtype(config.dtype, self.device, self.spec.dtype)
-        self.model = load_model(config.model, self.spec, self.device, self.dtype, self.tp)
+        self.dtype, self.weight_dtype = cpu_precision(resolve_dtype(config.dtype, self.device, self.spec.dtype),
+                                                      self.device)
+        if self.weight_dtype is not None and self.tp.first:
+            log.info("dtype: bfloat16 weights through the native bf16-weight GEMM, float32 activations and KV cache")
+        self.model = load_model(config.model, self.spec, self.device, self.dtype, self.tp, self.weight_dtype)
 
     def _set_lengths(self) -> None:
         """Vocabulary, block size and context length, as the scheduler is told them."""

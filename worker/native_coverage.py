@@ -20,7 +20,7 @@ import torch
 
 from noria.protocol.model_spec import ModelSpec
 from noria.worker import cpu_kernels
-from noria.worker.models.linear import PackedLinear
+from noria.worker.models.linear import PackedBF16Linear, PackedLinear
 from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.models.rope import rotary_dim
 
@@ -93,7 +93,9 @@ def coverage(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     why = why or _model_reason(model, kv_caches)
     if why is not None:
         return [why] * len(layers)
-    return [_layer_reason(layer, kv_caches[i]) for i, layer in enumerate(layers)]
+    # The driver's GEMM is one per model: the linear kind of the first layer.
+    kind = type(layers[0].self_attn.qkv_proj.op) if layers else PackedLinear
+    return [_layer_reason(layer, kv_caches[i], kind) for i, layer in enumerate(layers)]
 
 
 def _model_reason(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
@@ -109,14 +111,17 @@ def _model_reason(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Ten
     return recipe_reason(model.spec)
 
 
-def _layer_reason(layer: DecoderLayer, cache: tuple[torch.Tensor, torch.Tensor]) -> str | None:
+def _layer_reason(layer: DecoderLayer, cache: tuple[torch.Tensor, torch.Tensor], kind: type) -> str | None:
     at, mlp = layer.self_attn, layer.mlp
     linears = {"qkv": at.qkv_proj, "o": at.o_proj}
     if not isinstance(mlp, SparseMoeBlock):  # a sparse layer's block is called back as it is
         linears |= {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
-    unpacked = [name for name, linear in linears.items() if not isinstance(linear.op, PackedLinear)]
+    unpacked = [name for name, linear in linears.items() if not isinstance(linear.op, (PackedLinear, PackedBF16Linear))]
     if unpacked:
         return f"{', '.join(unpacked)} not packed for the native GEMM"
+    other = [name for name, linear in linears.items() if type(linear.op) is not kind]
+    if other:
+        return f"{', '.join(other)} packed as {type(linears[other[0]].op).kind}, the first layer's qkv as {kind.kind}"
     k_cache, v_cache = cache
     a = at.attn
     if not (k_cache.dtype == v_cache.dtype == torch.float32 and v_cache.is_contiguous()

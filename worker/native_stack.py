@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from noria.worker import cpu_kernels, fused_kernels, gemm_kernels, native_layout
+from noria.worker import cpu_kernels, fused_kernels, gemm_bf16_kernels, gemm_kernels, native_layout
 from noria.worker.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from noria.worker.cpu_ops import disabled
-from noria.worker.models.linear import packed
+from noria.worker.models.linear import PackedBF16Linear, panels
 from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.native_build import build
 from noria.worker.native_coverage import coverage, describe, segments
@@ -42,6 +42,14 @@ __all__ = ["NativeStack", "coverage", "describe", "load", "paged_rows"]
 _SRC = Path(__file__).parent / "csrc" / "decoder_f32.c"
 # A sparse layer's MLP as the driver calls it: (layer index, rows) -> 0, or nonzero on failure.
 _MOE_CALL = ctypes.CFUNCTYPE(ctypes.c_int, I64, I64)
+
+
+@cache
+def _gemm_bf16() -> int | None:
+    """The bf16-weight GEMM's address (worker/csrc/gemm_bf16.c: gemm_f32's arguments over bf16
+    panels), for a model whose linear kinds are bf16."""
+    dll = gemm_bf16_kernels.load()
+    return None if dll is None else ctypes.cast(dll.gemm_bf16, P).value
 
 
 @cache
@@ -78,6 +86,14 @@ class NativeStack:
         self.dims = (spec.hidden_size, shapes.num_heads, shapes.num_kv_heads, spec.head_dim, shapes.intermediate_size)
         self.shape = Shape(*self.dims, kv_caches[0][0].shape[1], spec.rms_norm_eps, spec.scale)
         self.segments = segments(reasons)
+        # The driver's kernels, its GEMM the one the model's linear kind reads (coverage checked
+        # every native layer has the kind of the first).
+        loaded = load()
+        assert loaded is not None
+        self.kernels = Kernels.from_buffer_copy(loaded[1])
+        first = model.layers[reasons.index(None)].self_attn.qkv_proj.op
+        if isinstance(first, PackedBF16Linear):
+            self.kernels.gemm = _gemm_bf16()
         self.layer_runs = 0  # layers the driver ran, over this stack's life
         self._capacity, self._buffers = 0, []
         self._keep: list[torch.Tensor] = []  # biases the driver reads: contiguous copies, kept alive here
@@ -141,7 +157,7 @@ class NativeStack:
         layer's output, the residual stream), as DecoderLayer.forward leaves them."""
         loaded = load()
         assert loaded is not None
-        dll, kernels = loaded
+        dll, kernels = loaded[0], self.kernels
         x = x.contiguous()
         hidden = self.dims[0]
         t = x.shape[0]
@@ -184,8 +200,7 @@ class NativeStack:
 
 
 def _packed(op: object) -> int | None:
-    weight = packed(op)  # type: ignore[arg-type]
-    return None if weight is None else weight.data.data_ptr()
+    return panels(op)  # type: ignore[arg-type]
 
 
 def _ptr(t: torch.Tensor) -> int:

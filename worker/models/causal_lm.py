@@ -64,19 +64,20 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             layer.use_ops(ops)
 
-    def pack_weights(self) -> None:
-        """Choose every linear layer's kind (the native GEMM's packed copy or F.linear); call again
-        after changing weights."""
+    def pack_weights(self, weights: torch.dtype | None = None) -> None:
+        """Choose every linear layer's kind (the native GEMM's packed copy, in `weights`' dtype
+        where given, or F.linear); call again after changing weights."""
         self._stack_key, self._stack = None, None  # it points at the packed weights
         for module in self.modules():
             if isinstance(module, (Linear, SparseMoeBlock)):
-                module.pack()
-        self.head = self._head_op(pack=True)
+                module.pack(weights)
+        self.head = self._head_op(pack=True, weights=weights)
 
-    def _head_op(self, pack: bool) -> LinearOp:
-        weight = self.lm_head.weight if self.lm_head is not None else \
-            self.embed_tokens[self.shapes.vocab_start:self.shapes.vocab_end]
-        return linear_op(weight) if pack else TorchLinear(weight)
+    def _head_op(self, pack: bool, weights: torch.dtype | None = None) -> LinearOp:
+        if self.lm_head is not None:
+            return self.lm_head.op if pack else TorchLinear(self.lm_head.weight)
+        weight = self.embed_tokens[self.shapes.vocab_start:self.shapes.vocab_end]
+        return linear_op(weight, weights) if pack else TorchLinear(weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (transformers names) into the parameters through their loaders.

@@ -58,16 +58,28 @@ class PackedBF16Linear:
         return gemm_bf16_kernels.gemm_bf16(x, self.packed, bias)
 
 
-LinearOp = TorchLinear | PackedLinear
+LinearOp = TorchLinear | PackedLinear | PackedBF16Linear
 
 
-def linear_op(weight: torch.Tensor) -> LinearOp:
-    """Packed for float32 on the CPU while worker/cpu_ops.py has the gemm family native, else torch."""
+def linear_op(weight: torch.Tensor, weights: torch.dtype | None = None) -> LinearOp:
+    """The kind for a float32 weight on the CPU while worker/cpu_ops.py has the gemm family native:
+    packed in bf16 where `weights` asks for bfloat16 weights, else packed as it is; torch elsewhere."""
+    if weights == torch.bfloat16 and gemm_bf16_kernels.usable(weight):
+        return PackedBF16Linear(weight)
     return PackedLinear(weight) if gemm_kernels.usable(weight) else TorchLinear(weight)
 
 
 def packed(op: LinearOp) -> PackedWeight | None:
     return op.packed if isinstance(op, PackedLinear) else None
+
+
+def panels(op: LinearOp) -> int | None:
+    """The address of a packed kind's panels (what the native decoder stack's GEMM reads), else None."""
+    if isinstance(op, PackedLinear):
+        return op.packed.data.data_ptr()
+    if isinstance(op, PackedBF16Linear):
+        return op.packed.data.data_ptr()
+    return None
 
 
 class Linear(nn.Module):
@@ -77,9 +89,13 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.op: LinearOp = TorchLinear(self.weight)
 
-    def pack(self) -> None:
-        """Choose the kind for the loaded weight; call again after changing it."""
-        self.op = linear_op(self.weight)
+    def pack(self, weights: torch.dtype | None = None) -> None:
+        """Choose the kind for the loaded weight (`weights`: the dtype the weights are kept in,
+        None for the parameter's own); call again after changing it. A bf16 kind keeps only its
+        panels: the float32 parameter becomes its bf16 copy, so the model holds half the bytes."""
+        self.op = linear_op(self.weight, weights)
+        if isinstance(self.op, PackedBF16Linear):
+            self.weight = nn.Parameter(self.weight.data.to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x, self.bias)

@@ -128,14 +128,14 @@ class SparseMoeBlock(nn.Module):
         weighted = (done * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
         return out.index_add_(0, tokens, weighted)
 
-    def pack(self) -> None:
+    def pack(self, weights: torch.dtype | None = None) -> None:
         """The linear kind of every expert, and the one-call path where all are packed and the
         layer runs the CPU ops (the CUDA ops keep the grouped loop on their kernels)."""
-        self.gate_up_ops = [linear_op(w) for w in self.experts_gate_up]
-        self.down_ops = [linear_op(w) for w in self.experts_down]
+        self.gate_up_ops = [linear_op(w, weights) for w in self.experts_gate_up]
+        self.down_ops = [linear_op(w, weights) for w in self.experts_down]
         for shared in (self.shared_gate_up, self.shared_down):
             if shared is not None:
-                shared.pack()
+                shared.pack(weights)
         self.use_ops(self.ops)
 
     def use_ops(self, ops: Ops) -> None:
