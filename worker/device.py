@@ -35,9 +35,12 @@ def cpu_precision(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype
     GEMM with float32 activations and KV cache: half float32's weight bytes, which decode reads
     every step, at float32's accuracy; torch's bfloat16 operators (about half float32's speed
     here) only where that GEMM does not build."""
+    from noria.protocol import switches
     from noria.worker import gemm_bf16_kernels
 
-    if device.type == "cpu" and dtype == torch.bfloat16 and gemm_bf16_kernels.load() is not None:
+    # Under the kernel emulator the CPU stands for a GPU: bf16 stays bf16 for its tensor-core kernels.
+    if device.type == "cpu" and dtype == torch.bfloat16 and not switches.emulated_kernels() \
+            and gemm_bf16_kernels.load() is not None:
         return torch.float32, torch.bfloat16
     return dtype, None
 

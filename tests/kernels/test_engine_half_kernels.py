@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from noria import LLM
+from noria.worker import cpu_ops
 from noria.worker.attention_select import EMULATED_KERNELS_ENV
 from tests.test_engine_scheduling import KERNELS_LINE, _workload
 
@@ -26,7 +27,11 @@ def test_half_precision_engine_on_kernels_matches_torch(
     demo_path: object, dtype: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
 ) -> None:
     monkeypatch.delenv(EMULATED_KERNELS_ENV, raising=False)
+    # The reference computes in the dtype, on torch's operators, as a GPU does: without the native
+    # GEMMs a CPU worker does not keep bf16 as weights-only (worker/device.py, cpu_precision).
+    monkeypatch.setenv(cpu_ops.FAMILY_ENV["gemm"], "1")
     expected = _generate(dtype)
+    monkeypatch.delenv(cpu_ops.FAMILY_ENV["gemm"])
     monkeypatch.setenv(EMULATED_KERNELS_ENV, "1")
     capfd.readouterr()
     got = _generate(dtype)
