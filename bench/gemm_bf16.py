@@ -2,9 +2,11 @@
 
 `python -m noria.bench.gemm_bf16`: per shape (K = 768; N = 1536 qkv, 768 o, 4096 gate_up,
 32000 lm head) and row count, the median time of each native kernel (worker/gemm_kernels.py,
-worker/gemm_bf16_kernels.py), the GB/s of packed weight bytes it read, and float32 / bf16
-time. Decode is bound by those bytes, so the ratio at few rows should approach 2. On a
-loaded machine, --threads 1: a descheduled OpenMP thread holds every call up by a time slice.
+and worker/gemm_bf16_kernels.py in each layout this CPU builds: "widen", and "dot" with
+AVX512_BF16), its GFLOP/s, and float32 time over each bf16 kernel's. Decode is bound by the
+weight bytes, so the ratios at few rows should approach 2; many rows are bound by arithmetic,
+where "dot" multiplies twice as fast. On a loaded machine, --threads 1: a descheduled OpenMP
+thread holds every call up by a time slice.
 
 `--engine`: the same comparison through the whole engine, one request alone (where the weight
 bytes decide): `LLM.generate` on the "small" model with `--dtype float32` and with `--dtype
@@ -73,18 +75,23 @@ def main(argv: list[str] | None = None) -> int:
         print("the native GEMMs are not built (no C compiler, or the gemm family is on torch)")
         return 1
     print(cpu_facts())
-    print(f"{'layer':<8} {'N':>6} {'rows':>5} {'f32 ms':>8} {'f32 GB/s':>9} {'bf16 ms':>8} {'bf16 GB/s':>10} "
-          f"{'f32/bf16':>9}")
+    layouts = ["widen"] + (["dot"] if gemm_bf16_kernels.layout() == "dot" else [])
+    print(f"{'layer':<8} {'N':>6} {'rows':>5} {'f32 ms':>8} {'GFLOP/s':>8}"
+          + "".join(f" {name + ' ms':>9} {'GFLOP/s':>8} {'f32/' + name:>9}" for name in layouts))
     torch.manual_seed(0)
     for layer, n in SHAPES.items():
         weight = torch.randn(n, K)
-        f32, bf16 = gemm_kernels.PackedWeight(weight), gemm_bf16_kernels.PackedBF16Weight(weight)
+        f32 = gemm_kernels.PackedWeight(weight)
+        bf16 = [gemm_bf16_kernels.PackedBF16Weight(weight, name) for name in layouts]
         for rows in ROWS:
             x = torch.randn(rows, K)
+            flop = 2 * rows * n * K
             t32 = median_seconds(lambda: gemm_kernels.gemm(x, f32, None), args.repeats)  # noqa: B023
-            t16 = median_seconds(lambda: gemm_bf16_kernels.gemm_bf16(x, bf16, None), args.repeats)  # noqa: B023
-            print(f"{layer:<8} {n:>6} {rows:>5} {t32 * 1e3:>8.3f} {f32.data.nbytes / t32 / 1e9:>9.1f} "
-                  f"{t16 * 1e3:>8.3f} {bf16.data.nbytes / t16 / 1e9:>10.1f} {t32 / t16:>9.2f}")
+            line = f"{layer:<8} {n:>6} {rows:>5} {t32 * 1e3:>8.3f} {flop / t32 / 1e9:>8.1f}"
+            for w in bf16:
+                t16 = median_seconds(lambda: gemm_bf16_kernels.gemm_bf16(x, w, None), args.repeats)  # noqa: B023
+                line += f" {t16 * 1e3:>9.3f} {flop / t16 / 1e9:>8.1f} {t32 / t16:>9.2f}"
+            print(line)
     return 0
 
 

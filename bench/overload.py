@@ -16,11 +16,11 @@ import asyncio
 import json
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
+from noria.bench.process_rss import MiB, rss_bytes, server_processes
 from noria.frontend.client import AsyncClient
-from noria.frontend.local_server import LocalServer, child_pids
+from noria.frontend.local_server import LocalServer
 from noria.protocol.errors import NoriaError
 from noria.protocol.sampling import SamplingParams
 
@@ -29,28 +29,12 @@ GROWTH_FRACTION, GROWTH_SLACK_MIB = 0.10, 32
 
 
 def rss_mib(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    return rss_bytes(pid) / MiB
 
 
 def process_tree(pid: int) -> dict[str, int]:
-    """The serve process and its children, named by their command line."""
-    out = {"frontend": pid}
-    for child in child_pids(pid):
-        try:
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue  # gone while we looked
-        name = "scheduler" if "noria.scheduler" in cmd else "worker" if "noria.worker" in cmd else \
-            "bridge" if " bridge " in cmd else f"child {child}"
-        out[name] = child
-    return out
+    """The serve process and its children, by role (bench/process_rss.py)."""
+    return server_processes(pid, depth=1)
 
 
 async def flood(address: str, clients: int, seconds: float, connections: int) -> Counter[str]:

@@ -10,7 +10,8 @@ A step's floor is the larger of
       (per layer: its sequence length x kv heads x head dim x 2 (K and V) x
       dtype bytes), the K/V rows it writes and the logits of its sampling rows;
       other activations are left out (an ideal kernel keeps them in cache);
-  (b) its floating-point work over the measured float32 GEMM peak: 2 x the
+  (b) its floating-point work over the measured GEMM peak of its dtype (the float32 GEMM's, or
+      for 2-byte weights the native bf16 GEMM's: roofline_machine.Machine.gflops): 2 x the
       layers' linear parameters a token goes through (in a sparse layer its k
       experts', not all of them) x tokens, 2 x the LM head's parameters x
       sampling rows, and attention's QK and PV products (a query token at
@@ -151,7 +152,7 @@ def step_roofline(shape: Shape, machine: Machine, step: tuple) -> tuple[float, f
     """(memory seconds, compute seconds, measured seconds) of one recorded step."""
     query_lens, seq_lens, num_sampled, seconds = step
     moved, flops = step_cost(shape, query_lens, seq_lens, num_sampled)
-    return moved / (machine.copy_gbs * 1e9), flops / (machine.gemm_gflops * 1e9), seconds
+    return moved / (machine.copy_gbs * 1e9), flops / (machine.gflops(shape.dtype_bytes) * 1e9), seconds
 
 
 def bucket_of(rows: int) -> tuple[int, int]:
@@ -185,6 +186,7 @@ def analyse(shape: Shape, machine: Machine, steps: list[tuple], wall_seconds: fl
                                          for m, c, _ in per),
             "memory_bound_steps": sum(m > c for m, c, _ in per),
             "memory_seconds": sum(m for m, _, _ in per), "compute_seconds": sum(c for _, c, _ in per),
+            "gemm_gflops": machine.gflops(shape.dtype_bytes), "dtype_bytes": shape.dtype_bytes,
             "table": table,
             "per_step": [{"roofline_ms": 1e3 * max(m, c), "measured_ms": 1e3 * t, "rows": len(s[0]),
                           "bound": "memory" if m > c else "compute"} for s, (m, c, t) in zip(steps, per, strict=True)]}
@@ -214,7 +216,7 @@ def bracketed(shape: Shape, machines: list[Machine], runs: dict[str, list[dict]]
             if row.get("_steps") and near:
                 m = Machine.best(near)
                 a = analyse(shape, m, row["_steps"], row["seconds"])
-                out[f"{system} #{i + 1}"] = {"copy_gbs": m.copy_gbs, "gemm_gflops": m.gemm_gflops,
+                out[f"{system} #{i + 1}"] = {"copy_gbs": m.copy_gbs, "gemm_gflops": a["gemm_gflops"],
                                              "floor_seconds": a["floor_seconds"], "wall_seconds": a["wall_seconds"],
                                              "floor_of_wall": a["floor_of_wall"]}
     return out
@@ -267,7 +269,7 @@ def report(machine: Machine, analyses: dict[str, dict]) -> str:
                    "of its wall time)")
     if detail:
         a = analyses[detail]
-        flops = a["compute_seconds"] * machine.gemm_gflops * 1e9
+        flops = a["compute_seconds"] * a["gemm_gflops"] * 1e9
         at_peak = f", {flops / machine.fma_peak_gflops / 1e9:.1f} s at the theoretical FMA peak" if (
             machine.fma_peak_gflops) else ""
         out.append(f"{detail}: {flops / 1e12:.2f} TFLOP in all: {a['compute_seconds']:.1f} s at the measured "

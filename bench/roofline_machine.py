@@ -15,7 +15,9 @@ worker's thread count), so that it measures what the worker could reach:
   access pattern), for reference.
 * GEMM peak: the faster of a large square float32 `torch.mm` (2 n^3 FLOPs)
   and an `F.linear` of n rows through a weight the shape of an MLP's
-  (2n x n/2), as the worker's prefill chunks run them.
+  (2n x n/2), as the worker's prefill chunks run them; and the native bf16
+  GEMM (worker/csrc/gemm_bf16.c, this host's layout: vdpbf16ps where the CPU
+  has AVX512_BF16) on that F.linear shape, the peak a bf16 run computes at.
 Each is the best of several repetitions (a shared machine's slow spells
 only ever lower a measurement). The theoretical FMA peak comes from
 /proc/cpuinfo: threads x clock x FLOPs per cycle of the widest FMA.
@@ -47,6 +49,8 @@ class Machine:
     stream_mib: int
     fma_peak_gflops: float | None  # threads x GHz x FLOPs/cycle, None when unknown
     fma_peak_how: str
+    bf16_gflops: float | None = None  # the native bf16-weight GEMM, None where it does not build
+    bf16_layout: str = ""
 
     @staticmethod
     def best(ms: list[Machine]) -> Machine:
@@ -55,7 +59,13 @@ class Machine:
         return Machine(threads=first.threads, copy_gbs=max(m.copy_gbs for m in ms),
                        read_gbs=max(m.read_gbs for m in ms), gemm_gflops=max(m.gemm_gflops for m in ms),
                        gemm_n=first.gemm_n, stream_mib=first.stream_mib, fma_peak_gflops=first.fma_peak_gflops,
-                       fma_peak_how=first.fma_peak_how)
+                       fma_peak_how=first.fma_peak_how,
+                       bf16_gflops=max((m.bf16_gflops for m in ms if m.bf16_gflops), default=None),
+                       bf16_layout=first.bf16_layout)
+
+    def gflops(self, dtype_bytes: int) -> float:
+        """The GEMM peak a run whose weights take `dtype_bytes` per value computes at."""
+        return self.bf16_gflops if dtype_bytes == 2 and self.bf16_gflops else self.gemm_gflops
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -133,9 +143,21 @@ def measure(threads: int, stream_mib: int = 256, gemm_n: int = 2048, repeats: in
         cpuinfo = ""
     peak, how = theoretical_peak(cpuinfo, threads)
     size = n * 4
+    bf16, layout = _bf16_seconds(x, w, max(3, repeats // 2))
     return Machine(threads=threads, copy_gbs=2 * size / copy_s / 1e9, read_gbs=size / read_s / 1e9,
                    gemm_gflops=2 * gemm_n**3 / gemm_s / 1e9, gemm_n=gemm_n, stream_mib=stream_mib,
-                   fma_peak_gflops=peak, fma_peak_how=how)
+                   fma_peak_gflops=peak, fma_peak_how=how,
+                   bf16_gflops=None if bf16 is None else 2 * gemm_n**3 / bf16 / 1e9, bf16_layout=layout)
+
+
+def _bf16_seconds(x: object, w: object, repeats: int) -> tuple[float | None, str]:
+    """The native bf16 GEMM's best time for x @ w^T, and its layout; (None, "") where it is not built."""
+    from noria.worker import gemm_bf16_kernels
+
+    if gemm_bf16_kernels.load() is None:
+        return None, ""
+    packed = gemm_bf16_kernels.PackedBF16Weight(w)  # type: ignore[arg-type]
+    return _best_seconds(lambda: gemm_bf16_kernels.gemm_bf16(x, packed, None), repeats), packed.kind  # type: ignore[arg-type]
 
 
 def describe(m: Machine, what: str = "best of the job's measurements") -> str:
@@ -148,7 +170,9 @@ def describe(m: Machine, what: str = "best of the job's measurements") -> str:
             f"  stream copy_ {m.copy_gbs:.1f} GB/s (read + write, {m.stream_mib} MiB tensor), "
             f"read-only sum {m.read_gbs:.1f} GB/s\n"
             f"  float32 GEMM {m.gemm_gflops:.1f} GFLOP/s (best of torch.mm {m.gemm_n}^3 and "
-            f"F.linear {m.gemm_n}x{m.gemm_n // 2} by {2 * m.gemm_n}x{m.gemm_n // 2}); {peak}")
+            f"F.linear {m.gemm_n}x{m.gemm_n // 2} by {2 * m.gemm_n}x{m.gemm_n // 2}); {peak}"
+            + (f"\n  bf16-weight GEMM ({m.bf16_layout}) {m.bf16_gflops:.1f} GFLOP/s on the F.linear shape"
+               if m.bf16_gflops else ""))
 
 
 def measure_in_child(threads: int) -> Machine:

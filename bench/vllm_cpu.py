@@ -146,13 +146,14 @@ def serve_command(model: Path, port: int, flags: list[str], venv: Path | None = 
 
 
 def run_offline(system: str, model: Path, work: list[tuple[list[int], int]], timeout: float = 3600,
-                profile: Path | None = None) -> dict:
-    """One timed `LLM.generate` of `work` in vLLM's own process; the row has its output token ids.
+                profile: Path | None = None, dtype: str = "float32") -> dict:
+    """One timed `LLM.generate` of `work` in vLLM's own process, in `dtype` (vLLM's `--dtype`:
+    "auto" is its default, the checkpoint's); the row has its output token ids.
     With `profile`, vLLM's torch profiler traces the timed part into that folder."""
     env = child_env(system, dict(os.environ), os.sched_getaffinity(0), iomp_library())
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "row.json"
-        spec.write_text(json.dumps({"system": system, "work": work}))
+        spec.write_text(json.dumps({"system": system, "work": work, "dtype": dtype}))
         subprocess.run(offline_command(model, spec, out, profile=profile), env=env, check=True, timeout=timeout)
         return json.loads(out.read_text())
 

@@ -44,7 +44,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, dtype="float32", skip_tokenizer_init=True, max_model_len=args.max_model_len,
+    llm = LLM(model=args.model, dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, seed=0, **extra)
     llm.generate([TokensPrompt(prompt_token_ids=work[0][0])],
                  SamplingParams(max_tokens=2, temperature=0.0, detokenize=False), use_tqdm=False)  # warm-up

@@ -28,6 +28,16 @@ QWEN3_MOE_SMALL = {
     "num_experts_per_tok": 2, "norm_topk_prob": True, "vocab_size": 32000, "max_position_embeddings": 2048,
 }
 
+# Llama-3.2-1B's and -3B's shapes (tied embeddings, a 128k vocabulary, llama3 rope left out:
+# positions stay within the original 8k), saved in bfloat16 as those checkpoints ship.
+LLAMA_1B = {
+    "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 64, "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 8192,
+    "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+}
+LLAMA_3B = {**LLAMA_1B, "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24,
+            "head_dim": 128}
+
 
 def w1(vocab_size: int = 32000, num_requests: int = 128) -> list[tuple[list[int], int]]:
     """Workload W1: (prompt token ids, output length) per request.
@@ -61,7 +71,17 @@ def qwen3_moe_small_checkpoint() -> Path:
     return _checkpoint("bench-qwen3-moe-small-v1", QWEN3_MOE_SMALL, family="qwen3_moe")
 
 
-def _checkpoint(name: str, shape: dict, family: str = "llama") -> Path:
+def llama_1b_checkpoint() -> Path:
+    """Llama-3.2-1B's shape (LLAMA_1B, ~1.24B parameters), seeded random weights, bfloat16."""
+    return _checkpoint("bench-llama-1b-v1", LLAMA_1B, dtype="bfloat16")
+
+
+def llama_3b_checkpoint() -> Path:
+    """Llama-3.2-3B's shape (LLAMA_3B, ~3.2B parameters), seeded random weights, bfloat16."""
+    return _checkpoint("bench-llama-3b-v1", LLAMA_3B, dtype="bfloat16")
+
+
+def _checkpoint(name: str, shape: dict, family: str = "llama", dtype: str = "float32") -> Path:
     path = cache_root() / name
     if (path / "complete").exists():
         return path
@@ -71,8 +91,8 @@ def _checkpoint(name: str, shape: dict, family: str = "llama") -> Path:
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                              "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[family]
     torch.manual_seed(0)
-    config = config_cls(**shape, torch_dtype="float32", tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
-    model = model_cls(config).eval()
+    config = config_cls(**{"tie_word_embeddings": False, **shape}, torch_dtype=dtype, bos_token_id=0, eos_token_id=1)
+    model = model_cls(config).eval().to(getattr(torch, dtype))
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -87,4 +107,5 @@ def _checkpoint(name: str, shape: dict, family: str = "llama") -> Path:
 
 
 # The benchmark models by name, for `--model` flags.
-CHECKPOINTS = {"small": small_checkpoint, "serving": serving_checkpoint, "qwen3-moe-small": qwen3_moe_small_checkpoint}
+CHECKPOINTS = {"small": small_checkpoint, "serving": serving_checkpoint, "qwen3-moe-small": qwen3_moe_small_checkpoint,
+               "llama-1b": llama_1b_checkpoint, "llama-3b": llama_3b_checkpoint}

@@ -59,7 +59,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while the worker runs this one")
     g.add_argument("--tensor-parallel-size", type=int, default=None)
-    g.add_argument("--dtype", choices=_choices(Dtype), default=None)
+    g.add_argument("--dtype", choices=_choices(Dtype), default=None,
+                   help="auto (default): the checkpoint's on a GPU; on a CPU a bfloat16 checkpoint's where the CPU "
+                        "computes bf16 natively, else float32 unless that would not fit in memory (the worker "
+                        "logs the choice and why)")
     g.add_argument("--device", choices=_choices(Device), default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
@@ -224,6 +227,9 @@ def worker_link_config(args: argparse.Namespace) -> WorkerLinkConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
+    from noria.frontend.no_torch import keep_torch_out
+
+    keep_torch_out()  # this process runs no model: before anything imports transformers
     from noria.frontend.bridge.process import BridgeProcess, engine_address
     from noria.frontend.core import Limits
     from noria.frontend.server import FrontendServer
@@ -279,6 +285,9 @@ def add_verbose_arg(ap: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from noria.frontend.no_torch import keep_torch_out
+
+    keep_torch_out()  # the model runs in the worker processes `LLM` starts
     from noria.frontend.llm import LLM
     from noria.protocol.sampling import SamplingParams
 

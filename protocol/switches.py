@@ -7,6 +7,7 @@
 | `NORIA_KERNEL_CACHE` | folder | `~/.cache/noria/kernels` | the CUDA kernels compiled for the CPU emulator (`emu/`) |
 | `NORIA_DISABLE_CPU_KERNELS` | `1` | off | every family of float32 CPU operators on torch instead of the native C kernels |
 | `NORIA_DISABLE_CPU_GEMM`, `_FUSED`, `_ATTENTION`, `_STACK` | `1` | off | one family on torch (worker/cpu_ops.py) |
+| `NORIA_CPU_BF16_WIDEN` | `1` | off | bf16-weight GEMMs widen W to float32 (float32 activations, float32 FMAs) even where AVX512_BF16's dot products (activations rounded to bf16) are built |
 | `NORIA_EMULATED_KERNELS` | `1` | off | a CPU worker runs the CUDA attention kernels in the CPU emulator |
 | `NORIA_STEP_OBSERVER` | `module:callable` | none | the worker process calls it with each ModelRunner it builds, which may add to `runner.step_observers` (bench's step log installs itself so) |
 | `NORIA_RECORD_STEPS` | file | none | where bench/step_log.py's observer writes one line per step (set both with `noria.bench.step_log.env(path)`) |
@@ -41,6 +42,7 @@ DISABLE_CPU_FAMILY = {
     "attention": "NORIA_DISABLE_CPU_ATTENTION",
     "stack": "NORIA_DISABLE_CPU_STACK",
 }
+CPU_BF16_WIDEN = "NORIA_CPU_BF16_WIDEN"
 EMULATED_KERNELS = "NORIA_EMULATED_KERNELS"
 STEP_OBSERVER = "NORIA_STEP_OBSERVER"
 RECORD_STEPS = "NORIA_RECORD_STEPS"
@@ -48,7 +50,7 @@ VLLM_VENV = "NORIA_VLLM_VENV"
 
 # Every switch above, for the docs and the test that keeps this table complete.
 SWITCHES: tuple[str, ...] = (API_KEY, CACHE, KERNEL_CACHE, DISABLE_CPU_KERNELS, *DISABLE_CPU_FAMILY.values(),
-                             EMULATED_KERNELS, STEP_OBSERVER, RECORD_STEPS, VLLM_VENV)
+                             CPU_BF16_WIDEN, EMULATED_KERNELS, STEP_OBSERVER, RECORD_STEPS, VLLM_VENV)
 
 
 def _flag(name: str) -> bool:
@@ -83,6 +85,11 @@ def cpu_family_disabled(family: str) -> str | None:
         if _flag(name):
             return f"{name}=1"
     return None
+
+
+def cpu_bf16_widen() -> bool:
+    """$NORIA_CPU_BF16_WIDEN=1: the bf16-weight GEMM widens W instead of AVX512_BF16 dot products."""
+    return _flag(CPU_BF16_WIDEN)
 
 
 def emulated_kernels() -> bool:

@@ -1,15 +1,19 @@
-"""bfloat16 on the CPU: the linear weights kept in bf16 (the native bf16-weight GEMM), activations
-and KV cache in float32 (worker/device.py, `cpu_precision`).
+"""bfloat16 on the CPU: the linear weights kept in bf16 (the native bf16-weight GEMM) and the KV
+cache in bf16, activations in float32 (worker/device.py `cpu_precision`, ModelRunner.kv_dtype).
 
 The reference is exact: the same engine in float32 on a checkpoint whose weights are already
-bf16-rounded computes the same numbers, since the bf16 GEMM is the float32 GEMM's in-order sum
-over the bf16-rounded weight (tests/test_worker_gemm_bf16.py). So hidden states and the KV the
-step writes are compared bit for bit, through the native decoder stack and the Python path,
-for a dense family, one with per-head q/k norms, Gemma's and a mixture of experts.
+bf16-rounded, its KV cache a bf16 one (rows rounded as written, widened as read), computes the
+same numbers where the bf16 GEMM widens the weights ($NORIA_CPU_BF16_WIDEN=1; AVX512_BF16's dot
+products round the activations too): each output is then the float32 GEMM's in-order sum over
+the bf16-rounded weight (tests/test_worker_gemm_bf16.py). So hidden states and the KV the step
+writes are compared bit for bit, through the native decoder stack and the Python path, for a
+dense family, one with per-head q/k norms, Gemma's and a mixture of experts. (The stack against
+the Python path under the host's default bf16 GEMM: tests/test_worker_native_stack.py.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,8 +22,9 @@ from safetensors.torch import load_file, save_file
 
 from noria.protocol.config import EngineConfig
 from noria.worker import gemm_bf16_kernels, native_stack
+from noria.worker.kv_cache import KVCache
 from noria.worker.model_runner import ModelRunner
-from noria.worker.models.linear import Linear, PackedBF16Linear
+from noria.worker.models.linear import Linear, PackedBF16Linear, packed
 from tests.test_worker_native_stack import STEPS, _forward
 from tests.tiny_models import make_checkpoint
 
@@ -36,20 +41,31 @@ def _rounded(arch: str, path: Path) -> Path:
     return path
 
 
-def _runner(path: Path, dtype: str) -> ModelRunner:
-    runner = ModelRunner(EngineConfig(model=str(path), dtype=dtype, device="cpu", num_kv_blocks=128,
-                                      swap_space=0.001, num_threads=2))
+def _runner(path: Path, dtype: str, kv_dtype: torch.dtype | None = None, num_kv_blocks: int | None = 128,
+            kv_cache_memory: float | None = None) -> ModelRunner:
+    """`kv_dtype`: the runner's KV cache replaced by one of that dtype, before anything reads it."""
+    runner = ModelRunner(EngineConfig(model=str(path), dtype=dtype, device="cpu", num_kv_blocks=num_kv_blocks,
+                                      kv_cache_memory=kv_cache_memory, swap_space=0.001, num_threads=2))
+    if kv_dtype is not None:
+        old = runner.kv_cache
+        layout = dataclasses.replace(old.layout, dtype=kv_dtype)
+        runner.kv_cache = KVCache(layout, old.num_blocks, old.num_cpu_blocks, runner.device)
+        runner._kv_layers = [runner.kv_cache.layer(i) for i in range(layout.num_layers)]
     torch.manual_seed(0)
-    runner.kv_cache.device_cache.uniform_(-1, 1)  # contexts the steps attend to
+    runner.kv_cache.device_cache.uniform_(-1, 1)  # contexts the steps attend to (the same in every runner)
     return runner
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "qwen3_moe"])
-def test_bf16_weights_compute_the_float32_model_of_the_rounded_weights(arch: str, tmp_path: Path) -> None:
+def test_bf16_weights_compute_the_float32_model_of_the_rounded_weights(
+        arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NORIA_CPU_BF16_WIDEN", "1")  # float32 activations into every GEMM
     path = _rounded(arch, tmp_path / arch)
-    f32, bf16 = _runner(path, "float32"), _runner(path, "bfloat16")
-    assert (bf16.dtype, bf16.weight_dtype) == (torch.float32, torch.bfloat16)
-    assert bf16.kv_cache.device_cache.dtype == torch.float32
+    f32, bf16 = _runner(path, "float32", kv_dtype=torch.bfloat16), _runner(path, "bfloat16")
+    plain = _runner(path, "float32")
+    assert (bf16.dtype, bf16.weight_dtype, bf16.kv_dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+    assert bf16.kv_cache.device_cache.dtype == bf16.kv_cache.cpu_cache.dtype == torch.bfloat16
+    assert plain.kv_cache.device_cache.dtype == torch.float32
     linears = [m for m in bf16.model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(m.op, PackedBF16Linear) and m.weight.dtype == torch.bfloat16 for m in linears)
     assert isinstance(bf16.model.head, PackedBF16Linear)
@@ -60,10 +76,25 @@ def test_bf16_weights_compute_the_float32_model_of_the_rounded_weights(arch: str
         native, ran = _forward(bf16, step, native=True)
         python, _ = _forward(bf16, step, native=False)
         assert ran == (name != "long prompt"), name
-        assert torch.equal(native, want), f"{arch}, {name}: bf16 weights differ from float32 on the rounded weights"
+        assert torch.equal(native, want), f"{arch}, {name}: bf16 weights and KV differ from float32 on rounded ones"
         assert torch.equal(python, native), f"{arch}, {name}: the Python path differs from the native stack"
+        # A float32 cache holds other contexts and the step's rows unrounded: not these numbers.
+        unrounded, _ = _forward(plain, step, native=True)
+        assert not torch.equal(unrounded, want), f"{arch}, {name}"
     hidden = torch.randn(3, bf16.spec.hidden_size)
     assert torch.equal(bf16.model.compute_logits(hidden), f32.model.compute_logits(hidden))
+
+
+def test_the_bf16_kv_cache_holds_twice_the_blocks(tmp_path: Path) -> None:
+    """Sized from --kv-cache-memory, a bf16 cache (float32 activations) fits twice float32's blocks,
+    and the CPU swap area is bf16 too."""
+    path = _rounded("llama", tmp_path / "llama")
+    f32 = _runner(path, "float32", num_kv_blocks=None, kv_cache_memory=0.01)
+    bf16 = _runner(path, "bfloat16", num_kv_blocks=None, kv_cache_memory=0.01)
+    assert bf16.kv_cache.layout.bytes_per_block * 2 == f32.kv_cache.layout.bytes_per_block
+    assert 0 < 2 * f32.num_kv_blocks <= bf16.num_kv_blocks <= 2 * f32.num_kv_blocks + 1  # whole blocks each
+    assert bf16.kv_cache.cpu_cache.dtype == torch.bfloat16
+    assert bf16.kv_cache.device_cache.numel() * 2 == bf16.kv_cache.device_cache.nbytes
 
 
 def test_weight_bytes_halve(tmp_path: Path) -> None:
@@ -71,6 +102,13 @@ def test_weight_bytes_halve(tmp_path: Path) -> None:
     f32, bf16 = _runner(path, "float32"), _runner(path, "bfloat16")
 
     def linear_bytes(runner: ModelRunner) -> int:
-        return sum(m.weight.numel() * m.weight.element_size() for m in runner.model.modules() if isinstance(m, Linear))
+        """The bytes every linear layer holds: its panels, its parameter only where it has bytes."""
+        held = 0
+        for m in runner.model.modules():
+            if isinstance(m, Linear):
+                held += 0 if m.weight.is_meta else m.weight.nbytes
+                held += 0 if packed(m.op) is None else packed(m.op).data.nbytes  # type: ignore[union-attr]
+        return held
 
-    assert linear_bytes(bf16) * 2 == linear_bytes(f32)
+    # Panels pad N to whole panels (and the dot layout K to even): about half, not exactly.
+    assert 0.45 < linear_bytes(bf16) / linear_bytes(f32) <= 0.55

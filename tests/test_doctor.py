@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,11 @@ def test_doctor_on_a_cpu_host_runs_the_cpu_subset(tmp_path: Path, demo_path: Pat
                   "swap preemption on emulated kernels (copy_blocks) vs torch backend"):
         assert any(line.startswith(f"  ok    {check}") for line in lines), (check, out.stdout)
     assert "swap-outs and as many swap-ins" in out.stdout  # the swap check saw swaps
+    # The CPU kernels a worker here would run, and what --dtype auto makes of a bf16 checkpoint.
+    assert any(re.match(r"  ok    native CPU kernels: gemm=\S+.* fused=\S+.* attention=\S+.* stack=\S+", line)
+               for line in lines), out.stdout
+    for info in ("CPU: ", "bf16 GEMM: ", "--dtype auto, bfloat16 checkpoint: "):
+        assert any(line.startswith(f"  info  {info}") for line in lines), (info, out.stdout)
     # The engine under test says what its attention ran on: the emulated kernels.
     emulated = next(line for line in lines if "greedy generation, emulated kernels" in line)
     assert "attention backend kernels" in emulated, emulated

@@ -29,6 +29,7 @@ from noria.protocol.model_spec import model_spec
 from noria.protocol.sockets import free_tcp_port
 from noria.worker import gemm_kernels
 from noria.worker.models import moe
+from noria.worker.models.linear import LinearOp
 from noria.worker.models.linear import packed as packed_weight
 from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.models.ops import choose_ops
@@ -68,12 +69,18 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # -- the grouped block against a per-token loop ----------------------------------------------
 
 
+def _weight(op: LinearOp) -> torch.Tensor:
+    """The weight a linear kind computes with (a packed kind keeps it only in its panels)."""
+    w = packed_weight(op)
+    return op.weight if w is None else w.unpack()  # type: ignore[union-attr]
+
+
 def _per_token(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
     """The block's definition, one token and one chosen expert at a time, in float64."""
     i = block.inter
     out = torch.zeros(x.shape, dtype=torch.float64)
-    router, gate_up, down = (p.detach().double() for p in (block.router, block.experts_gate_up,
-                                                            block.experts_down))
+    router = block.router.detach().double()
+    gate_up, down = (torch.stack([_weight(op) for op in ops]).double() for ops in (block.gate_up_ops, block.down_ops))
     for t, row in enumerate(x.double()):
         probs = torch.softmax(router @ row, dim=-1)
         chosen = sorted(range(block.num_experts), key=lambda e: -probs[e].item())[: block.top_k]
@@ -84,8 +91,8 @@ def _per_token(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
             h = gate_up[e] @ row
             out[t] += w * (down[e] @ (F.silu(h[:i]) * h[i:]))
         if block.shared_gate_up is not None and block.shared_down is not None and block.shared_expert_gate is not None:
-            s, h = block.shared_inter, block.shared_gate_up.weight.double() @ row
-            shared = block.shared_down.weight.double() @ (F.silu(h[:s]) * h[s:])
+            s, h = block.shared_inter, _weight(block.shared_gate_up.op).double() @ row
+            shared = _weight(block.shared_down.op).double() @ (F.silu(h[:s]) * h[s:])
             out[t] += torch.sigmoid(block.shared_expert_gate.double() @ row)[0] * shared
     return out
 

@@ -59,15 +59,16 @@ def test_paged_decode_matches_float64_reference(heads, kv_heads, window, bs, d):
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch-gather"])
-def test_both_decode_paths_of_the_torch_backend_agree_with_the_reference(native):
+def test_both_decode_paths_of_the_torch_backend_agree_with_the_reference(native, dtype):
     from noria.worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
 
     torch.manual_seed(1)
     bs, d, nb, heads, kvh = 16, 64, 40, 12, 4
     lens = torch.tensor([1, 16, 17, 70])
     tables = torch.stack([torch.randperm(nb)[:5] for _ in lens])
-    k_cache, v_cache = torch.randn(nb, bs, kvh, d), torch.randn(nb, bs, kvh, d)
+    k_cache, v_cache = torch.randn(nb, bs, kvh, d).to(dtype), torch.randn(nb, bs, kvh, d).to(dtype)
     q = torch.randn(len(lens), heads, d)
     b = len(lens)
     meta = AttentionMetadata(
@@ -165,14 +166,18 @@ def test_fused_kv_write_lands_before_the_rows_are_read():
                                atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
 @pytest.mark.parametrize("cap", [None, 2.0], ids=["uncapped", "soft-capped"])
 @pytest.mark.parametrize("native", [True, False], ids=["native-fused-write", "torch"])
-def test_backend_forward_on_a_decode_step_writes_the_cache_and_attends(native, cap):
+def test_backend_forward_on_a_decode_step_writes_the_cache_and_attends(native, cap, dtype):
+    """The step's float32 rows land in the cache (rounded to nearest even in a bf16 one, the same
+    bits on both paths) and the output is the float64 attention over the cache as written."""
     from noria.worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
 
     bs, kvh, heads, d = 16, 2, 8, 64
     lens = [3, 16, 17, 90]
     q, k_cache, v_cache, tables, lens_t = _ragged_paged(5, lens, heads, kvh, d, bs)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     b = len(lens)
     pos = lens_t - 1
     slots = tables[torch.arange(b), pos // bs] * bs + pos % bs
@@ -183,12 +188,13 @@ def test_backend_forward_on_a_decode_step_writes_the_cache_and_attends(native, c
         query_start_host=list(range(b + 1)),
     )
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
-    expect_k.view(-1, kvh, d)[slots] = k_new
-    expect_v.view(-1, kvh, d)[slots] = v_new
+    expect_k.view(-1, kvh, d)[slots] = k_new.to(dtype)
+    expect_v.view(-1, kvh, d)[slots] = v_new.to(dtype)
     backend = TorchAttentionBackend(native=native)
     backend.prepare(meta)
     out = backend.forward(LayerAttention(heads, kvh, d, d**-0.5, logits_soft_cap=cap), q, k_new, v_new, k_cache,
                           v_cache, meta)
+    assert out.dtype == torch.float32
     assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
     ref = _reference(q, expect_k, expect_v, tables, lens_t, d**-0.5, None, cap)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
@@ -252,14 +258,17 @@ def _causal_reference(q, k_cache, v_cache, tables, query_lens, seq_lens, scale, 
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
 @pytest.mark.parametrize("cap", [None, 2.0], ids=["uncapped", "soft-capped"])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("rows_max_len", [512, 0], ids=["token-rows", "sdpa"])
-def test_backend_forward_on_a_mixed_prefill_step(window, rows_max_len, cap, monkeypatch):
+def test_backend_forward_on_a_mixed_prefill_step(window, rows_max_len, cap, dtype, monkeypatch):
     """Decodes, a fresh prompt, a chunk after a cached prefix and a one-token-context
     prompt in one step: both prefill paths (every token a native decode row, and one
     SDPA per sequence, or the soft-capped attention where SDPA cannot cap) write the
-    step's K/V and match the float64 causal reference."""
+    step's K/V and match the float64 causal reference over the cache as written (in a
+    bf16 cache rounded: a fresh prompt on SDPA attends to its keys rounded too, as a later
+    step reads them)."""
     from noria.worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
 
     monkeypatch.setattr(TorchAttentionBackend, "ROWS_MAX_LEN", rows_max_len)
@@ -267,7 +276,7 @@ def test_backend_forward_on_a_mixed_prefill_step(window, rows_max_len, cap, monk
     bs, kvh, heads, d, nb = 16, 2, 6, 64, 64
     query_lens, seq_lens = [1, 37, 20, 1, 5], [40, 37, 70, 17, 6]
     tables = torch.stack([torch.randperm(nb)[:5] for _ in query_lens])
-    k_cache, v_cache = torch.randn(nb, bs, kvh, d), torch.randn(nb, bs, kvh, d)
+    k_cache, v_cache = torch.randn(nb, bs, kvh, d).to(dtype), torch.randn(nb, bs, kvh, d).to(dtype)
     t = sum(query_lens)
     positions = torch.cat([torch.arange(s - n, s) for n, s in zip(query_lens, seq_lens, strict=True)])
     seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
@@ -282,8 +291,8 @@ def test_backend_forward_on_a_mixed_prefill_step(window, rows_max_len, cap, monk
     )
     q, k_new, v_new = torch.randn(t, heads, d), torch.randn(t, kvh, d), torch.randn(t, kvh, d)
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
-    expect_k.view(-1, kvh, d)[slots] = k_new
-    expect_v.view(-1, kvh, d)[slots] = v_new
+    expect_k.view(-1, kvh, d)[slots] = k_new.to(dtype)
+    expect_v.view(-1, kvh, d)[slots] = v_new.to(dtype)
     backend = TorchAttentionBackend(native=True)
     backend.prepare(meta)
     assert (meta.backend_data.token_tables is not None) == (rows_max_len > 0)
@@ -334,3 +343,96 @@ def test_soft_capped_paged_decode_matches_float64_reference(isa, window, cap, th
             assert (ref - uncapped).abs().max() > 1e-3, "the cap must change these outputs"
     finally:
         torch.set_num_threads(before)
+
+
+def _kernel(isa, monkeypatch):
+    """paged_decode's build for `isa`: this host's -march=native one, or the AVX2 one in its place."""
+    if isa == "avx2":
+        dll = _avx2_build()
+        monkeypatch.setattr(cpu_kernels, "load", lambda: dll)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_cache_matches_float64_reference_of_the_rounded_kv(isa, threads, monkeypatch):
+    """A bfloat16 cache: the step's float32 rows written in the same call, rounded as torch rounds,
+    then every score, softmax and sum over the widened bf16 K/V within float32 rounding of float64
+    on those same values; ragged lengths, GQA groups of 1-8 (and 3, with 15 heads), head sizes
+    64 and 128 (their own compiled copies), 80 (the generic one) and 36 (off every vector width:
+    the scalar V path), windows, soft caps, and a 2,100-token sequence split across chunks."""
+    _kernel(isa, monkeypatch)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for heads, kvh, d, bs in ((12, 4, 64, 16), (8, 1, 128, 8), (15, 5, 80, 32), (6, 2, 36, 16), (4, 4, 64, 16)):
+            lens = [1, 15, 16, 17, 100, 333, 2100]
+            q, k32, v32, tables, lens_t = _ragged_paged(heads * 7 + d, lens, heads, kvh, d, bs)
+            q = q * 4  # sharp enough that chunks of one sequence have different maxima
+            pos = lens_t - 1
+            slots = tables[torch.arange(len(lens)), pos // bs] * bs + pos % bs
+            k_new, v_new = torch.randn(len(lens), kvh, d) * 3, torch.randn(len(lens), kvh, d) * 3
+            for window in (None, 37):
+                for cap in (None, 5.0):
+                    k_cache, v_cache = k32.bfloat16(), v32.bfloat16()
+                    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+                    expect_k.view(-1, kvh, d)[slots] = k_new.bfloat16()
+                    expect_v.view(-1, kvh, d)[slots] = v_new.bfloat16()
+                    out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens_t, d**-0.5, window,
+                                                   new_kv=(k_new, v_new, slots), soft_cap=cap)
+                    assert out.dtype == torch.float32
+                    assert torch.equal(k_cache.view(torch.int16), expect_k.view(torch.int16))
+                    assert torch.equal(v_cache.view(torch.int16), expect_v.view(torch.int16))
+                    ref = _reference(q, expect_k, expect_v, tables, lens_t, d**-0.5, window, cap)
+                    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+            # The reference is on the rounded K/V, not the float32 ones: rounding moves these outputs.
+            unrounded = _reference(q, k32, v32, tables, lens_t, d**-0.5, None)
+            assert (_reference(q, k32.bfloat16(), v32.bfloat16(), tables, lens_t, d**-0.5, None)
+                    - unrounded).abs().max() > 1e-3
+    finally:
+        torch.set_num_threads(before)
+
+
+def _rounding_cases():
+    """float32 bit patterns where rounding to bf16 can go wrong: ties to even either way (kept half
+    odd or even), just under and over a tie, carries into the exponent, the largest floats (to
+    infinity), subnormals, signed zeros and infinities, NaNs with payloads only in the low half
+    (rounding must not carry them into an infinity), and random bits over every exponent."""
+    special = [0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x3F80FFFF, 0x3FFFFFFF, 0x7F7FFFFF, 0x7F7F7FFF,
+               0x7F7F8000, 0x00000001, 0x00008000, 0x00018000, 0x007FFFFF, 0x00000000, 0x80000000, 0x7F800000,
+               0xFF800000, 0xBF808000, 0xBF818000, 0xFF7FFFFF, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001,
+               0x7F80FFFF, 0x7FFFFFFF]
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (4000,), dtype=torch.int64, generator=g)
+    ties = (bits & ~0xFFFF) | 0x8000  # exact halves, their kept parts random
+    mixed = torch.cat([torch.tensor(special, dtype=torch.int64), bits, ties])
+    return ((mixed + 2**31) % 2**32 - 2**31).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_bf16_rows_are_rounded_as_torch_rounds(isa, monkeypatch):
+    """The rows the kernel writes into a bf16 cache are `.to(torch.bfloat16)` of the float32 rows,
+    bit for bit; a NaN stays a NaN (torch itself writes different NaN bits on different paths)."""
+    _kernel(isa, monkeypatch)
+    kvh, d, bs = 2, 64, 16
+    values = _rounding_cases()
+    rows = -(-values.numel() // (kvh * d))
+    flat = torch.zeros(rows * kvh * d)
+    flat[: values.numel()] = values
+    k_new = flat.view(rows, kvh, d)
+    v_new = -k_new
+    nb = -(-rows // bs) + 1
+    slots = torch.randperm(nb * bs - 1)[:rows]  # scattered, never the last slot
+    k_cache = torch.zeros(nb, bs, kvh, d, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    cpu_kernels.paged_decode(torch.randn(1, 2, d), k_cache, v_cache, torch.tensor([[nb - 1]]), torch.tensor([bs]),
+                             0.1, None, new_kv=(k_new, v_new, slots))
+    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+        got = cache.view(-1, kvh, d)[slots]
+        want = new.to(torch.bfloat16)
+        nan = torch.isnan(new)
+        assert nan.any() and torch.equal(torch.isnan(got), nan)
+        assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+        assert torch.isinf(got).sum() > 4  # the cases cover the infinities and the carries into them
+    written = torch.zeros(nb * bs, dtype=torch.bool)
+    written[slots] = True
+    assert not k_cache.view(-1, kvh, d)[~written].any()  # nothing else written

@@ -1,5 +1,7 @@
-"""The native GEMM over bfloat16 weights (worker/csrc/gemm_bf16.c): against a float64 reference
-on the bf16-rounded weight, and bit for bit against the float32 native GEMM on that weight."""
+"""The native GEMM over bfloat16 weights (worker/csrc/gemm_bf16.c), both layouts: "widen" against a
+float64 reference on the bf16-rounded weight and bit for bit against the float32 native GEMM on
+that weight; "dot" (AVX512_BF16) against a float64 reference on the bf16-rounded weight and
+activations, within float32's summation error."""
 
 from __future__ import annotations
 
@@ -34,42 +36,100 @@ def _float32_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return gemm_kernels.gemm(x, gemm_kernels.PackedWeight(weight.to(torch.bfloat16).float()), bias)
 
 
+def _dot_built() -> bool:
+    return bool(gemm_bf16_kernels._dll().gemm_bf16_dot_built())
+
+
+def _cpu_has_bf16() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "")
+    return "avx512_bf16" in flags.split()
+
+
+def test_the_dot_kernel_is_built_exactly_where_the_cpu_has_avx512_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _dot_built() == _cpu_has_bf16()
+    assert gemm_bf16_kernels.layout() == ("dot" if _cpu_has_bf16() else "widen")
+    monkeypatch.setenv("NORIA_CPU_BF16_WIDEN", "1")
+    assert gemm_bf16_kernels.layout() == "widen"
+
+
+LAYOUTS = ["widen", pytest.param("dot", marks=pytest.mark.skipif(
+    not _cpu_has_bf16(), reason="the dot kernel needs AVX512_BF16, which this CPU lacks"))]
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dot_matches_float64_on_bf16_inputs(rows: int, n: int, k: int, with_bias: bool) -> None:
+    if not _cpu_has_bf16():
+        pytest.skip("the dot kernel needs AVX512_BF16, which this CPU lacks")
+    weight, x, bias = _case(rows, n, k, with_bias)
+    got = gemm_bf16(x, PackedBF16Weight(weight, "dot"), bias)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    xb, wb = x.to(torch.bfloat16).double(), weight.to(torch.bfloat16).double()
+    want = xb @ wb.T + (0 if bias is None else bias.double())
+    # Each output is one float32 sum of k products: off by at most ~k ulps of the sum of |terms|.
+    bound = 2.0**-23 * (k + 2) * (xb.abs() @ wb.abs().T + (0 if bias is None else bias.double().abs()))
+    assert ((got.double() - want).abs() <= bound).all()
+    # The kernel computes on bf16 x, not on float32 x: float32's summation error is orders of
+    # magnitude below what rounding x moves the result by.
+    if rows and n and k > 1:
+        exact = x.double() @ wb.T + (0 if bias is None else bias.double())
+        assert (got.double() - want).norm() < 1e-2 * (exact - want).norm()
+
+
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float64_and_the_float32_gemm_bit_for_bit(rows: int, n: int, k: int, with_bias: bool) -> None:
     weight, x, bias = _case(rows, n, k, with_bias)
     assert rows < 2 or not x.is_contiguous()
-    got = gemm_bf16(x, PackedBF16Weight(weight), bias)
+    got = gemm_bf16(x, PackedBF16Weight(weight, "widen"), bias)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     want = x.double() @ weight.to(torch.bfloat16).double().T + (0 if bias is None else bias.double())
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
     assert torch.equal(got, _float32_gemm(x, weight, bias))
 
 
-def test_a_bfloat16_weight_packs_as_its_float32_copy() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_bfloat16_weight_packs_as_its_float32_copy(layout: str) -> None:
     torch.manual_seed(1)
     bf16 = torch.randn(257, 80).to(torch.bfloat16)
-    from_bf16, from_f32 = PackedBF16Weight(bf16), PackedBF16Weight(bf16.float())
+    from_bf16, from_f32 = PackedBF16Weight(bf16, layout), PackedBF16Weight(bf16.float(), layout)
     assert (from_bf16.n, from_bf16.k) == (257, 80)
     assert torch.equal(from_bf16.data, from_f32.data)
     x = torch.randn(7, 80)
     assert torch.equal(gemm_bf16(x, from_bf16, None), gemm_bf16(x, from_f32, None))
 
 
-def test_float32_weights_round_to_nearest_even() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_float32_weights_round_to_nearest_even(layout: str) -> None:
     """1 + 2^-8 lies halfway between two bf16 values: it rounds to even (1.0), 1 + 3 * 2^-8 up."""
     weight = torch.tensor([[1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-9)]])
-    out = gemm_bf16(torch.eye(3), PackedBF16Weight(weight), None)
+    out = gemm_bf16(torch.eye(3), PackedBF16Weight(weight, layout), None)
     assert out[:, 0].tolist() == [1.0, 1 + 2**-6, -1.0]
 
 
-def test_thread_counts_give_identical_bits() -> None:
+def test_the_dot_kernel_rounds_activations_as_torch_does() -> None:
+    """x's ties go to even, a NaN stays NaN, infinities and the largest finite values survive."""
+    if not _cpu_has_bf16():
+        pytest.skip("the dot kernel needs AVX512_BF16, which this CPU lacks")
+    values = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-9), 3.0e38, -3.4e38, float("inf"), 1e-40, float("nan"), 0.1]
+    x = torch.tensor(values).reshape(-1, 1)
+    got = gemm_bf16(x, PackedBF16Weight(torch.ones(1, 1), "dot"), None)[:, 0]
+    want = x[:, 0].to(torch.bfloat16).float()
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ~want.isnan() & (want.abs() >= 2.0**-126)  # vdpbf16ps flushes denormals to zero
+    assert torch.equal(got[keep], want[keep])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_thread_counts_give_identical_bits(layout: str) -> None:
     """Threads split the panels, never K: 1 and 2 threads (and more threads than panels)."""
     torch.manual_seed(2)
     nr = int(gemm_bf16_kernels._dll().gemm_bf16_nr())
     weight, x = torch.randn(5 * nr + 3, 131), torch.randn(130, 200)[:, 7:138]
-    packed = PackedBF16Weight(weight)
+    packed = PackedBF16Weight(weight, layout)
     threads = torch.get_num_threads()
     try:
         results = []
@@ -91,7 +151,7 @@ def test_the_avx2_build_gives_the_native_bits(rows: int, monkeypatch: pytest.Mon
         pytest.skip("AVX2 is an x86 instruction set")
     torch.manual_seed(rows)
     cases = [(w, torch.randn(rows, k), torch.randn(n)) for n, k in SHAPES for w in [torch.randn(n, k)]]
-    native = [gemm_bf16(x, PackedBF16Weight(w), b) for w, x, b in cases]
+    native = [gemm_bf16(x, PackedBF16Weight(w, "widen"), b) for w, x, b in cases]
     flags = ["-march=x86-64-v3" if f == "-march=native" else f for f in gemm_bf16_kernels._FLAGS]
     monkeypatch.setattr(gemm_bf16_kernels, "_FLAGS", flags)
     gemm_bf16_kernels.load.cache_clear()
@@ -100,6 +160,7 @@ def test_the_avx2_build_gives_the_native_bits(rows: int, monkeypatch: pytest.Mon
         if dll is None:
             pytest.skip("no compiler for the AVX2 build")
         assert int(dll.gemm_bf16_nr()) == 16
+        assert not dll.gemm_bf16_dot_built() and gemm_bf16_kernels.layout() == "widen"
         for (w, x, b), want in zip(cases, native, strict=True):
             assert torch.equal(gemm_bf16(x, PackedBF16Weight(w), b), want)
     finally:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from noria.worker import gemm_kernels
 from noria.worker.gemm_kernels import PackedWeight
@@ -47,15 +48,20 @@ def test_loaded_model_uses_packed_weights_and_they_hold_the_checkpoint(tied: boo
     model = load_model(path, load_spec(path), torch.device("cpu"), torch.float32)
     x = torch.randn(7, model.spec.hidden_size)
     attn, mlp = model.layers[0].self_attn, model.layers[-1].mlp
-    head = model.embed_tokens if tied else model.lm_head.weight
+    last = len(model.layers) - 1
+    file = load_file(path / "model.safetensors")
+    head = file["model.embed_tokens.weight" if tied else "lm_head.weight"]
     pairs = [
-        (attn.qkv_proj.weight, attn.qkv_proj.op),
-        (mlp.gate_up_proj.weight, mlp.gate_up_proj.op),
+        (torch.cat([file[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]), attn.qkv_proj.op),
+        (torch.cat([file[f"model.layers.{last}.mlp.{n}_proj.weight"] for n in ("gate", "up")]), mlp.gate_up_proj.op),
         (head, model.head),
     ]
     for weight, op in pairs:
         assert isinstance(op, PackedLinear)
+        assert torch.equal(op.packed.unpack(), weight)
         torch.testing.assert_close(op(x, None), x @ weight.T, rtol=1e-5, atol=1e-5)
+    # The panels are the only copy of a packed weight the model keeps.
+    assert attn.qkv_proj.weight.is_meta and mlp.gate_up_proj.weight.is_meta
     hidden = torch.randn(4, model.spec.hidden_size)
     unpacked = torch.nn.functional.linear(hidden, head)
     torch.testing.assert_close(model.compute_logits(hidden), unpacked, rtol=1e-5, atol=1e-5)

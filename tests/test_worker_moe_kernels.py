@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from noria.protocol.model_spec import model_spec
-from noria.worker import fused_kernels, gemm_kernels, moe_kernels
+from noria.worker import fused_kernels, gemm_bf16_kernels, gemm_kernels, moe_kernels
+from noria.worker.models.linear import packed
 from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.models.ops import CpuOps
 from noria.worker.models.parallel import TensorParallel
@@ -23,13 +24,24 @@ from tests.tiny_models import MOE_ARCHS, tiny_config
 ROWS = (1, 2, 5, 13, 64, 193, 300)
 
 
-def _block(arch: str, top_k: int = 2, seed: int = 0) -> SparseMoeBlock:
+def _block(arch: str, top_k: int = 2, seed: int = 0, weights: str = "float32") -> SparseMoeBlock:
+    """weights: "float32", or "widen" / "dot" for experts kept in bf16 in that GEMM layout."""
     spec = model_spec(tiny_config(arch, num_experts_per_tok=top_k))
     block = SparseMoeBlock(spec, TensorParallel(), CpuOps(spec.activation))
     g = torch.Generator().manual_seed(seed)
     for p in block.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    block.pack()
+    if weights == "float32":
+        block.pack()
+    else:
+        if gemm_bf16_kernels.load() is None or (weights == "dot" and gemm_bf16_kernels.layout() != "dot"):
+            pytest.skip(f"no native bf16 GEMM in the {weights} layout on this host")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gemm_bf16_kernels, "layout", lambda: weights)
+            block.pack(torch.bfloat16)
+        assert block.experts_gate_up.dtype == block.experts_down.dtype == torch.bfloat16
+        assert block.experts_gate_up.is_meta  # the panels are the only copy
+        assert all(w.kind == weights for w in (packed(op) for op in block.gate_up_ops + block.down_ops))
     if block.native is None:
         pytest.skip("no native GEMM and fused kernels on this host")
     return block
@@ -46,7 +58,8 @@ def _python(block: SparseMoeBlock, x: torch.Tensor, weights: torch.Tensor, ids: 
 def _reference(block: SparseMoeBlock, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), token by token, in float64."""
     i = block.inter
-    gate_up, down = block.experts_gate_up.double(), block.experts_down.double()
+    gate_up, down = (torch.stack([packed(op).unpack() for op in ops]).double()  # type: ignore[union-attr]
+                     for ops in (block.gate_up_ops, block.down_ops))
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t, row in enumerate(x.double()):
         for e, w in zip(ids[t].tolist(), weights[t].double().tolist(), strict=True):
@@ -69,20 +82,34 @@ def _routing(kind: str, t: int, k: int, e: int, g: torch.Generator) -> tuple[tor
     return weights / weights.sum(dim=-1, keepdim=True), ids
 
 
+# The float64 reference's tolerance per kind of weights: float32's elementwise; for the dot layout
+# bf16's, normwise (it rounds x and the SiLU product to bf16, the reference keeps them exact,
+# and an output near zero by cancellation has no relative accuracy left).
+TOLERANCE = {"float32": 1e-5, "widen": 5e-5, "dot": 1e-2}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, weights: str) -> None:
+    if weights == "dot":
+        assert (got.double() - want).norm() <= TOLERANCE[weights] * want.norm()
+    else:
+        torch.testing.assert_close(got.double(), want, rtol=TOLERANCE[weights], atol=TOLERANCE[weights])
+
+
+@pytest.mark.parametrize("weights", list(TOLERANCE))
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 @pytest.mark.parametrize(("kind", "k"), [("random", 2), ("random", 3), ("one expert has all rows", 1),
                                          ("one expert has all rows", 2), ("every expert", 8)])
-def test_native_experts_match_the_python_loop_and_float64(arch: str, kind: str, k: int) -> None:
-    block = _block(arch)
+def test_native_experts_match_the_python_loop_and_float64(arch: str, kind: str, k: int, weights: str) -> None:
+    block = _block(arch, weights=weights)
     assert block.num_experts == 8
     g = torch.Generator().manual_seed(len(kind) + k)
     for t in ROWS:
         x = torch.randn(t, block.experts_gate_up.shape[-1], generator=g)
-        weights, ids = _routing(kind, t, k, block.num_experts, g)
-        got = block.experts(x, weights, ids)
+        routing, ids = _routing(kind, t, k, block.num_experts, g)
+        got = block.experts(x, routing, ids)
         assert got.shape == x.shape and got.dtype == torch.float32
-        assert torch.equal(got, _python(block, x, weights, ids)), (kind, t)
-        torch.testing.assert_close(got.double(), _reference(block, x, weights, ids), rtol=1e-5, atol=1e-5)
+        assert torch.equal(got, _python(block, x, routing, ids)), (kind, t)
+        _close(got, _reference(block, x, routing, ids), weights)
         if kind == "one expert has all rows":
             assert (ids == 5).any(dim=1).all() and set(ids.flatten().tolist()) == set(range(k - 1)) | {5}
 
@@ -103,8 +130,9 @@ def test_the_block_routes_into_the_native_call(arch: str, monkeypatch: pytest.Mo
     block.native = native
 
 
-def test_the_thread_count_does_not_change_the_numbers() -> None:
-    block = _block("qwen3_moe", seed=4)
+@pytest.mark.parametrize("weights", list(TOLERANCE))
+def test_the_thread_count_does_not_change_the_numbers(weights: str) -> None:
+    block = _block("qwen3_moe", seed=4, weights=weights)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(150, block.experts_gate_up.shape[-1], generator=g)
     weights, ids = _routing("random", 150, 2, block.num_experts, g)

@@ -20,9 +20,9 @@ import torch
 from noria.bench.ceiling import _metadata
 from noria.protocol.config import EngineConfig
 from noria.protocol.families import FAMILIES
-from noria.worker import cpu_kernels, fused_kernels, gemm_kernels, native_stack
+from noria.worker import cpu_kernels, fused_kernels, gemm_bf16_kernels, gemm_kernels, native_stack
 from noria.worker.model_runner import ModelRunner
-from noria.worker.models.linear import TorchLinear
+from noria.worker.models.linear import TorchLinear, packed
 from tests import tiny_models
 from tests.tiny_models import make_checkpoint
 
@@ -38,9 +38,13 @@ STEPS = {
 }
 
 
-def _runner(path: Path) -> ModelRunner:
-    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu", num_kv_blocks=128,
+def _runner(path: Path, dtype: str = "float32") -> ModelRunner:
+    """`dtype` bfloat16: the CPU's bf16 mode, bf16 weights and KV cache under float32 activations."""
+    if dtype == "bfloat16" and gemm_bf16_kernels.load() is None:
+        pytest.skip("no native bf16 GEMM: bfloat16 would run on torch's operators, off the driver")
+    runner = ModelRunner(EngineConfig(model=str(path), dtype=dtype, device="cpu", num_kv_blocks=128,
                                       swap_space=0.001, num_threads=2))
+    assert runner.kv_cache.device_cache.dtype == getattr(torch, dtype)
     torch.manual_seed(0)
     runner.kv_cache.device_cache.uniform_(-1, 1)  # contexts the steps attend to
     return runner
@@ -112,6 +116,23 @@ def test_native_stack_is_bit_identical_to_the_python_path(case: str, tmp_path: P
         assert torch.equal(python, native), f"{case}, {name}: hidden states or written K/V differ"
 
 
+@pytest.mark.parametrize("case", ["llama", "qwen3, head_dim 128, windows", "phi3, partial rotary", "gemma2",
+                                  "gemma3, head_dim 64, GQA 8:1"])
+def test_a_bf16_kv_cache_runs_on_the_driver_bit_identically(case: str, tmp_path: Path) -> None:
+    """The CPU's bf16 mode (bf16 weights and KV cache): every layer on the driver, whose attention
+    reads the bf16 cache and rounds the rows it writes there, bit for bit the Python path's
+    (windows, GQA, partial rotary, Gemma's soft-capped scores)."""
+    arch, options = CASES[case]
+    runner = _runner(make_checkpoint(arch, tmp_path / arch, **options), "bfloat16")
+    layers = len(runner.model.layers)
+    assert native_stack.describe(_coverage(runner)) == f"native CPU stack: on for all {layers} layers"
+    for name, step in STEPS.items():
+        python, _ = _forward(runner, step, native=False)
+        native, ran = _forward(runner, step, native=True)
+        assert ran == (name != "long prompt"), name
+        assert torch.equal(python, native), f"{case}, {name}: hidden states or written K/V differ"
+
+
 def test_qwen3_runs_on_the_driver(tmp_path: Path) -> None:
     """Every layer of a Qwen3 decode step goes through the driver, counted by the stack itself."""
     runner = _runner(make_checkpoint("qwen3", tmp_path / "qwen3", num_hidden_layers=3))
@@ -165,15 +186,16 @@ def test_declined_layers_run_in_python_between_the_drivers_runs(tmp_path: Path) 
     assert stack.layer_runs == 3 * 3  # three steps on the driver, three of the four layers each
 
 
-@pytest.mark.parametrize("case", ["qwen3, head_dim 128", "gemma2", "gemma3"])
+@pytest.mark.parametrize("case", ["qwen3, head_dim 128", "gemma2", "gemma3", "gemma2, bf16"])
 def test_the_avx2_builds_run_the_stack_bit_identically(case: str, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Every kernel the driver calls built for AVX2 (x86-64-v3: 8-float vectors, where an AVX-512
     host's -march=native build has 16), the driver on them against the Python path on them:
-    Qwen3, and Gemma's GeGLU, extra norms, soft-capped attention and local rope."""
+    Qwen3, and Gemma's GeGLU, extra norms, soft-capped attention and local rope; Gemma in the
+    bf16 mode too (the bf16 GEMM and the attention over a bf16 cache, both widening in AVX2)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("AVX2 is an x86 instruction set")
-    modules = (gemm_kernels, fused_kernels, cpu_kernels)
+    modules = (gemm_kernels, gemm_bf16_kernels, fused_kernels, cpu_kernels)
     for module in modules:
         flags = ["-march=x86-64-v3" if f == "-march=native" else f for f in module._FLAGS]
         monkeypatch.setattr(module, "_FLAGS", flags)
@@ -183,8 +205,10 @@ def test_the_avx2_builds_run_the_stack_bit_identically(case: str, tmp_path: Path
     try:
         if native_stack.load() is None:
             pytest.skip("no compiler for the AVX2 builds")
-        arch, options = ("qwen3", {"tied": True, "head_dim": 128}) if case.startswith("qwen3") else (case, {})
-        runner = _runner(make_checkpoint(arch, tmp_path / arch, **options))
+        arch, options = ("qwen3", {"tied": True, "head_dim": 128}) if case.startswith("qwen3") else \
+            (case.split(",")[0], {})
+        runner = _runner(make_checkpoint(arch, tmp_path / arch, **options),
+                         "bfloat16" if case.endswith("bf16") else "float32")
         for name, step in STEPS.items():
             python, _ = _forward(runner, step, native=False)
             native, ran = _forward(runner, step, native=True)
@@ -239,6 +263,8 @@ def test_a_failing_expert_block_raises_from_the_driver(tmp_path: Path, monkeypat
 
 
 def _unpack(linear: torch.nn.Module) -> None:
+    """F.linear over the weight the panels hold (the model keeps no other copy)."""
+    linear.weight = torch.nn.Parameter(packed(linear.op).unpack(), requires_grad=False)
     linear.op = TorchLinear(linear.weight)
 
 
@@ -250,13 +276,15 @@ def _coverage(runner: ModelRunner) -> list[str | None]:
 _TINY = {"gemma3_text": "gemma3"}
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("architecture", sorted(FAMILIES))
-def test_every_supported_family_runs_on_the_driver(architecture: str, tmp_path: Path) -> None:
-    """No family noria implements falls off the native stack: every layer of its tiny checkpoint
-    is on the driver, and a decode step runs there, bit for bit the Python path."""
+def test_every_supported_family_runs_on_the_driver(architecture: str, dtype: str, tmp_path: Path) -> None:
+    """No family noria implements falls off the native stack, in float32 or in the CPU's bf16 mode
+    (bf16 weights and KV cache): every layer of its tiny checkpoint is on the driver, and a decode
+    step runs there, bit for bit the Python path."""
     model_type = FAMILIES[architecture].model_type
     arch = _TINY.get(model_type, model_type)
-    runner = _runner(make_checkpoint(arch, tmp_path / arch))
+    runner = _runner(make_checkpoint(arch, tmp_path / arch), dtype)
     assert _coverage(runner) == [None] * len(runner.model.layers)
     python, _ = _forward(runner, STEPS["decode"], native=False)
     native, ran = _forward(runner, STEPS["decode"], native=True)

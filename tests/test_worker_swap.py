@@ -88,9 +88,9 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("qwen2", tmp_path_factory.mktemp("ckpt") / "qwen2", seed=5)
 
 
-def _runner(path: Path) -> ModelRunner:
+def _runner(path: Path, dtype: str = "auto") -> ModelRunner:
     return ModelRunner(EngineConfig(model=str(path), num_kv_blocks=16, swap_space=0.001, num_threads=2,
-                                    preemption_mode="swap"))
+                                    preemption_mode="swap", dtype=dtype))
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -101,8 +101,32 @@ def test_swap_preemption_matches_transformers(qwen2: Path) -> None:
     """A is swapped out mid-decode, its device blocks are overwritten by B, and
     it comes back in different blocks; its output is unchanged."""
     ref = load_reference(qwen2)
+    (pa, out_a), (pb, out_b) = _swap_scenario(_runner(qwen2))
+    assert out_a == reference_greedy(ref, pa, len(out_a))
+    assert out_b == reference_greedy(ref, pb, len(out_b))
+
+
+def test_swap_preemption_with_a_bf16_kv_cache(qwen2: Path) -> None:
+    """The CPU's bf16 mode swaps its bf16 KV blocks (a bf16 swap area): the preempted and resumed
+    request continues as the same engine continues it unpreempted, alone."""
+    runner = _runner(qwen2, "bfloat16")
+    if runner.weight_dtype is None:
+        pytest.skip("no native bf16 GEMM here: bfloat16 runs on torch's operators, KV cache included")
+    assert runner.kv_cache.device_cache.dtype == runner.kv_cache.cpu_cache.dtype == torch.bfloat16
+    (pa, out_a), (pb, out_b) = _swap_scenario(runner)
+    for prompt, out in ((pa, out_a), (pb, out_b)):
+        alone = _runner(qwen2, "bfloat16")
+        got = alone.execute(StepPlan(step_id=0, params=[GREEDY], scheduled=[(0, len(prompt))], new_requests=[
+            NewRequestData(0, prompt, [0, 1, 2, 3], 0, 0, len(prompt))])).token_ids
+        for step in range(1, len(out)):
+            got += alone.execute(StepPlan(step_id=step, params=[GREEDY], scheduled=[(0, 1)])).token_ids
+        assert got == out
+
+
+def _swap_scenario(runner: ModelRunner) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+    """(prompt, greedy output) of A, swapped out mid-decode and back into other blocks after B
+    overwrote its old ones, and of B."""
     pa, pb = _prompt(37, 1), _prompt(45, 2)
-    runner = _runner(qwen2)
     out_a: list[int] = []
     step = 0
 
@@ -130,5 +154,4 @@ def test_swap_preemption_matches_transformers(qwen2: Path) -> None:
         toks = run({"scheduled": [(0, 1), (1, 1)]})
         out_a.append(toks[0])
         out_b.append(toks[1])
-    assert out_a == reference_greedy(ref, pa, len(out_a))
-    assert out_b == reference_greedy(ref, pb, len(out_b))
+    return (pa, out_a), (pb, out_b)

@@ -81,11 +81,12 @@ def _shard_facts(runner: ModelRunner) -> dict[str, Any]:
     attn, mlp = model.layers[0].self_attn, model.layers[-1].mlp
     x = torch.randn(7, model.spec.hidden_size)
     packed_ok = True
-    head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens[
-        model.shapes.vocab_start:model.shapes.vocab_end]
-    for weight, op in [(attn.qkv_proj.weight, attn.qkv_proj.op), (mlp.gate_up_proj.weight, mlp.gate_up_proj.op),
-                       (head, model.head)]:
+    if model.lm_head is None and isinstance(model.head, PackedLinear):  # tied: this rank's rows of the embedding
+        rows = model.embed_tokens[model.shapes.vocab_start:model.shapes.vocab_end]
+        packed_ok &= torch.equal(model.head.packed.unpack(), rows)
+    for op in (attn.qkv_proj.op, mlp.gate_up_proj.op, model.head):
         assert isinstance(op, PackedLinear) or gemm_kernels.load() is None  # F.linear where nothing is built
+        weight = op.packed.unpack() if isinstance(op, PackedLinear) else op.weight
         packed_ok &= torch.allclose(op(x, None), x @ weight.T, rtol=1e-5, atol=1e-5)
     return {
         "kv_cache_shape": tuple(runner.kv_cache.device_cache.shape),

@@ -5,6 +5,9 @@ KV cache per layer: K and V tensors of shape [num_blocks, block_size, num_kv_hea
 head_dim]. The tensors hold one block more than the scheduler knows of: that last
 "null block" pads block tables; a batched gather zeroes what it reads past each
 sequence's length (`_decode`), so nothing a block held before reaches an output.
+The cache may be narrower than the queries (a bfloat16 cache under float32 activations,
+the CPU's --dtype bfloat16): rows are rounded as they are written and widened as they
+are read, and the attention itself runs in the queries' dtype.
 """
 
 from __future__ import annotations
@@ -154,8 +157,8 @@ class TorchAttentionBackend:
         batch, length = plan.decode_shape
         kvh, d = layer.num_kv_heads, layer.head_dim
         # Gather whole blocks (contiguous memcpy per block) rather than single slots.
-        keys = k_cache.index_select(0, plan.decode_blocks).view(batch, length, kvh, d).transpose(1, 2)
-        values = v_cache.index_select(0, plan.decode_blocks).view(batch, length, kvh, d).transpose(1, 2)
+        keys = _widen(k_cache.index_select(0, plan.decode_blocks), q).view(batch, length, kvh, d).transpose(1, 2)
+        values = _widen(v_cache.index_select(0, plan.decode_blocks), q).view(batch, length, kvh, d).transpose(1, 2)
         # Fold the query heads of a KV group into the query-length axis so K/V
         # are never repeated for GQA: [B, KVH, G, D] against [B, KVH, L, D].
         queries = q.reshape(batch, kvh, layer.num_heads // kvh, d)
@@ -204,11 +207,13 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         seq_len = seq.context + seq.num_query
         if seq.block_ids is None:
-            keys, values = k, v  # nothing cached yet: the new tokens are the whole sequence
+            # Nothing cached yet: the new tokens are the whole sequence, as the cache holds them
+            # (rounded), so that a prompt attends to the keys a later chunk or decode step reads.
+            keys, values = _widen(k.to(k_cache.dtype), q), _widen(v.to(v_cache.dtype), q)
         else:
             kvh, d = layer.num_kv_heads, layer.head_dim
-            keys = k_cache.index_select(0, seq.block_ids).view(-1, kvh, d)[:seq_len]
-            values = v_cache.index_select(0, seq.block_ids).view(-1, kvh, d)[:seq_len]
+            keys = _widen(k_cache.index_select(0, seq.block_ids), q).view(-1, kvh, d)[:seq_len]
+            values = _widen(v_cache.index_select(0, seq.block_ids), q).view(-1, kvh, d)[:seq_len]
         mask = self._prefill_mask(plan, seq, layer.sliding_window, q.device)
         queries, keys, values = (x.transpose(0, 1).unsqueeze(0) for x in (q, keys, values))
         if layer.logits_soft_cap is not None:
@@ -256,10 +261,17 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return (weights @ v.unsqueeze(2)).reshape(n, h, lq, d)
 
 
+def _widen(cached: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """K/V read from the cache in the queries' dtype: the same tensor where they agree (a
+    gathered copy is the caller's own either way)."""
+    return cached.to(q.dtype)
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Scatter new K/V rows [T, KVH, D] into the paged cache (reshape_and_cache)."""
+    """Scatter new K/V rows [T, KVH, D] into the paged cache (reshape_and_cache), rounded to
+    the cache's dtype (nearest even) where it is narrower."""
     kvh, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+    k_cache.view(-1, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))

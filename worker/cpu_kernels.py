@@ -36,11 +36,15 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     # Pointers travel as plain ints (data_ptr()): cheaper per call than ctypes.cast.
     args = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
             ctypes.c_float, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _I64]
-    dll.paged_decode_f32.argtypes = args
-    dll.paged_decode_capped_f32.argtypes = [*args, ctypes.c_float]
-    for fn in (dll.paged_decode_f32, dll.paged_decode_capped_f32):
-        fn.restype = ctypes.c_int
+    for dtype in ("f32", "bf16"):
+        plain, capped = getattr(dll, f"paged_decode_{dtype}"), getattr(dll, f"paged_decode_capped_{dtype}")
+        plain.argtypes, capped.argtypes = args, [*args, ctypes.c_float]
+        plain.restype = capped.restype = ctypes.c_int
     return dll
+
+
+# The cache dtypes the kernel reads, by the suffix of its entry points.
+CACHE_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def paged_decode(
@@ -48,13 +52,16 @@ def paged_decode(
     seq_lens: torch.Tensor, scale: float, window: int | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D] against paged K/V [NB, BS, KVH, D]; float32, contiguous, on the CPU.
+    """q [B, H, D] against paged K/V [NB, BS, KVH, D], contiguous, on the CPU: q and the output
+    float32, the caches float32 or bfloat16 (widened to float32 as they are read).
 
-    `new_kv` = (k [N, KVH, D], v [N, KVH, D], slots [N]): rows written into the caches
-    first, in the same call (write_kv fused). `soft_cap`: each score s becomes
+    `new_kv` = (k [N, KVH, D], v [N, KVH, D], slots [N]): float32 rows written into the caches
+    first, in the same call (write_kv fused; into a bf16 cache rounded to nearest even, as
+    `.to(torch.bfloat16)` rounds). `soft_cap`: each score s becomes
     soft_cap * tanh(s / soft_cap) before the softmax (LayerAttention.logits_soft_cap)."""
     dll = load()
     assert dll is not None
+    assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
     q = q.contiguous()
     tables = block_tables.contiguous()
     lens = seq_lens.contiguous()
@@ -63,17 +70,18 @@ def paged_decode(
     if new_kv is None:
         k_ptr = v_ptr = slot_ptr = num_new = 0
     else:
-        k_new, v_new, slots = (t.contiguous() for t in new_kv)
+        k_new, v_new, slots = new_kv[0].float().contiguous(), new_kv[1].float().contiguous(), new_kv[2].contiguous()
         k_ptr, v_ptr, slot_ptr, num_new = k_new.data_ptr(), v_new.data_ptr(), slots.data_ptr(), slots.shape[0]
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
             b, h, k_cache.shape[2], d, k_cache.shape[1], tables.shape[1], scale, window or 0,
             torch.get_num_threads(), k_ptr, v_ptr, slot_ptr, num_new)
+    suffix = CACHE_DTYPES[k_cache.dtype]
     if soft_cap is None:
-        status = dll.paged_decode_f32(*args)
+        status = getattr(dll, f"paged_decode_{suffix}")(*args)
     else:
         if not soft_cap > 0:
             raise ValueError(f"soft_cap must be positive, got {soft_cap}")
-        status = dll.paged_decode_capped_f32(*args, soft_cap)
+        status = getattr(dll, f"paged_decode_capped_{suffix}")(*args, soft_cap)
     if status != 0:
         raise MemoryError("paged_decode: no memory for the kernel's task list")
     return out
@@ -84,8 +92,9 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def fits(num_heads: int, head_dim: int, k_cache: torch.Tensor) -> bool:
-    """Whether float32 queries of this shape can attend to `k_cache` through the kernel."""
+    """Whether float32 queries of this shape can attend to `k_cache` (float32 or bfloat16)
+    through the kernel."""
     # The kernel keeps a GQA group's queries on its stack: at most 16 heads x 256 dims.
     group = num_heads // k_cache.shape[2]
-    return (k_cache.device.type == "cpu" and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+    return (k_cache.device.type == "cpu" and k_cache.dtype in CACHE_DTYPES and k_cache.is_contiguous()
             and group <= 16 and group * head_dim <= 16 * 256 and load() is not None)

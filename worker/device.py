@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from noria.worker.errors import WorkerFatal
+
+if TYPE_CHECKING:
+    from noria.worker.models.parallel import TensorParallel
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -30,11 +37,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def cpu_precision(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
-    """(the dtype the model computes in and caches KV in, the dtype its linear weights are kept
-    in where that differs). On a CPU, bfloat16 means bf16 weights through the native bf16-weight
-    GEMM with float32 activations and KV cache: half float32's weight bytes, which decode reads
-    every step, at float32's accuracy; torch's bfloat16 operators (about half float32's speed
-    here) only where that GEMM does not build."""
+    """(the dtype the model computes in, the dtype its linear weights are kept in where that
+    differs). On a CPU, bfloat16 means bf16 weights through the native bf16-weight GEMM with
+    float32 activations: half float32's weight bytes, which decode reads every step; torch's
+    bfloat16 operators (about half float32's speed here) only where that GEMM does not build.
+    The KV cache is in the second dtype where there is one, else the first
+    (ModelRunner.kv_dtype): a bf16 run caches bf16 K/V, rounded as it is written and widened
+    to float32 as attention reads it, half the bytes decode attention reads per token."""
     from noria.protocol import switches
     from noria.worker import gemm_bf16_kernels
 
@@ -45,14 +54,128 @@ def cpu_precision(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype
     return dtype, None
 
 
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
-    """`auto` is float32 on CPU (half-precision matmuls are slow there and break
-    parity with transformers); on a GPU it is the checkpoint's own dtype."""
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None,
+                  float32_bytes: Callable[[], int | None] | None = None) -> torch.dtype:
+    """The dtype `--dtype name` runs in (see choose_dtype)."""
+    return choose_dtype(name, device, checkpoint_dtype, float32_bytes).dtype
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype the worker runs in and why (for `--dtype auto`, the start-up line says it)."""
+
+    dtype: torch.dtype
+    reason: str
+    auto: bool = True
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def line(self, weight_dtype: torch.dtype | None = None) -> str | None:
+        """The worker's start-up line: what auto chose and why, and on a CPU what bfloat16 turns
+        into (cpu_precision's `weight_dtype`); None for a given dtype that needs no word."""
+        precision = (f"bf16 weights through the native bf16 GEMM ({bf16_gemm()[0]}), bf16 KV cache, "
+                     "float32 norms, rotary and softmax")
+        if self.auto:
+            return f"dtype auto: {self.name} ({self.reason})" + (f"; {precision}" if weight_dtype is not None else "")
+        return f"dtype: {precision}" if weight_dtype is not None else None
+
+
+# Beside float32 weights, what a CPU worker needs before they count as fitting: the default CPU KV
+# cache (worker/kv_cache.py, DEFAULT_KV_CACHE_GIB), activations and the runtime.
+FIT_SLACK = 1.1
+FIT_RESERVE = 1 << 30
+GiB = 1 << 30
+
+
+def bf16_gemm() -> tuple[str | None, str]:
+    """(the layout of the native bf16 GEMM this host runs, "") or (None, why it has none): "dot"
+    (vdpbf16ps on bf16-rounded activations) or "widen" (bf16 weights widened to float32)."""
+    from noria.worker import gemm_bf16_kernels, native_build
+    from noria.worker.cpu_ops import disabled
+
+    if gemm_bf16_kernels.load() is None:
+        return None, disabled("gemm") or native_build.failure(gemm_bf16_kernels._SRC) or "not built"
+    return gemm_bf16_kernels.layout(), ""
+
+
+def choose_dtype(name: str, device: torch.device, checkpoint_dtype: str | None,
+                 float32_bytes: Callable[[], int | None] | None = None, *,
+                 flags: frozenset[str] | None = None, available: int | None = None) -> DtypeChoice:
+    """`--dtype name` for a checkpoint saved in `checkpoint_dtype` (config.json's, as torch spells it).
+
+    A given dtype wins. `auto` on a GPU is the checkpoint's float16 / bfloat16, else float32. On a
+    CPU it is the checkpoint's bfloat16 where the CPU computes bf16 natively (`flags`, default
+    /proc/cpuinfo's) and the native bf16 GEMM builds, and float32 otherwise, unless float32
+    weights (`float32_bytes()`, None: unknown) would not fit in the memory `available` (default:
+    worker/host.py's): then bfloat16, half the bytes, whatever the speed.
+    """
     if name != "auto":
         if name not in _DTYPES:
             raise ValueError(f"unknown dtype {name!r}; expected auto or one of {sorted(_DTYPES)}")
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    # The checkpoint's own where it is a float dtype the kernels take (config.json spells it as torch does).
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(checkpoint_dtype or "", torch.float32)
+        return DtypeChoice(_DTYPES[name], f"--dtype {name}", auto=False)
+    half = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+    if checkpoint_dtype == "float32":
+        return DtypeChoice(torch.float32, "the checkpoint's")
+    if checkpoint_dtype not in half:
+        said = f"checkpoint {checkpoint_dtype}" if checkpoint_dtype else "the checkpoint names no dtype"
+        return DtypeChoice(torch.float32, said)
+    if device.type != "cpu":
+        return DtypeChoice(half[checkpoint_dtype], "the checkpoint's")
+    return _cpu_half_checkpoint(checkpoint_dtype, float32_bytes, flags, available)
+
+
+def _cpu_half_checkpoint(checkpoint_dtype: str, float32_bytes: Callable[[], int | None] | None,
+                         flags: frozenset[str] | None, available: int | None) -> DtypeChoice:
+    from noria.protocol import switches
+    from noria.worker import host
+
+    native = host.native_bf16(host.cpu_flags() if flags is None else flags)
+    if checkpoint_dtype == "bfloat16":
+        if not native:
+            why_not = f"this CPU has no native bf16 compute (no {'/'.join(host.NATIVE_BF16_FLAGS)})"
+        elif switches.emulated_kernels():
+            # The emulator stands the CPU in for a GPU: bfloat16 would run on torch's slow bf16 operators.
+            why_not = f"the kernel emulator is on ({switches.EMULATED_KERNELS})"
+        else:
+            kind, missing = bf16_gemm()
+            if kind is not None:
+                return DtypeChoice(torch.bfloat16, f"the checkpoint's; this CPU computes bf16 natively: "
+                                                   f"{', '.join(native)}; bf16 GEMM: {kind}")
+            why_not = f"the native bf16 GEMM is not built ({missing})"
+    else:
+        why_not = "no native float16 CPU kernels yet"
+    too_big = _would_not_fit(float32_bytes, available)
+    if too_big:
+        return DtypeChoice(torch.bfloat16, f"{too_big}; checkpoint {checkpoint_dtype}, {why_not}")
+    if checkpoint_dtype == "bfloat16" and not native:
+        # bench/RESULTS.md measured bf16 weights only on an AVX-512 BF16 host (batch 1 1.6x faster,
+        # batched throughput level); widening in software on AVX2 is unmeasured, so float32 stays.
+        return DtypeChoice(torch.float32, f"checkpoint bfloat16; {why_not}: float32, the default where bf16 "
+                                          f"weights are unmeasured (--dtype bfloat16 halves their memory)")
+    return DtypeChoice(torch.float32, f"checkpoint {checkpoint_dtype}; {why_not}")
+
+
+def _would_not_fit(float32_bytes: Callable[[], int | None] | None, available: int | None) -> str | None:
+    """"float32 weights (30.1 GiB) would not fit in 22.0 GiB available", or None where they fit
+    or either size is unknown."""
+    from noria.worker import host
+
+    need = float32_bytes() if float32_bytes is not None else None
+    if not need:
+        return None
+    room = host.memory_available() if available is None else available
+    if not room or need * FIT_SLACK + FIT_RESERVE <= room:
+        return None
+    return f"float32 weights ({need / GiB:.1f} GiB) would not fit in {room / GiB:.1f} GiB available"
+
+
+def same_on_every_rank(choice: DtypeChoice, device: torch.device, tp: TensorParallel) -> DtypeChoice:
+    """Rank 0's choice on every rank: CPU ranks on other hosts may see another CPU or other free
+    memory, and the ranks of one model must compute in one dtype (a GPU's choice is the checkpoint's)."""
+    if tp.size == 1 or not choice.auto or device.type != "cpu":
+        return choice
+    order = (torch.float32, torch.bfloat16, torch.float16)
+    code = int(tp.broadcast_from_first(torch.tensor([order.index(choice.dtype)])).item())
+    return choice if order[code] == choice.dtype else DtypeChoice(order[code], "rank 0's choice")

@@ -60,6 +60,7 @@ def gpu_checks(report: Report, quick: bool, max_tokens: int) -> None:
 def cpu_checks(report: Report, max_tokens: int) -> None:
     from noria.kernels.device_info import cupy_status
 
+    report.check("native CPU kernels", lambda: _cpu_kernels(report))
     ok, line = cupy_status()
     print(f"  info  CuPy: {line}")
     report.check("NVRTC compile of the demo model's instances (sm_80, sm_90)", _compile_demo_offline)
@@ -69,6 +70,39 @@ def cpu_checks(report: Report, max_tokens: int) -> None:
         {"device": "cpu", "emulated": True}, {"device": "cpu"}, max_tokens))
     report.check("swap preemption on emulated kernels (copy_blocks) vs torch backend", lambda: compare_generation(
         {"device": "cpu", "emulated": True, **SWAP}, {"device": "cpu"}, max(max_tokens, SWAP_TOKENS)))
+
+
+BF16_GEMM_KINDS = {"dot": "vdpbf16ps on bf16-rounded activations", "widen": "bf16 weights widened to float32"}
+
+
+def cpu_kernel_report() -> tuple[list[str], str]:
+    """What a CPU worker here would run on: (info lines: the CPU and the ISA flags the kernels care
+    about, the bf16 GEMM's layout, what `--dtype auto` picks for a bfloat16 checkpoint and why
+    (worker/device.py); each native kernel family's path, worker/cpu_ops.py's, in one line)."""
+    from noria.worker import cpu_ops, host
+    from noria.worker.device import GiB, bf16_gemm, choose_dtype
+
+    flags = host.cpu_flags()
+    has = " ".join(f for f in host.ISA_FLAGS if f in flags) or "none"
+    lacks = " ".join(f for f in host.ISA_FLAGS if f not in flags)
+    kind, missing = bf16_gemm()
+    gemm = f"{kind} ({BF16_GEMM_KINDS.get(kind, kind)})" if kind else f"none ({missing}): torch's bf16 operators"
+    auto = choose_dtype("auto", torch.device("cpu"), "bfloat16", flags=flags)
+    said = f"{auto.name} ({auto.reason})"
+    if auto.dtype != torch.bfloat16:
+        said += f"; bfloat16 where float32 weights would not fit in {host.memory_available() / GiB:.1f} GiB available"
+    info = [f"CPU: {host.cpu_model()}, {host.cpu_count()} cores; ISA: {has}" + (f" (not {lacks})" if lacks else ""),
+            f"bf16 GEMM: {gemm}",
+            f"--dtype auto, bfloat16 checkpoint: {said}"]
+    return info, " ".join(f"{family}={path}" for family, path in cpu_ops.paths().items())
+
+
+def _cpu_kernels(report: Report) -> str:
+    # A family on torch is a slower host, not a broken one: only an error here fails the check.
+    info, families = cpu_kernel_report()
+    for line in info:
+        report.line("info", line)
+    return families
 
 
 def _require(ok: bool, line: str) -> str:

@@ -1,10 +1,16 @@
 """The native GEMM over bfloat16 weights for the CPU linear layers (worker/csrc/gemm_bf16.c).
 
-x and y stay float32; W is kept in bf16 panels (half the bytes a decode step reads) and
-widened to float32 in registers, so each output is the float32 GEMM's in-order sum over the
-bf16-rounded weight, bit for bit. Built like worker/gemm_kernels.py (same flags, same
-switch: worker/cpu_ops.py's gemm family), called through ctypes; `load()` returns None where
-no compiler works or the gemm family is on torch.
+x and y are float32 and W is kept in bf16 panels (half the bytes a decode step reads), in one
+of two layouts, the kernel's `layout()`:
+
+- "dot" where the CPU has AVX512_BF16: x rounded to bf16 and multiplied in pairs of k by
+  vdpbf16ps, twice the arithmetic rate of float32 FMAs, summed in float32;
+- "widen" elsewhere (or with NORIA_CPU_BF16_WIDEN=1): W widened to float32 in registers,
+  each output the float32 GEMM's in-order sum over the bf16-rounded weight, bit for bit.
+
+Built like worker/gemm_kernels.py (same flags, same switch: worker/cpu_ops.py's gemm family),
+called through ctypes; `load()` returns None where no compiler works or the gemm family is on
+torch.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from noria.protocol import switches
 from noria.worker.cpu_ops import disabled
 from noria.worker.native_build import build
 
@@ -33,11 +40,32 @@ def load() -> ctypes.CDLL | None:
     if dll is None:
         return None
     dll.gemm_bf16_nr.argtypes, dll.gemm_bf16_nr.restype = [], _I64
-    dll.gemm_bf16.argtypes = [_F32P, _I64, _U16P, _F32P, _F32P, _I64, _I64, _I64, _I64, _INT]
-    dll.gemm_bf16.restype = None
-    dll.pack_bf16.argtypes = [_U16P, _I64, _I64, _I64, _U16P, _INT]
-    dll.pack_bf16.restype = None
+    dll.gemm_bf16_dot_built.argtypes, dll.gemm_bf16_dot_built.restype = [], _INT
+    for fn in (dll.gemm_bf16, dll.gemm_bf16_dot):
+        fn.argtypes, fn.restype = [_F32P, _I64, _U16P, _F32P, _F32P, _I64, _I64, _I64, _I64, _INT], None
+    for fn in (dll.gemm_bf16_panels, dll.gemm_bf16_dot_panels):
+        fn.argtypes, fn.restype = [_F32P, _I64, _U16P, _F32P, _F32P, _I64, _I64, _I64, _I64, _I64, _I64], None
+    for fn in (dll.pack_bf16, dll.pack_bf16_dot):
+        fn.argtypes, fn.restype = [_U16P, _I64, _I64, _I64, _U16P, _INT], None
     return dll
+
+
+def layout() -> str:
+    """"dot" (vdpbf16ps on bf16-rounded activations) where the kernel is built for it and not
+    switched off, else "widen" (float32 arithmetic on widened weights)."""
+    if switches.cpu_bf16_widen() or not _dll().gemm_bf16_dot_built():
+        return "widen"
+    return "dot"
+
+
+def entry(kind: str) -> ctypes._CFuncPtr:
+    """The C function that multiplies by panels of layout `kind`."""
+    return _dll().gemm_bf16_dot if kind == "dot" else _dll().gemm_bf16
+
+
+def panels_entry(kind: str) -> ctypes._CFuncPtr:
+    """Its panels [p0, p1) on the calling thread alone (gemm_f32_panels' arguments)."""
+    return _dll().gemm_bf16_dot_panels if kind == "dot" else _dll().gemm_bf16_panels
 
 
 def _dll() -> ctypes.CDLL:
@@ -48,18 +76,34 @@ def _dll() -> ctypes.CDLL:
 
 class PackedBF16Weight:
     """A [N, K] float32 or bfloat16 weight, rounded to bf16 (nearest even) and packed into the
-    kernel's panels ([ceil(N/NR), K, NR] bf16 bits, each k-row's two vectors interleaved)."""
+    panels of `kind` ("dot" or "widen", default `layout()`): [ceil(N/NR), K, NR] bf16 bits for
+    both, k-rows of two interleaved vectors for widen, of k pairs for dot (K rounded up to even)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, kind: str | None = None) -> None:
         dll = _dll()
         assert weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16), weight.dtype
+        self.kind = kind or layout()
+        assert self.kind in ("dot", "widen") and (self.kind == "widen" or dll.gemm_bf16_dot_built()), self.kind
         nr = int(dll.gemm_bf16_nr())
         self.n, self.k = weight.shape
+        self.out_features, self.in_features = self.n, self.k  # PackedWeight's names
         bits = weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
-        self.data = torch.empty(-(-self.n // nr), self.k, nr, dtype=torch.int16)
+        rows = self.k + self.k % 2 if self.kind == "dot" else self.k
+        self.data = torch.empty(-(-self.n // nr), rows, nr, dtype=torch.int16)
+        pack = dll.pack_bf16_dot if self.kind == "dot" else dll.pack_bf16
         if self.data.numel():
-            dll.pack_bf16(_u16(bits), self.k, self.n, self.k, _u16(self.data), torch.get_num_threads())
+            pack(_u16(bits), self.k, self.n, self.k, _u16(self.data), torch.get_num_threads())
         self.ptr = _u16(self.data)  # the data never moves: cast once, not per call
+        self._gemm = entry(self.kind)
+
+    def unpack(self) -> torch.Tensor:
+        """The [N, K] bf16 weight back from the panels (the model keeps no other copy)."""
+        p, rows, nr = self.data.shape
+        if self.kind == "dot":  # [p, K / 2, NR, 2]: feature j's k pair is lane j of a pair-row
+            w = self.data.view(p, rows // 2, nr, 2).permute(0, 2, 1, 3)
+        else:  # [p, K, VL, 2]: 16-bit slot 2i is feature i, slot 2i + 1 feature VL + i
+            w = self.data.view(p, rows, nr // 2, 2).permute(0, 3, 2, 1)
+        return w.reshape(p * nr, rows)[: self.n, : self.k].view(torch.bfloat16)
 
 
 def _u16(t: torch.Tensor) -> ctypes._Pointer:
@@ -72,7 +116,6 @@ def _f32(t: torch.Tensor) -> ctypes._Pointer:
 
 def gemm_bf16(x: torch.Tensor, w: PackedBF16Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias): [M, N] float32. x float32 on the CPU, any row stride."""
-    dll = _dll()
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == w.k, (x.dtype, x.shape, w.k)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -80,8 +123,8 @@ def gemm_bf16(x: torch.Tensor, w: PackedBF16Weight, bias: torch.Tensor | None) -
     y = torch.empty(m, w.n, dtype=torch.float32)
     if m and w.n:
         b = None if bias is None else bias.to(torch.float32).contiguous()  # held: the C reads it
-        dll.gemm_bf16(_f32(x), x.stride(0), w.ptr, None if b is None else _f32(b), _f32(y), w.n, m, w.n, w.k,
-                      torch.get_num_threads())
+        w._gemm(_f32(x), x.stride(0), w.ptr, None if b is None else _f32(b), _f32(y), w.n, m, w.n, w.k,
+                torch.get_num_threads())
     return y
 
 

@@ -54,6 +54,10 @@ class PackedWeight:
         self.out_features, self.in_features = n, k
         self.ptr = _ptr(self.data)  # the data never moves: cast once, not per call
 
+    def unpack(self) -> torch.Tensor:
+        """The [N, K] weight back from the panels (the model keeps no other copy)."""
+        return self.data.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+
 
 def _ptr(t: torch.Tensor) -> ctypes._Pointer:
     return ctypes.cast(t.data_ptr(), _F32P)

@@ -46,6 +46,26 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
+def checkpoint_float32_bytes(path: str | Path) -> int | None:
+    """The checkpoint's tensors' size in float32, from the safetensors headers alone (8 bytes of
+    length, then JSON), before anything is loaded (`--dtype auto` asks); None where they cannot be
+    read (loading says why)."""
+    count = 0
+    try:
+        for file in checkpoint_files(path):
+            with open(file, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    n = 1
+                    for dim in entry["shape"]:
+                        n *= dim
+                    count += n
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return 4 * count
+
+
 def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:

@@ -43,7 +43,7 @@ from noria.worker.cuda_graphs import (
     decode_forward,
     planned_graphs,
 )
-from noria.worker.device import cpu_precision, resolve_device, resolve_dtype
+from noria.worker.device import choose_dtype, cpu_precision, resolve_device, same_on_every_rank
 from noria.worker.grammar_mask import apply_grammar_bitmask
 from noria.worker.kv_cache import (
     GraphShapes,
@@ -55,7 +55,7 @@ from noria.worker.kv_cache import (
     num_device_blocks,
     num_swap_blocks,
 )
-from noria.worker.loader import load_model, load_spec
+from noria.worker.loader import checkpoint_float32_bytes, load_model, load_spec
 from noria.worker.memory_profile import profile_memory
 from noria.worker.models.ops import choose_ops
 from noria.worker.models.parallel import destroy_tensor_parallel, init_tensor_parallel
@@ -134,10 +134,15 @@ class ModelRunner:
         if problem:
             raise ValueError(f"cannot shard {config.model}: {problem}")
         self.tp = init_tensor_parallel(rank, tp_size, dist_init_method, self.device, config.startup_timeout)
-        self.dtype, self.weight_dtype = cpu_precision(resolve_dtype(config.dtype, self.device, self.spec.dtype),
-                                                      self.device)
-        if self.weight_dtype is not None and self.tp.first:
-            log.info("dtype: bfloat16 weights through the native bf16-weight GEMM, float32 activations and KV cache")
+        choice = choose_dtype(config.dtype, self.device, s.dtype, lambda: checkpoint_float32_bytes(config.model))
+        choice = same_on_every_rank(choice, self.device, self.tp)
+        self.dtype, self.weight_dtype = cpu_precision(choice.dtype, self.device)
+        # The KV cache in the model's dtype even where activations are wider (the CPU's bf16 runs):
+        # decode attention is bound by the K/V bytes it reads, and bf16 halves them.
+        self.kv_dtype = self.weight_dtype or self.dtype
+        line = choice.line(self.weight_dtype)
+        if line and self.tp.first:
+            log.info("%s", line)
         self.model = load_model(config.model, self.spec, self.device, self.dtype, self.tp, self.weight_dtype)
 
     def _set_lengths(self) -> None:
@@ -192,7 +197,7 @@ class ModelRunner:
         config = self.config
         # Each rank caches only its own KV heads.
         layout = KVLayout(self.spec.num_layers, self.block_size, self.model.shapes.num_kv_heads,
-                          self.spec.head_dim, self.dtype)
+                          self.spec.head_dim, self.kv_dtype)
         memory = profile_memory(self, layout) if needs_profile(config, self.device) else None
         self.num_kv_blocks = num_device_blocks(config, layout, self.max_model_len, memory, graph_shapes)
         self.num_cpu_blocks = num_swap_blocks(config, layout)

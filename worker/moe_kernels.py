@@ -1,7 +1,7 @@
 """A mixture-of-experts block's routed experts in one native call (worker/csrc/moe_f32.c).
 
-The C file gathers each expert's rows, runs gemm_f32.c's packed GEMMs and fused_f32.c's
-SiLU-and-mul on them and adds the weighted rows back per token in expert order: the
+The C file gathers each expert's rows, runs the packed GEMMs (gemm_f32.c's, or gemm_bf16.c's
+where the experts are kept in bf16) and fused_f32.c's SiLU-and-mul on them and adds the weighted rows back per token in expert order: the
 arithmetic of SparseMoeBlock.experts' Python path, bit for bit, in one parallel region
 instead of ~5 calls (and as many thread fork/joins) per active expert. It belongs to the
 gemm family (worker/cpu_ops.py): `load()` returns None where the GEMM or the fused kernels
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from noria.worker import fused_kernels, gemm_kernels
+from noria.worker import fused_kernels, gemm_bf16_kernels, gemm_kernels
+from noria.worker.gemm_bf16_kernels import PackedBF16Weight
 from noria.worker.gemm_kernels import PackedWeight
 from noria.worker.native_build import build
 
@@ -30,7 +31,7 @@ MAX_TOP_K = 64  # the C file orders each token's choices in a fixed array of thi
 
 @cache
 def load() -> tuple[ctypes.CDLL, int, int, int] | None:
-    """(library, GEMM panel function, SiLU-and-mul function, panel width), or None."""
+    """(library, float32 GEMM panel function, SiLU-and-mul function, its panel width), or None."""
     gemm, fused = gemm_kernels.load(), fused_kernels.load()
     if gemm is None or fused is None:
         return None
@@ -40,15 +41,29 @@ def load() -> tuple[ctypes.CDLL, int, int, int] | None:
     dll.moe_experts.argtypes = [_P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P,
                                 ctypes.c_int]
     dll.moe_experts.restype = ctypes.c_int
-    panels = ctypes.cast(gemm.gemm_f32_panels, _P).value or 0
-    silu = ctypes.cast(fused.silu_mul, _P).value or 0
-    return dll, panels, silu, int(gemm.gemm_nr())
+    return dll, _addr(gemm.gemm_f32_panels), _addr(fused.silu_mul), int(gemm.gemm_nr())
+
+
+def _addr(fn: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(fn, _P).value or 0
 
 
 class PackedExperts:
-    """Every expert's packed gate/up and down weights as the arrays of pointers the C call reads."""
+    """Every expert's packed gate/up and down weights as the arrays of pointers the C call reads,
+    and the panel function and width of their kind (all of one kind: float32 or one bf16 layout)."""
 
-    def __init__(self, gate_up: list[PackedWeight], down: list[PackedWeight]) -> None:
+    def __init__(self, gate_up: list[PackedWeight] | list[PackedBF16Weight],
+                 down: list[PackedWeight] | list[PackedBF16Weight]) -> None:
+        lib = load()
+        assert lib is not None
+        kinds = {w.kind if isinstance(w, PackedBF16Weight) else "float32" for w in [*gate_up, *down]}
+        assert len(kinds) == 1, kinds
+        kind = kinds.pop()
+        if kind == "float32":
+            self.panels, self.nr = lib[1], lib[3]
+        else:
+            self.panels = _addr(gemm_bf16_kernels.panels_entry(kind))
+            self.nr = int(gemm_bf16_kernels._dll().gemm_bf16_nr())
         self.num_experts = len(gate_up)
         self.hidden, self.inter = down[0].out_features, down[0].in_features
         self._keep = (gate_up, down)  # the pointers below are into these
@@ -84,14 +99,14 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, packed: P
     is), ids [T, k] in [0, num_experts)."""
     lib = load()
     assert lib is not None
-    dll, panels, silu, nr = lib
+    dll, _, silu, _ = lib
     x = x.contiguous()
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     t, k = ids.shape
     out = torch.empty(t, packed.hidden, dtype=torch.float32)
     scratch = _scratch.get(t * k * (packed.hidden + 3 * packed.inter))
-    rc = dll.moe_experts(panels, silu, nr, x.data_ptr(), t, packed.hidden, packed.inter, packed.num_experts, k,
+    rc = dll.moe_experts(packed.panels, silu, packed.nr, x.data_ptr(), t, packed.hidden, packed.inter, packed.num_experts, k,
                          ids.data_ptr(), weights.data_ptr(), packed.gate_up, packed.down, out.data_ptr(),
                          scratch.data_ptr(), torch.get_num_threads())
     if rc == -1:

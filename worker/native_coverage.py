@@ -20,7 +20,7 @@ import torch
 
 from noria.protocol.model_spec import ModelSpec
 from noria.worker import cpu_kernels
-from noria.worker.models.linear import PackedBF16Linear, PackedLinear
+from noria.worker.models.linear import LinearOp, PackedBF16Linear, PackedLinear
 from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.models.rope import rotary_dim
 
@@ -94,7 +94,7 @@ def coverage(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     if why is not None:
         return [why] * len(layers)
     # The driver's GEMM is one per model: the linear kind of the first layer.
-    kind = type(layers[0].self_attn.qkv_proj.op) if layers else PackedLinear
+    kind = _gemm(layers[0].self_attn.qkv_proj.op) if layers else PackedLinear.kind
     return [_layer_reason(layer, kv_caches[i], kind) for i, layer in enumerate(layers)]
 
 
@@ -106,12 +106,20 @@ def _model_reason(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Ten
         return f"{str(w.dtype).removeprefix('torch.')} on {w.device.type}: the driver is float32 on the CPU"
     if len(kv_caches) != len(model.layers):
         return "no KV cache per layer"
+    dtypes = sorted({str(c.dtype).removeprefix("torch.") for pair in kv_caches for c in pair})
+    if len(dtypes) > 1:  # the driver calls one attention kernel, for one cache dtype
+        return f"KV caches of several dtypes ({', '.join(dtypes)})"
     if model.ops.name != "cpu":
         return f"the layers run the {model.ops.name} ops, not the native CPU kernels the driver calls"
     return recipe_reason(model.spec)
 
 
-def _layer_reason(layer: DecoderLayer, cache: tuple[torch.Tensor, torch.Tensor], kind: type) -> str | None:
+def _gemm(op: LinearOp) -> str:
+    """Which GEMM reads a packed kind's panels (the bf16 kind has two layouts)."""
+    return f"{op.kind} ({op.packed.kind})" if isinstance(op, PackedBF16Linear) else op.kind
+
+
+def _layer_reason(layer: DecoderLayer, cache: tuple[torch.Tensor, torch.Tensor], kind: str) -> str | None:
     at, mlp = layer.self_attn, layer.mlp
     linears = {"qkv": at.qkv_proj, "o": at.o_proj}
     if not isinstance(mlp, SparseMoeBlock):  # a sparse layer's block is called back as it is
@@ -119,12 +127,12 @@ def _layer_reason(layer: DecoderLayer, cache: tuple[torch.Tensor, torch.Tensor],
     unpacked = [name for name, linear in linears.items() if not isinstance(linear.op, (PackedLinear, PackedBF16Linear))]
     if unpacked:
         return f"{', '.join(unpacked)} not packed for the native GEMM"
-    other = [name for name, linear in linears.items() if type(linear.op) is not kind]
+    other = [name for name, linear in linears.items() if _gemm(linear.op) != kind]
     if other:
-        return f"{', '.join(other)} packed as {type(linears[other[0]].op).kind}, the first layer's qkv as {kind.kind}"
+        return f"{', '.join(other)} packed as {_gemm(linears[other[0]].op)}, the first layer's qkv as {kind}"
     k_cache, v_cache = cache
     a = at.attn
-    if not (k_cache.dtype == v_cache.dtype == torch.float32 and v_cache.is_contiguous()
+    if not (k_cache.dtype == v_cache.dtype and v_cache.is_contiguous()
             and cpu_kernels.fits(a.num_heads, a.head_dim, k_cache)):
         return (f"the attention kernel does not take {a.num_heads} heads of {a.head_dim} over "
                 f"{a.num_kv_heads} KV heads in a {str(k_cache.dtype).removeprefix('torch.')} cache")

@@ -3,8 +3,9 @@
 The C driver calls the same kernels as the layers' native CPU ops (worker/models/ops.py), in
 the same order, on the same inputs, so its output is bit for bit theirs; what it removes is
 the Python between them (wrappers, ctypes conversions, a tensor per result). It runs float32
-on the CPU, one rank, packed GEMM weights, and a step whose attention is one call of the paged
-kernel per layer (decode rows, or short prompts as rows: `TorchAttentionBackend.paged_rows`).
+activations on the CPU, one rank, packed GEMM weights (float32 or bf16), a float32 or bf16 KV
+cache, and a step whose attention is one call of the paged kernel per layer (decode rows, or
+short prompts as rows: `TorchAttentionBackend.paged_rows`).
 A mixture-of-experts layer runs its attention on the driver; its MLP is the layer's own
 SparseMoeBlock, called back from the driver on the driver's normed rows.
 
@@ -44,12 +45,10 @@ _SRC = Path(__file__).parent / "csrc" / "decoder_f32.c"
 _MOE_CALL = ctypes.CFUNCTYPE(ctypes.c_int, I64, I64)
 
 
-@cache
-def _gemm_bf16() -> int | None:
-    """The bf16-weight GEMM's address (worker/csrc/gemm_bf16.c: gemm_f32's arguments over bf16
-    panels), for a model whose linear kinds are bf16."""
-    dll = gemm_bf16_kernels.load()
-    return None if dll is None else ctypes.cast(dll.gemm_bf16, P).value
+def _gemm_bf16(layout: str) -> int | None:
+    """The address of the bf16-weight GEMM over panels of `layout` (worker/csrc/gemm_bf16.c:
+    gemm_f32's arguments), for a model whose linear kinds are bf16."""
+    return ctypes.cast(gemm_bf16_kernels.entry(layout), P).value
 
 
 @cache
@@ -91,9 +90,14 @@ class NativeStack:
         loaded = load()
         assert loaded is not None
         self.kernels = Kernels.from_buffer_copy(loaded[1])
+        # The attention kernel reads the caches' element type (coverage: one for every layer).
+        attn, suffix = cpu_kernels.load(), cpu_kernels.CACHE_DTYPES[kv_caches[0][0].dtype]
+        assert attn is not None
+        self.kernels.attn = ctypes.cast(getattr(attn, f"paged_decode_{suffix}"), P).value
+        self.kernels.attn_capped = ctypes.cast(getattr(attn, f"paged_decode_capped_{suffix}"), P).value
         first = model.layers[reasons.index(None)].self_attn.qkv_proj.op
         if isinstance(first, PackedBF16Linear):
-            self.kernels.gemm = _gemm_bf16()
+            self.kernels.gemm = _gemm_bf16(first.packed.kind)
         self.layer_runs = 0  # layers the driver ran, over this stack's life
         self._capacity, self._buffers = 0, []
         self._keep: list[torch.Tensor] = []  # biases the driver reads: contiguous copies, kept alive here

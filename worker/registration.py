@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from noria.protocol.model_identity import ModelIdentity
 from noria.protocol.worker_link import WORKER_PROTOCOL_VERSION, Register
+from noria.worker.host import memory_available
 
 
 def hello(rank: int, device: str | None, model: ModelIdentity | None, connect: str) -> Register:
@@ -27,18 +28,7 @@ def describe_device(device: str) -> tuple[str, int]:
             return f"cuda ({torch.cuda.get_device_name()})", int(free)
         if device == "cuda":
             return "cuda (not available: loading will fail)", 0
-    return "cpu", _mem_available()
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return "cpu", memory_available()
 
 
 def address_towards(connect: str) -> str:

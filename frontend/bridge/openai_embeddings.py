@@ -9,12 +9,13 @@ little-endian float32 bytes, as OpenAI's API does.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import base64
+import sys
 from typing import Any, Literal
 
 import msgspec
-import numpy as np
 from aiohttp import web
 
 from noria.frontend.bridge.errors import BadRequest, from_noria
@@ -97,7 +98,12 @@ def inputs_of(value: Any) -> list[Prompt]:
 
 def encode(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
-        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+        # array, not numpy: numpy was the bridge's one use of it, ~15 MiB of its RSS. Each value
+        # is rounded to float32 as numpy's asarray does (a C cast: nearest, inf past the range).
+        floats = array.array("f", vector)
+        if sys.byteorder == "big":
+            floats.byteswap()
+        return base64.b64encode(floats.tobytes()).decode("ascii")
     return vector
 
 

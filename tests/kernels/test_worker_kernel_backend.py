@@ -78,6 +78,7 @@ def generate(path: Path, attention: Any | None, dtype: str = "float32", hit: boo
         swap_space=0.001,
         num_threads=1,
         block_size=BLOCK_SIZE,
+        attention_backend="torch",  # the reference; `attention` replaces it
     )
     runner = ModelRunner(config)
     runner.kv_cache.device_cache[:, :, : runner.num_kv_blocks] = float("nan")
@@ -113,10 +114,12 @@ def test_worker_tokens_match_torch_backend(emu: Any, checkpoint: Path, schedule:
     assert got == generate(checkpoint, None, dtype)
 
 
-def test_worker_tokens_match_torch_backend_bfloat16(emu: Any, checkpoint: Path) -> None:
+def test_worker_tokens_match_torch_backend_bfloat16(emu: Any, checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 through the tensor-core prefill and decode kernels, with mixed prefill / decode
     steps and chunked prompts; the prefix-cache hit (a bfloat16 near-tie, see above) is left
-    out. The steps really mix: some step runs both kernels' rows."""
+    out. The steps really mix: some step runs both kernels' rows. The CPU stands for a GPU
+    (NORIA_EMULATED_KERNELS): bfloat16 stays bfloat16, as on a GPU, not the CPU's bf16 weights."""
+    monkeypatch.setenv("NORIA_EMULATED_KERNELS", "1")
     kernels = KernelAttentionBackend(fallback=TorchAttentionBackend(), backend=emu("forward"))
     mixed = {"n": 0}
     prepare = kernels.prepare

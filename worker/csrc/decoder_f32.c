@@ -44,12 +44,14 @@ typedef void (*qk_rope_fn)(const float *qkv, int64_t ld, const float *cos, const
                            const float *k_weight, float eps, float *q, float *k, float *v, int64_t T, int64_t H,
                            int64_t KVH, int64_t D, int num_threads);
 typedef void (*silu_fn)(const float *gate_up, int64_t ld, float *out, int64_t T, int64_t n, int num_threads);
-typedef int (*attn_capped_fn)(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
+/* The caches' elements are float32 or bf16: the caller points attn / attn_capped at the
+ * paged_decode.c entry points for theirs, so the driver passes them through untyped. */
+typedef int (*attn_capped_fn)(const float *q, void *k_cache, void *v_cache, const int64_t *block_table,
                               const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                               float scale, int64_t window, int num_threads, const float *k_new, const float *v_new,
                               const int64_t *slots, int64_t num_new, float cap);
-typedef int (*attn_fn)(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
+typedef int (*attn_fn)(const float *q, void *k_cache, void *v_cache, const int64_t *block_table,
                        const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
                        int num_threads, const float *k_new, const float *v_new, const int64_t *slots,
@@ -70,7 +72,7 @@ typedef struct {
 typedef struct { /* packed weights (see gemm_f32.c), biases or NULL, norm weights, this layer's caches */
     const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     const float *input_norm, *post_norm;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
     int64_t window; /* sliding window, 0 for none */
     const float *q_norm, *k_norm; /* per-head q/k RMSNorm weights [head_dim] (Qwen3), or NULL */
     /* Gemma: norms of the attention's and the MLP's outputs before they join the residual

@@ -2,39 +2,55 @@
  *
  * Decode on a CPU is bound by the weight bytes read per step; checkpoints ship
  * in bfloat16, and keeping W in bf16 halves those bytes against gemm_f32.c.
- * The arithmetic stays float32: a bf16 value is the top 16 bits of a float32,
- * so widening it is a shift (or a mask) in registers, exact, and each output
- * is the same one in-order float32 fused sum over k as gemm_f32.c computes on
- * the bf16-rounded weight, bit for bit. (AVX512_BF16's dot products would read
- * the weights as fast but round x to bf16 and sum pairs of k, another result.)
+ * Two kernels share one blocking (gemm_f32.c's, read that first: W packed once
+ * into panels of NR output features, k-major, so the MR x NR accumulators of a
+ * row tile stay in registers for the whole K loop; near-equal row tiles; each
+ * tile prefetching its share of the next panel; threads splitting panels,
+ * never K, so the result depends on neither the thread count nor the batch's
+ * other rows):
  *
- * Everything else is gemm_f32.c's, read that first: W packed once into panels
- * of NR output features, k-major, so the MR x NR accumulators of a row tile
- * stay in registers for the whole K loop; near-equal row tiles; each tile
- * prefetching its share of the next panel; threads splitting panels, never K,
- * so the result does not depend on the thread count or the batch's other rows.
+ * - "widen" (every CPU): the arithmetic stays float32. A bf16 value is the top
+ *   16 bits of a float32, so widening it is a shift (or a mask) in registers,
+ *   exact, and each output is the same in-order float32 fused sum over k as
+ *   gemm_f32.c computes on the bf16-rounded weight, bit for bit. Within a
+ *   panel's k-row the two vectors' weights are interleaved: 16-bit element 2i
+ *   holds feature i (of the first vector) and 2i + 1 feature VL + i (of the
+ *   second). One VL x 32-bit load then carries both vectors, and on a
+ *   little-endian CPU lane i is (feature VL + i) << 16 | feature i, so the
+ *   first vector is lane << 16 and the second lane & 0xffff0000: one load and
+ *   two one-cycle bit operations per k.
  *
- * Within a panel's k-row the two vectors' weights are interleaved: 16-bit
- * element 2i holds feature i (of the first vector) and 2i + 1 feature VL + i
- * (of the second). One VL x 32-bit load then carries both vectors, and on a
- * little-endian CPU lane i is (feature VL + i) << 16 | feature i, so the first
- * vector is lane << 16 and the second lane & 0xffff0000: one load and two
- * one-cycle bit operations per k, no zero-extending shuffles.
+ * - "dot" (AVX512_BF16): x is rounded to bf16 (nearest even, as torch does)
+ *   and vdpbf16ps multiplies a pair of k per lane, 32 products per instruction
+ *   against an FMA's 16: twice the arithmetic rate, which is what a batched
+ *   step is bound by once the weights are half the bytes. A panel's rows are
+ *   pairs of k (k even in the low half of each 32-bit lane, as the instruction
+ *   pairs them), one vector per VL features; x's pair for a row is one 32-bit
+ *   broadcast. Each output is one in-order float32 sum over the k pairs, so
+ *   it is still independent of threads and of the other rows, but it is not
+ *   the widened kernel's result (x is rounded, and k is summed in pairs).
  *
- * The ISA is the compiler's, as in gemm_f32.c: GCC vector types, compiled with
- * -march=native (or x86-64-v3 in the tests), become 8-wide AVX2 or 16-wide
- * AVX-512 code with FMA; nothing is hard-coded.
+ * The ISA is the compiler's: GCC vector types, compiled with -march=native
+ * (or x86-64-v3 in the tests), become 8-wide AVX2 or 16-wide AVX-512 code with
+ * FMA; the dot kernel exists where -march=native names AVX512_BF16, which the
+ * loader reports (gemm_bf16_dot_built) and the Python side chooses from.
  *
  * x:      [M, K] float32, row stride ldx
- * packed: [ceil(N / NR), K, NR] bf16 bits (uint16), interleaved as above,
- *         tail panel zero-padded
+ * packed: widen: [ceil(N / NR), K, NR] bf16 bits (uint16), interleaved as above
+ *         dot:   [ceil(N / NR), ceil(K / 2), NR, 2] bf16 bits, k odd padded with 0
+ *         the tail panel zero-padded
  * bias:   [N] float32 or NULL
  * y:      [M, N] float32, row stride ldy
  */
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#ifdef __AVX512BF16__
+#include <immintrin.h>
 #endif
 
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -56,42 +72,44 @@ typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
 int64_t gemm_bf16_nr(void) { return NR; }
 
-/* One MR' x NR tile (MR' = mr <= MR, a literal at every call site so that the
- * row loops unroll and the accumulators live in registers). Every `every`
- * k steps it prefetches one k-row (NR bf16) at *pf, then advances *pf. */
-static inline __attribute__((always_inline)) void tile(
-    const float *x, int64_t ldx, const uint16_t *panel, int64_t K, const float *bias, float *y, int64_t ldy,
-    int64_t ncols, const int mr, const uint16_t **pf, int64_t every) {
-    vf acc0[MR], acc1[MR];
-    vf b0 = {0}, b1 = {0};
+int gemm_bf16_dot_built(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Where a tile's prefetches of the next panel go: one row of `row` bf16 values at
+ * *q every `every` steps of the K loop. */
+typedef struct {
+    const uint16_t *q;
+    int64_t every, row;
+} Prefetch;
+
+static inline __attribute__((always_inline)) void prefetch_step(Prefetch *pf, int64_t *countdown) {
+    if (--*countdown == 0) {
+        *countdown = pf->every;
+        /* At VL = 8 a widen k-row is half a line: the second prefetch of a line
+         * is a cheap hit, and keeps the schedule gemm_f32.c measured. */
+        for (int l = 0; l < pf->row; l += LINE) __builtin_prefetch(pf->q + l, 0, 2);
+        pf->q += pf->row;
+    }
+}
+
+static inline __attribute__((always_inline)) void bias_vectors(const float *bias, int64_t ncols, vf *b0, vf *b1) {
+    *b0 = (vf){0}, *b1 = (vf){0};
     if (bias != NULL) {
         float tmp[NR] = {0};
         memcpy(tmp, bias, sizeof(float) * (size_t)ncols);
-        b0 = *(const vfu *)tmp;
-        b1 = *(const vfu *)(tmp + VL);
+        *b0 = *(const vfu *)tmp;
+        *b1 = *(const vfu *)(tmp + VL);
     }
-    const uint16_t *q = *pf;
-    int64_t countdown = every;
-    for (int r = 0; r < mr; r++) acc0[r] = (vf){0}, acc1[r] = (vf){0};
-    for (int64_t k = 0; k < K; k++) {
-        if (--countdown == 0) {
-            countdown = every;
-            /* At VL = 8 a k-row is half a line: the second prefetch of a line
-             * is a cheap hit, and keeps the schedule gemm_f32.c measured. */
-            for (int l = 0; l < NR; l += LINE) __builtin_prefetch(q + l, 0, 2);
-            q += NR;
-        }
-        const vu pair = *(const vu *)(panel + k * NR);
-        const vf w0 = (vf)(pair << 16);           /* a vector cast reinterprets the bits */
-        const vf w1 = (vf)(pair & 0xffff0000u);
-        for (int r = 0; r < mr; r++) {
-            const float a = x[r * ldx + k];
-            acc0[r] += a * w0;
-            acc1[r] += a * w1;
-        }
-    }
-    *pf = q;
-    /* The bias is added after the sum, as torch's addmm does (beta * bias + x @ W^T). */
+}
+
+/* The bias is added after the sum, as torch's addmm does (beta * bias + x @ W^T). */
+static inline __attribute__((always_inline)) void store_tile(
+    const vf *acc0, const vf *acc1, vf b0, vf b1, float *y, int64_t ldy, int64_t ncols, const int mr) {
     for (int r = 0; r < mr; r++) {
         vf o0 = acc0[r] + b0, o1 = acc1[r] + b1;
         float *out = y + r * ldy;
@@ -107,36 +125,101 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+/* One MR' x NR tile of the widen kernel (MR' = mr <= MR, a literal at every call
+ * site so that the row loops unroll and the accumulators live in registers). */
+static inline __attribute__((always_inline)) void tile_widen(
+    const float *x, int64_t ldx, const uint16_t *panel, int64_t K, const float *bias, float *y, int64_t ldy,
+    int64_t ncols, const int mr, Prefetch *pf) {
+    vf acc0[MR], acc1[MR], b0, b1;
+    bias_vectors(bias, ncols, &b0, &b1);
+    int64_t countdown = pf->every;
+    for (int r = 0; r < mr; r++) acc0[r] = (vf){0}, acc1[r] = (vf){0};
+    for (int64_t k = 0; k < K; k++) {
+        prefetch_step(pf, &countdown);
+        const vu pair = *(const vu *)(panel + k * NR);
+        const vf w0 = (vf)(pair << 16);           /* a vector cast reinterprets the bits */
+        const vf w1 = (vf)(pair & 0xffff0000u);
+        for (int r = 0; r < mr; r++) {
+            const float a = x[r * ldx + k];
+            acc0[r] += a * w0;
+            acc1[r] += a * w1;
+        }
+    }
+    store_tile(acc0, acc1, b0, b1, y, ldy, ncols, mr);
+}
+
+#ifdef __AVX512BF16__
+/* One tile of the dot kernel: x2 holds x's rows as bf16 pairs (K2 = ceil(K / 2) per row). */
+static inline __attribute__((always_inline)) void tile_dot(
+    const uint32_t *x2, int64_t ldx2, const uint16_t *panel, int64_t K2, const float *bias, float *y, int64_t ldy,
+    int64_t ncols, const int mr, Prefetch *pf) {
+    __m512 acc0[MR], acc1[MR];
+    vf b0, b1;
+    bias_vectors(bias, ncols, &b0, &b1);
+    int64_t countdown = pf->every;
+    for (int r = 0; r < mr; r++) acc0[r] = _mm512_setzero_ps(), acc1[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K2; k++) {
+        prefetch_step(pf, &countdown);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + k * 2 * NR);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + k * 2 * NR + NR);
+        for (int r = 0; r < mr; r++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)x2[r * ldx2 + k]);
+            acc0[r] = _mm512_dpbf16_ps(acc0[r], a, w0);
+            acc1[r] = _mm512_dpbf16_ps(acc1[r], a, w1);
+        }
+    }
+    vf out0[MR], out1[MR];
+    for (int r = 0; r < mr; r++) out0[r] = (vf)acc0[r], out1[r] = (vf)acc1[r];
+    store_tile(out0, out1, b0, b1, y, ldy, ncols, mr);
+}
+#endif
+
+/* One tile of height h of either kernel. */
+static inline __attribute__((always_inline)) void tile(
+    const int dot, const void *x, int64_t ldx, const uint16_t *panel, int64_t steps, const float *bias, float *y,
+    int64_t ldy, int64_t ncols, const int mr, Prefetch *pf) {
+#ifdef __AVX512BF16__
+    if (dot) {
+        tile_dot((const uint32_t *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
+        return;
+    }
+#endif
+    (void)dot;
+    tile_widen((const float *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
+}
+
 /* All M rows against one panel, in ceil(M / MR) tiles of near-equal height;
  * meanwhile the tiles prefetch `next` (the panel this thread computes next),
- * each tile about K / tiles of its k-rows, one every `tiles` k steps. */
-static void panel_rows(const float *x, int64_t ldx, const uint16_t *panel, int64_t M, int64_t K, const float *bias,
-                       float *y, int64_t ldy, int64_t ncols, const uint16_t *next) {
+ * each tile about steps / tiles of its rows, one every `tiles` steps.
+ * x's elements are 4 bytes in both kernels (a float, a pair of bf16). */
+static inline __attribute__((always_inline)) void panel_rows(
+    const int dot, const char *x, int64_t ldx, const uint16_t *panel, int64_t M, int64_t steps, const float *bias,
+    float *y, int64_t ldy, int64_t ncols, const uint16_t *next) {
     const int64_t tiles = (M + MR - 1) / MR, base = M / tiles, taller = M % tiles;
     /* At 1-2 rows the hardware prefetcher streams best alone (gemm_f32.c's
-     * measurement); K + 1 never comes round. */
-    const int64_t every = M >= 3 ? tiles : K + 1;
-    const uint16_t *pf = next;
+     * measurement); steps + 1 never comes round. */
+    Prefetch pf = {next, M >= 3 ? tiles : steps + 1, dot ? 2 * NR : NR};
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t h = base + (t < taller);
-        const float *xm = x + m * ldx;
+        const char *xm = x + m * ldx * 4;
         float *ym = y + m * ldy;
         switch (h) {
-            case 6: tile(xm, ldx, panel, K, bias, ym, ldy, ncols, 6, &pf, every); break;
-            case 5: tile(xm, ldx, panel, K, bias, ym, ldy, ncols, 5, &pf, every); break;
-            case 4: tile(xm, ldx, panel, K, bias, ym, ldy, ncols, 4, &pf, every); break;
-            case 3: tile(xm, ldx, panel, K, bias, ym, ldy, ncols, 3, &pf, every); break;
-            case 2: tile(xm, ldx, panel, K, bias, ym, ldy, ncols, 2, &pf, every); break;
-            default: tile(xm, ldx, panel, K, bias, ym, ldy, ncols, 1, &pf, every); break;
+            case 6: tile(dot, xm, ldx, panel, steps, bias, ym, ldy, ncols, 6, &pf); break;
+            case 5: tile(dot, xm, ldx, panel, steps, bias, ym, ldy, ncols, 5, &pf); break;
+            case 4: tile(dot, xm, ldx, panel, steps, bias, ym, ldy, ncols, 4, &pf); break;
+            case 3: tile(dot, xm, ldx, panel, steps, bias, ym, ldy, ncols, 3, &pf); break;
+            case 2: tile(dot, xm, ldx, panel, steps, bias, ym, ldy, ncols, 2, &pf); break;
+            default: tile(dot, xm, ldx, panel, steps, bias, ym, ldy, ncols, 1, &pf); break;
         }
         m += h;
     }
 }
 
-/* Panels [p0, p1) for rows [0, M), in blocks of MB rows. */
-static void panel_range(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
-                        int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+/* Panels [p0, p1) for rows [0, M), in blocks of MB rows; a panel is `psize` bf16 values. */
+static inline __attribute__((always_inline)) void panel_range(
+    const int dot, const char *x, int64_t ldx, const uint16_t *packed, int64_t psize, int64_t steps,
+    const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t p0, int64_t p1) {
     /* Panels inner, so a panel is read from memory once per block of rows;
      * blocks of MB rows keep a long prefill's rows in L3 (see gemm_f32.c). */
     const int64_t MB = 192;
@@ -145,17 +228,21 @@ static void panel_range(const float *x, int64_t ldx, const uint16_t *packed, con
         for (int64_t p = p0; p < p1; p++) {
             const int64_t n0 = p * NR, ncols = N - n0 < NR ? N - n0 : NR;
             const int64_t pn = p + 1 < p1 ? p + 1 : (m0 + MB < M ? p0 : p);
-            panel_rows(x + m0 * ldx, ldx, packed + p * K * NR, rows, K, bias == NULL ? NULL : bias + n0,
-                       y + m0 * ldy + n0, ldy, ncols, packed + pn * K * NR);
+            panel_rows(dot, x + m0 * ldx * 4, ldx, packed + p * psize, rows, steps,
+                       bias == NULL ? NULL : bias + n0, y + m0 * ldy + n0, ldy, ncols, packed + pn * psize);
         }
     }
+}
+
+/* A contiguous run of panels per thread: one sequential weight stream. */
+static inline int threads_for(int64_t panels, int num_threads) {
+    return panels < num_threads ? (int)panels : num_threads;
 }
 
 void gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy,
                int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t panels = (N + NR - 1) / NR;
-    /* A contiguous run of panels per thread: one sequential weight stream. */
-    const int threads = panels < num_threads ? (int)panels : num_threads;
+    const int threads = threads_for(panels, num_threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t tid = 0, nth = 1;
@@ -163,8 +250,83 @@ void gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float 
         tid = omp_get_thread_num();
         nth = omp_get_num_threads();
 #endif
-        panel_range(x, ldx, packed, bias, y, ldy, M, N, K, panels * tid / nth, panels * (tid + 1) / nth);
+        panel_range(0, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, panels * tid / nth,
+                    panels * (tid + 1) / nth);
     }
+}
+
+/* Panels [p0, p1) of the product on the calling thread alone: for a caller that
+ * splits the work of many GEMMs over its own threads (moe_f32.c's experts). */
+void gemm_bf16_panels(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
+                      int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+    panel_range(0, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, p0, p1);
+}
+
+#ifdef __AVX512BF16__
+
+/* float32 -> bf16 bits, rounded to nearest even; a NaN stays a (quiet) NaN. torch's rounding. */
+static inline uint32_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* x's rows [m0, m1) as bf16 pairs: k even in the low half, an odd K's last pair padded with 0. */
+static void round_rows(const float *x, int64_t ldx, uint32_t *x2, int64_t K, int64_t m0, int64_t m1) {
+    const int64_t K2 = (K + 1) / 2;
+    for (int64_t m = m0; m < m1; m++) {
+        const float *src = x + m * ldx;
+        uint32_t *dst = x2 + m * K2;
+        for (int64_t k = 0; k + 1 < K; k += 2) dst[k / 2] = to_bf16(src[k]) | to_bf16(src[k + 1]) << 16;
+        if (K % 2) dst[K2 - 1] = to_bf16(src[K - 1]);
+    }
+}
+
+/* The rounded x lives in one buffer per calling thread, grown as needed: the
+ * signature is gemm_f32's (the native decoder stack calls either through one
+ * pointer), which has no scratch argument and no way to fail. */
+static _Thread_local uint32_t *scratch;
+static _Thread_local size_t scratch_size;
+
+static uint32_t *scratch_for(size_t bytes) {
+    if (bytes > scratch_size) {
+        free(scratch);
+        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (scratch == NULL) {
+            fprintf(stderr, "gemm_bf16_dot: out of memory for %zu bytes of rounded activations\n", bytes);
+            abort();
+        }
+        scratch_size = bytes;
+    }
+    return scratch;
+}
+#endif
+
+/* Same arguments as gemm_bf16; `packed` in the dot layout (pack_bf16_dot). */
+void gemm_bf16_dot(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy,
+                   int64_t M, int64_t N, int64_t K, int num_threads) {
+#ifdef __AVX512BF16__
+    const int64_t panels = (N + NR - 1) / NR, K2 = (K + 1) / 2;
+    uint32_t *x2 = scratch_for(sizeof(uint32_t) * (size_t)(M * K2));
+    const int threads = threads_for(panels, num_threads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t tid = 0, nth = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nth = omp_get_num_threads();
+#endif
+        round_rows(x, ldx, x2, K, M * tid / nth, M * (tid + 1) / nth);
+#pragma omp barrier
+        panel_range(1, (const char *)x2, K2, packed, K2 * 2 * NR, K2, bias, y, ldy, M, N, panels * tid / nth,
+                    panels * (tid + 1) / nth);
+    }
+#else
+    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)num_threads;
+    fprintf(stderr, "gemm_bf16_dot: built without AVX512_BF16 (check gemm_bf16_dot_built)\n");
+    abort();
+#endif
 }
 
 /* W [N, K] as bf16 bits, row stride ldw, into `packed` (ceil(N / NR) * K * NR
@@ -183,6 +345,38 @@ void pack_bf16(const uint16_t *w, int64_t ldw, int64_t N, int64_t K, uint16_t *p
             const int64_t slot = j < VL ? 2 * j : 2 * (j - VL) + 1;
             const uint16_t *src = w + n * ldw;
             for (int64_t k = 0; k < K; k++) dst[k * NR + slot] = src[k];
+        }
+    }
+}
+
+/* gemm_bf16_panels over the dot layout: the caller's thread rounds its rows of x itself. */
+void gemm_bf16_dot_panels(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
+                          int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+#ifdef __AVX512BF16__
+    const int64_t K2 = (K + 1) / 2;
+    uint32_t *x2 = scratch_for(sizeof(uint32_t) * (size_t)(M * K2));
+    round_rows(x, ldx, x2, K, 0, M);
+    panel_range(1, (const char *)x2, K2, packed, K2 * 2 * NR, K2, bias, y, ldy, M, N, p0, p1);
+#else
+    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)p0, (void)p1;
+    fprintf(stderr, "gemm_bf16_dot_panels: built without AVX512_BF16 (check gemm_bf16_dot_built)\n");
+    abort();
+#endif
+}
+
+/* The same W into the dot layout (ceil(N / NR) * ceil(K / 2) * 2 * NR values):
+ * feature j's (k, k + 1) pair is 32-bit lane j of pair-row k / 2. */
+void pack_bf16_dot(const uint16_t *w, int64_t ldw, int64_t N, int64_t K, uint16_t *packed, int num_threads) {
+    const int64_t panels = (N + NR - 1) / NR, K2 = (K + 1) / 2;
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && panels > 1) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        uint16_t *dst = packed + p * K2 * 2 * NR;
+        memset(dst, 0, sizeof(uint16_t) * (size_t)(K2 * 2 * NR));
+        for (int j = 0; j < NR; j++) {
+            const int64_t n = p * NR + j;
+            if (n >= N) break;
+            const uint16_t *src = w + n * ldw;
+            for (int64_t k = 0; k < K; k++) dst[(k / 2) * 2 * NR + 2 * j + k % 2] = src[k];
         }
     }
 }

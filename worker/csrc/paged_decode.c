@@ -30,13 +30,18 @@
  *   (reshape_and_cache fused: no extra dispatch per layer).
  * - Logit soft-capping (Gemma 2): with cap > 0 every score s becomes
  *   cap * tanh(s / cap) before the softmax, as transformers' eager attention does.
+ * - The caches hold float32 or bfloat16 (the _bf16 entry points): bf16 halves the bytes
+ *   every step reads. A bf16 is the top half of a float32's bits, so it widens exactly in
+ *   registers (a shift); scores, softmax and accumulation stay float32, and one source
+ *   serves both element types (kv_load / kv_vec, specialised by a constant flag).
+ *   New rows arrive as float32 and are rounded to nearest even as they are written.
  *
  * q:           [B, H, D]                float32
- * k/v cache:   [NB, BS, KVH, D]         float32
+ * k/v cache:   [NB, BS, KVH, D]         float32 or bfloat16
  * block_table: [B, max_blocks]          int64
  * seq_lens:    [B]                      int64
  * out:         [B, H, D]                float32
- * k/v_new:     [N, KVH, D], slots [N]   rows to write first (N may be 0)
+ * k/v_new:     [N, KVH, D], slots [N]   float32 rows to write first (N may be 0)
  */
 #include <math.h>
 #include <stdint.h>
@@ -92,7 +97,7 @@ static inline float soft_cap(float s, float cap) {
 }
 
 typedef struct {
-    const float *k, *v;     /* caches, offset to the task's first KV head */
+    const char *k, *v;      /* caches, offset to the task's first KV head */
     const int64_t *table;   /* the sequence's block table */
     int64_t block_size, block_stride, token_stride;
 } Paged;
@@ -103,7 +108,7 @@ typedef struct {
     int64_t part;           /* partial record, or -1: the whole context, write out normalised */
 } Task;
 
-/* Offset (in floats) of position pos's K/V row in the caches. */
+/* Offset (in elements) of position pos's K/V row in the caches. */
 static inline int64_t row_at(const Paged *p, int64_t pos) {
     return p->table[pos / p->block_size] * p->block_stride + (pos % p->block_size) * p->token_stride;
 }
@@ -137,6 +142,39 @@ static inline void spread_step(Spread *s) {
 #define VCHUNK 8 /* vectors of one head's accumulator kept in registers at a time */
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 typedef float vfu __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof(float)))); /* unaligned */
+typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
+typedef uint16_t vbu __attribute__((vector_size(VW * sizeof(uint16_t)), aligned(sizeof(uint16_t)))); /* unaligned */
+
+/* Cache elements, float32 or (bf16 set) bfloat16. Every caller passes bf16 as a constant into
+ * always_inline code, so each element type gets its own loops with no test inside them. */
+static inline int64_t kv_bytes(int64_t elems, const int bf16) {
+    return elems * (bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
+}
+
+static inline const char *kv_at(const char *base, int64_t elems, const int bf16) { return base + kv_bytes(elems, bf16); }
+
+static inline float kv_load(const char *p, int64_t i, const int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f); /* folded into a register move: the dot products still vectorise */
+    return f;
+}
+
+static inline vf kv_vec(const char *p, int64_t i, const int bf16) {
+    if (!bf16) return *(const vfu *)((const float *)p + i);
+    return (vf)(__builtin_convertvector(*(const vbu *)((const uint16_t *)p + i), vu) << 16);
+}
+
+/* float32 -> bfloat16, to nearest even, as torch's .to(torch.bfloat16): the bias carries a
+ * tie up only when the kept half is odd. A NaN is kept a (quiet) NaN: its payload may sit
+ * in the low half only, and rounding would carry it into the exponent (an infinity). */
+static inline uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 /* acc[h] = acc[h] * rescale[h] + sum over the tile's tokens t of s[h][t] * V[t, KV head of h];
  * `ahead` prefetches the V rows whose K the score pass prefetched.
@@ -144,16 +182,16 @@ typedef float vfu __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof
  * (token by token, it would be loaded and stored once per token and head, and the store port
  * would bound the loop); V rows come from L1, where the score pass just brought the tile's K. */
 static inline __attribute__((always_inline)) void accumulate_v(
-    const float *vb, int64_t ts, int64_t n, int64_t nk, int64_t group, const int64_t D, float (*s)[TILE],
-    const float *rescale, float *acc, Spread *ahead) {
+    const char *vb, int64_t ts, int64_t n, int64_t nk, int64_t group, const int64_t D, float (*s)[TILE],
+    const float *rescale, float *acc, Spread *ahead, const int bf16) {
     for (int64_t h = 0; h < nk * group; h++) {
         spread_step(ahead);
         float *a = acc + h * D;
-        const float *vh = vb + (h / group) * D;
+        const char *vh = kv_at(vb, (h / group) * D, bf16);
         if (D % VW != 0) {
             for (int64_t d = 0; d < D; d++) a[d] *= rescale[h];
             for (int64_t t = 0; t < n; t++)
-                for (int64_t d = 0; d < D; d++) a[d] += s[h][t] * vh[t * ts + d];
+                for (int64_t d = 0; d < D; d++) a[d] += s[h][t] * kv_load(vh, t * ts + d, bf16);
             continue;
         }
         for (int64_t c = 0; c < D; c += VCHUNK * VW) {
@@ -162,8 +200,7 @@ static inline __attribute__((always_inline)) void accumulate_v(
             for (int64_t i = 0; i < nv; i++) r[i] = *(const vfu *)(a + c + i * VW) * rescale[h];
             for (int64_t t = 0; t < n; t++) {
                 const float w = s[h][t];
-                const float *vp = vh + t * ts + c;
-                for (int64_t i = 0; i < nv; i++) r[i] += w * *(const vfu *)(vp + i * VW);
+                for (int64_t i = 0; i < nv; i++) r[i] += w * kv_vec(vh, t * ts + c + i * VW, bf16);
             }
             for (int64_t i = 0; i < nv; i++) *(vfu *)(a + c + i * VW) = r[i];
         }
@@ -177,7 +214,7 @@ static inline __attribute__((always_inline)) void accumulate_v(
  * vector registers; the generic call serves any other size. */
 static inline __attribute__((always_inline)) void attend(
     const Paged *p, const float *q, int64_t lo, int64_t hi, int64_t nk, int64_t group, const int64_t D,
-    float scale, float cap, float *acc, float *m, float *l) {
+    float scale, float cap, float *acc, float *m, float *l, const int bf16) {
     const int64_t nh = nk * group, ts = p->token_stride;
     float qs[MAX_TASK_FLOATS], s[MAX_TASK_HEADS][TILE], rescale[MAX_TASK_HEADS];
     for (int64_t i = 0; i < nh * D; i++) qs[i] = q[i] * scale;
@@ -189,24 +226,24 @@ static inline __attribute__((always_inline)) void attend(
         if (n > hi - pos) n = hi - pos;
         if (n > TILE) n = TILE;
         const int64_t base = row_at(p, pos);
-        const float *kb = p->k + base, *vb = p->v + base;
-        const int64_t row_bytes = nk * D * (int64_t)sizeof(float);
+        const char *kb = kv_at(p->k, base, bf16), *vb = kv_at(p->v, base, bf16);
+        const int64_t row_bytes = kv_bytes(nk * D, bf16);
         const char *k_ahead[TILE], *v_ahead[TILE]; /* rows PREFETCH tokens ahead of this tile's */
         int64_t ahead = 0, t = 0;
         for (; PREFETCH > 0 && t < n && pos + t + PREFETCH < hi; t++, ahead++) {
             const int64_t at = row_at(p, pos + t + PREFETCH);
-            k_ahead[t] = (const char *)(p->k + at), v_ahead[t] = (const char *)(p->v + at);
+            k_ahead[t] = kv_at(p->k, at, bf16), v_ahead[t] = kv_at(p->v, at, bf16);
         }
         for (t = 0; t < n; t++) {
             Spread pf = spread(k_ahead + t, t < ahead, row_bytes, nh);
             for (int64_t kh = 0; kh < nk; kh++) {
-                const float *kp = kb + t * ts + kh * D;
+                const char *kp = kv_at(kb, t * ts + kh * D, bf16);
                 for (int64_t g = 0; g < group; g++) {
                     spread_step(&pf);
                     const float *qh = qs + (kh * group + g) * D;
                     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qh[d] * kp[d];
+                    for (int64_t d = 0; d < D; d++) dot += qh[d] * kv_load(kp, d, bf16);
                     s[kh * group + g][t] = dot;
                 }
             }
@@ -232,16 +269,17 @@ static inline __attribute__((always_inline)) void attend(
             rescale[h] = corr;
         }
         Spread pv = spread(v_ahead, ahead, row_bytes, nh);
-        accumulate_v(vb, ts, n, nk, group, D, s, rescale, acc, &pv);
+        accumulate_v(vb, ts, n, nk, group, D, s, rescale, acc, &pv, bf16);
         pos += n;
     }
 }
 
-static void run_task(const Task *task, const float *q, const float *k_cache, const float *v_cache,
+static void run_task(const Task *task, const float *q, const char *k_cache, const char *v_cache,
                      const int64_t *block_table, int64_t max_blocks, int64_t num_heads, int64_t group, int64_t D,
-                     int64_t block_size, int64_t token_stride, float scale, float cap, float *out, float *parts) {
-    const Paged p = {k_cache + task->kh0 * D, v_cache + task->kh0 * D, block_table + task->b * max_blocks,
-                     block_size, block_size * token_stride, token_stride};
+                     int64_t block_size, int64_t token_stride, float scale, float cap, float *out, float *parts,
+                     const int bf16) {
+    const Paged p = {kv_at(k_cache, task->kh0 * D, bf16), kv_at(v_cache, task->kh0 * D, bf16),
+                     block_table + task->b * max_blocks, block_size, block_size * token_stride, token_stride};
     const int64_t h0 = task->kh0 * group, nh = task->nk * group;
     const float *qh = q + (task->b * num_heads + h0) * D;
     float local[MAX_TASK_FLOATS], lm[MAX_TASK_HEADS], ll[MAX_TASK_HEADS];
@@ -249,13 +287,20 @@ static void run_task(const Task *task, const float *q, const float *k_cache, con
     float *rec = task->part < 0 ? NULL : parts + task->part * num_heads * (D + 2);
     float *acc = rec ? rec + h0 * D : local;
     float *m = rec ? rec + num_heads * D + h0 : lm, *l = rec ? rec + num_heads * (D + 1) + h0 : ll;
-#define ATTEND(DIM) attend(&p, qh, task->lo, task->hi, task->nk, group, DIM, scale, cap, acc, m, l)
-    if (D == 64)
-        ATTEND(64);
+#define ATTEND(DIM, BF16) attend(&p, qh, task->lo, task->hi, task->nk, group, DIM, scale, cap, acc, m, l, BF16)
+    if (bf16) {
+        if (D == 64)
+            ATTEND(64, 1);
+        else if (D == 128)
+            ATTEND(128, 1);
+        else
+            ATTEND(D, 1);
+    } else if (D == 64)
+        ATTEND(64, 0);
     else if (D == 128)
-        ATTEND(128);
+        ATTEND(128, 0);
     else
-        ATTEND(D);
+        ATTEND(D, 0);
 #undef ATTEND
     if (rec) return;
     float *oh = out + (task->b * num_heads + h0) * D;
@@ -287,9 +332,17 @@ static void merge(const float *parts, int64_t first, int64_t count, int64_t num_
     }
 }
 
-static void write_rows(float *cache, const float *rows, const int64_t *slots, int64_t n, int64_t token_stride) {
-    for (int64_t i = 0; i < n; i++)
-        memcpy(cache + slots[i] * token_stride, rows + i * token_stride, sizeof(float) * (size_t)token_stride);
+static void write_rows(void *cache, const float *rows, const int64_t *slots, int64_t n, int64_t token_stride,
+                       int bf16) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = rows + i * token_stride;
+        if (!bf16) {
+            memcpy((float *)cache + slots[i] * token_stride, row, sizeof(float) * (size_t)token_stride);
+            continue;
+        }
+        uint16_t *dst = (uint16_t *)cache + slots[i] * token_stride;
+        for (int64_t j = 0; j < token_stride; j++) dst[j] = to_bf16(row[j]);
+    }
 }
 
 static int64_t attended(int64_t len, int64_t window) { return (window > 0 && len > window) ? window : len; }
@@ -330,15 +383,16 @@ static void fill_tasks(Task *tasks, int64_t *first_part, const int64_t *seq_lens
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing computed).
- * cap > 0: scores are soft-capped (see soft_cap); 0: as they are. */
-int paged_decode_capped_f32(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
-                            const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                            float scale, int64_t window, int num_threads, const float *k_new, const float *v_new,
-                            const int64_t *slots, int64_t num_new, float cap) {
+ * cap > 0: scores are soft-capped (see soft_cap); 0: as they are. bf16: the caches' elements
+ * are bfloat16, else float32. */
+static int paged_decode(const float *q, void *k_cache, void *v_cache, const int64_t *block_table,
+                        const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                        int num_threads, const float *k_new, const float *v_new, const int64_t *slots,
+                        int64_t num_new, float cap, int bf16) {
     const int64_t group = num_heads / num_kv_heads, D = head_dim, token_stride = num_kv_heads * D;
-    write_rows(k_cache, k_new, slots, num_new, token_stride);
-    write_rows(v_cache, v_new, slots, num_new, token_stride);
+    write_rows(k_cache, k_new, slots, num_new, token_stride, bf16);
+    write_rows(v_cache, v_new, slots, num_new, token_stride, bf16);
     /* KV heads per task: all of them for the usual shapes (12 x 64 floats of queries for Llama-small). */
     int64_t nk = num_kv_heads;
     while (nk > 1 && (nk * group * D > MAX_TASK_FLOATS || nk * group > MAX_TASK_HEADS)) nk = (nk + 1) / 2;
@@ -364,7 +418,7 @@ int paged_decode_capped_f32(const float *q, float *k_cache, float *v_cache, cons
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_tasks; i++)
             run_task(&tasks[i], q, k_cache, v_cache, block_table, max_blocks, num_heads, group, D, block_size,
-                     token_stride, scale, cap, out, parts);
+                     token_stride, scale, cap, out, parts, bf16);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < batch; b++)
             if (first_part[b + 1] > first_part[b])
@@ -375,12 +429,23 @@ int paged_decode_capped_f32(const float *q, float *k_cache, float *v_cache, cons
     return 0;
 }
 
-/* Without soft-capping: the entry point worker/csrc/decoder_f32.c calls through a pointer. */
-int paged_decode_f32(const float *q, float *k_cache, float *v_cache, const int64_t *block_table,
-                     const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                     int num_threads, const float *k_new, const float *v_new, const int64_t *slots, int64_t num_new) {
-    return paged_decode_capped_f32(q, k_cache, v_cache, block_table, seq_lens, out, batch, num_heads, num_kv_heads,
-                                   head_dim, block_size, max_blocks, scale, window, num_threads, k_new, v_new, slots,
-                                   num_new, 0.f);
+/* The entry points: float32 or bfloat16 caches, with or without soft-capping. The uncapped
+ * ones are what worker/csrc/decoder_f32.c calls through a pointer (its attn). */
+#define PAGED_DECODE_PARAMS(T)                                                                                    \
+    const float *q, T *k_cache, T *v_cache, const int64_t *block_table, const int64_t *seq_lens, float *out,      \
+        int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,             \
+        int64_t max_blocks, float scale, int64_t window, int num_threads, const float *k_new, const float *v_new, \
+        const int64_t *slots, int64_t num_new
+#define PAGED_DECODE_ARGS                                                                                       \
+    q, k_cache, v_cache, block_table, seq_lens, out, batch, num_heads, num_kv_heads, head_dim, block_size,     \
+        max_blocks, scale, window, num_threads, k_new, v_new, slots, num_new
+
+int paged_decode_capped_f32(PAGED_DECODE_PARAMS(float), float cap) { return paged_decode(PAGED_DECODE_ARGS, cap, 0); }
+
+int paged_decode_f32(PAGED_DECODE_PARAMS(float)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, 0); }
+
+int paged_decode_capped_bf16(PAGED_DECODE_PARAMS(uint16_t), float cap) {
+    return paged_decode(PAGED_DECODE_ARGS, cap, 1);
 }
+
+int paged_decode_bf16(PAGED_DECODE_PARAMS(uint16_t)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, 1); }

@@ -66,7 +66,7 @@ class CausalLM(nn.Module):
 
     def pack_weights(self, weights: torch.dtype | None = None) -> None:
         """Choose every linear layer's kind (the native GEMM's packed copy, in `weights`' dtype
-        where given, or F.linear); call again after changing weights."""
+        where given, or F.linear), once, after loading: a packed kind keeps no other copy."""
         self._stack_key, self._stack = None, None  # it points at the packed weights
         for module in self.modules():
             if isinstance(module, (Linear, SparseMoeBlock)):

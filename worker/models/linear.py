@@ -69,17 +69,14 @@ def linear_op(weight: torch.Tensor, weights: torch.dtype | None = None) -> Linea
     return PackedLinear(weight) if gemm_kernels.usable(weight) else TorchLinear(weight)
 
 
-def packed(op: LinearOp) -> PackedWeight | None:
-    return op.packed if isinstance(op, PackedLinear) else None
+def packed(op: LinearOp) -> PackedWeight | PackedBF16Weight | None:
+    return op.packed if isinstance(op, (PackedLinear, PackedBF16Linear)) else None
 
 
 def panels(op: LinearOp) -> int | None:
     """The address of a packed kind's panels (what the native decoder stack's GEMM reads), else None."""
-    if isinstance(op, PackedLinear):
-        return op.packed.data.data_ptr()
-    if isinstance(op, PackedBF16Linear):
-        return op.packed.data.data_ptr()
-    return None
+    w = packed(op)
+    return None if w is None else w.data.data_ptr()
 
 
 class Linear(nn.Module):
@@ -91,11 +88,15 @@ class Linear(nn.Module):
 
     def pack(self, weights: torch.dtype | None = None) -> None:
         """Choose the kind for the loaded weight (`weights`: the dtype the weights are kept in,
-        None for the parameter's own); call again after changing it. A bf16 kind keeps only its
-        panels: the float32 parameter becomes its bf16 copy, so the model holds half the bytes."""
+        None for the parameter's own), once. A packed kind's panels are the only copy kept:
+        the parameter keeps its shape and dtype on the meta device, no bytes (a second copy of
+        every linear weight was 40 % of a small model's worker; `packed(op).unpack()` gives it back)."""
+        if self.weight.is_meta:
+            return  # packed already (a MoE block packs its shared expert, and the model every Linear)
         self.op = linear_op(self.weight, weights)
-        if isinstance(self.op, PackedBF16Linear):
-            self.weight = nn.Parameter(self.weight.data.to(torch.bfloat16), requires_grad=False)
+        if isinstance(self.op, (PackedLinear, PackedBF16Linear)):
+            kept = torch.bfloat16 if isinstance(self.op, PackedBF16Linear) else self.weight.dtype
+            self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=kept, device="meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x, self.bias)

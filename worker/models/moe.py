@@ -30,7 +30,14 @@ from torch import nn
 
 from noria.protocol.model_spec import ModelSpec
 from noria.worker import moe_kernels
-from noria.worker.models.linear import Linear, LinearOp, TorchLinear, linear_op, packed
+from noria.worker.models.linear import (
+    Linear,
+    LinearOp,
+    PackedBF16Linear,
+    TorchLinear,
+    linear_op,
+    packed,
+)
 from noria.worker.models.ops import CpuOps, Ops
 from noria.worker.models.parallel import TensorParallel
 from noria.worker.models.weights import Loader, Slot, WeightMap, narrow, rows
@@ -51,6 +58,12 @@ def describe(spec: ModelSpec, tp: TensorParallel) -> str:
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _meta(p: nn.Parameter, bf16: bool) -> nn.Parameter:
+    """p's shape and dtype (bf16 where the panels are), no bytes."""
+    return nn.Parameter(torch.empty(p.shape, dtype=torch.bfloat16 if bf16 else p.dtype, device="meta"),
+                        requires_grad=False)
 
 
 class SparseMoeBlock(nn.Module):
@@ -131,8 +144,15 @@ class SparseMoeBlock(nn.Module):
     def pack(self, weights: torch.dtype | None = None) -> None:
         """The linear kind of every expert, and the one-call path where all are packed and the
         layer runs the CPU ops (the CUDA ops keep the grouped loop on their kernels)."""
+        if self.experts_gate_up.is_meta:
+            return  # packed already: the panels are all that is left
         self.gate_up_ops = [linear_op(w, weights) for w in self.experts_gate_up]
         self.down_ops = [linear_op(w, weights) for w in self.experts_down]
+        if all(packed(op) is not None for op in self.gate_up_ops + self.down_ops):
+            # As Linear.pack: the panels are the only copy kept (`packed(op).unpack()` gives it back).
+            bf16 = all(isinstance(op, PackedBF16Linear) for op in self.gate_up_ops)
+            self.experts_gate_up = _meta(self.experts_gate_up, bf16)
+            self.experts_down = _meta(self.experts_down, bf16)
         for shared in (self.shared_gate_up, self.shared_down):
             if shared is not None:
                 shared.pack(weights)

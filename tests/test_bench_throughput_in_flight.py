@@ -1,0 +1,22 @@
+"""`noria bench throughput`'s noria-serve-16: the client holds at most that many requests in
+flight (llama.cpp's runs' limit), read back from the worker's own step log: no step ran more
+sequences than the limit, and every request still ran to its length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from noria.bench.ceiling import read_steps
+from noria.bench.throughput import run_noria_serve
+
+
+def test_at_most_in_flight_requests_run_together(demo_path: Path, tmp_path: Path) -> None:
+    work = [([5 + i, 6, 7], 6) for i in range(7)]
+    record = str(tmp_path / "steps")
+    row = run_noria_serve(demo_path, work, ["--num-kv-blocks", "64"], record, in_flight=2)
+    assert row["system"] == "noria-serve-2" and row["output_tokens"] == 7 * 6
+    steps = read_steps(record, row["record_skip"])
+    assert max(len(query_lens) for query_lens, *_ in steps) == 2  # the limit, and reached
+    unlimited = run_noria_serve(demo_path, work, ["--num-kv-blocks", "64"], str(tmp_path / "all"))
+    assert unlimited["system"] == "noria-serve"
+    assert max(len(q) for q, *_ in read_steps(str(tmp_path / "all"), unlimited["record_skip"])) > 2
