@@ -239,19 +239,25 @@ static inline int threads_for(int64_t panels, int num_threads) {
     return panels < num_threads ? (int)panels : num_threads;
 }
 
+/* The calling thread's share [*lo, *hi) of n items, inside a parallel region (all of them outside). */
+static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
+    int64_t tid = 0, nth = 1;
+#ifdef _OPENMP
+    tid = omp_get_thread_num();
+    nth = omp_get_num_threads();
+#endif
+    *lo = n * tid / nth, *hi = n * (tid + 1) / nth;
+}
+
 void gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy,
                int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t panels = (N + NR - 1) / NR;
     const int threads = threads_for(panels, num_threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int64_t tid = 0, nth = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nth = omp_get_num_threads();
-#endif
-        panel_range(0, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, panels * tid / nth,
-                    panels * (tid + 1) / nth);
+        int64_t p0, p1;
+        thread_share(panels, &p0, &p1);
+        panel_range(0, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, p0, p1);
     }
 }
 
@@ -312,15 +318,12 @@ void gemm_bf16_dot(const float *x, int64_t ldx, const uint16_t *packed, const fl
     const int threads = threads_for(panels, num_threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int64_t tid = 0, nth = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nth = omp_get_num_threads();
-#endif
-        round_rows(x, ldx, x2, K, M * tid / nth, M * (tid + 1) / nth);
+        int64_t m0, m1, p0, p1;
+        thread_share(M, &m0, &m1);
+        round_rows(x, ldx, x2, K, m0, m1);
 #pragma omp barrier
-        panel_range(1, (const char *)x2, K2, packed, K2 * 2 * NR, K2, bias, y, ldy, M, N, panels * tid / nth,
-                    panels * (tid + 1) / nth);
+        thread_share(panels, &p0, &p1);
+        panel_range(1, (const char *)x2, K2, packed, K2 * 2 * NR, K2, bias, y, ldy, M, N, p0, p1);
     }
 #else
     (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)num_threads;
