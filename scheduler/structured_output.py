@@ -52,7 +52,7 @@ class StructuredOutputManager:
         self._tokenizer: Any = None
         self._tok_lock = threading.Lock()
         self._executor: Any = None
-        self._wake: tuple[int, int] | None = None  # a pipe, made on first use
+        self._wake: tuple[int, int] | None = None  # a pipe, made before the first compile
         self.num_pending = 0
 
     @property
@@ -72,6 +72,8 @@ class StructuredOutputManager:
         key = spec_text(so)
         fut = self._cache.get(key)
         if fut is None:
+            # The pipe must exist before a compile can finish, or its wake-up is lost.
+            _ = self.wake_fd
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="noria-grammar")
             fut = self._pool.submit(self._compile, so, eos_token_ids)

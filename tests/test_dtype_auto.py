@@ -189,15 +189,20 @@ def test_cpu_ranks_agree_over_gloo(tmp_path: Path) -> None:
     assert [(tmp_path / str(r)).read_text() for r in range(2)] == ["torch.bfloat16"] * 2
 
 
-def test_available_memory_is_the_smaller_of_meminfo_and_the_cgroup_room(tmp_path: Path) -> None:
-    meminfo = host._meminfo_available()
-    assert meminfo and meminfo > 0
+def test_available_memory_is_the_smaller_of_meminfo_and_the_cgroup_room(tmp_path: Path, monkeypatch) -> None:
+    real = host._meminfo_available()
+    assert real and real > 0
+    meminfo = [8 * GiB]  # MemAvailable moves between two reads on a live machine: pin it
+    monkeypatch.setattr(host, "_meminfo_available", lambda: meminfo[0])
     (tmp_path / "memory.max").write_text(f"{4 * GiB}\n")
     (tmp_path / "memory.current").write_text(f"{3 * GiB}\n")
     (tmp_path / "memory.stat").write_text(f"anon 1\ninactive_file {GiB // 2}\n")
-    assert host.memory_available(tmp_path) == min(meminfo, 4 * GiB - (3 * GiB - GiB // 2))
+    assert host.memory_available(tmp_path) == 4 * GiB - (3 * GiB - GiB // 2)  # the cgroup's room
+    meminfo[0] = GiB
+    assert host.memory_available(tmp_path) == GiB  # the host's MemAvailable
     (tmp_path / "memory.max").write_text("max\n")  # no limit: MemAvailable alone
-    assert host.memory_available(tmp_path) == meminfo
+    meminfo[0] = 8 * GiB
+    assert host.memory_available(tmp_path) == 8 * GiB
 
 
 def test_the_float32_size_comes_from_the_safetensors_headers(tmp_path: Path) -> None:

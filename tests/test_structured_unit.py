@@ -79,6 +79,20 @@ def _gate(mgr: StructuredOutputManager) -> threading.Event:
     return gate
 
 
+def test_a_compile_that_ends_before_anyone_polls_still_wakes_the_loop(demo_path):
+    # The wake-up pipe exists before the first compile, so a grammar that compiles before
+    # the loop first asks for the descriptor still leaves it readable.
+    mgr = StructuredOutputManager(str(demo_path))
+    assert mgr.submit(1, StructuredOutput(regex=r"[0-9]x"), [2]) is None
+    assert mgr._cache[spec_text(StructuredOutput(regex=r"[0-9]x"))].result(STATE_WAIT_S) is not None
+    while not mgr._done:  # the done-callback runs just after the result is set
+        threading.Event().wait(0.01)
+    assert select.select([mgr.wake_fd], [], [], 0)[0]
+    (rid, m, err), = mgr.take_ready()
+    assert (rid, err) == (1, None) and m is not None
+    mgr.close()
+
+
 def _allowed_reference(matcher, vocab: int) -> set[int]:
     # Token by token, on copies: which tokens the matcher would accept next.
     return {t for t in range(vocab) if matcher.deep_copy().try_consume_tokens([t]) == 1}
