@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     for layer, n in SHAPES.items():
         weight = torch.randn(n, K)
         f32 = gemm_kernels.PackedWeight(weight)
-        bf16 = [gemm_bf16_kernels.PackedBF16Weight(weight, name) for name in layouts]
+        bf16 = [gemm_bf16_kernels.PackedHalfWeight(weight, name) for name in layouts]
         for rows in ROWS:
             x = torch.randn(rows, K)
             flop = 2 * rows * n * K

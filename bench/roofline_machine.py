@@ -156,7 +156,7 @@ def _bf16_seconds(x: object, w: object, repeats: int) -> tuple[float | None, str
 
     if gemm_bf16_kernels.load() is None:
         return None, ""
-    packed = gemm_bf16_kernels.PackedBF16Weight(w)  # type: ignore[arg-type]
+    packed = gemm_bf16_kernels.PackedHalfWeight(w)  # type: ignore[arg-type]
     return _best_seconds(lambda: gemm_bf16_kernels.gemm_bf16(x, packed, None), repeats), packed.kind  # type: ignore[arg-type]
 
 

@@ -126,13 +126,14 @@ RATE_FLAGS = ["--num-kv-blocks", "2048", "--max-num-seqs", "256", "--max-num-bat
               "--enable-chunked-prefill", "--enable-prefix-caching"]
 
 
-def exp_rates(model: Path, rates: list[float], n: int, system: str = "noria", http: bool = False) -> list[dict]:
+def exp_rates(model: Path, rates: list[float], n: int, system: str = "noria", http: bool = False,
+              extra: tuple[str, ...] = ()) -> list[dict]:
     batches = []
     for rate in rates:
         rng = random.Random(int(rate * 1000))
         batches.append([([rng.randrange(3, 32000) for _ in range(rng.randint(32, 256))], rng.randint(32, 128), t)
                         for t in poisson(rng, rate, n)])
-    results = run_on(system, model, RATE_FLAGS, batches, http, "rates")
+    results = run_on(system, model, [*RATE_FLAGS, *extra], batches, http, "rates")
     return [{"system": system, "rate": rate, **latencies(res), **throughput(res)}
             for rate, res in zip(rates, results, strict=True)]
 
@@ -145,7 +146,7 @@ def throughput(results: list[dict]) -> dict[str, float]:
 
 
 def exp_chunked(model: Path, long_len: int, num_long: int, num_decoders: int, decode_len: int,
-                system: str = "noria", http: bool = False) -> list[dict]:
+                system: str = "noria", http: bool = False, extra: tuple[str, ...] = ()) -> list[dict]:
     rows = []
     rng = random.Random(1)
     decoders = [([rng.randrange(3, 32000) for _ in range(64)], decode_len, 0.0) for _ in range(num_decoders)]
@@ -156,14 +157,14 @@ def exp_chunked(model: Path, long_len: int, num_long: int, num_decoders: int, de
                  "--max-model-len", str(long_len + 64)]
         flags.append("--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill")
         flags.append("--no-enable-prefix-caching")
-        [res] = run_on(system, model, flags, [decoders + longs], http, f"chunked {'on' if chunked else 'off'}")
+        [res] = run_on(system, model, [*flags, *extra], [decoders + longs], http, f"chunked {'on' if chunked else 'off'}")
         rows.append({"system": system, "chunked_prefill": chunked, "decoders": latencies(res, max_prompt=100),
                      "long_prompts": latencies(res, min_prompt=long_len)})
     return rows
 
 
 def exp_prefix(model: Path, n: int, rate: float, system_len: int, system: str = "noria",
-               http: bool = False) -> list[dict]:
+               http: bool = False, extra: tuple[str, ...] = ()) -> list[dict]:
     rows = []
     rng = random.Random(2)
     shared = [rng.randrange(3, 32000) for _ in range(system_len)]
@@ -171,7 +172,7 @@ def exp_prefix(model: Path, n: int, rate: float, system_len: int, system: str = 
     reqs = [(shared + [rng.randrange(3, 32000) for _ in range(rng.randint(8, 64))], 32, t) for t in offsets]
     for caching in (True, False):
         flags = ["--num-kv-blocks", "4096", "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
-        [res] = run_on(system, model, flags, [reqs], http, f"prefix {'on' if caching else 'off'}")
+        [res] = run_on(system, model, [*flags, *extra], [reqs], http, f"prefix {'on' if caching else 'off'}")
         rows.append({"system": system, "prefix_caching": caching, **latencies(res)})
     return rows
 
@@ -281,8 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-vllm-install", action="store_true", help="skip vLLM unless its venv is already made")
     ap.add_argument("--no-llama-cpp-install", action="store_true",
                     help="skip llama.cpp unless llama-server is already built")
+    ap.add_argument("--dtype", default="float32",
+                    help="noria's and vLLM's --dtype (float32, bfloat16, float16; llama.cpp's is in its system name)")
     ap.add_argument("--out", default="bench/results/serving")
     args = ap.parse_args(argv)
+    extra = ("--dtype", args.dtype)
     model = serving_checkpoint()
     SERVER_RSS.clear()
     systems = _systems(args.systems, install=not args.no_vllm_install, llama_install=not args.no_llama_cpp_install)
@@ -292,20 +296,21 @@ def main(argv: list[str] | None = None) -> int:
     for system in systems:
         if "rates" in exps:
             rates = [float(r) for r in args.rates.split(",")]
-            result.setdefault("rates", []).extend(exp_rates(model, rates, args.num_requests, system, http))
+            result.setdefault("rates", []).extend(exp_rates(model, rates, args.num_requests, system, http, extra))
         if system in llama_cpp.SYSTEMS:
             continue  # the rates alone: chunked prefill and prefix caching are noria's and vLLM's switches
         if "chunked" in exps:
             result.setdefault("chunked", []).extend(exp_chunked(
-                model, args.long_prompt, args.num_long, args.num_decoders, args.decode_len, system, http))
+                model, args.long_prompt, args.num_long, args.num_decoders, args.decode_len, system, http, extra))
         if "prefix" in exps:
             result.setdefault("prefix", []).extend(
-                exp_prefix(model, args.num_requests, 2.0, args.system_prompt, system, http))
+                exp_prefix(model, args.num_requests, 2.0, args.system_prompt, system, http, extra))
     result["server_rss"] = SERVER_RSS
     _print(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"systems": systems, "http": http, **result}, indent=2))
+    out.with_suffix(".json").write_text(json.dumps({"systems": systems, "http": http, "dtype": args.dtype, **result},
+                                                   indent=2))
     plot(result, out.with_suffix(".png"))
     return 0
 

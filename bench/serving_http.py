@@ -6,7 +6,8 @@ with token-id prompts, `stream: true`, greedy, `ignore_eos` and `logprobs: 1`
 token count is exact even where a token's text is empty; vLLM is also asked
 for `return_token_ids`, which noria ignores). Servers: `noria serve`
 (LocalServer) and `vllm serve` from vLLM's own venv (VllmServer), each on the
-same checkpoint folder in float32 with the same engine knobs. vLLM runs with
+same checkpoint folder in the same --dtype (float32 unless told) with the same
+engine knobs. vLLM runs with
 --skip-tokenizer-init (the benchmark models' tokenizer is smaller than their
 vocabulary, as in the offline runs): it does not detokenize, noria does, so
 any difference this makes is in vLLM's favour.
@@ -30,7 +31,7 @@ from noria.protocol.sockets import free_tcp_port
 Req = tuple[list[int], int, float]  # prompt ids, max_tokens, send offset (s)
 
 # noria's engine flags that vLLM spells the same way; anything else (e.g. --num-kv-blocks) is noria's alone.
-SHARED_FLAGS = ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len")
+SHARED_FLAGS = ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--dtype")
 SHARED_SWITCHES = ("--enable-chunked-prefill", "--no-enable-chunked-prefill",
                    "--enable-prefix-caching", "--no-enable-prefix-caching")
 # Sized differently in vLLM (VLLM_CPU_KVCACHE_SPACE, GiB): both get far more KV than the runs need.

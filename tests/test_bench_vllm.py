@@ -47,14 +47,17 @@ def test_commands_run_vllms_own_interpreter(tmp_path):
     assert serve[:5] == [str(tmp_path / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
     assert serve[serve.index("--dtype") + 1] == "float32" and serve[serve.index("--port") + 1] == "8123"
     assert serve[-2:] == ["--max-num-seqs", "8"]
+    # A --dtype among the flags comes after the default float32 one: argparse keeps the last.
+    bf16 = vllm_cpu.serve_command(Path("/m"), 8123, serving_http.vllm_flags(["--dtype", "bfloat16"]), venv=tmp_path)
+    assert bf16[len(bf16) - 1 - bf16[::-1].index("--dtype") + 1] == "bfloat16"
 
 
 def test_vllm_gets_the_knobs_it_shares_with_noria():
     flags = ["--num-kv-blocks", "4096", "--max-num-batched-tokens", "512", "--max-model-len", "4064",
-             "--no-enable-chunked-prefill", "--enable-prefix-caching", "--max-num-seqs", "16"]
+             "--no-enable-chunked-prefill", "--enable-prefix-caching", "--max-num-seqs", "16", "--dtype", "bfloat16"]
     assert serving_http.vllm_flags(flags) == [
         "--max-num-batched-tokens", "512", "--max-model-len", "4064", "--no-enable-chunked-prefill",
-        "--enable-prefix-caching", "--max-num-seqs", "16"]
+        "--enable-prefix-caching", "--max-num-seqs", "16", "--dtype", "bfloat16"]
     with pytest.raises(ValueError, match="--swap-space"):
         serving_http.vllm_flags(["--swap-space", "4"])
 

@@ -101,9 +101,13 @@ def test_native_bf16_without_its_gemm_or_under_the_emulator_is_float32(monkeypat
 
 def test_float16_checkpoints_run_in_float32_on_a_cpu_unless_they_would_not_fit() -> None:
     choice = choose_dtype("auto", CPU, "float16", _size(1), flags=AVX512_BF16, available=PLENTY)
-    assert choice == DtypeChoice(torch.float32, "checkpoint float16; no native float16 CPU kernels yet")
+    assert choice == DtypeChoice(torch.float32, "checkpoint float16; no CPU computes float16 natively here "
+                                                "(AVX512_FP16 kernels are not built)")
+    # Too big for float32: the checkpoint's float16, its weights as saved (not rounded again to bf16).
     choice = choose_dtype("auto", CPU, "float16", _size(30), flags=AVX512_BF16 | {"avx512_fp16"}, available=16 * GiB)
-    assert choice.dtype == torch.bfloat16 and choice.reason.startswith("float32 weights (30.0 GiB) would not fit")
+    assert choice.dtype == torch.float16 and choice.reason.startswith("float32 weights (30.0 GiB) would not fit")
+    assert choice.line(torch.float16) == (f"dtype auto: float16 ({choice.reason}); f16 weights through the native "
+                                          "f16 GEMM, f16 KV cache, float32 norms, rotary and softmax")
 
 
 @pytest.mark.parametrize("flags", [AVX512_BF16, AVX2])

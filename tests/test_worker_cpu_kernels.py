@@ -9,6 +9,10 @@ import torch
 
 from noria.worker import cpu_kernels, native_build
 
+# The cache dtypes: float32, and the half types that are rounded as written and widened as read.
+_CACHE_DTYPES, _CACHE_IDS = [torch.float32, torch.bfloat16, torch.float16], ["f32-cache", "bf16-cache", "f16-cache"]
+_HALF, _HALF_IDS = [torch.bfloat16, torch.float16], ["bf16", "f16"]
+
 
 def _capped(s, cap):
     """Gemma 2's logit soft-capping (None: off)."""
@@ -59,7 +63,7 @@ def test_paged_decode_matches_float64_reference(heads, kv_heads, window, bs, d):
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
+@pytest.mark.parametrize("dtype", _CACHE_DTYPES, ids=_CACHE_IDS)
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch-gather"])
 def test_both_decode_paths_of_the_torch_backend_agree_with_the_reference(native, dtype):
     from noria.worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
@@ -166,11 +170,11 @@ def test_fused_kv_write_lands_before_the_rows_are_read():
                                atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
+@pytest.mark.parametrize("dtype", _CACHE_DTYPES, ids=_CACHE_IDS)
 @pytest.mark.parametrize("cap", [None, 2.0], ids=["uncapped", "soft-capped"])
 @pytest.mark.parametrize("native", [True, False], ids=["native-fused-write", "torch"])
 def test_backend_forward_on_a_decode_step_writes_the_cache_and_attends(native, cap, dtype):
-    """The step's float32 rows land in the cache (rounded to nearest even in a bf16 one, the same
+    """The step's float32 rows land in the cache (rounded to nearest even in a half one, the same
     bits on both paths) and the output is the float64 attention over the cache as written."""
     from noria.worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
 
@@ -258,7 +262,7 @@ def _causal_reference(q, k_cache, v_cache, tables, query_lens, seq_lens, scale, 
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
+@pytest.mark.parametrize("dtype", _CACHE_DTYPES, ids=_CACHE_IDS)
 @pytest.mark.parametrize("cap", [None, 2.0], ids=["uncapped", "soft-capped"])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("rows_max_len", [512, 0], ids=["token-rows", "sdpa"])
@@ -267,7 +271,7 @@ def test_backend_forward_on_a_mixed_prefill_step(window, rows_max_len, cap, dtyp
     prompt in one step: both prefill paths (every token a native decode row, and one
     SDPA per sequence, or the soft-capped attention where SDPA cannot cap) write the
     step's K/V and match the float64 causal reference over the cache as written (in a
-    bf16 cache rounded: a fresh prompt on SDPA attends to its keys rounded too, as a later
+    half cache rounded: a fresh prompt on SDPA attends to its keys rounded too, as a later
     step reads them)."""
     from noria.worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
 
@@ -306,16 +310,25 @@ def test_backend_forward_on_a_mixed_prefill_step(window, rows_max_len, cap, dtyp
         assert (ref - uncapped).abs().max() > 1e-2
 
 
-def _avx2_build():
-    """paged_decode.c built for AVX2 (x86-64-v3) instead of -march=native: its vectors are 8 floats
-    wide where an AVX-512 host's native build has 16, so both widths run on such a host."""
+# The x86 levels built beside -march=native: AVX2 (x86-64-v3) has 8-float vectors where an AVX-512
+# host's native build has 16, and F16C's float16 conversions; the baseline (SSE2) has 4-float
+# vectors and neither, so its float16 conversions are the portable bit manipulation.
+_MARCH = {"avx2": "x86-64-v3", "sse2": "x86-64"}
+
+
+def _isa_build(isa):
+    """paged_decode.c built for `isa` (a key of _MARCH) instead of -march=native."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("AVX2 is an x86 instruction set")
-    flags = ["-march=x86-64-v3" if f == "-march=native" else f for f in cpu_kernels._FLAGS]
+        pytest.skip(f"{isa} is an x86 instruction set")
+    flags = [f"-march={_MARCH[isa]}" if f == "-march=native" else f for f in cpu_kernels._FLAGS]
     dll = native_build.build(cpu_kernels._SRC, flags)
     if dll is None:
-        pytest.skip("no compiler for the AVX2 build")
+        pytest.skip(f"no compiler for the {isa} build")
     return cpu_kernels.bind(dll)
+
+
+def _avx2_build():
+    return _isa_build("avx2")
 
 
 @pytest.mark.parametrize("cap", [1.0, 5.0, 50.0])
@@ -346,25 +359,27 @@ def test_soft_capped_paged_decode_matches_float64_reference(isa, window, cap, th
 
 
 def _kernel(isa, monkeypatch):
-    """paged_decode's build for `isa`: this host's -march=native one, or the AVX2 one in its place."""
-    if isa == "avx2":
-        dll = _avx2_build()
+    """paged_decode's build for `isa`: this host's -march=native one, or one of _MARCH in its place."""
+    if isa != "native":
+        dll = _isa_build(isa)
         monkeypatch.setattr(cpu_kernels, "load", lambda: dll)
 
 
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("dtype", _HALF, ids=_HALF_IDS)
+@pytest.mark.parametrize("isa", ["native", "avx2", "sse2"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_cache_matches_float64_reference_of_the_rounded_kv(isa, threads, monkeypatch):
-    """A bfloat16 cache: the step's float32 rows written in the same call, rounded as torch rounds,
-    then every score, softmax and sum over the widened bf16 K/V within float32 rounding of float64
-    on those same values; ragged lengths, GQA groups of 1-8 (and 3, with 15 heads), head sizes
-    64 and 128 (their own compiled copies), 80 (the generic one) and 36 (off every vector width:
-    the scalar V path), windows, soft caps, and a 2,100-token sequence split across chunks."""
+def test_half_cache_matches_float64_reference_of_the_rounded_kv(isa, threads, dtype, monkeypatch):
+    """A bfloat16 or float16 cache: the step's float32 rows written in the same call, rounded as
+    torch rounds, then every score, softmax and sum over the widened K/V within float32 rounding of
+    float64 on those same values; ragged lengths, GQA groups of 1-8 (and 3, with 15 heads), head
+    sizes 64 and 128 (their own compiled copies), 80 (the generic one) and 34 (off every vector
+    width: the scalar V path and the score pass's scalar tail), windows, soft caps, and a
+    2,100-token sequence split across chunks."""
     _kernel(isa, monkeypatch)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for heads, kvh, d, bs in ((12, 4, 64, 16), (8, 1, 128, 8), (15, 5, 80, 32), (6, 2, 36, 16), (4, 4, 64, 16)):
+        for heads, kvh, d, bs in ((12, 4, 64, 16), (8, 1, 128, 8), (15, 5, 80, 32), (6, 2, 34, 16), (4, 4, 64, 16)):
             lens = [1, 15, 16, 17, 100, 333, 2100]
             q, k32, v32, tables, lens_t = _ragged_paged(heads * 7 + d, lens, heads, kvh, d, bs)
             q = q * 4  # sharp enough that chunks of one sequence have different maxima
@@ -373,10 +388,11 @@ def test_bf16_cache_matches_float64_reference_of_the_rounded_kv(isa, threads, mo
             k_new, v_new = torch.randn(len(lens), kvh, d) * 3, torch.randn(len(lens), kvh, d) * 3
             for window in (None, 37):
                 for cap in (None, 5.0):
-                    k_cache, v_cache = k32.bfloat16(), v32.bfloat16()
+                    k_cache, v_cache = k32.to(dtype), v32.to(dtype)
+                    assert cpu_kernels.fits(heads, d, k_cache)
                     expect_k, expect_v = k_cache.clone(), v_cache.clone()
-                    expect_k.view(-1, kvh, d)[slots] = k_new.bfloat16()
-                    expect_v.view(-1, kvh, d)[slots] = v_new.bfloat16()
+                    expect_k.view(-1, kvh, d)[slots] = k_new.to(dtype)
+                    expect_v.view(-1, kvh, d)[slots] = v_new.to(dtype)
                     out = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens_t, d**-0.5, window,
                                                    new_kv=(k_new, v_new, slots), soft_cap=cap)
                     assert out.dtype == torch.float32
@@ -384,15 +400,22 @@ def test_bf16_cache_matches_float64_reference_of_the_rounded_kv(isa, threads, mo
                     assert torch.equal(v_cache.view(torch.int16), expect_v.view(torch.int16))
                     ref = _reference(q, expect_k, expect_v, tables, lens_t, d**-0.5, window, cap)
                     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
-            # The reference is on the rounded K/V, not the float32 ones: rounding moves these outputs.
+            # The reference is on the rounded K/V, not the float32 ones: rounding moves these outputs
+            # past the tolerance (float16 keeps 3 more bits than bfloat16: about 8x less).
             unrounded = _reference(q, k32, v32, tables, lens_t, d**-0.5, None)
-            assert (_reference(q, k32.bfloat16(), v32.bfloat16(), tables, lens_t, d**-0.5, None)
-                    - unrounded).abs().max() > 1e-3
+            assert (_reference(q, k32.to(dtype), v32.to(dtype), tables, lens_t, d**-0.5, None)
+                    - unrounded).abs().max() > (1e-3 if dtype == torch.bfloat16 else 1e-4)
     finally:
         torch.set_num_threads(before)
 
 
-def _rounding_cases():
+def _as_float32(bits):
+    """float32s of the given bit patterns (ints in [0, 2**32))."""
+    bits = torch.as_tensor(bits, dtype=torch.int64)
+    return ((bits + 2**31) % 2**32 - 2**31).to(torch.int32).view(torch.float32)
+
+
+def _bf16_rounding_cases():
     """float32 bit patterns where rounding to bf16 can go wrong: ties to even either way (kept half
     odd or even), just under and over a tie, carries into the exponent, the largest floats (to
     infinity), subnormals, signed zeros and infinities, NaNs with payloads only in the low half
@@ -402,19 +425,45 @@ def _rounding_cases():
                0xFF800000, 0xBF808000, 0xBF818000, 0xFF7FFFFF, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001,
                0x7F80FFFF, 0x7FFFFFFF]
     g = torch.Generator().manual_seed(0)
-    bits = torch.randint(-(2**31), 2**31, (4000,), dtype=torch.int64, generator=g)
+    bits = torch.randint(0, 2**32, (4000,), dtype=torch.int64, generator=g)
     ties = (bits & ~0xFFFF) | 0x8000  # exact halves, their kept parts random
-    mixed = torch.cat([torch.tensor(special, dtype=torch.int64), bits, ties])
-    return ((mixed + 2**31) % 2**32 - 2**31).to(torch.int32).view(torch.float32)
+    return _as_float32(torch.cat([torch.tensor(special, dtype=torch.int64), bits, ties]))
 
 
-@pytest.mark.parametrize("isa", ["native", "avx2"])
-def test_bf16_rows_are_rounded_as_torch_rounds(isa, monkeypatch):
-    """The rows the kernel writes into a bf16 cache are `.to(torch.bfloat16)` of the float32 rows,
+def _f16_rounding_cases():
+    """float32s where rounding to float16 can go wrong: ties to even either way (kept part odd or
+    even, one carrying into the exponent), just under and over a tie; around the top, 65504 (the
+    largest float16) to 65520 (the tie with 2**16: to infinity) and beyond; the subnormals, 2**-24
+    (the smallest), 2**-25 (the tie with 0: to 0), 3*2**-26 (over it: to 2**-24), ties between
+    subnormals, the largest subnormal and the tie up into 2**-14; float32 subnormals, signed zeros
+    and infinities; NaNs with payloads only in the 13 bits a float16 drops; and random bits, over
+    every exponent and over float16's."""
+    special = [0x3F801000, 0x3F803000, 0x3F800FFF, 0x3F801001, 0x3FFFF000, 0x3FFFEFFF, 0xBF801000, 0xBF803000,
+               0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x007FFFFF, 0x80000001, 0x00000000, 0x80000000, 0x7F800000,
+               0xFF800000, 0x33000001, 0x32FFFFFF, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7F801000,
+               0x7F800FFF, 0x7FFFFFFF]
+    values = [65504.0, 65519.0, 65519.99609375, 65520.0, 65520.00390625, 65536.0, 1e5, -65504.0, -65520.0,
+              2.0**-24, 2.0**-25, 3 * 2.0**-26, 3 * 2.0**-25, 5 * 2.0**-25, 7 * 2.0**-25, 2.0**-14 - 2.0**-24,
+              2.0**-14 - 2.0**-25, 2.0**-14, 2.0**-15, 2.0**-14 * (1 + 2.0**-11), -(2.0**-24), -(2.0**-25),
+              -3 * 2.0**-26, 1.0, 2.0**15]
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 2**32, (4000,), dtype=torch.int64, generator=g)
+    exponents = torch.randint(100, 144, (4000,), dtype=torch.int64, generator=g)  # 2**-27 .. 2**16
+    in_range = (bits & 0x807FFFFF) | exponents << 23
+    ties = (in_range & ~0x1FFF) | 0x1000  # exact halves (of normals), their kept parts random
+    return torch.cat([_as_float32(special), torch.tensor(values, dtype=torch.float32), _as_float32(bits),
+                      _as_float32(in_range), _as_float32(ties)])
+
+
+@pytest.mark.parametrize("kvh, d", [(2, 64), (1, 60)])  # rows of 128 and 60: 60 leaves 8- and 1-wide tails
+@pytest.mark.parametrize("dtype", _HALF, ids=_HALF_IDS)
+@pytest.mark.parametrize("isa", ["native", "avx2", "sse2"])
+def test_half_rows_are_rounded_as_torch_rounds(isa, dtype, kvh, d, monkeypatch):
+    """The rows the kernel writes into a bf16 or float16 cache are `.to(dtype)` of the float32 rows,
     bit for bit; a NaN stays a NaN (torch itself writes different NaN bits on different paths)."""
     _kernel(isa, monkeypatch)
-    kvh, d, bs = 2, 64, 16
-    values = _rounding_cases()
+    bs = 16
+    values = _bf16_rounding_cases() if dtype == torch.bfloat16 else _f16_rounding_cases()
     rows = -(-values.numel() // (kvh * d))
     flat = torch.zeros(rows * kvh * d)
     flat[: values.numel()] = values
@@ -422,17 +471,41 @@ def test_bf16_rows_are_rounded_as_torch_rounds(isa, monkeypatch):
     v_new = -k_new
     nb = -(-rows // bs) + 1
     slots = torch.randperm(nb * bs - 1)[:rows]  # scattered, never the last slot
-    k_cache = torch.zeros(nb, bs, kvh, d, dtype=torch.bfloat16)
+    k_cache = torch.zeros(nb, bs, kvh, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     cpu_kernels.paged_decode(torch.randn(1, 2, d), k_cache, v_cache, torch.tensor([[nb - 1]]), torch.tensor([bs]),
                              0.1, None, new_kv=(k_new, v_new, slots))
     for cache, new in ((k_cache, k_new), (v_cache, v_new)):
         got = cache.view(-1, kvh, d)[slots]
-        want = new.to(torch.bfloat16)
+        want = new.to(dtype)
         nan = torch.isnan(new)
         assert nan.any() and torch.equal(torch.isnan(got), nan)
         assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
         assert torch.isinf(got).sum() > 4  # the cases cover the infinities and the carries into them
+        if dtype == torch.float16:  # and the subnormals, which must not be flushed to zero
+            assert (got.view(torch.int16)[~nan] & 0x7C00 == 0).sum() > 100
     written = torch.zeros(nb * bs, dtype=torch.bool)
     written[slots] = True
     assert not k_cache.view(-1, kvh, d)[~written].any()  # nothing else written
+
+
+@pytest.mark.parametrize("d", [64, 35])  # V widened a vector at a time, and (35: no multiple of 4) one by one
+@pytest.mark.parametrize("isa", ["native", "avx2", "sse2"])
+def test_every_float16_widens_exactly(isa, d, monkeypatch):
+    """Each of the 65,536 float16 bit patterns, as a V row of a one-token context (softmax weight
+    exactly 1), comes out as the float32 of its value: normals, subnormals, infinities; NaNs as
+    NaNs (a zero's sign is not kept: the sum starts at +0)."""
+    _kernel(isa, monkeypatch)
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    b = -(-patterns.numel() // d)
+    v_cache = torch.zeros(b * d, dtype=torch.float16)
+    v_cache[: patterns.numel()] = patterns
+    v_cache = v_cache.view(b, 1, 1, d)  # one block of one token per sequence
+    k_cache = torch.zeros_like(v_cache)
+    out = cpu_kernels.paged_decode(torch.randn(b, 1, d), k_cache, v_cache, torch.arange(b).view(b, 1),
+                                   torch.ones(b, dtype=torch.int64), d**-0.5, None)
+    got, want = out.view(-1)[: patterns.numel()], patterns.float()
+    nan = torch.isnan(want)
+    assert nan.sum() == 2 * 1023 and torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan], want[~nan])  # == compares values: +0 equals -0
+    assert torch.equal(got.abs()[~nan].view(torch.int32), want.abs()[~nan].view(torch.int32))

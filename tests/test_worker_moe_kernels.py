@@ -25,7 +25,8 @@ ROWS = (1, 2, 5, 13, 64, 193, 300)
 
 
 def _block(arch: str, top_k: int = 2, seed: int = 0, weights: str = "float32") -> SparseMoeBlock:
-    """weights: "float32", or "widen" / "dot" for experts kept in bf16 in that GEMM layout."""
+    """weights: "float32", or "widen" / "dot" for experts kept in bf16 in that GEMM layout, "f16"
+    for experts kept in float16."""
     spec = model_spec(tiny_config(arch, num_experts_per_tok=top_k))
     block = SparseMoeBlock(spec, TensorParallel(), CpuOps(spec.activation))
     g = torch.Generator().manual_seed(seed)
@@ -36,10 +37,11 @@ def _block(arch: str, top_k: int = 2, seed: int = 0, weights: str = "float32") -
     else:
         if gemm_bf16_kernels.load() is None or (weights == "dot" and gemm_bf16_kernels.layout() != "dot"):
             pytest.skip(f"no native bf16 GEMM in the {weights} layout on this host")
+        dtype = gemm_bf16_kernels.LAYOUT_DTYPES[weights]
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(gemm_bf16_kernels, "layout", lambda: weights)
-            block.pack(torch.bfloat16)
-        assert block.experts_gate_up.dtype == block.experts_down.dtype == torch.bfloat16
+            mp.setattr(gemm_bf16_kernels, "layout", lambda _dtype: weights)
+            block.pack(dtype)
+        assert block.experts_gate_up.dtype == block.experts_down.dtype == dtype
         assert block.experts_gate_up.is_meta  # the panels are the only copy
         assert all(w.kind == weights for w in (packed(op) for op in block.gate_up_ops + block.down_ops))
     if block.native is None:
@@ -85,7 +87,7 @@ def _routing(kind: str, t: int, k: int, e: int, g: torch.Generator) -> tuple[tor
 # The float64 reference's tolerance per kind of weights: float32's elementwise; for the dot layout
 # bf16's, normwise (it rounds x and the SiLU product to bf16, the reference keeps them exact,
 # and an output near zero by cancellation has no relative accuracy left).
-TOLERANCE = {"float32": 1e-5, "widen": 5e-5, "dot": 1e-2}
+TOLERANCE = {"float32": 1e-5, "widen": 5e-5, "f16": 5e-5, "dot": 1e-2}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, weights: str) -> None:

@@ -21,6 +21,8 @@ _SRC = Path(__file__).parent / "csrc" / "paged_decode.c"
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# The cache dtypes the kernel reads, by the suffix of its entry points.
+CACHE_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 @cache
@@ -36,15 +38,11 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     # Pointers travel as plain ints (data_ptr()): cheaper per call than ctypes.cast.
     args = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
             ctypes.c_float, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _I64]
-    for dtype in ("f32", "bf16"):
+    for dtype in CACHE_DTYPES.values():
         plain, capped = getattr(dll, f"paged_decode_{dtype}"), getattr(dll, f"paged_decode_capped_{dtype}")
         plain.argtypes, capped.argtypes = args, [*args, ctypes.c_float]
         plain.restype = capped.restype = ctypes.c_int
     return dll
-
-
-# The cache dtypes the kernel reads, by the suffix of its entry points.
-CACHE_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def paged_decode(
@@ -53,12 +51,13 @@ def paged_decode(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, soft_cap: float | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] against paged K/V [NB, BS, KVH, D], contiguous, on the CPU: q and the output
-    float32, the caches float32 or bfloat16 (widened to float32 as they are read).
+    float32, the caches float32, bfloat16 or float16 (widened to float32, exactly, as they are read).
 
     `new_kv` = (k [N, KVH, D], v [N, KVH, D], slots [N]): float32 rows written into the caches
-    first, in the same call (write_kv fused; into a bf16 cache rounded to nearest even, as
-    `.to(torch.bfloat16)` rounds). `soft_cap`: each score s becomes
-    soft_cap * tanh(s / soft_cap) before the softmax (LayerAttention.logits_soft_cap)."""
+    first, in the same call (write_kv fused; into a half cache rounded to nearest even, as
+    `.to(k_cache.dtype)` rounds: into float16, past 65504 to infinity, subnormals kept).
+    `soft_cap`: each score s becomes soft_cap * tanh(s / soft_cap) before the softmax
+    (LayerAttention.logits_soft_cap)."""
     dll = load()
     assert dll is not None
     assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
@@ -92,7 +91,7 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def fits(num_heads: int, head_dim: int, k_cache: torch.Tensor) -> bool:
-    """Whether float32 queries of this shape can attend to `k_cache` (float32 or bfloat16)
+    """Whether float32 queries of this shape can attend to `k_cache` (a dtype of CACHE_DTYPES)
     through the kernel."""
     # The kernel keeps a GQA group's queries on its stack: at most 16 heads x 256 dims.
     group = num_heads // k_cache.shape[2]

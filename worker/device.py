@@ -38,19 +38,19 @@ def resolve_device(name: str) -> torch.device:
 
 def cpu_precision(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
     """(the dtype the model computes in, the dtype its linear weights are kept in where that
-    differs). On a CPU, bfloat16 means bf16 weights through the native bf16-weight GEMM with
-    float32 activations: half float32's weight bytes, which decode reads every step; torch's
-    bfloat16 operators (about half float32's speed here) only where that GEMM does not build.
-    The KV cache is in the second dtype where there is one, else the first
-    (ModelRunner.kv_dtype): a bf16 run caches bf16 K/V, rounded as it is written and widened
-    to float32 as attention reads it, half the bytes decode attention reads per token."""
+    differs). On a CPU, bfloat16 and float16 mean 16-bit weights through the native GEMM over
+    them with float32 activations: half float32's weight bytes, which decode reads every step;
+    torch's half-precision operators (about half float32's speed here, float16 far slower) only
+    where that GEMM does not build. The KV cache is in the second dtype where there is one, else
+    the first (ModelRunner.kv_dtype): rounded as it is written and widened to float32 as
+    attention reads it, half the bytes decode attention reads per token."""
     from noria.protocol import switches
     from noria.worker import gemm_bf16_kernels
 
-    # Under the kernel emulator the CPU stands for a GPU: bf16 stays bf16 for its tensor-core kernels.
-    if device.type == "cpu" and dtype == torch.bfloat16 and not switches.emulated_kernels() \
+    # Under the kernel emulator the CPU stands for a GPU: 16-bit stays 16-bit for its tensor-core kernels.
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not switches.emulated_kernels() \
             and gemm_bf16_kernels.load() is not None:
-        return torch.float32, torch.bfloat16
+        return torch.float32, dtype
     return dtype, None
 
 
@@ -75,8 +75,11 @@ class DtypeChoice:
     def line(self, weight_dtype: torch.dtype | None = None) -> str | None:
         """The worker's start-up line: what auto chose and why, and on a CPU what bfloat16 turns
         into (cpu_precision's `weight_dtype`); None for a given dtype that needs no word."""
-        precision = (f"bf16 weights through the native bf16 GEMM ({bf16_gemm()[0]}), bf16 KV cache, "
-                     "float32 norms, rotary and softmax")
+        if weight_dtype == torch.float16:
+            precision = "f16 weights through the native f16 GEMM, f16 KV cache, float32 norms, rotary and softmax"
+        else:
+            precision = (f"bf16 weights through the native bf16 GEMM ({bf16_gemm()[0]}), bf16 KV cache, "
+                         "float32 norms, rotary and softmax")
         if self.auto:
             return f"dtype auto: {self.name} ({self.reason})" + (f"; {precision}" if weight_dtype is not None else "")
         return f"dtype: {precision}" if weight_dtype is not None else None
@@ -90,8 +93,9 @@ GiB = 1 << 30
 
 
 def bf16_gemm() -> tuple[str | None, str]:
-    """(the layout of the native bf16 GEMM this host runs, "") or (None, why it has none): "dot"
-    (vdpbf16ps on bf16-rounded activations) or "widen" (bf16 weights widened to float32)."""
+    """(the layout of the native bf16 GEMM this host runs, "") or (None, why it has none): "amx"
+    (AMX-BF16 tiles), "dot" (vdpbf16ps on bf16-rounded activations) or "widen" (bf16 weights
+    widened to float32)."""
     from noria.worker import gemm_bf16_kernels, native_build
     from noria.worker.cpu_ops import disabled
 
@@ -109,7 +113,7 @@ def choose_dtype(name: str, device: torch.device, checkpoint_dtype: str | None,
     CPU it is the checkpoint's bfloat16 where the CPU computes bf16 natively (`flags`, default
     /proc/cpuinfo's) and the native bf16 GEMM builds, and float32 otherwise, unless float32
     weights (`float32_bytes()`, None: unknown) would not fit in the memory `available` (default:
-    worker/host.py's): then bfloat16, half the bytes, whatever the speed.
+    worker/host.py's): then the checkpoint's half dtype, half the bytes, whatever the speed.
     """
     if name != "auto":
         if name not in _DTYPES:
@@ -131,6 +135,7 @@ def _cpu_half_checkpoint(checkpoint_dtype: str, float32_bytes: Callable[[], int 
     from noria.protocol import switches
     from noria.worker import host
 
+    half = {"float16": torch.float16, "bfloat16": torch.bfloat16}
     native = host.native_bf16(host.cpu_flags() if flags is None else flags)
     if checkpoint_dtype == "bfloat16":
         if not native:
@@ -145,10 +150,12 @@ def _cpu_half_checkpoint(checkpoint_dtype: str, float32_bytes: Callable[[], int 
                                                    f"{', '.join(native)}; bf16 GEMM: {kind}")
             why_not = f"the native bf16 GEMM is not built ({missing})"
     else:
-        why_not = "no native float16 CPU kernels yet"
+        # F16C widens f16 weights exactly, but the arithmetic stays float32 FMAs.
+        why_not = "no CPU computes float16 natively here (AVX512_FP16 kernels are not built)"
     too_big = _would_not_fit(float32_bytes, available)
     if too_big:
-        return DtypeChoice(torch.bfloat16, f"{too_big}; checkpoint {checkpoint_dtype}, {why_not}")
+        # Half the bytes, and a float16 checkpoint's weights kept exactly as saved.
+        return DtypeChoice(half[checkpoint_dtype], f"{too_big}; checkpoint {checkpoint_dtype}, {why_not}")
     if checkpoint_dtype == "bfloat16" and not native:
         # bench/RESULTS.md measured bf16 weights only on an AVX-512 BF16 host (batch 1 1.6x faster,
         # batched throughput level); widening in software on AVX2 is unmeasured, so float32 stays.

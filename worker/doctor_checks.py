@@ -72,12 +72,13 @@ def cpu_checks(report: Report, max_tokens: int) -> None:
         {"device": "cpu", "emulated": True, **SWAP}, {"device": "cpu"}, max(max_tokens, SWAP_TOKENS)))
 
 
-BF16_GEMM_KINDS = {"dot": "vdpbf16ps on bf16-rounded activations", "widen": "bf16 weights widened to float32"}
+BF16_GEMM_KINDS = {"amx": "AMX-BF16 tiles on bf16-rounded activations", "dot": "vdpbf16ps on bf16-rounded activations",
+                   "widen": "bf16 weights widened to float32"}
 
 
 def cpu_kernel_report() -> tuple[list[str], str]:
     """What a CPU worker here would run on: (info lines: the CPU and the ISA flags the kernels care
-    about, the bf16 GEMM's layout, what `--dtype auto` picks for a bfloat16 checkpoint and why
+    about, the 16-bit GEMMs' layouts, what `--dtype auto` picks for a bfloat16 checkpoint and why
     (worker/device.py); each native kernel family's path, worker/cpu_ops.py's, in one line)."""
     from noria.worker import cpu_ops, host
     from noria.worker.device import GiB, bf16_gemm, choose_dtype
@@ -87,6 +88,12 @@ def cpu_kernel_report() -> tuple[list[str], str]:
     lacks = " ".join(f for f in host.ISA_FLAGS if f not in flags)
     kind, missing = bf16_gemm()
     gemm = f"{kind} ({BF16_GEMM_KINDS.get(kind, kind)})" if kind else f"none ({missing}): torch's bf16 operators"
+    if kind and "amx_bf16" in flags and kind != "amx":
+        from noria.worker import gemm_amx_kernels
+
+        gemm += f"; AMX tiles unused: {gemm_amx_kernels.not_ready_reason()}"
+    if kind:
+        gemm += "; float16 weights widened by vcvtph2ps"
     auto = choose_dtype("auto", torch.device("cpu"), "bfloat16", flags=flags)
     said = f"{auto.name} ({auto.reason})"
     if auto.dtype != torch.bfloat16:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from noria.worker import fused_kernels, gemm_bf16_kernels, gemm_kernels
-from noria.worker.gemm_bf16_kernels import PackedBF16Weight
+from noria.worker.gemm_bf16_kernels import PackedHalfWeight
 from noria.worker.gemm_kernels import PackedWeight
 from noria.worker.native_build import build
 
@@ -52,11 +52,11 @@ class PackedExperts:
     """Every expert's packed gate/up and down weights as the arrays of pointers the C call reads,
     and the panel function and width of their kind (all of one kind: float32 or one bf16 layout)."""
 
-    def __init__(self, gate_up: list[PackedWeight] | list[PackedBF16Weight],
-                 down: list[PackedWeight] | list[PackedBF16Weight]) -> None:
+    def __init__(self, gate_up: list[PackedWeight] | list[PackedHalfWeight],
+                 down: list[PackedWeight] | list[PackedHalfWeight]) -> None:
         lib = load()
         assert lib is not None
-        kinds = {w.kind if isinstance(w, PackedBF16Weight) else "float32" for w in [*gate_up, *down]}
+        kinds = {w.kind if isinstance(w, PackedHalfWeight) else "float32" for w in [*gate_up, *down]}
         assert len(kinds) == 1, kinds
         kind = kinds.pop()
         if kind == "float32":

@@ -20,7 +20,7 @@ import torch
 
 from noria.protocol.model_spec import ModelSpec
 from noria.worker import cpu_kernels
-from noria.worker.models.linear import LinearOp, PackedBF16Linear, PackedLinear
+from noria.worker.models.linear import LinearOp, PackedHalfLinear, PackedLinear
 from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.models.rope import rotary_dim
 
@@ -116,7 +116,7 @@ def _model_reason(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Ten
 
 def _gemm(op: LinearOp) -> str:
     """Which GEMM reads a packed kind's panels (the bf16 kind has two layouts)."""
-    return f"{op.kind} ({op.packed.kind})" if isinstance(op, PackedBF16Linear) else op.kind
+    return f"{op.kind} ({op.packed.kind})" if isinstance(op, PackedHalfLinear) else op.kind
 
 
 def _layer_reason(layer: DecoderLayer, cache: tuple[torch.Tensor, torch.Tensor], kind: str) -> str | None:
@@ -124,7 +124,7 @@ def _layer_reason(layer: DecoderLayer, cache: tuple[torch.Tensor, torch.Tensor],
     linears = {"qkv": at.qkv_proj, "o": at.o_proj}
     if not isinstance(mlp, SparseMoeBlock):  # a sparse layer's block is called back as it is
         linears |= {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
-    unpacked = [name for name, linear in linears.items() if not isinstance(linear.op, (PackedLinear, PackedBF16Linear))]
+    unpacked = [name for name, linear in linears.items() if not isinstance(linear.op, (PackedLinear, PackedHalfLinear))]
     if unpacked:
         return f"{', '.join(unpacked)} not packed for the native GEMM"
     other = [name for name, linear in linears.items() if _gemm(linear.op) != kind]

@@ -28,7 +28,7 @@ import torch
 from noria.worker import cpu_kernels, fused_kernels, gemm_bf16_kernels, gemm_kernels, native_layout
 from noria.worker.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from noria.worker.cpu_ops import disabled
-from noria.worker.models.linear import PackedBF16Linear, panels
+from noria.worker.models.linear import PackedHalfLinear, panels
 from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.native_build import build
 from noria.worker.native_coverage import coverage, describe, segments
@@ -45,7 +45,7 @@ _SRC = Path(__file__).parent / "csrc" / "decoder_f32.c"
 _MOE_CALL = ctypes.CFUNCTYPE(ctypes.c_int, I64, I64)
 
 
-def _gemm_bf16(layout: str) -> int | None:
+def _gemm_half(layout: str) -> int | None:
     """The address of the bf16-weight GEMM over panels of `layout` (worker/csrc/gemm_bf16.c:
     gemm_f32's arguments), for a model whose linear kinds are bf16."""
     return ctypes.cast(gemm_bf16_kernels.entry(layout), P).value
@@ -96,8 +96,8 @@ class NativeStack:
         self.kernels.attn = ctypes.cast(getattr(attn, f"paged_decode_{suffix}"), P).value
         self.kernels.attn_capped = ctypes.cast(getattr(attn, f"paged_decode_capped_{suffix}"), P).value
         first = model.layers[reasons.index(None)].self_attn.qkv_proj.op
-        if isinstance(first, PackedBF16Linear):
-            self.kernels.gemm = _gemm_bf16(first.packed.kind)
+        if isinstance(first, PackedHalfLinear):
+            self.kernels.gemm = _gemm_half(first.packed.kind)
         self.layer_runs = 0  # layers the driver ran, over this stack's life
         self._capacity, self._buffers = 0, []
         self._keep: list[torch.Tensor] = []  # biases the driver reads: contiguous copies, kept alive here

@@ -1,8 +1,9 @@
-/* Float32 y = x @ W^T (+ bias) over bfloat16 weights, for the CPU linear layers.
+/* Float32 y = x @ W^T (+ bias) over bfloat16 or float16 weights, for the CPU
+ * linear layers.
  *
  * Decode on a CPU is bound by the weight bytes read per step; checkpoints ship
- * in bfloat16, and keeping W in bf16 halves those bytes against gemm_f32.c.
- * Two kernels share one blocking (gemm_f32.c's, read that first: W packed once
+ * in bfloat16 (some in float16), and keeping W in 16 bits halves those bytes
+ * against gemm_f32.c. Three kernels share one blocking (gemm_f32.c's, read that first: W packed once
  * into panels of NR output features, k-major, so the MR x NR accumulators of a
  * row tile stay in registers for the whole K loop; near-equal row tiles; each
  * tile prefetching its share of the next panel; threads splitting panels,
@@ -30,6 +31,11 @@
  *   it is still independent of threads and of the other rows, but it is not
  *   the widened kernel's result (x is rounded, and k is summed in pairs).
  *
+ * - "f16" (every x86-64-v3 CPU: F16C, or AVX-512F): float16 weights widened
+ *   to float32 by vcvtph2ps, exact, so again each output is gemm_f32.c's sum
+ *   over the f16-rounded weight, bit for bit. A k-row is the panel's NR
+ *   features in order (the conversion reads VL contiguous halves).
+ *
  * The ISA is the compiler's: GCC vector types, compiled with -march=native
  * (or x86-64-v3 in the tests), become 8-wide AVX2 or 16-wide AVX-512 code with
  * FMA; the dot kernel exists where -march=native names AVX512_BF16, which the
@@ -38,6 +44,7 @@
  * x:      [M, K] float32, row stride ldx
  * packed: widen: [ceil(N / NR), K, NR] bf16 bits (uint16), interleaved as above
  *         dot:   [ceil(N / NR), ceil(K / 2), NR, 2] bf16 bits, k odd padded with 0
+ *         f16:   [ceil(N / NR), K, NR] float16 bits, features in order
  *         the tail panel zero-padded
  * bias:   [N] float32 or NULL
  * y:      [M, N] float32, row stride ldy
@@ -49,7 +56,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#ifdef __AVX512BF16__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -69,6 +76,9 @@
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4))); /* unaligned access */
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+
+/* The kernels, by the layout of the panels they read. */
+enum { WIDEN, DOT, F16 };
 
 int64_t gemm_bf16_nr(void) { return NR; }
 
@@ -148,6 +158,60 @@ static inline __attribute__((always_inline)) void tile_widen(
     store_tile(acc0, acc1, b0, b1, y, ldy, ncols, mr);
 }
 
+/* float16 bits -> float32, exact; the portable path for a compiler without F16C. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | man << 13;            /* inf, NaN (payload kept) */
+    } else if (exp != 0) {
+        u = sign | (exp + 112) << 23 | man << 13;        /* normal: rebias 15 -> 127 */
+    } else if (man == 0) {
+        u = sign;                                        /* zero */
+    } else {                                             /* subnormal: normalize */
+        int e = -1;
+        uint32_t m = man;
+        do e++, m <<= 1; while (!(m & 0x400u));
+        u = sign | (uint32_t)(112 - e) << 23 | (m & 0x3ffu) << 13;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* VL float16 values at p, widened. */
+static inline __attribute__((always_inline)) vf widen_f16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__) && VL == 8
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf out;
+    for (int i = 0; i < VL; i++) out[i] = half_to_float(p[i]);
+    return out;
+#endif
+}
+
+/* One tile of the f16 kernel: tile_widen with the weights converted from float16. */
+static inline __attribute__((always_inline)) void tile_f16(
+    const float *x, int64_t ldx, const uint16_t *panel, int64_t K, const float *bias, float *y, int64_t ldy,
+    int64_t ncols, const int mr, Prefetch *pf) {
+    vf acc0[MR], acc1[MR], b0, b1;
+    bias_vectors(bias, ncols, &b0, &b1);
+    int64_t countdown = pf->every;
+    for (int r = 0; r < mr; r++) acc0[r] = (vf){0}, acc1[r] = (vf){0};
+    for (int64_t k = 0; k < K; k++) {
+        prefetch_step(pf, &countdown);
+        const vf w0 = widen_f16(panel + k * NR), w1 = widen_f16(panel + k * NR + VL);
+        for (int r = 0; r < mr; r++) {
+            const float a = x[r * ldx + k];
+            acc0[r] += a * w0;
+            acc1[r] += a * w1;
+        }
+    }
+    store_tile(acc0, acc1, b0, b1, y, ldy, ncols, mr);
+}
+
 #ifdef __AVX512BF16__
 /* One tile of the dot kernel: x2 holds x's rows as bf16 pairs (K2 = ceil(K / 2) per row). */
 static inline __attribute__((always_inline)) void tile_dot(
@@ -174,18 +238,20 @@ static inline __attribute__((always_inline)) void tile_dot(
 }
 #endif
 
-/* One tile of height h of either kernel. */
+/* One tile of height h of the kernel for `layout` (a constant at every call). */
 static inline __attribute__((always_inline)) void tile(
-    const int dot, const void *x, int64_t ldx, const uint16_t *panel, int64_t steps, const float *bias, float *y,
+    const int layout, const void *x, int64_t ldx, const uint16_t *panel, int64_t steps, const float *bias, float *y,
     int64_t ldy, int64_t ncols, const int mr, Prefetch *pf) {
 #ifdef __AVX512BF16__
-    if (dot) {
+    if (layout == DOT) {
         tile_dot((const uint32_t *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
         return;
     }
 #endif
-    (void)dot;
-    tile_widen((const float *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
+    if (layout == F16)
+        tile_f16((const float *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
+    else
+        tile_widen((const float *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
 }
 
 /* All M rows against one panel, in ceil(M / MR) tiles of near-equal height;
@@ -193,24 +259,24 @@ static inline __attribute__((always_inline)) void tile(
  * each tile about steps / tiles of its rows, one every `tiles` steps.
  * x's elements are 4 bytes in both kernels (a float, a pair of bf16). */
 static inline __attribute__((always_inline)) void panel_rows(
-    const int dot, const char *x, int64_t ldx, const uint16_t *panel, int64_t M, int64_t steps, const float *bias,
+    const int layout, const char *x, int64_t ldx, const uint16_t *panel, int64_t M, int64_t steps, const float *bias,
     float *y, int64_t ldy, int64_t ncols, const uint16_t *next) {
     const int64_t tiles = (M + MR - 1) / MR, base = M / tiles, taller = M % tiles;
     /* At 1-2 rows the hardware prefetcher streams best alone (gemm_f32.c's
      * measurement); steps + 1 never comes round. */
-    Prefetch pf = {next, M >= 3 ? tiles : steps + 1, dot ? 2 * NR : NR};
+    Prefetch pf = {next, M >= 3 ? tiles : steps + 1, layout == DOT ? 2 * NR : NR};
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t h = base + (t < taller);
         const char *xm = x + m * ldx * 4;
         float *ym = y + m * ldy;
         switch (h) {
-            case 6: tile(dot, xm, ldx, panel, steps, bias, ym, ldy, ncols, 6, &pf); break;
-            case 5: tile(dot, xm, ldx, panel, steps, bias, ym, ldy, ncols, 5, &pf); break;
-            case 4: tile(dot, xm, ldx, panel, steps, bias, ym, ldy, ncols, 4, &pf); break;
-            case 3: tile(dot, xm, ldx, panel, steps, bias, ym, ldy, ncols, 3, &pf); break;
-            case 2: tile(dot, xm, ldx, panel, steps, bias, ym, ldy, ncols, 2, &pf); break;
-            default: tile(dot, xm, ldx, panel, steps, bias, ym, ldy, ncols, 1, &pf); break;
+            case 6: tile(layout, xm, ldx, panel, steps, bias, ym, ldy, ncols, 6, &pf); break;
+            case 5: tile(layout, xm, ldx, panel, steps, bias, ym, ldy, ncols, 5, &pf); break;
+            case 4: tile(layout, xm, ldx, panel, steps, bias, ym, ldy, ncols, 4, &pf); break;
+            case 3: tile(layout, xm, ldx, panel, steps, bias, ym, ldy, ncols, 3, &pf); break;
+            case 2: tile(layout, xm, ldx, panel, steps, bias, ym, ldy, ncols, 2, &pf); break;
+            default: tile(layout, xm, ldx, panel, steps, bias, ym, ldy, ncols, 1, &pf); break;
         }
         m += h;
     }
@@ -218,7 +284,7 @@ static inline __attribute__((always_inline)) void panel_rows(
 
 /* Panels [p0, p1) for rows [0, M), in blocks of MB rows; a panel is `psize` bf16 values. */
 static inline __attribute__((always_inline)) void panel_range(
-    const int dot, const char *x, int64_t ldx, const uint16_t *packed, int64_t psize, int64_t steps,
+    const int layout, const char *x, int64_t ldx, const uint16_t *packed, int64_t psize, int64_t steps,
     const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t p0, int64_t p1) {
     /* Panels inner, so a panel is read from memory once per block of rows;
      * blocks of MB rows keep a long prefill's rows in L3 (see gemm_f32.c). */
@@ -228,7 +294,7 @@ static inline __attribute__((always_inline)) void panel_range(
         for (int64_t p = p0; p < p1; p++) {
             const int64_t n0 = p * NR, ncols = N - n0 < NR ? N - n0 : NR;
             const int64_t pn = p + 1 < p1 ? p + 1 : (m0 + MB < M ? p0 : p);
-            panel_rows(dot, x + m0 * ldx * 4, ldx, packed + p * psize, rows, steps,
+            panel_rows(layout, x + m0 * ldx * 4, ldx, packed + p * psize, rows, steps,
                        bias == NULL ? NULL : bias + n0, y + m0 * ldy + n0, ldy, ncols, packed + pn * psize);
         }
     }
@@ -257,7 +323,7 @@ void gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float 
     {
         int64_t p0, p1;
         thread_share(panels, &p0, &p1);
-        panel_range(0, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, p0, p1);
+        panel_range(WIDEN, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, p0, p1);
     }
 }
 
@@ -265,7 +331,7 @@ void gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float 
  * splits the work of many GEMMs over its own threads (moe_f32.c's experts). */
 void gemm_bf16_panels(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
                       int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
-    panel_range(0, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, p0, p1);
+    panel_range(WIDEN, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, p0, p1);
 }
 
 #ifdef __AVX512BF16__
@@ -323,7 +389,7 @@ void gemm_bf16_dot(const float *x, int64_t ldx, const uint16_t *packed, const fl
         round_rows(x, ldx, x2, K, m0, m1);
 #pragma omp barrier
         thread_share(panels, &p0, &p1);
-        panel_range(1, (const char *)x2, K2, packed, K2 * 2 * NR, K2, bias, y, ldy, M, N, p0, p1);
+        panel_range(DOT, (const char *)x2, K2, packed, K2 * 2 * NR, K2, bias, y, ldy, M, N, p0, p1);
     }
 #else
     (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)num_threads;
@@ -359,7 +425,7 @@ void gemm_bf16_dot_panels(const float *x, int64_t ldx, const uint16_t *packed, c
     const int64_t K2 = (K + 1) / 2;
     uint32_t *x2 = scratch_for(sizeof(uint32_t) * (size_t)(M * K2));
     round_rows(x, ldx, x2, K, 0, M);
-    panel_range(1, (const char *)x2, K2, packed, K2 * 2 * NR, K2, bias, y, ldy, M, N, p0, p1);
+    panel_range(DOT, (const char *)x2, K2, packed, K2 * 2 * NR, K2, bias, y, ldy, M, N, p0, p1);
 #else
     (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)p0, (void)p1;
     fprintf(stderr, "gemm_bf16_dot_panels: built without AVX512_BF16 (check gemm_bf16_dot_built)\n");
@@ -380,6 +446,38 @@ void pack_bf16_dot(const uint16_t *w, int64_t ldw, int64_t N, int64_t K, uint16_
             if (n >= N) break;
             const uint16_t *src = w + n * ldw;
             for (int64_t k = 0; k < K; k++) dst[(k / 2) * 2 * NR + 2 * j + k % 2] = src[k];
+        }
+    }
+}
+
+/* The f16 kernel: gemm_bf16's arguments, `packed` in the f16 layout (pack_f16). */
+void gemm_f16(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy,
+              int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t panels = (N + NR - 1) / NR;
+    const int threads = threads_for(panels, num_threads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t p0, p1;
+        thread_share(panels, &p0, &p1);
+        panel_range(F16, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, p0, p1);
+    }
+}
+
+void gemm_f16_panels(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
+                     int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+    panel_range(F16, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, p0, p1);
+}
+
+/* W [N, K] as float16 bits, row stride ldw, into the f16 layout (ceil(N / NR) * K * NR values). */
+void pack_f16(const uint16_t *w, int64_t ldw, int64_t N, int64_t K, uint16_t *packed, int num_threads) {
+    const int64_t panels = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && panels > 1) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        uint16_t *dst = packed + p * K * NR;
+        memset(dst, 0, sizeof(uint16_t) * (size_t)(K * NR));
+        for (int j = 0; j < NR && p * NR + j < N; j++) {
+            const uint16_t *src = w + (p * NR + j) * ldw;
+            for (int64_t k = 0; k < K; k++) dst[k * NR + j] = src[k];
         }
     }
 }

@@ -30,14 +30,16 @@
  *   (reshape_and_cache fused: no extra dispatch per layer).
  * - Logit soft-capping (Gemma 2): with cap > 0 every score s becomes
  *   cap * tanh(s / cap) before the softmax, as transformers' eager attention does.
- * - The caches hold float32 or bfloat16 (the _bf16 entry points): bf16 halves the bytes
- *   every step reads. A bf16 is the top half of a float32's bits, so it widens exactly in
- *   registers (a shift); scores, softmax and accumulation stay float32, and one source
- *   serves both element types (kv_load / kv_vec, specialised by a constant flag).
- *   New rows arrive as float32 and are rounded to nearest even as they are written.
+ * - The caches hold float32, bfloat16 or float16 (the _f32, _bf16 and _f16 entry points): the
+ *   half types halve the bytes every step reads. Both widen exactly to float32 in registers: a
+ *   bf16 is the top half of a float32's bits (a shift), a float16 goes through vcvtph2ps (F16C,
+ *   on every x86-64-v3 CPU; AVX-512F's 16-wide form), or bit manipulation where neither is
+ *   built in. Scores, softmax and accumulation stay float32, and one source serves every
+ *   element type (kv_load / kv_vec, specialised by a constant `elt`). New rows arrive as
+ *   float32 and are rounded to nearest even as they are written, as torch's .to() rounds.
  *
  * q:           [B, H, D]                float32
- * k/v cache:   [NB, BS, KVH, D]         float32 or bfloat16
+ * k/v cache:   [NB, BS, KVH, D]         float32, bfloat16 or float16
  * block_table: [B, max_blocks]          int64
  * seq_lens:    [B]                      int64
  * out:         [B, H, D]                float32
@@ -47,6 +49,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #define MAX_TASK_FLOATS 4096 /* query heads x head size of one task: 16 KiB of queries, as much of accumulators */
 #define MAX_TASK_HEADS 128
@@ -145,25 +150,46 @@ typedef float vfu __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof
 typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
 typedef uint16_t vbu __attribute__((vector_size(VW * sizeof(uint16_t)), aligned(sizeof(uint16_t)))); /* unaligned */
 
-/* Cache elements, float32 or (bf16 set) bfloat16. Every caller passes bf16 as a constant into
- * always_inline code, so each element type gets its own loops with no test inside them. */
-static inline int64_t kv_bytes(int64_t elems, const int bf16) {
-    return elems * (bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
-}
-
-static inline const char *kv_at(const char *base, int64_t elems, const int bf16) { return base + kv_bytes(elems, bf16); }
-
-static inline float kv_load(const char *p, int64_t i, const int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+/* float16 -> float32, exactly, without F16C: the exponent rebiased (112 = 127 - 15), an
+ * infinity or NaN's exponent saturated, a subnormal (or zero) renormalised by one float
+ * subtraction, exact because its result is a float32 normal (so FTZ/DAZ cannot touch it).
+ * Written once for scalars and once for GCC vectors, where each comparison is a lane mask. */
+#define F16_EXP (0x7c00u << 13) /* a float16's exponent field, where a float32's sits */
+static inline float f16_widen_bits(uint16_t h) {
+    uint32_t o = (uint32_t)(h & 0x7fffu) << 13;
+    const uint32_t exp = o & F16_EXP;
+    o += 112u << 23;
+    if (exp == F16_EXP) o += 112u << 23; /* infinity or NaN: exponent 255, payload kept */
     float f;
-    memcpy(&f, &bits, sizeof f); /* folded into a register move: the dot products still vectorise */
+    if (exp == 0) { /* m * 2^-24 = (1 + m / 2^10) * 2^-14 - 2^-14 */
+        o += 1u << 23;
+        memcpy(&f, &o, sizeof f);
+        f -= 0x1p-14f;
+        memcpy(&o, &f, sizeof o);
+    }
+    o |= (uint32_t)(h & 0x8000u) << 16;
+    memcpy(&f, &o, sizeof f);
     return f;
 }
 
-static inline vf kv_vec(const char *p, int64_t i, const int bf16) {
-    if (!bf16) return *(const vfu *)((const float *)p + i);
-    return (vf)(__builtin_convertvector(*(const vbu *)((const uint16_t *)p + i), vu) << 16);
+/* float32 -> float16, to nearest even, integers only (no MXCSR): ties to even, overflow at
+ * 65520 (the tie between 65504 and 2^16) to infinity, subnormals kept, a NaN a quiet NaN. */
+static inline uint16_t f16_round_bits(float x) {
+    uint32_t a;
+    memcpy(&a, &x, sizeof a);
+    const uint16_t sign = (uint16_t)((a >> 16) & 0x8000u);
+    a &= 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((a >> 13) & 0x3ffu);
+    if (a >= 0x477ff000u) return sign | 0x7c00u; /* >= 65520, or an infinity */
+    if (a >= 0x38800000u) {                      /* >= 2^-14: a normal float16 */
+        a -= 112u << 23;                         /* rebiased; rounding up may carry into the exponent */
+        return sign | (uint16_t)((a + 0xfffu + ((a >> 13) & 1u)) >> 13);
+    }
+    if (a <= 0x33000000u) return sign; /* <= 2^-25, half the smallest subnormal: a tie to even 0 */
+    /* A subnormal in units of 2^-24: the 24-bit significand shifted right by 126 - exponent (14..24). */
+    const uint32_t shift = 126u - (a >> 23), m = (a & 0x7fffffu) | 0x800000u;
+    const uint32_t h = m >> shift, rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    return sign | (uint16_t)(h + (rest > half || (rest == half && (h & 1u)))); /* 0x400: up to 2^-14 */
 }
 
 /* float32 -> bfloat16, to nearest even, as torch's .to(torch.bfloat16): the bias carries a
@@ -176,6 +202,83 @@ static inline uint16_t to_bf16(float x) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* float32 -> float16 as torch's .to(torch.float16): vcvtps2ph with the rounding in its
+ * immediate (MXCSR's mode and FTZ do not apply), or the integer routine above. */
+static inline uint16_t to_f16(float x) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    return f16_round_bits(x);
+#endif
+}
+
+/* Cache elements. Every caller passes elt as a constant into always_inline code, so each
+ * element type gets its own loops with no test inside them. */
+enum kv_elt { KV_F32, KV_BF16, KV_F16 };
+
+static inline int64_t kv_bytes(int64_t elems, const enum kv_elt elt) {
+    return elems * (elt != KV_F32 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
+}
+
+static inline const char *kv_at(const char *base, int64_t elems, const enum kv_elt elt) {
+    return base + kv_bytes(elems, elt);
+}
+
+static inline float kv_load(const char *p, int64_t i, const enum kv_elt elt) {
+    if (elt == KV_F32) return ((const float *)p)[i];
+    if (elt == KV_F16) {
+#if defined(__F16C__)
+        return _cvtsh_ss(((const uint16_t *)p)[i]);
+#else
+        return f16_widen_bits(((const uint16_t *)p)[i]);
+#endif
+    }
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f); /* folded into a register move: the dot products still vectorise */
+    return f;
+}
+
+static inline vf f16_widen_vec(const uint16_t *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif VW == 8 && defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    const vu h = __builtin_convertvector(*(const vbu *)p, vu);
+    vu o = (h & 0x7fffu) << 13;
+    const vu exp = o & F16_EXP, special = (vu)(exp == F16_EXP), tiny = (vu)(exp == 0);
+    o += (112u << 23) + (special & (112u << 23));
+    const vu renormal = (vu)((vf)(o + (1u << 23)) - 0x1p-14f); /* as f16_widen_bits */
+    o = (tiny & renormal) | (~tiny & o);
+    return (vf)(o | (h & 0x8000u) << 16);
+#endif
+}
+
+static inline vf kv_vec(const char *p, int64_t i, const enum kv_elt elt) {
+    if (elt == KV_F32) return *(const vfu *)((const float *)p + i);
+    if (elt == KV_F16) return f16_widen_vec((const uint16_t *)p + i);
+    return (vf)(__builtin_convertvector(*(const vbu *)((const uint16_t *)p + i), vu) << 16);
+}
+
+/* q . k over D elements. A float16 row is widened a vector at a time (a scalar conversion
+ * would keep the loop from vectorising); the other types' scalar loads vectorise as they are. */
+static inline __attribute__((always_inline)) float dot_qk(const float *q, const char *k, const int64_t D,
+                                                         const enum kv_elt elt) {
+    float dot = 0.f;
+    if (elt != KV_F16) {
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; d++) dot += q[d] * kv_load(k, d, elt);
+        return dot;
+    }
+    vf acc = {0};
+    int64_t d = 0;
+    for (; d + VW <= D; d += VW) acc += *(const vfu *)(q + d) * kv_vec(k, d, elt);
+    for (int i = 0; i < VW; i++) dot += acc[i];
+    for (; d < D; d++) dot += q[d] * kv_load(k, d, elt);
+    return dot;
+}
+
 /* acc[h] = acc[h] * rescale[h] + sum over the tile's tokens t of s[h][t] * V[t, KV head of h];
  * `ahead` prefetches the V rows whose K the score pass prefetched.
  * Head by head, a chunk of the accumulator stays in registers across the tile's tokens
@@ -183,15 +286,15 @@ static inline uint16_t to_bf16(float x) {
  * would bound the loop); V rows come from L1, where the score pass just brought the tile's K. */
 static inline __attribute__((always_inline)) void accumulate_v(
     const char *vb, int64_t ts, int64_t n, int64_t nk, int64_t group, const int64_t D, float (*s)[TILE],
-    const float *rescale, float *acc, Spread *ahead, const int bf16) {
+    const float *rescale, float *acc, Spread *ahead, const enum kv_elt elt) {
     for (int64_t h = 0; h < nk * group; h++) {
         spread_step(ahead);
         float *a = acc + h * D;
-        const char *vh = kv_at(vb, (h / group) * D, bf16);
+        const char *vh = kv_at(vb, (h / group) * D, elt);
         if (D % VW != 0) {
             for (int64_t d = 0; d < D; d++) a[d] *= rescale[h];
             for (int64_t t = 0; t < n; t++)
-                for (int64_t d = 0; d < D; d++) a[d] += s[h][t] * kv_load(vh, t * ts + d, bf16);
+                for (int64_t d = 0; d < D; d++) a[d] += s[h][t] * kv_load(vh, t * ts + d, elt);
             continue;
         }
         for (int64_t c = 0; c < D; c += VCHUNK * VW) {
@@ -200,7 +303,7 @@ static inline __attribute__((always_inline)) void accumulate_v(
             for (int64_t i = 0; i < nv; i++) r[i] = *(const vfu *)(a + c + i * VW) * rescale[h];
             for (int64_t t = 0; t < n; t++) {
                 const float w = s[h][t];
-                for (int64_t i = 0; i < nv; i++) r[i] += w * kv_vec(vh, t * ts + c + i * VW, bf16);
+                for (int64_t i = 0; i < nv; i++) r[i] += w * kv_vec(vh, t * ts + c + i * VW, elt);
             }
             for (int64_t i = 0; i < nv; i++) *(vfu *)(a + c + i * VW) = r[i];
         }
@@ -214,7 +317,7 @@ static inline __attribute__((always_inline)) void accumulate_v(
  * vector registers; the generic call serves any other size. */
 static inline __attribute__((always_inline)) void attend(
     const Paged *p, const float *q, int64_t lo, int64_t hi, int64_t nk, int64_t group, const int64_t D,
-    float scale, float cap, float *acc, float *m, float *l, const int bf16) {
+    float scale, float cap, float *acc, float *m, float *l, const enum kv_elt elt) {
     const int64_t nh = nk * group, ts = p->token_stride;
     float qs[MAX_TASK_FLOATS], s[MAX_TASK_HEADS][TILE], rescale[MAX_TASK_HEADS];
     for (int64_t i = 0; i < nh * D; i++) qs[i] = q[i] * scale;
@@ -226,25 +329,21 @@ static inline __attribute__((always_inline)) void attend(
         if (n > hi - pos) n = hi - pos;
         if (n > TILE) n = TILE;
         const int64_t base = row_at(p, pos);
-        const char *kb = kv_at(p->k, base, bf16), *vb = kv_at(p->v, base, bf16);
-        const int64_t row_bytes = kv_bytes(nk * D, bf16);
+        const char *kb = kv_at(p->k, base, elt), *vb = kv_at(p->v, base, elt);
+        const int64_t row_bytes = kv_bytes(nk * D, elt);
         const char *k_ahead[TILE], *v_ahead[TILE]; /* rows PREFETCH tokens ahead of this tile's */
         int64_t ahead = 0, t = 0;
         for (; PREFETCH > 0 && t < n && pos + t + PREFETCH < hi; t++, ahead++) {
             const int64_t at = row_at(p, pos + t + PREFETCH);
-            k_ahead[t] = kv_at(p->k, at, bf16), v_ahead[t] = kv_at(p->v, at, bf16);
+            k_ahead[t] = kv_at(p->k, at, elt), v_ahead[t] = kv_at(p->v, at, elt);
         }
         for (t = 0; t < n; t++) {
             Spread pf = spread(k_ahead + t, t < ahead, row_bytes, nh);
             for (int64_t kh = 0; kh < nk; kh++) {
-                const char *kp = kv_at(kb, t * ts + kh * D, bf16);
+                const char *kp = kv_at(kb, t * ts + kh * D, elt);
                 for (int64_t g = 0; g < group; g++) {
                     spread_step(&pf);
-                    const float *qh = qs + (kh * group + g) * D;
-                    float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qh[d] * kv_load(kp, d, bf16);
-                    s[kh * group + g][t] = dot;
+                    s[kh * group + g][t] = dot_qk(qs + (kh * group + g) * D, kp, D, elt);
                 }
             }
         }
@@ -269,16 +368,21 @@ static inline __attribute__((always_inline)) void attend(
             rescale[h] = corr;
         }
         Spread pv = spread(v_ahead, ahead, row_bytes, nh);
-        accumulate_v(vb, ts, n, nk, group, D, s, rescale, acc, &pv, bf16);
+        accumulate_v(vb, ts, n, nk, group, D, s, rescale, acc, &pv, elt);
         pos += n;
     }
 }
 
-static void run_task(const Task *task, const float *q, const char *k_cache, const char *v_cache,
-                     const int64_t *block_table, int64_t max_blocks, int64_t num_heads, int64_t group, int64_t D,
-                     int64_t block_size, int64_t token_stride, float scale, float cap, float *out, float *parts,
-                     const int bf16) {
-    const Paged p = {kv_at(k_cache, task->kh0 * D, bf16), kv_at(v_cache, task->kh0 * D, bf16),
+#define RUN_TASK_PARAMS                                                                                   \
+    const Task *task, const float *q, const char *k_cache, const char *v_cache, const int64_t *block_table, \
+        int64_t max_blocks, int64_t num_heads, int64_t group, int64_t D, int64_t block_size,                \
+        int64_t token_stride, float scale, float cap, float *out, float *parts
+#define RUN_TASK_ARGS                                                                                            \
+    task, q, k_cache, v_cache, block_table, max_blocks, num_heads, group, D, block_size, token_stride, scale, cap, \
+        out, parts
+
+static inline __attribute__((always_inline)) void run_task_as(RUN_TASK_PARAMS, const enum kv_elt elt) {
+    const Paged p = {kv_at(k_cache, task->kh0 * D, elt), kv_at(v_cache, task->kh0 * D, elt),
                      block_table + task->b * max_blocks, block_size, block_size * token_stride, token_stride};
     const int64_t h0 = task->kh0 * group, nh = task->nk * group;
     const float *qh = q + (task->b * num_heads + h0) * D;
@@ -287,20 +391,22 @@ static void run_task(const Task *task, const float *q, const char *k_cache, cons
     float *rec = task->part < 0 ? NULL : parts + task->part * num_heads * (D + 2);
     float *acc = rec ? rec + h0 * D : local;
     float *m = rec ? rec + num_heads * D + h0 : lm, *l = rec ? rec + num_heads * (D + 1) + h0 : ll;
-#define ATTEND(DIM, BF16) attend(&p, qh, task->lo, task->hi, task->nk, group, DIM, scale, cap, acc, m, l, BF16)
-    if (bf16) {
-        if (D == 64)
-            ATTEND(64, 1);
-        else if (D == 128)
-            ATTEND(128, 1);
-        else
-            ATTEND(D, 1);
-    } else if (D == 64)
-        ATTEND(64, 0);
-    else if (D == 128)
-        ATTEND(128, 0);
-    else
-        ATTEND(D, 0);
+#define ATTEND(DIM, ELT) attend(&p, qh, task->lo, task->hi, task->nk, group, DIM, scale, cap, acc, m, l, ELT)
+#define ATTEND_ANY_D(ELT)   \
+    if (D == 64)            \
+        ATTEND(64, ELT);    \
+    else if (D == 128)      \
+        ATTEND(128, ELT);   \
+    else                    \
+        ATTEND(D, ELT)
+    if (elt == KV_F16) {
+        ATTEND_ANY_D(KV_F16);
+    } else if (elt == KV_BF16) {
+        ATTEND_ANY_D(KV_BF16);
+    } else {
+        ATTEND_ANY_D(KV_F32);
+    }
+#undef ATTEND_ANY_D
 #undef ATTEND
     if (rec) return;
     float *oh = out + (task->b * num_heads + h0) * D;
@@ -308,6 +414,18 @@ static void run_task(const Task *task, const float *q, const char *k_cache, cons
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
         for (int64_t d = 0; d < D; d++) oh[h * D + d] = acc[h * D + d] * inv;
     }
+}
+
+/* float16's loops in a function of their own: compiled into one function with the float32 and
+ * bfloat16 loops, they changed those loops' register allocation (bf16 decode from a hot cache
+ * ran ~7 % slower). The select below tells the compiler run_task never sees float16. */
+static __attribute__((noinline)) void run_task_f16(RUN_TASK_PARAMS) { run_task_as(RUN_TASK_ARGS, KV_F16); }
+
+static void run_task(RUN_TASK_PARAMS, const enum kv_elt elt) {
+    if (elt == KV_F16)
+        run_task_f16(RUN_TASK_ARGS);
+    else
+        run_task_as(RUN_TASK_ARGS, elt == KV_BF16 ? KV_BF16 : KV_F32);
 }
 
 /* out[b] = sum over its chunks c of acc_c * e^(m_c - M) / sum of l_c * e^(m_c - M), M = max m_c. */
@@ -332,15 +450,36 @@ static void merge(const float *parts, int64_t first, int64_t count, int64_t num_
     }
 }
 
+/* float32 rows -> float16, a vector at a time where vcvtps2ph is built in (to nearest even by
+ * its immediate, as to_f16), the tail one by one. */
+static void to_f16_row(uint16_t *dst, const float *row, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16)
+        _mm256_storeu_si256((__m256i *)(dst + j),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(row + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+#if defined(__F16C__)
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(dst + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(row + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; j < n; j++) dst[j] = to_f16(row[j]);
+}
+
 static void write_rows(void *cache, const float *rows, const int64_t *slots, int64_t n, int64_t token_stride,
-                       int bf16) {
+                       enum kv_elt elt) {
     for (int64_t i = 0; i < n; i++) {
         const float *row = rows + i * token_stride;
-        if (!bf16) {
+        if (elt == KV_F32) {
             memcpy((float *)cache + slots[i] * token_stride, row, sizeof(float) * (size_t)token_stride);
             continue;
         }
         uint16_t *dst = (uint16_t *)cache + slots[i] * token_stride;
+        if (elt == KV_F16) {
+            to_f16_row(dst, row, token_stride);
+            continue;
+        }
         for (int64_t j = 0; j < token_stride; j++) dst[j] = to_bf16(row[j]);
     }
 }
@@ -383,16 +522,15 @@ static void fill_tasks(Task *tasks, int64_t *first_part, const int64_t *seq_lens
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing computed).
- * cap > 0: scores are soft-capped (see soft_cap); 0: as they are. bf16: the caches' elements
- * are bfloat16, else float32. */
+ * cap > 0: scores are soft-capped (see soft_cap); 0: as they are. elt: the caches' element type. */
 static int paged_decode(const float *q, void *k_cache, void *v_cache, const int64_t *block_table,
                         const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
                         int num_threads, const float *k_new, const float *v_new, const int64_t *slots,
-                        int64_t num_new, float cap, int bf16) {
+                        int64_t num_new, float cap, enum kv_elt elt) {
     const int64_t group = num_heads / num_kv_heads, D = head_dim, token_stride = num_kv_heads * D;
-    write_rows(k_cache, k_new, slots, num_new, token_stride, bf16);
-    write_rows(v_cache, v_new, slots, num_new, token_stride, bf16);
+    write_rows(k_cache, k_new, slots, num_new, token_stride, elt);
+    write_rows(v_cache, v_new, slots, num_new, token_stride, elt);
     /* KV heads per task: all of them for the usual shapes (12 x 64 floats of queries for Llama-small). */
     int64_t nk = num_kv_heads;
     while (nk > 1 && (nk * group * D > MAX_TASK_FLOATS || nk * group > MAX_TASK_HEADS)) nk = (nk + 1) / 2;
@@ -418,7 +556,7 @@ static int paged_decode(const float *q, void *k_cache, void *v_cache, const int6
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_tasks; i++)
             run_task(&tasks[i], q, k_cache, v_cache, block_table, max_blocks, num_heads, group, D, block_size,
-                     token_stride, scale, cap, out, parts, bf16);
+                     token_stride, scale, cap, out, parts, elt);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < batch; b++)
             if (first_part[b + 1] > first_part[b])
@@ -429,8 +567,8 @@ static int paged_decode(const float *q, void *k_cache, void *v_cache, const int6
     return 0;
 }
 
-/* The entry points: float32 or bfloat16 caches, with or without soft-capping. The uncapped
- * ones are what worker/csrc/decoder_f32.c calls through a pointer (its attn). */
+/* The entry points: float32, bfloat16 or float16 caches, with or without soft-capping. The
+ * uncapped ones are what worker/csrc/decoder_f32.c calls through a pointer (its attn). */
 #define PAGED_DECODE_PARAMS(T)                                                                                    \
     const float *q, T *k_cache, T *v_cache, const int64_t *block_table, const int64_t *seq_lens, float *out,      \
         int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,             \
@@ -440,12 +578,20 @@ static int paged_decode(const float *q, void *k_cache, void *v_cache, const int6
     q, k_cache, v_cache, block_table, seq_lens, out, batch, num_heads, num_kv_heads, head_dim, block_size,     \
         max_blocks, scale, window, num_threads, k_new, v_new, slots, num_new
 
-int paged_decode_capped_f32(PAGED_DECODE_PARAMS(float), float cap) { return paged_decode(PAGED_DECODE_ARGS, cap, 0); }
-
-int paged_decode_f32(PAGED_DECODE_PARAMS(float)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, 0); }
-
-int paged_decode_capped_bf16(PAGED_DECODE_PARAMS(uint16_t), float cap) {
-    return paged_decode(PAGED_DECODE_ARGS, cap, 1);
+int paged_decode_capped_f32(PAGED_DECODE_PARAMS(float), float cap) {
+    return paged_decode(PAGED_DECODE_ARGS, cap, KV_F32);
 }
 
-int paged_decode_bf16(PAGED_DECODE_PARAMS(uint16_t)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, 1); }
+int paged_decode_f32(PAGED_DECODE_PARAMS(float)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, KV_F32); }
+
+int paged_decode_capped_bf16(PAGED_DECODE_PARAMS(uint16_t), float cap) {
+    return paged_decode(PAGED_DECODE_ARGS, cap, KV_BF16);
+}
+
+int paged_decode_bf16(PAGED_DECODE_PARAMS(uint16_t)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, KV_BF16); }
+
+int paged_decode_capped_f16(PAGED_DECODE_PARAMS(uint16_t), float cap) {
+    return paged_decode(PAGED_DECODE_ARGS, cap, KV_F16);
+}
+
+int paged_decode_f16(PAGED_DECODE_PARAMS(uint16_t)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, KV_F16); }

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from noria.worker import gemm_bf16_kernels, gemm_kernels
-from noria.worker.gemm_bf16_kernels import PackedBF16Weight
+from noria.worker.gemm_bf16_kernels import PackedHalfWeight
 from noria.worker.gemm_kernels import PackedWeight
 from noria.worker.models.parallel import TensorParallel
 
@@ -45,32 +45,33 @@ class PackedLinear:
         return gemm_kernels.gemm(x, self.packed, bias)
 
 
-class PackedBF16Linear:
-    """The native GEMM over a bf16 copy of W (worker/gemm_bf16_kernels.py): float32 in and out,
-    half the weight bytes per call; each output is PackedLinear's over the bf16-rounded W."""
+class PackedHalfLinear:
+    """The native GEMM over a bf16 or f16 copy of W (worker/gemm_bf16_kernels.py): float32 in and
+    out, half the weight bytes per call; in the widening layouts each output is PackedLinear's
+    over the rounded W."""
 
-    kind = "packed_bf16"
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.packed = PackedBF16Weight(weight)
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.packed = PackedHalfWeight(weight, gemm_bf16_kernels.layout(dtype))
+        self.kind = "packed_f16" if dtype == torch.float16 else "packed_bf16"
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return gemm_bf16_kernels.gemm_bf16(x, self.packed, bias)
 
 
-LinearOp = TorchLinear | PackedLinear | PackedBF16Linear
+LinearOp = TorchLinear | PackedLinear | PackedHalfLinear
 
 
 def linear_op(weight: torch.Tensor, weights: torch.dtype | None = None) -> LinearOp:
     """The kind for a float32 weight on the CPU while worker/cpu_ops.py has the gemm family native:
-    packed in bf16 where `weights` asks for bfloat16 weights, else packed as it is; torch elsewhere."""
-    if weights == torch.bfloat16 and gemm_bf16_kernels.usable(weight):
-        return PackedBF16Linear(weight)
+    packed in 16 bits where `weights` asks for bfloat16 or float16 weights, else packed as it
+    is; torch elsewhere."""
+    if weights in (torch.bfloat16, torch.float16) and gemm_bf16_kernels.usable(weight):
+        return PackedHalfLinear(weight, weights)
     return PackedLinear(weight) if gemm_kernels.usable(weight) else TorchLinear(weight)
 
 
-def packed(op: LinearOp) -> PackedWeight | PackedBF16Weight | None:
-    return op.packed if isinstance(op, (PackedLinear, PackedBF16Linear)) else None
+def packed(op: LinearOp) -> PackedWeight | PackedHalfWeight | None:
+    return op.packed if isinstance(op, (PackedLinear, PackedHalfLinear)) else None
 
 
 def panels(op: LinearOp) -> int | None:
@@ -94,8 +95,8 @@ class Linear(nn.Module):
         if self.weight.is_meta:
             return  # packed already (a MoE block packs its shared expert, and the model every Linear)
         self.op = linear_op(self.weight, weights)
-        if isinstance(self.op, (PackedLinear, PackedBF16Linear)):
-            kept = torch.bfloat16 if isinstance(self.op, PackedBF16Linear) else self.weight.dtype
+        if isinstance(self.op, (PackedLinear, PackedHalfLinear)):
+            kept = self.op.packed.dtype if isinstance(self.op, PackedHalfLinear) else self.weight.dtype
             self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=kept, device="meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from noria.worker import moe_kernels
 from noria.worker.models.linear import (
     Linear,
     LinearOp,
-    PackedBF16Linear,
+    PackedHalfLinear,
     TorchLinear,
     linear_op,
     packed,
@@ -60,10 +60,9 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def _meta(p: nn.Parameter, bf16: bool) -> nn.Parameter:
-    """p's shape and dtype (bf16 where the panels are), no bytes."""
-    return nn.Parameter(torch.empty(p.shape, dtype=torch.bfloat16 if bf16 else p.dtype, device="meta"),
-                        requires_grad=False)
+def _meta(p: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
+    """p's shape in the panels' dtype, no bytes."""
+    return nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=False)
 
 
 class SparseMoeBlock(nn.Module):
@@ -150,9 +149,10 @@ class SparseMoeBlock(nn.Module):
         self.down_ops = [linear_op(w, weights) for w in self.experts_down]
         if all(packed(op) is not None for op in self.gate_up_ops + self.down_ops):
             # As Linear.pack: the panels are the only copy kept (`packed(op).unpack()` gives it back).
-            bf16 = all(isinstance(op, PackedBF16Linear) for op in self.gate_up_ops)
-            self.experts_gate_up = _meta(self.experts_gate_up, bf16)
-            self.experts_down = _meta(self.experts_down, bf16)
+            first = self.gate_up_ops[0]
+            kept = first.packed.dtype if isinstance(first, PackedHalfLinear) else self.experts_gate_up.dtype
+            self.experts_gate_up = _meta(self.experts_gate_up, kept)
+            self.experts_down = _meta(self.experts_down, kept)
         for shared in (self.shared_gate_up, self.shared_down):
             if shared is not None:
                 shared.pack(weights)

@@ -1,0 +1,530 @@
+/* Float32 y = x @ W^T (+ bias) over bfloat16 weights with Intel AMX-BF16 tiles
+ * (Sapphire Rapids and later), for the CPU linear layers' bf16 weights.
+ *
+ * Same arguments and same packed W as gemm_bf16_dot in gemm_bf16.c (read that
+ * first): the "dot" panels [ceil(N / 32), ceil(K / 2), 32, 2] of bf16 bits,
+ * k-pairs in 32-bit lanes, which is AMX's VNNI layout already. One pair-row of a
+ * panel is 32 features x 2 bf16 = 128 bytes, so the panel's two 16-feature
+ * halves are two B tiles (16 pair-rows x 64 bytes) loaded with a 128-byte
+ * stride, the second 64 bytes after the first. x is rounded to bf16 (nearest
+ * even, a NaN stays NaN: gemm_bf16.c's routine) into thread-local scratch as
+ * pairs, the rows padded with zeros to a multiple of 16 and the pairs to a
+ * multiple of 16 (32 bf16, one A tile row of 64 bytes), so an A tile never
+ * reads past the scratch; the last, partial k-block of a panel is copied into
+ * a zeroed 2 KiB buffer before its B tiles load, so nothing reads past W; C
+ * tiles are stored into a small buffer and only the valid rows and columns,
+ * plus the bias (after the sum, as torch's addmm), reach y. Zero padding only
+ * ever meets zero padding (padded k of x against padded k of W), or lands in
+ * rows / columns that are thrown away, so a NaN or an infinity can't leak.
+ *
+ * Blocking: threads split the panels (never K, never M), as gemm_bf16.c, so a
+ * result depends neither on the thread count nor on the batch's other rows.
+ * Within a thread: rows in blocks of MB, panels inner (a block's rounded rows
+ * stay in L2 while its panels stream by); within a panel, rows by 32: two A
+ * tiles (rows 0-15, 16-31) x two B tiles (features 0-15, 16-31) -> four C tiles
+ * (tmm0-3) held over the whole K loop, 16 k-pairs per step (A in tmm4-5, B in
+ * tmm6-7: all eight tiles 16 rows x 64 bytes, one configuration). A last block
+ * of 16 rows uses one A tile and two C tiles. Every output is summed over its
+ * k-blocks in order, by the same instruction sequence whatever M or the thread
+ * split, hence the invariances. MB is not tuned on AMX hardware (none here).
+ *
+ * The tile operations go through TILE_* macros with two implementations picked
+ * at compile time; everything above them is the same code:
+ * - -DNORIA_AMX_EMULATE: plain C on a thread-local array of 8 tile registers of
+ *   1 KiB, honoring each tile's rows / colsb from the configuration (loads zero
+ *   the rest of a register, as the hardware does) and checking the operand
+ *   shapes where the hardware would fault (#UD / #GP here: abort with a
+ *   message). TDPBF16PS follows the SDM's pseudo-code (Vol. 2B): per row m of
+ *   C, two float32 accumulators per column n (even and odd bf16 of the pairs),
+ *   zeroed, then for each k-pair of the tile, for each column, the FMA of the
+ *   even products into the even accumulator and of the odd ones into the odd
+ *   one; then per column tmp = even + odd and C[m][n] = C[m][n] + tmp. (The
+ *   Intrinsics Guide's pseudo-code differs: one chain through C itself. We
+ *   follow the SDM, the architectural reference.) The SDM's "DAZ=FTZ=1, RNE" is
+ *   applied to every FMA and add: an input (bf16 value, accumulator, C element)
+ *   with a zero exponent field counts as a zero of its sign; a result that is
+ *   tiny -- below 2^-126 in magnitude once rounded to 24 bits with unbounded
+ *   exponent, which is x86's MXCSR.FTZ rule (tininess after rounding) -- becomes
+ *   a zero of its sign. Infinities and NaNs propagate (which NaN is not modelled).
+ * - otherwise the _tile_* intrinsics of <immintrin.h> (-mamx-tile -mamx-bf16).
+ *   GCC's tile load / store macros are asm statements without a memory clobber,
+ *   so the macros fence them with compiler barriers: stores into the staging
+ *   buffer can't sink below a tile load, nor reads of the C buffer rise above a
+ *   tile store.
+ *
+ * Tile state: each thread loads the configuration on entry to its share of a
+ * call and releases the tiles when done (tilerelease). Not once per thread for
+ * good: other AMX users on the same threads (oneDNN inside torch) load their own
+ * configurations and release between our calls, so a remembered "configured"
+ * flag would go stale (wrong shapes, or #UD after their release). ldtilecfg
+ * costs far less than one 32 x 32 x K block. Before the first tile instruction
+ * Linux needs the process to ask for the tile data state
+ * (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), else SIGILL);
+ * gemm_amx_ready() asks once per process and says whether it was granted.
+ *
+ * x:      [M, K] float32, row stride ldx
+ * packed: [ceil(N / 32), ceil(K / 2), 32, 2] bf16 bits (pack_bf16_dot with NR = 32)
+ * bias:   [N] float32 or NULL
+ * y:      [M, N] float32, row stride ldy
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <errno.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the pair lanes assume a little-endian CPU"
+#endif
+
+#if !defined(NORIA_AMX_EMULATE) && defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX_REAL 1
+#include <immintrin.h>
+#endif
+
+#define NR 32         /* features per panel: the dot layout on AVX-512 hosts */
+#define TR 16         /* rows of a tile */
+#define TK 16         /* k-pairs of an A tile row, pair-rows of a B tile (64 bytes) */
+#define PAIR_ROW (2 * NR) /* bf16 values per pair-row of a panel (128 bytes) */
+#define MB 128        /* rows per block (a multiple of 32) */
+
+/* ldtilecfg's 64-byte operand, palette 1. */
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+_Static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
+
+int gemm_amx_built(void) {
+#ifdef AMX_REAL
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int gemm_amx_emulated(void) {
+#ifdef NORIA_AMX_EMULATE
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---- whether the CPU and the OS let this process run tile instructions ---- */
+
+static int ready_state = -1; /* -1 not asked yet, 0 no, 1 yes */
+static const char *ready_reason = "not checked";
+
+static void check_ready(void) {
+#if defined(__x86_64__) && defined(__linux__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) {
+        ready_reason = "the CPU has no AMX-TILE / AMX-BF16 (CPUID.(7,0):EDX bits 24, 22)";
+        return;
+    }
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) {
+        ready_reason = "the OS has not enabled XSAVE (CPUID.1:ECX.OSXSAVE)";
+        return;
+    }
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) {
+        ready_reason = "the OS has not enabled the tile state in XCR0 (Linux before 5.16?)";
+        return;
+    }
+    /* ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18; process-wide. */
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
+        ready_reason = errno == ENOSPC
+            ? "arch_prctl(ARCH_REQ_XCOMP_PERM) refused: a thread's sigaltstack is too small for the tile state"
+            : "arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) refused by the kernel";
+        return;
+    }
+    unsigned long granted = 0; /* ARCH_GET_XCOMP_PERM = 0x1022 */
+    if (syscall(SYS_arch_prctl, 0x1022, &granted) != 0 || !(granted & (1ul << 18))) {
+        ready_reason = "the kernel did not grant the tile data state";
+        return;
+    }
+    ready_reason = "ready";
+    __atomic_store_n(&ready_state, 1, __ATOMIC_RELEASE);
+    return;
+#else
+    ready_reason = "AMX needs x86-64 Linux";
+#endif
+}
+
+/* Whether the CPU has AMX-BF16 and Linux granted the tile data state (asked once
+ * per process; asking again is harmless, so racing first callers are fine). */
+int gemm_amx_ready(void) {
+    int s = __atomic_load_n(&ready_state, __ATOMIC_ACQUIRE);
+    if (s < 0) {
+        check_ready();
+        if (__atomic_load_n(&ready_state, __ATOMIC_ACQUIRE) != 1) __atomic_store_n(&ready_state, 0, __ATOMIC_RELEASE);
+        s = __atomic_load_n(&ready_state, __ATOMIC_ACQUIRE);
+    }
+    return s;
+}
+
+const char *gemm_amx_ready_reason(void) {
+    gemm_amx_ready();
+    return ready_reason;
+}
+
+/* ---- the tile operations: the one place the two builds differ ---- */
+
+#ifdef NORIA_AMX_EMULATE
+
+static _Thread_local struct {
+    int configured;
+    TileConfig cfg;
+    _Alignas(64) uint8_t reg[8][TR][64];
+} emu;
+
+static void emu_fault(const char *what) {
+    fprintf(stderr, "gemm_amx (emulated tiles): %s\n", what);
+    abort();
+}
+
+static void emu_config(const TileConfig *cfg) {
+    if (cfg->palette_id > 1 || cfg->start_row != 0) emu_fault("#GP in ldtilecfg: palette or start_row");
+    for (int i = 0; i < 14; i++)
+        if (cfg->reserved[i]) emu_fault("#GP in ldtilecfg: reserved bytes set");
+    for (int t = 0; t < 16; t++) {
+        const int r = cfg->rows[t], cb = cfg->colsb[t];
+        if (t >= 8 || cfg->palette_id == 0) {
+            if (r || cb) emu_fault("#GP in ldtilecfg: a tile outside the palette configured");
+        } else if (r > TR || cb > 64 || (r == 0) != (cb == 0)) {
+            emu_fault("#GP in ldtilecfg: a tile's rows / colsb");
+        }
+    }
+    emu.cfg = *cfg;
+    emu.configured = cfg->palette_id == 1;
+    memset(emu.reg, 0, sizeof emu.reg); /* ldtilecfg zeroes the tile data */
+}
+
+static void emu_release(void) {
+    emu.configured = 0;
+    memset(&emu.cfg, 0, sizeof emu.cfg);
+    memset(emu.reg, 0, sizeof emu.reg);
+}
+
+static void emu_need(int t) {
+    if (!emu.configured || emu.cfg.rows[t] == 0) emu_fault("#UD: a tile instruction on an unconfigured tile");
+}
+
+static void emu_load(int t, const void *base, int64_t stride) {
+    emu_need(t);
+    const int rows = emu.cfg.rows[t], cb = emu.cfg.colsb[t];
+    memset(emu.reg[t], 0, sizeof emu.reg[t]);
+    for (int r = 0; r < rows; r++) memcpy(emu.reg[t][r], (const char *)base + r * stride, (size_t)cb);
+}
+
+static void emu_store(int t, void *base, int64_t stride) {
+    emu_need(t);
+    const int rows = emu.cfg.rows[t], cb = emu.cfg.colsb[t];
+    for (int r = 0; r < rows; r++) memcpy((char *)base + r * stride, emu.reg[t][r], (size_t)cb);
+}
+
+static void emu_zero(int t) {
+    emu_need(t);
+    memset(emu.reg[t], 0, sizeof emu.reg[t]);
+}
+
+/* DAZ: a zero exponent field counts as a zero of its sign (NaN and inf pass). */
+static inline float daz(float v) { return fabsf(v) < FLT_MIN ? copysignf(0.0f, v) : v; }
+
+/* The bf16 element's float32 (make_fp32), DAZ applied. */
+static inline float bf16_in(uint16_t h) {
+    if ((h & 0x7f80u) == 0) h &= 0x8000u;
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* FTZ of an IEEE-rounded result r, on the terms of the SDM (and MXCSR.FTZ):
+ * zero when tiny after rounding. r below 2^-126 means the exact value was below
+ * 2^-126 - 2^-150, tiny either way. */
+static inline float ftz(float r) { return fabsf(r) < FLT_MIN ? copysignf(0.0f, r) : r; }
+
+/* c + a * b, one rounding (RNE), DAZ on a, b, c, FTZ on the result. */
+static float fma_daz_ftz(float a, float b, float c) {
+    a = daz(a), b = daz(b), c = daz(c);
+    const float r = fmaf(a, b, c);
+    if (fabsf(r) < FLT_MIN) return copysignf(0.0f, r);
+    if (fabsf(r) == FLT_MIN && a != 0.0f && b != 0.0f) {
+        /* IEEE rounding onto the subnormal grid took an exact value in
+         * [2^-126 - 2^-150, 2^-126) up to 2^-126, but at 24 bits with unbounded
+         * exponent the values below 2^-126 - 2^-151 round to 2^-126 - 2^-150:
+         * tiny, so flushed. Redo the FMA 2^24 times larger, an exact scaling
+         * (an a or c past 2^104, which would overflow, can't end this close to
+         * 2^-126: its lowest bits lie far above it), to see which. */
+        const float s = fmaf(a * 0x1p24f, b, c * 0x1p24f);
+        if (fabsf(s) < 0x1p-102f) return copysignf(0.0f, r);
+    }
+    return r;
+}
+
+/* a + b, DAZ in, FTZ out. A sum that lands below 2^-126 is exact (both are
+ * normal or zero), so tininess before or after rounding agree. */
+static inline float add_daz_ftz(float a, float b) { return ftz(daz(a) + daz(b)); }
+
+/* TDPBF16PS c, a, b per the SDM. */
+static void emu_dpbf16ps(int c, int a, int b) {
+    emu_need(c), emu_need(a), emu_need(b);
+    const TileConfig *k = &emu.cfg;
+    if (c == a || c == b || a == b) emu_fault("#UD in tdpbf16ps: tiles not all different");
+    if (k->colsb[c] % 4 || k->colsb[a] % 4 || k->colsb[c] != k->colsb[b] || k->colsb[a] / 4 != k->rows[b] ||
+        k->rows[c] != k->rows[a])
+        emu_fault("#UD in tdpbf16ps: operand shapes do not match");
+    const int rows = k->rows[c], pairs = k->colsb[a] / 4, cols = k->colsb[c] / 4;
+    for (int m = 0; m < rows; m++) {
+        float temp[32] = {0};
+        const uint16_t *arow = (const uint16_t *)emu.reg[a][m];
+        for (int kk = 0; kk < pairs; kk++) {
+            const float a0 = bf16_in(arow[2 * kk]), a1 = bf16_in(arow[2 * kk + 1]);
+            const uint16_t *brow = (const uint16_t *)emu.reg[b][kk];
+            for (int n = 0; n < cols; n++) {
+                temp[2 * n] = fma_daz_ftz(a0, bf16_in(brow[2 * n]), temp[2 * n]);
+                temp[2 * n + 1] = fma_daz_ftz(a1, bf16_in(brow[2 * n + 1]), temp[2 * n + 1]);
+            }
+        }
+        float *crow = (float *)emu.reg[c][m];
+        for (int n = 0; n < cols; n++) crow[n] = add_daz_ftz(crow[n], add_daz_ftz(temp[2 * n], temp[2 * n + 1]));
+    }
+}
+
+#define TILE_CONFIG(cfg) emu_config(cfg)
+#define TILE_RELEASE() emu_release()
+#define TILE_LOAD(t, base, stride) emu_load((t), (base), (stride))
+#define TILE_STORE(t, base, stride) emu_store((t), (base), (stride))
+#define TILE_ZERO(t) emu_zero(t)
+#define TILE_DP(c, a, b) emu_dpbf16ps((c), (a), (b))
+#define HAVE_TILES 1
+
+#elif defined(AMX_REAL)
+
+#define BARRIER() __asm__ volatile("" ::: "memory")
+#define TILE_CONFIG(cfg) do { BARRIER(); _tile_loadconfig(cfg); BARRIER(); } while (0)
+#define TILE_RELEASE() do { BARRIER(); _tile_release(); BARRIER(); } while (0)
+#define TILE_LOAD(t, base, stride) do { BARRIER(); _tile_loadd(t, (base), (stride)); BARRIER(); } while (0)
+#define TILE_STORE(t, base, stride) do { BARRIER(); _tile_stored(t, (base), (stride)); BARRIER(); } while (0)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#define HAVE_TILES 1
+
+#endif
+
+/* ---- everything below is the same code for both builds ---- */
+
+#ifdef HAVE_TILES
+
+/* All eight tiles 16 rows x 64 bytes. */
+static const TileConfig kernel_config = {
+    .palette_id = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {TR, TR, TR, TR, TR, TR, TR, TR},
+};
+
+/* float32 -> bf16 bits, rounded to nearest even; a NaN stays a (quiet) NaN.
+ * gemm_bf16.c's to_bf16, which is torch's rounding: keep the two the same. */
+static inline uint32_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* Rows [m0, m1) of the padded A operand: row m < M is x's row as bf16 pairs (k even
+ * in the low half, an odd K's last pair padded with 0), zeros from pair K2 to K2p;
+ * rows from M on are zeros. */
+static void round_rows(const float *x, int64_t ldx, uint32_t *x2, int64_t M, int64_t K, int64_t K2p, int64_t m0,
+                       int64_t m1) {
+    const int64_t K2 = (K + 1) / 2;
+    for (int64_t m = m0; m < m1; m++) {
+        uint32_t *dst = x2 + m * K2p;
+        if (m >= M) {
+            memset(dst, 0, sizeof(uint32_t) * (size_t)K2p);
+            continue;
+        }
+        const float *src = x + m * ldx;
+        for (int64_t k = 0; k + 1 < K; k += 2) dst[k / 2] = to_bf16(src[k]) | to_bf16(src[k + 1]) << 16;
+        if (K % 2) dst[K2 - 1] = to_bf16(src[K - 1]);
+        memset(dst + K2, 0, sizeof(uint32_t) * (size_t)(K2p - K2));
+    }
+}
+
+static _Thread_local uint32_t *scratch;
+static _Thread_local size_t scratch_size;
+
+static uint32_t *scratch_for(size_t bytes) {
+    if (bytes > scratch_size) {
+        free(scratch);
+        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (scratch == NULL) {
+            fprintf(stderr, "gemm_amx: out of memory for %zu bytes of rounded activations\n", bytes);
+            abort();
+        }
+        scratch_size = bytes;
+    }
+    return scratch;
+}
+
+/* 32 rows (two = 1) or 16 rows (two = 0) of A, from `a` (row stride K2p pairs),
+ * against one panel: c[r][j] for r < 32 (or 16), j < 32. `blocks` k-blocks of 16
+ * pairs; block kb < full is in the panel, the last one (if any) in `tail`. */
+static inline __attribute__((always_inline)) void rows_x_panel(
+    const uint32_t *a, int64_t K2p, const uint16_t *panel, int64_t full, int64_t blocks, const uint16_t *tail,
+    const int two, float c[2 * TR][NR]) {
+    const int64_t sa = K2p * (int64_t)sizeof(uint32_t), sb = PAIR_ROW * (int64_t)sizeof(uint16_t);
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    if (two) {
+        TILE_ZERO(2);
+        TILE_ZERO(3);
+    }
+    for (int64_t kb = 0; kb < blocks; kb++) {
+        const uint16_t *b = kb < full ? panel + kb * TK * PAIR_ROW : tail;
+        TILE_LOAD(6, b, sb);      /* features 0-15 */
+        TILE_LOAD(7, b + NR, sb); /* features 16-31: the second 64 bytes of each pair-row */
+        TILE_LOAD(4, a + kb * TK, sa);
+        TILE_DP(0, 4, 6);
+        TILE_DP(1, 4, 7);
+        if (two) {
+            TILE_LOAD(5, a + TR * K2p + kb * TK, sa);
+            TILE_DP(2, 5, 6);
+            TILE_DP(3, 5, 7);
+        }
+    }
+    const int64_t sc = NR * (int64_t)sizeof(float);
+    TILE_STORE(0, &c[0][0], sc);
+    TILE_STORE(1, &c[0][TR], sc);
+    if (two) {
+        TILE_STORE(2, &c[TR][0], sc);
+        TILE_STORE(3, &c[TR][TR], sc);
+    }
+}
+
+/* Panels [p0, p1) for all rows, on the calling thread, tiles configured. */
+static void panel_range(const uint32_t *x2, int64_t K2p, const uint16_t *packed, const float *bias, float *y,
+                        int64_t ldy, int64_t M, int64_t Mp, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+    const int64_t K2 = (K + 1) / 2, psize = K2 * PAIR_ROW, full = K2 / TK, blocks = K2p / TK;
+    _Alignas(64) uint16_t tail[TK * PAIR_ROW]; /* the partial k-block, zero-padded: 2 KiB */
+    _Alignas(64) float c[2 * TR][NR];
+    for (int64_t m0 = 0; m0 < Mp; m0 += MB) {
+        const int64_t m1 = Mp - m0 < MB ? Mp : m0 + MB;
+        for (int64_t p = p0; p < p1; p++) {
+            const uint16_t *panel = packed + p * psize;
+            if (blocks > full) {
+                const int64_t rest = K2 - full * TK;
+                memset(tail, 0, sizeof tail);
+                memcpy(tail, panel + full * TK * PAIR_ROW, sizeof(uint16_t) * (size_t)(rest * PAIR_ROW));
+            }
+            const int64_t n0 = p * NR, ncols = N - n0 < NR ? N - n0 : NR;
+            for (int64_t r0 = m0; r0 < m1; r0 += 2 * TR) {
+                const int two = r0 + TR < m1;
+                if (two)
+                    rows_x_panel(x2 + r0 * K2p, K2p, panel, full, blocks, tail, 1, c);
+                else
+                    rows_x_panel(x2 + r0 * K2p, K2p, panel, full, blocks, tail, 0, c);
+                const int64_t h = M - r0 < 2 * TR ? M - r0 : 2 * TR;
+                for (int64_t r = 0; r < h; r++) {
+                    float *out = y + (r0 + r) * ldy + n0;
+                    if (bias == NULL)
+                        memcpy(out, c[r], sizeof(float) * (size_t)ncols);
+                    else
+                        for (int64_t j = 0; j < ncols; j++) out[j] = c[r][j] + bias[n0 + j];
+                }
+            }
+        }
+    }
+}
+
+static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
+    int64_t tid = 0, nth = 1;
+#ifdef _OPENMP
+    tid = omp_get_thread_num();
+    nth = omp_get_num_threads();
+#endif
+    *lo = n * tid / nth, *hi = n * (tid + 1) / nth;
+}
+
+#endif /* HAVE_TILES */
+
+/* Same arguments as gemm_bf16_dot; `packed` from pack_bf16_dot with NR = 32. */
+void gemm_amx(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy,
+              int64_t M, int64_t N, int64_t K, int num_threads) {
+#ifdef HAVE_TILES
+#ifdef AMX_REAL
+    if (!gemm_amx_ready()) {
+        fprintf(stderr, "gemm_amx: AMX is not usable here (%s); check gemm_amx_ready\n", ready_reason);
+        abort();
+    }
+#endif
+    if (M <= 0 || N <= 0) return;
+    const int64_t panels = (N + NR - 1) / NR, K2 = (K + 1) / 2;
+    const int64_t K2p = (K2 + TK - 1) / TK * TK, Mp = (M + TR - 1) / TR * TR;
+    const size_t bytes = sizeof(uint32_t) * (size_t)(Mp * K2p);
+    uint32_t *x2 = bytes ? scratch_for(bytes) : NULL;
+    const int threads = panels < num_threads ? (int)panels : (num_threads > 0 ? num_threads : 1);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t m0, m1, p0, p1;
+        thread_share(Mp, &m0, &m1);
+        if (x2 != NULL) round_rows(x, ldx, x2, M, K, K2p, m0, m1);
+#pragma omp barrier
+        thread_share(panels, &p0, &p1);
+        TILE_CONFIG(&kernel_config);
+        panel_range(x2, K2p, packed, bias, y, ldy, M, Mp, N, K, p0, p1);
+        TILE_RELEASE();
+    }
+#else
+    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)num_threads;
+    fprintf(stderr, "gemm_amx: built without AMX tiles (check gemm_amx_built)\n");
+    abort();
+#endif
+}
+
+/* One TDPBF16PS through the same macros, for the tests: C (rows x cols float32,
+ * row-major) += A (rows x pairs bf16 pairs) . B (pairs x cols bf16 pairs), into
+ * `out`. Tiles 0 (C), 1 (A), 2 (B) configured to exactly these shapes. Returns
+ * 0, or -1 for a shape outside 1..16, or -2 where the tiles can't run. */
+int gemm_amx_tile_dp(const float *c, const uint16_t *a, const uint16_t *b, float *out, int rows, int pairs,
+                     int cols) {
+    if (rows < 1 || rows > TR || pairs < 1 || pairs > TK || cols < 1 || cols > 16) return -1;
+#ifdef HAVE_TILES
+#ifdef AMX_REAL
+    if (!gemm_amx_ready()) return -2;
+#endif
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    cfg.rows[0] = (uint8_t)rows, cfg.colsb[0] = (uint16_t)(4 * cols);
+    cfg.rows[1] = (uint8_t)rows, cfg.colsb[1] = (uint16_t)(4 * pairs);
+    cfg.rows[2] = (uint8_t)pairs, cfg.colsb[2] = (uint16_t)(4 * cols);
+    TILE_CONFIG(&cfg);
+    TILE_LOAD(0, c, 4 * cols);
+    TILE_LOAD(1, a, 4 * pairs);
+    TILE_LOAD(2, b, 4 * cols);
+    TILE_DP(0, 1, 2);
+    TILE_STORE(0, out, 4 * cols);
+    TILE_RELEASE();
+    return 0;
+#else
+    (void)c, (void)a, (void)b, (void)out;
+    return -2;
+#endif
+}
