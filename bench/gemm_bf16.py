@@ -1,16 +1,16 @@
-"""The CPU GEMM over bf16 weights against the float32 one, on the "small" model's shapes.
+"""The CPU GEMM over 16-bit weights against the float32 one, on the "small" model's shapes.
 
 `python -m noria.bench.gemm_bf16`: per shape (K = 768; N = 1536 qkv, 768 o, 4096 gate_up,
 32000 lm head) and row count, the median time of each native kernel (worker/gemm_kernels.py,
-and worker/gemm_bf16_kernels.py in each layout this CPU builds: "widen", and "dot" with
-AVX512_BF16), its GFLOP/s, and float32 time over each bf16 kernel's. Decode is bound by the
+and worker/gemm_bf16_kernels.py in each layout this CPU builds: bf16 "widen", float16 "f16",
+and bf16 "dot" with AVX512_BF16), its GFLOP/s, and float32 time over each 16-bit kernel's. Decode is bound by the
 weight bytes, so the ratios at few rows should approach 2; many rows are bound by arithmetic,
 where "dot" multiplies twice as fast. On a loaded machine, --threads 1: a descheduled OpenMP
 thread holds every call up by a time slice.
 
 `--engine`: the same comparison through the whole engine, one request alone (where the weight
-bytes decide): `LLM.generate` on the "small" model with `--dtype float32` and with `--dtype
-bfloat16` (bf16 weights, float32 activations), milliseconds per output token after the first.
+bytes decide): `LLM.generate` on the "small" model with `--dtype float32`, `bfloat16` and
+`float16` (16-bit weights, float32 activations), milliseconds per output token after the first.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.engine:
         print(cpu_facts())
-        for dtype in ("float32", "bfloat16", "float32", "bfloat16"):  # interleaved
+        for dtype in ("float32", "bfloat16", "float16") * 2:  # interleaved
             print(f"{dtype:<9} {engine_ms_per_token(dtype):6.2f} ms per output token, one request alone")
         return 0
     if args.threads:
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print("the native GEMMs are not built (no C compiler, or the gemm family is on torch)")
         return 1
     print(cpu_facts())
-    layouts = ["widen"] + (["dot"] if gemm_bf16_kernels.layout() == "dot" else [])
+    layouts = ["widen", "f16"] + (["dot"] if gemm_bf16_kernels.layout() == "dot" else [])
     print(f"{'layer':<8} {'N':>6} {'rows':>5} {'f32 ms':>8} {'GFLOP/s':>8}"
           + "".join(f" {name + ' ms':>9} {'GFLOP/s':>8} {'f32/' + name:>9}" for name in layouts))
     torch.manual_seed(0)

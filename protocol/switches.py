@@ -8,6 +8,7 @@
 | `NORIA_DISABLE_CPU_KERNELS` | `1` | off | every family of float32 CPU operators on torch instead of the native C kernels |
 | `NORIA_DISABLE_CPU_GEMM`, `_FUSED`, `_ATTENTION`, `_STACK` | `1` | off | one family on torch (worker/cpu_ops.py) |
 | `NORIA_CPU_BF16_WIDEN` | `1` | off | bf16-weight GEMMs widen W to float32 (float32 activations, float32 FMAs) even where AVX512_BF16's dot products (activations rounded to bf16) are built |
+| `NORIA_CPU_MARCH` | a GCC `-march` | `native` | the instruction set the native CPU kernels are built for, e.g. `x86-64-v3` to run the AVX2 code on an AVX-512 host (bench and tests of another host's path) |
 | `NORIA_EMULATED_KERNELS` | `1` | off | a CPU worker runs the CUDA attention kernels in the CPU emulator |
 | `NORIA_STEP_OBSERVER` | `module:callable` | none | the worker process calls it with each ModelRunner it builds, which may add to `runner.step_observers` (bench's step log installs itself so) |
 | `NORIA_RECORD_STEPS` | file | none | where bench/step_log.py's observer writes one line per step (set both with `noria.bench.step_log.env(path)`) |
@@ -43,6 +44,7 @@ DISABLE_CPU_FAMILY = {
     "stack": "NORIA_DISABLE_CPU_STACK",
 }
 CPU_BF16_WIDEN = "NORIA_CPU_BF16_WIDEN"
+CPU_MARCH = "NORIA_CPU_MARCH"
 EMULATED_KERNELS = "NORIA_EMULATED_KERNELS"
 STEP_OBSERVER = "NORIA_STEP_OBSERVER"
 RECORD_STEPS = "NORIA_RECORD_STEPS"
@@ -50,7 +52,7 @@ VLLM_VENV = "NORIA_VLLM_VENV"
 
 # Every switch above, for the docs and the test that keeps this table complete.
 SWITCHES: tuple[str, ...] = (API_KEY, CACHE, KERNEL_CACHE, DISABLE_CPU_KERNELS, *DISABLE_CPU_FAMILY.values(),
-                             CPU_BF16_WIDEN, EMULATED_KERNELS, STEP_OBSERVER, RECORD_STEPS, VLLM_VENV)
+                             CPU_BF16_WIDEN, CPU_MARCH, EMULATED_KERNELS, STEP_OBSERVER, RECORD_STEPS, VLLM_VENV)
 
 
 def _flag(name: str) -> bool:
@@ -90,6 +92,11 @@ def cpu_family_disabled(family: str) -> str | None:
 def cpu_bf16_widen() -> bool:
     """$NORIA_CPU_BF16_WIDEN=1: the bf16-weight GEMM widens W instead of AVX512_BF16 dot products."""
     return _flag(CPU_BF16_WIDEN)
+
+
+def cpu_march() -> str:
+    """$NORIA_CPU_MARCH: the -march of the native CPU kernels' builds ("native" when unset or empty)."""
+    return os.environ.get(CPU_MARCH) or "native"
 
 
 def emulated_kernels() -> bool:

@@ -1,7 +1,7 @@
 """`--dtype auto` (worker/device.py, `choose_dtype`): a GPU takes the checkpoint's half dtype; a
-CPU takes a bfloat16 checkpoint's dtype where it computes bf16 natively (avx512_bf16 / amx_bf16)
-and the native bf16 GEMM builds, float32 otherwise unless float32 weights would not fit in
-memory. The CPU's flags and its free memory are injected, so every branch runs on any host; the
+CPU takes it where the native GEMM over 16-bit weights builds (bf16: natively with avx512_bf16 /
+amx_bf16, else widened; f16: widened where F16C or AVX-512F converts it), float32 otherwise
+unless float32 weights would not fit in memory. The CPU's flags and its free memory are injected, so every branch runs on any host; the
 worker's start-up line is checked on a real engine start, and `noria doctor`'s CPU report.
 """
 
@@ -63,51 +63,52 @@ def test_a_bf16_checkpoint_stays_bf16_where_the_cpu_computes_bf16(flags: frozens
     assert choice.line() == f"dtype auto: bfloat16 ({choice.reason})"
 
 
-def test_without_native_bf16_a_bf16_checkpoint_runs_in_float32_when_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(device, "bf16_gemm", _never)  # no native bf16: the GEMM is not even built
-    choice = choose_dtype("auto", CPU, "bfloat16", _size(2), flags=AVX2, available=PLENTY)
-    assert choice.dtype == torch.float32
-    assert choice.reason.startswith("checkpoint bfloat16; this CPU has no native bf16 compute "
-                                    "(no avx512_bf16/amx_bf16): float32"), choice.reason
+def test_without_native_bf16_a_bf16_checkpoint_keeps_bf16_weights_widened(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half the bytes beat float32 in the AVX2 code too (bench/RESULTS.md), so the widening GEMM
+    is chosen wherever it builds."""
+    monkeypatch.delenv(switches.EMULATED_KERNELS, raising=False)
+    monkeypatch.setattr(device, "bf16_gemm", lambda: ("widen", ""))
+    choice = choose_dtype("auto", CPU, "bfloat16", _never, flags=AVX2, available=1)
+    assert choice == DtypeChoice(torch.bfloat16, "the checkpoint's; bf16 widened to float32 in registers (no "
+                                                 "avx512_bf16/amx_bf16), half the bytes; bf16 GEMM: widen")
 
 
-def test_without_native_bf16_a_bf16_checkpoint_too_big_for_float32_keeps_bf16_weights() -> None:
+def test_without_the_gemm_a_half_checkpoint_too_big_for_float32_keeps_its_dtype(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(switches.EMULATED_KERNELS, raising=False)
+    monkeypatch.setattr(device, "bf16_gemm", lambda: (None, "no C compiler"))
     choice = choose_dtype("auto", CPU, "bfloat16", _size(30), flags=AVX2, available=22 * GiB)
     assert choice.dtype == torch.bfloat16
     assert choice.reason == ("float32 weights (30.0 GiB) would not fit in 22.0 GiB available; checkpoint "
-                             "bfloat16, this CPU has no native bf16 compute (no avx512_bf16/amx_bf16)")
+                             "bfloat16, the native 16-bit GEMM is not built (no C compiler)")
     # Fits, but not with the room the KV cache and activations need beside the weights.
     assert choose_dtype("auto", CPU, "bfloat16", _size(20), flags=AVX2, available=22 * GiB).dtype == torch.bfloat16
-    assert choose_dtype("auto", CPU, "bfloat16", _size(8), flags=AVX2, available=22 * GiB).dtype == torch.float32
+    assert choose_dtype("auto", CPU, "bfloat16", _size(8), flags=AVX2, available=22 * GiB) == \
+        DtypeChoice(torch.float32, "checkpoint bfloat16; the native 16-bit GEMM is not built (no C compiler)")
+    assert choose_dtype("auto", CPU, "float16", _size(30), flags=AVX2, available=22 * GiB).dtype == torch.float16
     # The size unknown (no safetensors headers to read) or the memory unknown: float32, as before.
     assert choose_dtype("auto", CPU, "bfloat16", lambda: None, flags=AVX2, available=1).dtype == torch.float32
     assert choose_dtype("auto", CPU, "bfloat16", _size(30), flags=AVX2, available=0).dtype == torch.float32
 
 
-def test_native_bf16_without_its_gemm_or_under_the_emulator_is_float32(monkeypatch: pytest.MonkeyPatch,
-                                                                       dot_gemm: None) -> None:
-    monkeypatch.setattr(device, "bf16_gemm", lambda: (None, "no C compiler"))
-    choice = choose_dtype("auto", CPU, "bfloat16", _size(1), flags=AVX512_BF16, available=PLENTY)
-    assert choice == DtypeChoice(torch.float32, "checkpoint bfloat16; the native bf16 GEMM is not built "
-                                                "(no C compiler)")
-    # Too big for float32: bf16 even on torch's bf16 operators.
-    assert choose_dtype("auto", CPU, "bfloat16", _size(30), flags=AVX512_BF16,
-                        available=8 * GiB).dtype == torch.bfloat16
-    monkeypatch.setattr(device, "bf16_gemm", lambda: ("dot", ""))
+def test_under_the_emulator_a_half_checkpoint_is_float32(monkeypatch: pytest.MonkeyPatch, dot_gemm: None) -> None:
     monkeypatch.setenv(switches.EMULATED_KERNELS, "1")
-    choice = choose_dtype("auto", CPU, "bfloat16", _size(1), flags=AVX512_BF16, available=PLENTY)
-    assert choice.dtype == torch.float32 and "emulator" in choice.reason, choice
+    for checkpoint in ("bfloat16", "float16"):
+        choice = choose_dtype("auto", CPU, checkpoint, _size(1), flags=AVX512_BF16, available=PLENTY)
+        assert choice.dtype == torch.float32 and "emulator" in choice.reason, choice
 
 
-def test_float16_checkpoints_run_in_float32_on_a_cpu_unless_they_would_not_fit() -> None:
-    choice = choose_dtype("auto", CPU, "float16", _size(1), flags=AVX512_BF16, available=PLENTY)
-    assert choice == DtypeChoice(torch.float32, "checkpoint float16; no CPU computes float16 natively here "
-                                                "(AVX512_FP16 kernels are not built)")
-    # Too big for float32: the checkpoint's float16, its weights as saved (not rounded again to bf16).
-    choice = choose_dtype("auto", CPU, "float16", _size(30), flags=AVX512_BF16 | {"avx512_fp16"}, available=16 * GiB)
-    assert choice.dtype == torch.float16 and choice.reason.startswith("float32 weights (30.0 GiB) would not fit")
-    assert choice.line(torch.float16) == (f"dtype auto: float16 ({choice.reason}); f16 weights through the native "
-                                          "f16 GEMM, f16 KV cache, float32 norms, rotary and softmax")
+def test_a_float16_checkpoint_keeps_f16_weights_where_the_cpu_converts_f16(dot_gemm: None) -> None:
+    for flags, named in ((AVX512_BF16, "f16c, avx512f"), (AVX2, "f16c")):
+        choice = choose_dtype("auto", CPU, "float16", _never, flags=flags, available=1)
+        assert choice == DtypeChoice(torch.float16, f"the checkpoint's; f16 widened to float32 by vcvtph2ps ({named}), "
+                                                    "half the bytes")
+        assert choice.line(torch.float16) == (f"dtype auto: float16 ({choice.reason}); f16 weights through the native "
+                                              "f16 GEMM, f16 KV cache, float32 norms, rotary and softmax")
+    old = frozenset({"sse2", "avx"})  # no conversion in hardware: the portable one is slow
+    assert choose_dtype("auto", CPU, "float16", _size(1), flags=old, available=PLENTY) == \
+        DtypeChoice(torch.float32, "checkpoint float16; this CPU has no float16 conversion in hardware (no f16c/avx512f)")
+    assert choose_dtype("auto", CPU, "float16", _size(30), flags=old, available=8 * GiB).dtype == torch.float16
 
 
 @pytest.mark.parametrize("flags", [AVX512_BF16, AVX2])

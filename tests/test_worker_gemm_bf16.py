@@ -47,6 +47,11 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags.split()
 
 
+def _cpu_has_avx512() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "avx512f" in next((line for line in f if line.startswith("flags")), "").split()
+
+
 def test_the_dot_kernel_is_built_exactly_where_the_cpu_has_avx512_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _dot_built() == _cpu_has_bf16()
     assert gemm_bf16_kernels.layout() == ("dot" if _cpu_has_bf16() else "widen")
@@ -235,3 +240,19 @@ def test_disabled_with_the_gemm_family(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.delenv("NORIA_DISABLE_CPU_GEMM")
         gemm_bf16_kernels.load.cache_clear()
+
+
+def test_noria_cpu_march_builds_another_hosts_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NORIA_CPU_MARCH=x86-64-v3 gives the AVX2 build (8-float vectors, no dot layout) on any x86 host."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX2 is an x86 instruction set")
+    monkeypatch.setenv("NORIA_CPU_MARCH", "x86-64-v3")
+    gemm_bf16_kernels.load.cache_clear()
+    try:
+        dll = gemm_bf16_kernels.load()
+        assert dll is not None and int(dll.gemm_bf16_nr()) == 16 and not dll.gemm_bf16_dot_built()
+        assert gemm_bf16_kernels.layout() == "widen"
+    finally:
+        monkeypatch.delenv("NORIA_CPU_MARCH")
+        gemm_bf16_kernels.load.cache_clear()
+    assert int(gemm_bf16_kernels._dll().gemm_bf16_nr()) == (32 if _cpu_has_avx512() else 16)

@@ -110,10 +110,10 @@ def choose_dtype(name: str, device: torch.device, checkpoint_dtype: str | None,
     """`--dtype name` for a checkpoint saved in `checkpoint_dtype` (config.json's, as torch spells it).
 
     A given dtype wins. `auto` on a GPU is the checkpoint's float16 / bfloat16, else float32. On a
-    CPU it is the checkpoint's bfloat16 where the CPU computes bf16 natively (`flags`, default
-    /proc/cpuinfo's) and the native bf16 GEMM builds, and float32 otherwise, unless float32
-    weights (`float32_bytes()`, None: unknown) would not fit in the memory `available` (default:
-    worker/host.py's): then the checkpoint's half dtype, half the bytes, whatever the speed.
+    CPU it is the checkpoint's half dtype where the native GEMM over 16-bit weights builds (and,
+    for float16, the CPU converts it in hardware: `flags`, default /proc/cpuinfo's), and float32
+    otherwise, unless float32 weights (`float32_bytes()`, None: unknown) would not fit in the
+    memory `available` (default: worker/host.py's): then the half dtype, whatever the speed.
     """
     if name != "auto":
         if name not in _DTYPES:
@@ -132,35 +132,34 @@ def choose_dtype(name: str, device: torch.device, checkpoint_dtype: str | None,
 
 def _cpu_half_checkpoint(checkpoint_dtype: str, float32_bytes: Callable[[], int | None] | None,
                          flags: frozenset[str] | None, available: int | None) -> DtypeChoice:
+    """A half checkpoint on a CPU: its dtype wherever the native GEMM over 16-bit weights builds
+    (bench/RESULTS.md, "Half precision on the CPU": half the weight bytes made batch-1 decode
+    1.6-2x faster than float32 and W1 1.05-1.2x, in vdpbf16ps, and widened to float32 FMAs in
+    the AVX2 code too); float16 only where the CPU widens it in hardware (F16C, AVX-512F)."""
     from noria.protocol import switches
     from noria.worker import host
 
-    half = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-    native = host.native_bf16(host.cpu_flags() if flags is None else flags)
-    if checkpoint_dtype == "bfloat16":
-        if not native:
-            why_not = f"this CPU has no native bf16 compute (no {'/'.join(host.NATIVE_BF16_FLAGS)})"
-        elif switches.emulated_kernels():
-            # The emulator stands the CPU in for a GPU: bfloat16 would run on torch's slow bf16 operators.
-            why_not = f"the kernel emulator is on ({switches.EMULATED_KERNELS})"
-        else:
-            kind, missing = bf16_gemm()
-            if kind is not None:
-                return DtypeChoice(torch.bfloat16, f"the checkpoint's; this CPU computes bf16 natively: "
-                                                   f"{', '.join(native)}; bf16 GEMM: {kind}")
-            why_not = f"the native bf16 GEMM is not built ({missing})"
+    flags = host.cpu_flags() if flags is None else flags
+    dtype = torch.bfloat16 if checkpoint_dtype == "bfloat16" else torch.float16
+    kind, missing = bf16_gemm()
+    if switches.emulated_kernels():
+        # The emulator stands the CPU in for a GPU: 16 bits would run on torch's slow half operators.
+        why_not = f"the kernel emulator is on ({switches.EMULATED_KERNELS})"
+    elif kind is None:
+        why_not = f"the native 16-bit GEMM is not built ({missing})"
+    elif dtype == torch.bfloat16:
+        native = host.native_bf16(flags)
+        how = (f"this CPU computes bf16 natively: {', '.join(native)}" if native else
+               f"bf16 widened to float32 in registers (no {'/'.join(host.NATIVE_BF16_FLAGS)}), half the bytes")
+        return DtypeChoice(dtype, f"the checkpoint's; {how}; bf16 GEMM: {kind}")
+    elif host.f16_in_hardware(flags):
+        return DtypeChoice(dtype, "the checkpoint's; f16 widened to float32 by vcvtph2ps "
+                                  f"({', '.join(host.f16_in_hardware(flags))}), half the bytes")
     else:
-        # F16C widens f16 weights exactly, but the arithmetic stays float32 FMAs.
-        why_not = "no CPU computes float16 natively here (AVX512_FP16 kernels are not built)"
+        why_not = "this CPU has no float16 conversion in hardware (no f16c/avx512f)"
     too_big = _would_not_fit(float32_bytes, available)
-    if too_big:
-        # Half the bytes, and a float16 checkpoint's weights kept exactly as saved.
-        return DtypeChoice(half[checkpoint_dtype], f"{too_big}; checkpoint {checkpoint_dtype}, {why_not}")
-    if checkpoint_dtype == "bfloat16" and not native:
-        # bench/RESULTS.md measured bf16 weights only on an AVX-512 BF16 host (batch 1 1.6x faster,
-        # batched throughput level); widening in software on AVX2 is unmeasured, so float32 stays.
-        return DtypeChoice(torch.float32, f"checkpoint bfloat16; {why_not}: float32, the default where bf16 "
-                                          f"weights are unmeasured (--dtype bfloat16 halves their memory)")
+    if too_big:  # half the bytes, whatever the speed
+        return DtypeChoice(dtype, f"{too_big}; checkpoint {checkpoint_dtype}, {why_not}")
     return DtypeChoice(torch.float32, f"checkpoint {checkpoint_dtype}; {why_not}")
 
 

@@ -37,6 +37,11 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def f16_in_hardware(flags: frozenset[str]) -> tuple[str, ...]:
+    """The flags among `flags` that widen float16 to float32 in hardware (vcvtph2ps)."""
+    return tuple(f for f in ("f16c", "avx512f") if f in flags)
+
+
 def native_bf16(flags: frozenset[str]) -> tuple[str, ...]:
     """The flags among `flags` that compute bf16 in hardware (none: bf16 is emulated)."""
     return tuple(f for f in NATIVE_BF16_FLAGS if f in flags)

@@ -48,6 +48,8 @@ def failure(src: Path) -> str | None:
 
 
 def build(src: Path, flags: list[str]) -> ctypes.CDLL | None:
+    march = switches.cpu_march()  # another host's instruction set, where asked
+    flags = [f"-march={march}" if f == "-march=native" else f for f in flags]
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         _failures[src.name] = "no C compiler"

@@ -72,13 +72,17 @@
 #define NR (2 * VL)
 #define MR 6          /* the switch in panel_rows names every height 1..MR */
 #define LINE 32       /* bf16 values per 64-byte cache line */
+#ifndef WIDEN_ONCE_TILES
+#define WIDEN_ONCE_TILES 4 /* tiles per panel from which a widening kernel widens the panel once (measured: 2-3 lose at 8-13 rows) */
+#endif
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4))); /* unaligned access */
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
-/* The kernels, by the layout of the panels they read. */
-enum { WIDEN, DOT, F16 };
+/* The kernels, by the layout of the panels they read; FLOAT is a WIDEN or F16
+ * panel widened once into scratch (panel_rows). */
+enum { WIDEN, DOT, F16, FLOAT };
 
 int64_t gemm_bf16_nr(void) { return NR; }
 
@@ -212,6 +216,66 @@ static inline __attribute__((always_inline)) void tile_f16(
     store_tile(acc0, acc1, b0, b1, y, ldy, ncols, mr);
 }
 
+/* One tile over a panel already widened to float32 ([K, NR], features in order). */
+static inline __attribute__((always_inline)) void tile_float(
+    const float *x, int64_t ldx, const float *panel, int64_t K, const float *bias, float *y, int64_t ldy,
+    int64_t ncols, const int mr, Prefetch *pf) {
+    vf acc0[MR], acc1[MR], b0, b1;
+    bias_vectors(bias, ncols, &b0, &b1);
+    int64_t countdown = pf->every;
+    for (int r = 0; r < mr; r++) acc0[r] = (vf){0}, acc1[r] = (vf){0};
+    for (int64_t k = 0; k < K; k++) {
+        prefetch_step(pf, &countdown);
+        const vf w0 = *(const vf *)(panel + k * NR), w1 = *(const vf *)(panel + k * NR + VL);
+        for (int r = 0; r < mr; r++) {
+            const float a = x[r * ldx + k];
+            acc0[r] += a * w0;
+            acc1[r] += a * w1;
+        }
+    }
+    store_tile(acc0, acc1, b0, b1, y, ldy, ncols, mr);
+}
+
+/* A thread's scratch, grown as needed: the signatures are gemm_f32's (the native
+ * decoder stack calls any of them through one pointer), which have no scratch
+ * argument and no way to fail. */
+typedef struct {
+    void *p;
+    size_t size;
+} Scratch;
+
+static void *scratch_for(Scratch *s, size_t bytes, const char *what) {
+    if (bytes > s->size) {
+        free(s->p);
+        s->p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (s->p == NULL) {
+            fprintf(stderr, "gemm_bf16: out of memory for %zu bytes of %s\n", bytes, what);
+            abort();
+        }
+        s->size = bytes;
+    }
+    return s->p;
+}
+
+static _Thread_local Scratch widened;
+
+/* A WIDEN or F16 panel as float32 [K, NR], features in order, into this thread's scratch. */
+static const float *widen_panel(const int layout, const uint16_t *panel, int64_t K) {
+    float *out = scratch_for(&widened, sizeof(float) * (size_t)(K * NR), "widened weights");
+    for (int64_t k = 0; k < K; k++) {
+        vf w0, w1;
+        if (layout == F16) {
+            w0 = widen_f16(panel + k * NR), w1 = widen_f16(panel + k * NR + VL);
+        } else {
+            const vu pair = *(const vu *)(panel + k * NR);
+            w0 = (vf)(pair << 16), w1 = (vf)(pair & 0xffff0000u);
+        }
+        *(vf *)(out + k * NR) = w0;
+        *(vf *)(out + k * NR + VL) = w1;
+    }
+    return out;
+}
+
 #ifdef __AVX512BF16__
 /* One tile of the dot kernel: x2 holds x's rows as bf16 pairs (K2 = ceil(K / 2) per row). */
 static inline __attribute__((always_inline)) void tile_dot(
@@ -240,7 +304,7 @@ static inline __attribute__((always_inline)) void tile_dot(
 
 /* One tile of height h of the kernel for `layout` (a constant at every call). */
 static inline __attribute__((always_inline)) void tile(
-    const int layout, const void *x, int64_t ldx, const uint16_t *panel, int64_t steps, const float *bias, float *y,
+    const int layout, const void *x, int64_t ldx, const void *panel, int64_t steps, const float *bias, float *y,
     int64_t ldy, int64_t ncols, const int mr, Prefetch *pf) {
 #ifdef __AVX512BF16__
     if (layout == DOT) {
@@ -248,16 +312,39 @@ static inline __attribute__((always_inline)) void tile(
         return;
     }
 #endif
-    if (layout == F16)
+    if (layout == FLOAT)
+        tile_float((const float *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
+    else if (layout == F16)
         tile_f16((const float *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
     else
         tile_widen((const float *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
 }
 
+/* The tiles of M rows against one panel: heights h near-equal, each a literal
+ * at its call. */
+#define TILE_ROWS(LAYOUT, PANEL)                                                                   \
+    for (int64_t t = 0, m = 0; t < tiles; m += base + (t < taller), t++) {                         \
+        const int64_t h = base + (t < taller);                                                     \
+        const char *xm = x + m * ldx * 4;                                                          \
+        float *ym = y + m * ldy;                                                                   \
+        switch (h) {                                                                               \
+            case 6: tile(LAYOUT, xm, ldx, PANEL, steps, bias, ym, ldy, ncols, 6, &pf); break;      \
+            case 5: tile(LAYOUT, xm, ldx, PANEL, steps, bias, ym, ldy, ncols, 5, &pf); break;      \
+            case 4: tile(LAYOUT, xm, ldx, PANEL, steps, bias, ym, ldy, ncols, 4, &pf); break;      \
+            case 3: tile(LAYOUT, xm, ldx, PANEL, steps, bias, ym, ldy, ncols, 3, &pf); break;      \
+            case 2: tile(LAYOUT, xm, ldx, PANEL, steps, bias, ym, ldy, ncols, 2, &pf); break;      \
+            default: tile(LAYOUT, xm, ldx, PANEL, steps, bias, ym, ldy, ncols, 1, &pf); break;     \
+        }                                                                                          \
+    }
+
 /* All M rows against one panel, in ceil(M / MR) tiles of near-equal height;
  * meanwhile the tiles prefetch `next` (the panel this thread computes next),
  * each tile about steps / tiles of its rows, one every `tiles` steps.
- * x's elements are 4 bytes in both kernels (a float, a pair of bf16). */
+ * x's elements are 4 bytes in every kernel (a float, a pair of bf16).
+ * A widening kernel's panel met by several tiles is widened once, into
+ * scratch, and the tiles read float32: each tile converting the whole panel
+ * again cost f16 a fifth of its speed from 32 rows on. The sums are the same
+ * (the conversion is exact), so the bits are too. */
 static inline __attribute__((always_inline)) void panel_rows(
     const int layout, const char *x, int64_t ldx, const uint16_t *panel, int64_t M, int64_t steps, const float *bias,
     float *y, int64_t ldy, int64_t ncols, const uint16_t *next) {
@@ -265,20 +352,11 @@ static inline __attribute__((always_inline)) void panel_rows(
     /* At 1-2 rows the hardware prefetcher streams best alone (gemm_f32.c's
      * measurement); steps + 1 never comes round. */
     Prefetch pf = {next, M >= 3 ? tiles : steps + 1, layout == DOT ? 2 * NR : NR};
-    int64_t m = 0;
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t h = base + (t < taller);
-        const char *xm = x + m * ldx * 4;
-        float *ym = y + m * ldy;
-        switch (h) {
-            case 6: tile(layout, xm, ldx, panel, steps, bias, ym, ldy, ncols, 6, &pf); break;
-            case 5: tile(layout, xm, ldx, panel, steps, bias, ym, ldy, ncols, 5, &pf); break;
-            case 4: tile(layout, xm, ldx, panel, steps, bias, ym, ldy, ncols, 4, &pf); break;
-            case 3: tile(layout, xm, ldx, panel, steps, bias, ym, ldy, ncols, 3, &pf); break;
-            case 2: tile(layout, xm, ldx, panel, steps, bias, ym, ldy, ncols, 2, &pf); break;
-            default: tile(layout, xm, ldx, panel, steps, bias, ym, ldy, ncols, 1, &pf); break;
-        }
-        m += h;
+    if (layout != DOT && tiles >= WIDEN_ONCE_TILES) {
+        const float *wide = widen_panel(layout, panel, steps);
+        TILE_ROWS(FLOAT, wide)
+    } else {
+        TILE_ROWS(layout, panel)
     }
 }
 
@@ -355,24 +433,8 @@ static void round_rows(const float *x, int64_t ldx, uint32_t *x2, int64_t K, int
     }
 }
 
-/* The rounded x lives in one buffer per calling thread, grown as needed: the
- * signature is gemm_f32's (the native decoder stack calls either through one
- * pointer), which has no scratch argument and no way to fail. */
-static _Thread_local uint32_t *scratch;
-static _Thread_local size_t scratch_size;
-
-static uint32_t *scratch_for(size_t bytes) {
-    if (bytes > scratch_size) {
-        free(scratch);
-        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (scratch == NULL) {
-            fprintf(stderr, "gemm_bf16_dot: out of memory for %zu bytes of rounded activations\n", bytes);
-            abort();
-        }
-        scratch_size = bytes;
-    }
-    return scratch;
-}
+/* The rounded x lives in one buffer per calling thread. */
+static _Thread_local Scratch rounded;
 #endif
 
 /* Same arguments as gemm_bf16; `packed` in the dot layout (pack_bf16_dot). */
@@ -380,7 +442,7 @@ void gemm_bf16_dot(const float *x, int64_t ldx, const uint16_t *packed, const fl
                    int64_t M, int64_t N, int64_t K, int num_threads) {
 #ifdef __AVX512BF16__
     const int64_t panels = (N + NR - 1) / NR, K2 = (K + 1) / 2;
-    uint32_t *x2 = scratch_for(sizeof(uint32_t) * (size_t)(M * K2));
+    uint32_t *x2 = scratch_for(&rounded, sizeof(uint32_t) * (size_t)(M * K2), "rounded activations");
     const int threads = threads_for(panels, num_threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -423,7 +485,7 @@ void gemm_bf16_dot_panels(const float *x, int64_t ldx, const uint16_t *packed, c
                           int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
 #ifdef __AVX512BF16__
     const int64_t K2 = (K + 1) / 2;
-    uint32_t *x2 = scratch_for(sizeof(uint32_t) * (size_t)(M * K2));
+    uint32_t *x2 = scratch_for(&rounded, sizeof(uint32_t) * (size_t)(M * K2), "rounded activations");
     round_rows(x, ldx, x2, K, 0, M);
     panel_range(DOT, (const char *)x2, K2, packed, K2 * 2 * NR, K2, bias, y, ldy, M, N, p0, p1);
 #else
