@@ -1,6 +1,6 @@
 """llama.cpp's convert_hf_to_gguf script, run unchanged, with two fallbacks for noria's demo tokenizer.
 
-Run by the converter's own venv (bench/llama_cpp.py), never imported by noria:
+Run by the converter's own venv (bench/llama_cpp_build.py), never imported by noria:
 
     python llama_cpp_convert.py SRC MODEL_DIR [--pre NAME] -- CONVERTER_OPTIONS...
 
@@ -17,7 +17,7 @@ which pins transformers 4.57:
   against a table of published models; any other stops the conversion with "BPE pre-tokenizer
   was not recognized". With `--pre NAME`, an unrecognised hash gets NAME instead of the error;
   the caller passes "gpt-2" only after checking that tokenizer.json's pre-tokenizer is exactly
-  GPT-2's (bench/llama_cpp.py: pre_tokenizer). A recognised hash keeps its own name.
+  GPT-2's (bench/llama_cpp_build.py: pre_tokenizer). A recognised hash keeps its own name.
 
 The weights, the vocabulary and the rest of the conversion are the converter's own. The
 benchmarks send token ids, so the pre-tokenizer never runs there.

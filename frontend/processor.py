@@ -60,7 +60,7 @@ class InputLimits(msgspec.Struct, frozen=True, kw_only=True):
     """How large one request may be. Each is checked before any tokenizing, in time
     proportional to the request's size: the frontend's one thread serves every client,
     and a request that kept it busy for seconds stalled them all. `noria serve` flags
-    set them (frontend/cli.py); docs/protocol.md lists them."""
+    set them (frontend/cli_args.py); docs/protocol.md lists them."""
 
     # Characters of a text prompt, or of chat messages counted over every field (roles,
     # names, content parts, tool calls...). None: max_model_len times the longest

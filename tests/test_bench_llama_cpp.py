@@ -153,7 +153,9 @@ def test_serving_drive_streams_each_request_at_its_offset(fake_binary, tmp_path)
 
 
 def test_throughput_row_has_the_bench_fields(fake_binary, tmp_path, monkeypatch):
-    monkeypatch.setattr(llama_cpp, "server_binary", lambda base=None: fake_binary)
+    from noria.bench import llama_cpp_server
+
+    monkeypatch.setattr(llama_cpp_server, "server_binary", lambda base=None: fake_binary)  # where LlamaServer finds it
     monkeypatch.setattr(llama_cpp, "convert", lambda ckpt, outtype, base=None, log=None: tmp_path / f"{outtype}.gguf")
     work = [([i + 3] * 10, 4) for i in range(20)]
     row = llama_cpp.run_throughput("llama.cpp-bf16", tmp_path, work, in_flight=16)
@@ -189,9 +191,9 @@ def test_no_compiler_is_a_reason_not_an_error(tmp_path, monkeypatch):
 
 def test_benches_skip_llama_cpp_where_it_is_not_built(tmp_path, monkeypatch, capsys):
     """throughput and serving run their other systems and say why llama.cpp did not run."""
-    from noria.bench import serving, throughput
+    from noria.bench import llama_cpp_build, serving, throughput
 
-    monkeypatch.setattr(llama_cpp, "root", lambda: tmp_path / "no-llama")
+    monkeypatch.setattr(llama_cpp_build, "root", lambda: tmp_path / "no-llama")  # where setup finds it
     monkeypatch.setattr(serving, "serving_checkpoint", lambda: tmp_path)
     assert serving._systems("noria,llama.cpp-bf16", install=False, llama_install=False) == ["noria"]
     assert "skipping llama.cpp-bf16: no llama.cpp build" in capsys.readouterr().out

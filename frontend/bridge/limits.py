@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from noria.protocol.client import Delta
 from noria.protocol.errors import ErrorCode
 
-# Defaults of the bridge's flags (frontend/cli.py, docs/protocol.md "Limits").
+# Defaults of the bridge's flags (frontend/cli_args.py, docs/protocol.md "Limits").
 DEFAULT_STREAM_BUFFER = 4 << 20  # bytes of output a stream may hold for a client that does not read
 DEFAULT_HEADER_TIMEOUT = 30.0  # s to send a request's head, from connecting or from the previous response
 DEFAULT_BODY_TIMEOUT = 60.0  # s to send a request's body once its head has come

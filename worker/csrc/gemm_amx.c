@@ -46,7 +46,7 @@
  *   tiny -- below 2^-126 in magnitude once rounded to 24 bits with unbounded
  *   exponent, which is x86's MXCSR.FTZ rule (tininess after rounding) -- becomes
  *   a zero of its sign. Infinities and NaNs propagate (which NaN is not modelled).
- * - otherwise the _tile_* intrinsics of <immintrin.h> (-mamx-tile -mamx-bf16).
+ * - otherwise the compiler's _tile_* intrinsics (-mamx-tile -mamx-bf16).
  *   GCC's tile load / store macros are asm statements without a memory clobber,
  *   so the macros fence them with compiler barriers: stores into the staging
  *   buffer can't sink below a tile load, nor reads of the C buffer rise above a
