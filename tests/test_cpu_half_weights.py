@@ -114,6 +114,9 @@ def test_weight_bytes_halve(tmp_path: Path) -> None:
 
     # Panels pad N to whole panels (and the dot layout K to even): about half, not exactly.
     assert 0.45 < linear_bytes(bf16) / linear_bytes(f32) <= 0.55
+    # The embedding table too, its rows widened as they are looked up.
+    assert bf16.model.embed_tokens.dtype == torch.bfloat16 and f32.model.embed_tokens.dtype == torch.float32
+    assert bf16.model.embed_tokens.nbytes * 2 == f32.model.embed_tokens.nbytes
 
 
 def test_where_amx_is_ready_the_model_multiplies_on_tiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

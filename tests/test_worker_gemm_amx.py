@@ -329,3 +329,28 @@ def test_the_real_build_refuses_instead_of_faulting_where_amx_is_not_usable() ->
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -6, (proc.returncode, proc.stderr[-2000:])  # SIGABRT, not SIGILL (-4)
     assert "gemm_amx: AMX is not usable here" in proc.stderr
+
+
+@pytest.mark.parametrize("tiles_right", [True, False])
+def test_the_self_check_keeps_wrong_tiles_off(tiles_right: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles that the OS grants but that compute other numbers than the emulation are not used:
+    the "real" tiles here are the emulated ones, shifted where the test wants them wrong."""
+    emulated = gemm_amx_kernels.gemm_amx
+
+    def tiles(x: torch.Tensor, w: PackedHalfWeight, bias: torch.Tensor | None, emulate: bool = False,
+              before_check: bool = False) -> torch.Tensor:
+        out = emulated(x, w, bias, emulate=True)
+        return out if emulate or tiles_right else out + 1e-3 * out.abs().max()
+
+    monkeypatch.setattr(gemm_amx_kernels, "_tiles_usable", lambda: True)
+    monkeypatch.setattr(gemm_amx_kernels, "gemm_amx", tiles)
+    gemm_amx_kernels.self_check.cache_clear()
+    try:
+        if tiles_right:
+            assert gemm_amx_kernels.self_check() is None and gemm_amx_kernels.ready()
+            assert gemm_bf16_kernels.layout() == "amx"
+        else:
+            assert gemm_amx_kernels.self_check().startswith("the AMX tiles' self-check exceeded")
+            assert not gemm_amx_kernels.ready() and gemm_bf16_kernels.layout() == "dot"
+    finally:
+        gemm_amx_kernels.self_check.cache_clear()

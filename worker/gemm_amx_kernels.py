@@ -56,10 +56,15 @@ def load(emulate: bool) -> ctypes.CDLL | None:
     return dll
 
 
-def ready() -> bool:
-    """The real build is built, the CPU has AMX-BF16 and Linux granted the tile data state."""
+def _tiles_usable() -> bool:
     dll = load(False)
     return bool(dll is not None and dll.gemm_amx_built() and dll.gemm_amx_ready())
+
+
+def ready() -> bool:
+    """The real build is built, the CPU has AMX-BF16, Linux granted the tile data state, and the
+    real tiles passed `self_check()`."""
+    return _tiles_usable() and self_check() is None
 
 
 def not_ready_reason() -> str:
@@ -69,7 +74,27 @@ def not_ready_reason() -> str:
         return "the AMX build failed (no C compiler, or one without -mamx-tile)"
     if not dll.gemm_amx_built():
         return "built without the AMX intrinsics"
-    return dll.gemm_amx_ready_reason().decode()
+    if not dll.gemm_amx_ready():
+        return dll.gemm_amx_ready_reason().decode()
+    return self_check() or "ready"
+
+
+@cache
+def self_check() -> str | None:
+    """None where the real tiles compute a ragged product (every tail: rows, features and k off
+    the tile sizes) as the emulation does, within float32's summation bound; else what differed.
+    The real tile path is first run on the host that has it, so its first use checks it, and a
+    disagreement leaves the worker on the dot kernel instead of on wrong numbers."""
+    if not _tiles_usable():
+        return None
+    g = torch.Generator().manual_seed(0)
+    weight, x, bias = torch.randn(100, 300, generator=g), torch.randn(33, 300, generator=g), torch.randn(100, generator=g)
+    packed = PackedHalfWeight(weight, "dot")
+    real, emulated = (gemm_amx(x, packed, bias, emulate=e, before_check=True) for e in (False, True))
+    xb, wb = x.to(torch.bfloat16).double(), weight.to(torch.bfloat16).double()
+    bound = 2.0**-22 * (x.shape[1] + 2) * (xb.abs() @ wb.abs().T + bias.double().abs())
+    worst = float(((real.double() - emulated.double()).abs() - bound).max())
+    return None if worst <= 0 else f"the AMX tiles' self-check exceeded float32's error bound by {worst:.3g}"
 
 
 def entry(emulate: bool = False) -> ctypes._CFuncPtr:
@@ -77,11 +102,11 @@ def entry(emulate: bool = False) -> ctypes._CFuncPtr:
     return _dll(emulate).gemm_amx
 
 
-def _dll(emulate: bool) -> ctypes.CDLL:
+def _dll(emulate: bool, checked: bool = False) -> ctypes.CDLL:
     dll = load(emulate)
     assert dll is not None, f"the {'emulated ' if emulate else ''}AMX GEMM is not built"
     if not emulate:
-        assert ready(), f"AMX is not usable here: {not_ready_reason()}"
+        assert (_tiles_usable() if checked else ready()), f"AMX is not usable here: {not_ready_reason()}"
     return dll
 
 
@@ -97,10 +122,11 @@ def _ptr(t: torch.Tensor, kind: type) -> ctypes._Pointer:
 
 
 def gemm_amx(x: torch.Tensor, w: PackedHalfWeight, bias: torch.Tensor | None,
-             emulate: bool = False) -> torch.Tensor:
+             emulate: bool = False, before_check: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias): [M, N] float32, on AMX tiles (or their emulation). x float32 on
-    the CPU, any row stride; `w` a PackedHalfWeight(weight, kind="dot")."""
-    dll = _dll(emulate)
+    the CPU, any row stride; `w` a PackedHalfWeight(weight, kind="dot"). `before_check`: the real
+    tiles before `self_check()` has passed (it runs them)."""
+    dll = _dll(emulate, before_check)
     _dot_layout_assert(w)
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == w.k, (x.dtype, x.shape, w.k)
     if x.stride(-1) != 1:

@@ -101,7 +101,7 @@ def coverage(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
 def _model_reason(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     if model.tp.size != 1:
         return f"tensor parallel over {model.tp.size} ranks"
-    w = model.embed_tokens
+    w = model.norm.weight  # the activations' dtype (the embedding table may be narrower)
     if w.dtype != torch.float32 or w.device.type != "cpu":
         return f"{str(w.dtype).removeprefix('torch.')} on {w.device.type}: the driver is float32 on the CPU"
     if len(kv_caches) != len(model.layers):

@@ -66,12 +66,16 @@ class CausalLM(nn.Module):
 
     def pack_weights(self, weights: torch.dtype | None = None) -> None:
         """Choose every linear layer's kind (the native GEMM's packed copy, in `weights`' dtype
-        where given, or F.linear), once, after loading: a packed kind keeps no other copy."""
+        where given, or F.linear), once, after loading: a packed kind keeps no other copy. The
+        embedding table is kept in `weights`' dtype too (a Llama-3.2-1B's is 1 GB in float32),
+        its rows widened as they are looked up: the same values the rounded table gives."""
         self._stack_key, self._stack = None, None  # it points at the packed weights
         for module in self.modules():
             if isinstance(module, (Linear, SparseMoeBlock)):
                 module.pack(weights)
         self.head = self._head_op(pack=True, weights=weights)
+        if weights is not None and weights != self.embed_tokens.dtype and self.embed_tokens.device.type == "cpu":
+            self.embed_tokens = nn.Parameter(self.embed_tokens.to(weights), requires_grad=False)
 
     def _head_op(self, pack: bool, weights: torch.dtype | None = None) -> LinearOp:
         if self.lm_head is not None:
@@ -107,6 +111,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of a ragged batch of T tokens."""
         x = F.embedding(input_ids, self.embed_tokens)
+        if x.dtype != self.norm.weight.dtype:  # a 16-bit table under wider activations
+            x = x.to(self.norm.weight.dtype)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
