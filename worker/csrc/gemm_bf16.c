@@ -139,29 +139,6 @@ static inline __attribute__((always_inline)) void store_tile(
     }
 }
 
-/* One MR' x NR tile of the widen kernel (MR' = mr <= MR, a literal at every call
- * site so that the row loops unroll and the accumulators live in registers). */
-static inline __attribute__((always_inline)) void tile_widen(
-    const float *x, int64_t ldx, const uint16_t *panel, int64_t K, const float *bias, float *y, int64_t ldy,
-    int64_t ncols, const int mr, Prefetch *pf) {
-    vf acc0[MR], acc1[MR], b0, b1;
-    bias_vectors(bias, ncols, &b0, &b1);
-    int64_t countdown = pf->every;
-    for (int r = 0; r < mr; r++) acc0[r] = (vf){0}, acc1[r] = (vf){0};
-    for (int64_t k = 0; k < K; k++) {
-        prefetch_step(pf, &countdown);
-        const vu pair = *(const vu *)(panel + k * NR);
-        const vf w0 = (vf)(pair << 16);           /* a vector cast reinterprets the bits */
-        const vf w1 = (vf)(pair & 0xffff0000u);
-        for (int r = 0; r < mr; r++) {
-            const float a = x[r * ldx + k];
-            acc0[r] += a * w0;
-            acc1[r] += a * w1;
-        }
-    }
-    store_tile(acc0, acc1, b0, b1, y, ldy, ncols, mr);
-}
-
 /* float16 bits -> float32, exact; the portable path for a compiler without F16C. */
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -196,37 +173,37 @@ static inline __attribute__((always_inline)) vf widen_f16(const uint16_t *p) {
 #endif
 }
 
-/* One tile of the f16 kernel: tile_widen with the weights converted from float16. */
-static inline __attribute__((always_inline)) void tile_f16(
-    const float *x, int64_t ldx, const uint16_t *panel, int64_t K, const float *bias, float *y, int64_t ldy,
-    int64_t ncols, const int mr, Prefetch *pf) {
-    vf acc0[MR], acc1[MR], b0, b1;
-    bias_vectors(bias, ncols, &b0, &b1);
-    int64_t countdown = pf->every;
-    for (int r = 0; r < mr; r++) acc0[r] = (vf){0}, acc1[r] = (vf){0};
-    for (int64_t k = 0; k < K; k++) {
-        prefetch_step(pf, &countdown);
-        const vf w0 = widen_f16(panel + k * NR), w1 = widen_f16(panel + k * NR + VL);
-        for (int r = 0; r < mr; r++) {
-            const float a = x[r * ldx + k];
-            acc0[r] += a * w0;
-            acc1[r] += a * w1;
-        }
+/* k-row k of a widening layout's panel as two float32 vectors: WIDEN's interleaved
+ * bf16 pairs (lane i is (feature VL + i) << 16 | feature i), F16's halves in order,
+ * FLOAT's floats in order. */
+static inline __attribute__((always_inline)) void widened_row(const int layout, const void *panel, int64_t k,
+                                                             vf *w0, vf *w1) {
+    if (layout == FLOAT) {
+        const float *row = (const float *)panel + k * NR;
+        *w0 = *(const vf *)row, *w1 = *(const vf *)(row + VL);
+    } else if (layout == F16) {
+        const uint16_t *row = (const uint16_t *)panel + k * NR;
+        *w0 = widen_f16(row), *w1 = widen_f16(row + VL);
+    } else {
+        const vu pair = *(const vu *)((const uint16_t *)panel + k * NR);
+        *w0 = (vf)(pair << 16); /* a vector cast reinterprets the bits */
+        *w1 = (vf)(pair & 0xffff0000u);
     }
-    store_tile(acc0, acc1, b0, b1, y, ldy, ncols, mr);
 }
 
-/* One tile over a panel already widened to float32 ([K, NR], features in order). */
-static inline __attribute__((always_inline)) void tile_float(
-    const float *x, int64_t ldx, const float *panel, int64_t K, const float *bias, float *y, int64_t ldy,
-    int64_t ncols, const int mr, Prefetch *pf) {
+/* One MR' x NR tile of a widening kernel (MR' = mr <= MR and the layout literals at
+ * every call site, so that the row loops unroll and the accumulators live in registers). */
+static inline __attribute__((always_inline)) void tile_widening(
+    const int layout, const float *x, int64_t ldx, const void *panel, int64_t K, const float *bias, float *y,
+    int64_t ldy, int64_t ncols, const int mr, Prefetch *pf) {
     vf acc0[MR], acc1[MR], b0, b1;
     bias_vectors(bias, ncols, &b0, &b1);
     int64_t countdown = pf->every;
     for (int r = 0; r < mr; r++) acc0[r] = (vf){0}, acc1[r] = (vf){0};
     for (int64_t k = 0; k < K; k++) {
         prefetch_step(pf, &countdown);
-        const vf w0 = *(const vf *)(panel + k * NR), w1 = *(const vf *)(panel + k * NR + VL);
+        vf w0, w1;
+        widened_row(layout, panel, k, &w0, &w1);
         for (int r = 0; r < mr; r++) {
             const float a = x[r * ldx + k];
             acc0[r] += a * w0;
@@ -264,12 +241,10 @@ static const float *widen_panel(const int layout, const uint16_t *panel, int64_t
     float *out = scratch_for(&widened, sizeof(float) * (size_t)(K * NR), "widened weights");
     for (int64_t k = 0; k < K; k++) {
         vf w0, w1;
-        if (layout == F16) {
-            w0 = widen_f16(panel + k * NR), w1 = widen_f16(panel + k * NR + VL);
-        } else {
-            const vu pair = *(const vu *)(panel + k * NR);
-            w0 = (vf)(pair << 16), w1 = (vf)(pair & 0xffff0000u);
-        }
+        if (layout == F16)
+            widened_row(F16, panel, k, &w0, &w1);
+        else
+            widened_row(WIDEN, panel, k, &w0, &w1);
         *(vf *)(out + k * NR) = w0;
         *(vf *)(out + k * NR + VL) = w1;
     }
@@ -312,12 +287,7 @@ static inline __attribute__((always_inline)) void tile(
         return;
     }
 #endif
-    if (layout == FLOAT)
-        tile_float((const float *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
-    else if (layout == F16)
-        tile_f16((const float *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
-    else
-        tile_widen((const float *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
+    tile_widening(layout, (const float *)x, ldx, panel, steps, bias, y, ldy, ncols, mr, pf);
 }
 
 /* The tiles of M rows against one panel: heights h near-equal, each a literal
@@ -393,16 +363,23 @@ static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
     *lo = n * tid / nth, *hi = n * (tid + 1) / nth;
 }
 
-void gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy,
-               int64_t M, int64_t N, int64_t K, int num_threads) {
+/* A widening kernel's whole product, its panels split over the threads. */
+static inline __attribute__((always_inline)) void widening_gemm(
+    const int layout, const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy,
+    int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t panels = (N + NR - 1) / NR;
     const int threads = threads_for(panels, num_threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t p0, p1;
         thread_share(panels, &p0, &p1);
-        panel_range(WIDEN, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, p0, p1);
+        panel_range(layout, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, p0, p1);
     }
+}
+
+void gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy,
+               int64_t M, int64_t N, int64_t K, int num_threads) {
+    widening_gemm(WIDEN, x, ldx, packed, bias, y, ldy, M, N, K, num_threads);
 }
 
 /* Panels [p0, p1) of the product on the calling thread alone: for a caller that
@@ -515,14 +492,7 @@ void pack_bf16_dot(const uint16_t *w, int64_t ldw, int64_t N, int64_t K, uint16_
 /* The f16 kernel: gemm_bf16's arguments, `packed` in the f16 layout (pack_f16). */
 void gemm_f16(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy,
               int64_t M, int64_t N, int64_t K, int num_threads) {
-    const int64_t panels = (N + NR - 1) / NR;
-    const int threads = threads_for(panels, num_threads);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int64_t p0, p1;
-        thread_share(panels, &p0, &p1);
-        panel_range(F16, (const char *)x, ldx, packed, K * NR, K, bias, y, ldy, M, N, p0, p1);
-    }
+    widening_gemm(F16, x, ldx, packed, bias, y, ldy, M, N, K, num_threads);
 }
 
 void gemm_f16_panels(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
