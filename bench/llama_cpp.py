@@ -79,7 +79,7 @@ from noria.bench.llama_cpp_server import (
 
 # Re-exported: the benchmarks, the tests and `python -m noria.bench.llama_cpp` reach llama.cpp through here.
 __all__ = [
-    "CMAKE_FLAGS", "IN_FLIGHT", "LATENCY_PROMPT", "NORIA_DTYPE", "SDIST", "SDIST_SHA256", "SIMPLE_INDEX", "SYSTEMS",
+    "CMAKE_FLAGS", "IN_FLIGHT", "LATENCY_PROMPT", "OUTTYPE_DTYPE", "SDIST", "SDIST_SHA256", "SIMPLE_INDEX", "SYSTEMS",
     "VERSION", "LlamaServer", "available", "build_dir", "build_info", "cmake_commands", "completion_body",
     "completion_tokens", "context_per_request", "convert", "convert_command", "convert_python", "drive", "gguf_path",
     "latency", "latency_servers", "main", "ms_per_token", "pre_tokenizer", "root", "run_batch", "run_throughput",
@@ -140,7 +140,7 @@ def serve(system: str, checkpoint: Path, batches) -> LlamaServer:
 
 # --- batch-1 latency --------------------------------------------------------------------------
 
-NORIA_DTYPE = {"f32": "float32", "bf16": "bfloat16"}
+OUTTYPE_DTYPE = {"f32": "float32", "bf16": "bfloat16"}
 
 
 def _noria_tokens(dtype: str, tokens: int) -> list[int]:
@@ -187,7 +187,7 @@ def latency(outtypes: list[str], rounds: int, tokens: int = 256, log=sys.stderr)
             servers = {label: stack.enter_context(LlamaServer(gguf, 1, per_request, env=env).wait())
                        for label, env in latency_servers().items()}
             for r in range(rounds):
-                noria = engine_ms_per_token(NORIA_DTYPE[outtype], tokens)
+                noria = engine_ms_per_token(OUTTYPE_DTYPE[outtype], tokens)
                 line = f"{outtype:<5} round {r + 1}: noria {noria:6.2f} ms/token"
                 for label, server in servers.items():
                     llama, ids = ms_per_token(server, tokens)
@@ -195,7 +195,7 @@ def latency(outtypes: list[str], rounds: int, tokens: int = 256, log=sys.stderr)
                                  "llama_cpp_ms": llama})
                     line += f" | llama.cpp ({label}) {llama:6.2f} ms/token, {llama / noria:4.2f}x noria's time"
                 print(line, flush=True)
-        same = _noria_tokens(NORIA_DTYPE[outtype], tokens + 1)
+        same = _noria_tokens(OUTTYPE_DTYPE[outtype], tokens + 1)
         print(f"{outtype:<5} greedy tokens, llama.cpp vs noria: {_first_difference(same, ids)}", flush=True)
     return rows
 

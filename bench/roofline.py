@@ -53,6 +53,7 @@ class Shape:
     head_dim: int
     vocab: int
     dtype_bytes: int = 4
+    dtype: str = "float32"  # the weights' (float16 computes in float32 FMAs: Machine.gflops)
     sparse_layers: int = 0
     experts: int = 0
     top_k: int = 0
@@ -64,7 +65,8 @@ class Shape:
         sparse = spec.num_experts > 0
         return Shape(hidden=spec.hidden_size, intermediate=spec.intermediate_size, layers=spec.num_layers,
                      heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, vocab=spec.vocab_size,
-                     dtype_bytes=DTYPE_BYTES.get(spec.dtype or "float32", 4), sparse_layers=sum(spec.sparse_layers),
+                     dtype_bytes=DTYPE_BYTES.get(spec.dtype or "float32", 4), dtype=spec.dtype or "float32",
+                     sparse_layers=sum(spec.sparse_layers),
                      experts=spec.num_experts, top_k=spec.num_experts_per_tok if sparse else 0,
                      expert_intermediate=spec.moe_intermediate_size if sparse else 0,
                      shared_intermediate=spec.shared_expert_intermediate_size)
@@ -152,7 +154,7 @@ def step_roofline(shape: Shape, machine: Machine, step: tuple) -> tuple[float, f
     """(memory seconds, compute seconds, measured seconds) of one recorded step."""
     query_lens, seq_lens, num_sampled, seconds = step
     moved, flops = step_cost(shape, query_lens, seq_lens, num_sampled)
-    return moved / (machine.copy_gbs * 1e9), flops / (machine.gflops(shape.dtype_bytes) * 1e9), seconds
+    return moved / (machine.copy_gbs * 1e9), flops / (machine.gflops(shape.dtype) * 1e9), seconds
 
 
 def bucket_of(rows: int) -> tuple[int, int]:
@@ -186,7 +188,7 @@ def analyse(shape: Shape, machine: Machine, steps: list[tuple], wall_seconds: fl
                                          for m, c, _ in per),
             "memory_bound_steps": sum(m > c for m, c, _ in per),
             "memory_seconds": sum(m for m, _, _ in per), "compute_seconds": sum(c for _, c, _ in per),
-            "gemm_gflops": machine.gflops(shape.dtype_bytes), "dtype_bytes": shape.dtype_bytes,
+            "gemm_gflops": machine.gflops(shape.dtype), "dtype_bytes": shape.dtype_bytes,
             "table": table,
             "per_step": [{"roofline_ms": 1e3 * max(m, c), "measured_ms": 1e3 * t, "rows": len(s[0]),
                           "bound": "memory" if m > c else "compute"} for s, (m, c, t) in zip(steps, per, strict=True)]}

@@ -63,9 +63,10 @@ class Machine:
                        bf16_gflops=max((m.bf16_gflops for m in ms if m.bf16_gflops), default=None),
                        bf16_layout=first.bf16_layout)
 
-    def gflops(self, dtype_bytes: int) -> float:
-        """The GEMM peak a run whose weights take `dtype_bytes` per value computes at."""
-        return self.bf16_gflops if dtype_bytes == 2 and self.bf16_gflops else self.gemm_gflops
+    def gflops(self, dtype: str) -> float:
+        """The GEMM peak a run whose weights are `dtype` computes at: the bf16 GEMM's for bfloat16,
+        else float32's (float16 weights are widened to float32 FMAs on a CPU)."""
+        return self.bf16_gflops if dtype == "bfloat16" and self.bf16_gflops else self.gemm_gflops
 
     def to_json(self) -> dict:
         return asdict(self)

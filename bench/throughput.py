@@ -198,15 +198,16 @@ def _roofline(args: argparse.Namespace, runs: dict[str, list[dict]], machines: l
     machine = Machine.best(machines)
     path = CHECKPOINTS[args.model]()
     # The bytes per weight and KV value of the dtype the runs compute in (noria's --dtype, resolved).
-    shape = dataclasses.replace(roofline.Shape.from_checkpoint(path),
-                                dtype_bytes=roofline.DTYPE_BYTES[_noria_dtype(args.dtype, path)])
+    dtype = _noria_dtype(args.dtype, path)
+    shape = dataclasses.replace(roofline.Shape.from_checkpoint(path), dtype_bytes=roofline.DTYPE_BYTES[dtype],
+                                dtype=dtype)
     analyses = roofline.from_runs(shape, machine, runs)
     print(roofline.report(machine, analyses))
     bracketed = roofline.bracketed(shape, machines, runs)
     print(roofline.format_bracketed(bracketed))
     best = roofline.best_per_system(analyses)
     png = out.with_name(out.name + "-roofline.png")
-    roofline.plot(best, png, f"copy_ {machine.copy_gbs:.1f} GB/s, GEMM {machine.gflops(shape.dtype_bytes):.0f} GFLOP/s")
+    roofline.plot(best, png, f"copy_ {machine.copy_gbs:.1f} GB/s, GEMM {machine.gflops(shape.dtype):.0f} GFLOP/s")
     print(f"plot of each step against its roofline: {png}")
     for name, a in analyses.items():
         if name not in best:

@@ -221,3 +221,19 @@ def test_a_mixture_of_experts_counts_every_expert_and_reads_the_ones_hit(family)
     moved_1, flops_1 = step_cost(shape, [1], [5], 1)
     moved_big, flops_big = step_cost(shape, [1000], [1000], 1)
     assert moved_big - moved_1 == pytest.approx(unhit + 999 * 32 * 4 + 3 * shape.kv_row_bytes * (995 + 999), abs=1)
+
+
+def test_the_compute_roof_follows_the_weights_dtype() -> None:
+    """bf16 weights compute at the bf16 GEMM's measured rate; float16 ones are widened to float32
+    FMAs, so half the bytes but float32's rate; without a bf16 GEMM, float32's for all."""
+    import dataclasses
+
+    from noria.bench.roofline import step_roofline
+
+    machine = dataclasses.replace(_machine(copy_gbs=1e-6, gemm_gflops=1e-5), bf16_gflops=2e-5)
+    assert (machine.gflops("bfloat16"), machine.gflops("float16"), machine.gflops("float32")) == (2e-5, 1e-5, 1e-5)
+    assert _machine(1e-6, 1e-5).gflops("bfloat16") == 1e-5
+    step = ([1, 1], [4, 9], 2, 0.02)
+    bf16, f16 = (dataclasses.replace(TINY, dtype_bytes=2, dtype=d) for d in ("bfloat16", "float16"))
+    (mem_b, comp_b, _), (mem_h, comp_h, _) = step_roofline(bf16, machine, step), step_roofline(f16, machine, step)
+    assert mem_b == mem_h and comp_h == pytest.approx(2 * comp_b)

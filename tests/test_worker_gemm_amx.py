@@ -324,7 +324,7 @@ def test_the_real_build_refuses_instead_of_faulting_where_amx_is_not_usable() ->
     assert rc == -2
     script = ("import torch\nfrom noria.worker import gemm_amx_kernels as g\n"
               "w = g.PackedHalfWeight(torch.ones(3, 3), 'dot')\n"
-              "g._dll = lambda emulate: g.load(False)\n"  # past the Python-side assertion
+              "g._dll = lambda emulate, checked=False: g.load(False)\n"  # past the Python-side assertion
               "g.gemm_amx(torch.ones(2, 3), w, None)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -6, (proc.returncode, proc.stderr[-2000:])  # SIGABRT, not SIGILL (-4)
