@@ -128,16 +128,7 @@ def gemm_amx(x: torch.Tensor, w: PackedHalfWeight, bias: torch.Tensor | None,
     tiles before `self_check()` has passed (it runs them)."""
     dll = _dll(emulate, before_check)
     _dot_layout_assert(w)
-    assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == w.k, (x.dtype, x.shape, w.k)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m = x.shape[0]
-    y = torch.empty(m, w.n, dtype=torch.float32)
-    if m and w.n:
-        b = None if bias is None else bias.to(torch.float32).contiguous()  # held: the C reads it
-        dll.gemm_amx(_ptr(x, _F32P), x.stride(0), w.ptr, None if b is None else _ptr(b, _F32P),
-                     _ptr(y, _F32P), w.n, m, w.n, w.k, torch.get_num_threads())
-    return y
+    return gemm_bf16_kernels.gemm_bf16(x, w, bias, dll.gemm_amx)
 
 
 def tile_dpbf16ps(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, emulate: bool = False) -> torch.Tensor:

@@ -140,8 +140,10 @@ def _f32(t: torch.Tensor) -> ctypes._Pointer:
     return ctypes.cast(t.data_ptr(), _F32P)
 
 
-def gemm_bf16(x: torch.Tensor, w: PackedHalfWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias): [M, N] float32. x float32 on the CPU, any row stride."""
+def gemm_bf16(x: torch.Tensor, w: PackedHalfWeight, bias: torch.Tensor | None,
+              kernel: ctypes._CFuncPtr | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias): [M, N] float32. x float32 on the CPU, any row stride. `kernel`:
+    another C function of gemm_f32's arguments over w's panels (default: its layout's)."""
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == w.k, (x.dtype, x.shape, w.k)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -149,8 +151,8 @@ def gemm_bf16(x: torch.Tensor, w: PackedHalfWeight, bias: torch.Tensor | None) -
     y = torch.empty(m, w.n, dtype=torch.float32)
     if m and w.n:
         b = None if bias is None else bias.to(torch.float32).contiguous()  # held: the C reads it
-        w._gemm(_f32(x), x.stride(0), w.ptr, None if b is None else _f32(b), _f32(y), w.n, m, w.n, w.k,
-                torch.get_num_threads())
+        (kernel or w._gemm)(_f32(x), x.stride(0), w.ptr, None if b is None else _f32(b), _f32(y), w.n, m, w.n,
+                            w.k, torch.get_num_threads())
     return y
 
 
