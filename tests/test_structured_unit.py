@@ -82,11 +82,15 @@ def _gate(mgr: StructuredOutputManager) -> threading.Event:
 def test_a_compile_that_ends_before_anyone_polls_still_wakes_the_loop(demo_path):
     # The wake-up pipe exists before the first compile, so a grammar that compiles before
     # the loop first asks for the descriptor still leaves it readable.
+    # The gate keeps the compile from ending inside `submit` (which would hand the matcher
+    # over at once, with no wake-up needed).
     mgr = StructuredOutputManager(str(demo_path))
+    gate = _gate(mgr)
     assert mgr.submit(1, StructuredOutput(regex=r"[0-9]x"), [2]) is None
-    assert mgr._cache[spec_text(StructuredOutput(regex=r"[0-9]x"))].result(STATE_WAIT_S) is not None
-    while not mgr._done:  # the done-callback runs just after the result is set
-        threading.Event().wait(0.01)
+    gate.set()
+    # The done-callback runs on the pool thread after the result is set; joining the pool
+    # waits for it to have written (or, on the old code, not written) the wake-up.
+    mgr._pool.shutdown(wait=True)
     assert select.select([mgr.wake_fd], [], [], 0)[0]
     (rid, m, err), = mgr.take_ready()
     assert (rid, err) == (1, None) and m is not None
