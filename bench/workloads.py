@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from noria.frontend.demo_model import cache_root, ensure_demo
@@ -106,6 +107,18 @@ def _checkpoint(name: str, shape: dict, family: str = "llama", dtype: str = "flo
     return path
 
 
+def _quantized(base: str, scheme: str) -> Callable[[], Path]:
+    """`base` quantized by compressed-tensors (bench/quantized_models.py's `scheme`), made once."""
+    def make() -> Path:
+        from noria.bench.quantized_models import quantized_checkpoint
+
+        return quantized_checkpoint(CHECKPOINTS[base](), scheme)
+    return make
+
+
 # The benchmark models by name, for `--model` flags.
-CHECKPOINTS = {"small": small_checkpoint, "serving": serving_checkpoint, "qwen3-moe-small": qwen3_moe_small_checkpoint,
-               "llama-1b": llama_1b_checkpoint, "llama-3b": llama_3b_checkpoint}
+CHECKPOINTS: dict[str, Callable[[], Path]] = {
+    "small": small_checkpoint, "serving": serving_checkpoint, "qwen3-moe-small": qwen3_moe_small_checkpoint,
+    "llama-1b": llama_1b_checkpoint, "llama-3b": llama_3b_checkpoint}
+CHECKPOINTS.update({f"{base}-{scheme}": _quantized(base, scheme)
+                    for base in ("small", "serving", "llama-1b") for scheme in ("w8a8", "w4a16")})

@@ -23,7 +23,7 @@ from noria.protocol.rope_config import SUPPORTED_ROPE_TYPES, rope_kind, rope_par
 
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit
 
-Shapes = dict[str, tuple[int, ...]]
+Shapes = dict[str, tuple[int, ...] | None]
 
 
 class CheckpointError(ValueError):
@@ -40,7 +40,8 @@ def check_checkpoint(folder: str | Path) -> ModelSpec:
     for file in _weight_files(folder):
         for name, shape in _header_shapes(file).items():
             present.add(name.removeprefix("model."))
-            want = expected.get(_generic(name))
+            key = name.removeprefix("model.")
+            want = expected[key] if key in expected else expected.get(_generic(name))
             if want is not None and tuple(shape) != want:
                 raise CheckpointError(f"{file}: tensor {name} has shape {tuple(shape)} but config.json implies "
                                       f"{want}: the weights do not belong to this config")
@@ -95,9 +96,16 @@ def _expected_shapes(spec: ModelSpec) -> Shapes:
     linears += [(f"mlp.{part}", rows, hidden, spec.mlp_bias) for part, rows in mlp.items()]
     linears.append(("mlp.down_proj", hidden, inter, spec.mlp_bias))
     for name, rows, cols, bias in linears:
-        out[f"{layer}{name}.weight"] = (rows, cols)
+        if spec.quantization is None:
+            out[f"{layer}{name}.weight"] = (rows, cols)
+        else:  # each layer's own: an `ignore` list may name single modules
+            for i in range(spec.num_layers):
+                out.update(_linear_shapes(spec, f"layers.{i}.{name}", rows, cols))
         if bias:
             out[f"{layer}{name}.bias"] = (rows,)
+    if spec.quantization is not None:
+        out.pop("lm_head.weight")
+        out.update(_linear_shapes(spec, "lm_head", vocab, hidden))
     norms = ["input_layernorm", "post_attention_layernorm"]
     norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if spec.sandwich_norms else []
     out.update({f"{layer}{n}.weight": (hidden,) for n in norms})
@@ -106,12 +114,30 @@ def _expected_shapes(spec: ModelSpec) -> Shapes:
     return out
 
 
+def _linear_shapes(spec: ModelSpec, name: str, rows: int, cols: int) -> Shapes:
+    """What a quantized checkpoint stores for one linear module (worker/models/quant_linear.py
+    reads the same), by name; a shape of None is not checked (one scale per row, or one)."""
+    assert spec.quantization is not None
+    scheme = spec.quantization.scheme_for(name if name == "lm_head" else f"model.{name}")
+    if scheme is None:
+        return {f"{name}.weight": (rows, cols)}
+    groups = scheme.groups(cols)
+    if not scheme.packed:
+        return {f"{name}.weight": (rows, cols), f"{name}.weight_scale": None}
+    per_word = 32 // scheme.bits
+    out: Shapes = {f"{name}.weight_packed": (rows, -(-cols // per_word)), f"{name}.weight_scale": (rows, groups),
+                   f"{name}.weight_shape": (2,)}
+    if not scheme.symmetric:
+        out[f"{name}.weight_zero_point"] = (-(-rows // per_word), groups)
+    return out
+
+
 def _required(spec: ModelSpec, expected: Shapes, sparse: set[int]) -> set[str]:
     """Every tensor name (layer index kept) the worker cannot run without; a sparse layer's
     experts, which come in one of several layouts, are `_missing_experts`'s to check."""
     names = {n for n in expected if not n.startswith("layers.N.")}
     if spec.tie_word_embeddings:
-        names.discard("lm_head.weight")
+        names = {n for n in names if not n.startswith("lm_head.")}
     per_layer = [n for n in expected if n.startswith("layers.N.") and not n.startswith(_SPARSE_PREFIXES)]
     return names | {n.replace(".N.", f".{i}.", 1) for n in per_layer for i in range(spec.num_layers)
                     if not (i in sparse and n.startswith(_DENSE_MLP))}

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from noria.protocol.families import SUPPORTED_ARCHITECTURES, find_family
+from noria.protocol.quant_config import QuantSpec, read_quant
 from noria.protocol.recipe import Family
 from noria.protocol.rope_config import (
     SUPPORTED_ROPE_TYPES,
@@ -77,8 +78,8 @@ class ModelSpec:
     router_weights_in_model_dtype: bool = field(default=True, kw_only=True)
     sparse_layers: tuple[bool, ...] = field(default=(), kw_only=True)  # per layer: a MoE block (else dense MLP)
     expert_parts: tuple[str, str, str] = field(default=("gate_proj", "up_proj", "down_proj"), kw_only=True)
-    # quantization_config's quant_method, for the weight formats to come; None: float weights.
-    quantization: str | None = field(default=None, kw_only=True)
+    # quantization_config, read (protocol/quant_config.py); None: float weights.
+    quantization: QuantSpec | None = field(default=None, kw_only=True)
 
     @property
     def scale(self) -> float:
@@ -143,7 +144,10 @@ def model_spec(config: Mapping[str, Any] | Any, max_model_len: int | None = None
     windows = _sliding_windows(cfg, family, num_layers)
     local = r.local_rope and any(w is not None for w in windows)
     rope = read_rope(cfg, rope_params(cfg, "full_attention" if r.local_rope else None), max_model_len)
-    quant = cfg.get("quantization_config")
+    quantization = read_quant(cfg)
+    moe = _moe_fields(cfg, family, num_layers)
+    if quantization is not None and moe.get("num_experts"):
+        raise ValueError(f"quantized mixture-of-experts models ({family.architecture}) are not supported yet")
     return ModelSpec(
         architecture=family.architecture,
         vocab_size=int(cfg["vocab_size"]),
@@ -173,8 +177,8 @@ def model_spec(config: Mapping[str, Any] | Any, max_model_len: int | None = None
         final_softcap=_positive(cfg.get(r.final_softcap_key)) if r.final_softcap_key else None,
         local_rope=read_rope(cfg, rope_params(cfg, "sliding_attention"), max_model_len) if local else None,
         fused_checkpoint=r.fused_checkpoint,
-        quantization=str(quant.get("quant_method")) if isinstance(quant, Mapping) else None,
-        **_moe_fields(cfg, family, num_layers),
+        quantization=quantization,
+        **moe,
     )
 
 

@@ -20,6 +20,7 @@ import torch
 from noria.bench.ceiling import _metadata
 from noria.protocol.config import EngineConfig
 from noria.protocol.families import FAMILIES
+from noria.protocol.quant_config import QuantSpec, WeightScheme
 from noria.worker import cpu_kernels, fused_kernels, gemm_bf16_kernels, gemm_kernels, native_stack
 from noria.worker.model_runner import ModelRunner
 from noria.worker.models.linear import TorchLinear, packed
@@ -304,7 +305,8 @@ def test_recipe_entries_outside_the_drivers_are_declined_with_their_name(tmp_pat
         ({"rope": dataclasses.replace(spec.rope, partial_rotary_factor=0.5)},
          "per-head q/k norm with partial rotary: its fused kernel rotates whole heads"),
         ({"attn_softcap": -1.0}, "attention soft-cap -1.0: a cap must be positive"),
-        ({"quantization": "fp8"}, "fp8 weights: the driver's GEMM is float32"),
+        ({"quantization": QuantSpec("compressed-tensors", ((("Linear",), WeightScheme(4, 32, True, True, False)),))},
+         "compressed-tensors W4A16 g32 weights: the driver's GEMMs are float"),
     ):
         model.spec = dataclasses.replace(spec, **changes)
         assert _coverage(runner) == [want] * 3, changes

@@ -57,6 +57,7 @@ from noria.worker.kv_cache import (
 )
 from noria.worker.loader import checkpoint_float32_bytes, load_model, load_spec
 from noria.worker.memory_profile import profile_memory
+from noria.worker.models import quant_kinds
 from noria.worker.models.ops import choose_ops
 from noria.worker.models.parallel import destroy_tensor_parallel, init_tensor_parallel
 from noria.worker.pooling import Pooler
@@ -144,6 +145,8 @@ class ModelRunner:
         if line and self.tp.first:
             log.info("%s", line)
         self.model = load_model(config.model, self.spec, self.device, self.dtype, self.tp, self.weight_dtype)
+        if s.quantization is not None and self.tp.first:
+            log.info("%s", quant_kinds.describe(self.model, s.quantization.describe))
 
     def _set_lengths(self) -> None:
         """Vocabulary, block size and context length, as the scheduler is told them."""

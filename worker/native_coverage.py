@@ -54,7 +54,7 @@ _RECIPE: dict[str, Callable[[ModelSpec], str | None]] = {
     "rope": _rotary,
     "local_rope": _rotary,
     "quantization": lambda s: None if s.quantization is None else
-    f"{s.quantization} weights: the driver's GEMM is float32",
+    f"{s.quantization.describe} weights: the driver's GEMMs are float",
 }
 # Fields the driver reads as they are (sizes, biases, windows, the post-norms, the scale) or
 # need not know: outside the layers, or the checkpoint's naming, or a sparse layer's own block.

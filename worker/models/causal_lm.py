@@ -29,7 +29,8 @@ from noria.worker.models.linear import Linear, LinearOp, TorchLinear, linear_op
 from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.models.ops import Ops, TorchOps
 from noria.worker.models.parallel import TensorParallel, rank_shapes
-from noria.worker.models.weights import WeightMap, narrow
+from noria.worker.models.quant_linear import QuantLinear, make_linear, scheme_of
+from noria.worker.models.weights import WeightMap, narrow, register_single
 
 
 class CausalLM(nn.Module):
@@ -46,7 +47,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, i, shapes, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm == "rms_one_plus")
         vocab_rows = shapes.vocab_end - shapes.vocab_start
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, vocab_rows)
+        self.lm_head = (None if spec.tie_word_embeddings else
+                        make_linear(spec.hidden_size, vocab_rows, False, scheme_of(spec, ["lm_head"])))
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
         self.local_rotary = RotaryEmbedding(spec.local_rope, spec.head_dim) if spec.local_rope else None
         self.ops: Ops = TorchOps(spec.activation)
@@ -71,7 +73,7 @@ class CausalLM(nn.Module):
         its rows widened as they are looked up: the same values the rounded table gives."""
         self._stack_key, self._stack = None, None  # it points at the packed weights
         for module in self.modules():
-            if isinstance(module, (Linear, SparseMoeBlock)):
+            if isinstance(module, (Linear, QuantLinear, SparseMoeBlock)):
                 module.pack(weights)
         self.head = self._head_op(pack=True, weights=weights)
         if weights is not None and weights != self.embed_tokens.dtype and self.embed_tokens.device.type == "cpu":
@@ -79,6 +81,8 @@ class CausalLM(nn.Module):
 
     def _head_op(self, pack: bool, weights: torch.dtype | None = None) -> LinearOp:
         if self.lm_head is not None:
+            if isinstance(self.lm_head, QuantLinear):
+                return self.lm_head.op
             return self.lm_head.op if pack else TorchLinear(self.lm_head.weight)
         weight = self.embed_tokens[self.shapes.vocab_start:self.shapes.vocab_end]
         return linear_op(weight, weights) if pack else TorchLinear(weight)
@@ -93,8 +97,8 @@ class CausalLM(nn.Module):
         register_norm(wm, "norm.weight", self.norm)
         if self.lm_head is not None:
             rows = self.shapes.vocab_end - self.shapes.vocab_start
-            wm.add("lm_head.weight", wm.slot("lm_head", self.lm_head.weight)
-                   .loader("all", None, narrow(0, self.shapes.vocab_start, rows, n)))
+            register_single(wm, "lm_head", self.lm_head.checkpoint_tensors(), spec.vocab_size,
+                            rows_rank=narrow(0, self.shapes.vocab_start, rows, n))
         for i, layer in enumerate(self.layers):
             layer.register_weights(wm, f"layers.{i}.", spec, self.shapes, self.tp)
         wm.load(weights, spec.architecture)

@@ -19,14 +19,15 @@ import torch
 from torch import nn
 
 from noria.protocol.model_spec import ModelSpec
+from noria.protocol.quant_config import WeightScheme
 from noria.worker.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from noria.worker.models.layers import RMSNorm
-from noria.worker.models.linear import Linear, RowParallelLinear
 from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.models.ops import AttendFn, Ops, TorchOps
 from noria.worker.models.parallel import RankShapes, TensorParallel
+from noria.worker.models.quant_linear import make_linear, make_row_parallel, scheme_of
 from noria.worker.models.rope import rotary_dim
-from noria.worker.models.weights import Loader, WeightMap, narrow, rows, split_rows
+from noria.worker.models.weights import Part, WeightMap, narrow, register_fused, register_single
 
 
 @dataclass
@@ -48,8 +49,11 @@ class Attention(nn.Module):
         h, kvh, d = shapes.num_heads, shapes.num_kv_heads, spec.head_dim
         self.layer_index = layer_index
         self.q_size, self.kv_size = h * d, kvh * d
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias)
-        self.o_proj = RowParallelLinear(self.q_size, spec.hidden_size, spec.o_bias, tp)
+        p = f"model.layers.{layer_index}.self_attn."
+        qkv = ["qkv_proj"] if spec.fused_checkpoint else ["q_proj", "k_proj", "v_proj"]
+        self.qkv_proj = make_linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias,
+                                    scheme_of(spec, [p + m for m in qkv]))
+        self.o_proj = make_row_parallel(self.q_size, spec.hidden_size, spec.o_bias, tp, scheme_of(spec, [p + "o_proj"]))
         one_plus = spec.norm == "rms_one_plus"
         self.q_norm = RMSNorm(d, spec.rms_norm_eps, one_plus) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.rms_norm_eps, one_plus) if spec.qk_norm else None
@@ -65,26 +69,15 @@ class Attention(nn.Module):
         """q, k and v into their rows of qkv_proj (this rank's heads of each), o_proj's input columns
         of this rank; a checkpoint with q/k/v stored as one qkv_proj (Phi-3) is cut first."""
         d, n, p = spec.head_dim, tp.size, prefix + "self_attn."
-        q_rank = narrow(0, shapes.head_start * d, self.q_size, n)
-        kv_rank = narrow(0, shapes.kv_head_start * d, self.kv_size, n)
-        parts = (("q", 0, self.q_size, q_rank), ("k", self.q_size, self.kv_size, kv_rank),
-                 ("v", self.q_size + self.kv_size, self.kv_size, kv_rank))
         full = (spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d)
-        fused = [("weight", self.qkv_proj.weight), ("bias", self.qkv_proj.bias)]
-        for kind, param in fused:
-            if param is None:
-                continue
-            slot = wm.slot(f"{p}qkv_proj.{kind}", param, [(k,) for k, *_ in parts])
-            loaders: list[Loader] = [slot.loader(k, rows(start, size), rank) for k, start, size, rank in parts]
-            if spec.fused_checkpoint:
-                wm.add(f"{p}qkv_proj.{kind}", split_rows(full, loaders))
-            else:
-                for (k, *_), load in zip(parts, loaders, strict=True):
-                    wm.add(f"{p}{k}_proj.{kind}", load)
-        wm.add(p + "o_proj.weight", wm.slot(p + "o_proj.weight", self.o_proj.weight)
-               .loader("all", None, narrow(1, shapes.head_start * d, self.q_size, n)))
-        if self.o_proj.bias is not None:  # replicated: added once, after the sum
-            wm.add(p + "o_proj.bias", wm.slot(p + "o_proj.bias", self.o_proj.bias).loader())
+        parts = [Part("q_proj", 0, self.q_size, full[0], narrow(0, shapes.head_start * d, self.q_size, n)),
+                 Part("k_proj", self.q_size, self.kv_size, full[1],
+                      narrow(0, shapes.kv_head_start * d, self.kv_size, n)),
+                 Part("v_proj", self.q_size + self.kv_size, self.kv_size, full[2],
+                      narrow(0, shapes.kv_head_start * d, self.kv_size, n))]
+        register_fused(wm, p, "qkv_proj", self.qkv_proj.checkpoint_tensors(), parts, spec.fused_checkpoint)
+        register_single(wm, p + "o_proj", self.o_proj.checkpoint_tensors(), spec.hidden_size,
+                        columns=(shapes.head_start * d, self.q_size, n))
         for name, norm in (("q_norm", self.q_norm), ("k_norm", self.k_norm)):
             if norm is not None:
                 register_norm(wm, f"{p}{name}.weight", norm)
@@ -98,10 +91,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """The gated MLP: down(act(gate(x)) * up(x)), gate and up one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TensorParallel, ops: Ops) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TensorParallel, ops: Ops,
+                 schemes: tuple[WeightScheme | None, WeightScheme | None] = (None, None)) -> None:
+        """`schemes`: gate/up's and down's quantization (None: float weights)."""
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
+        self.gate_up_proj = make_linear(hidden, 2 * intermediate, bias, schemes[0])
+        self.down_proj = make_row_parallel(intermediate, hidden, bias, tp, schemes[1])
         self.ops = ops
 
     def register_weights(self, wm: WeightMap, prefix: str, spec: ModelSpec, shapes: RankShapes,
@@ -109,21 +104,11 @@ class MLP(nn.Module):
         """gate and up into their rows of gate_up_proj (this rank's columns of each), down_proj's
         input columns of this rank; Phi-3's stored gate_up_proj is cut first."""
         inter, start, n, p = shapes.intermediate_size, shapes.inter_start, tp.size, prefix + "mlp."
-        rank = narrow(0, start, inter, n)
-        for kind, param in (("weight", self.gate_up_proj.weight), ("bias", self.gate_up_proj.bias)):
-            if param is None:
-                continue
-            slot = wm.slot(f"{p}gate_up_proj.{kind}", param, [("gate",), ("up",)])
-            gate, up = slot.loader("gate", rows(0, inter), rank), slot.loader("up", rows(inter, inter), rank)
-            if spec.fused_checkpoint:
-                wm.add(f"{p}gate_up_proj.{kind}", split_rows((spec.intermediate_size,) * 2, (gate, up)))
-            else:
-                wm.add(f"{p}gate_proj.{kind}", gate)
-                wm.add(f"{p}up_proj.{kind}", up)
-        wm.add(p + "down_proj.weight", wm.slot(p + "down_proj.weight", self.down_proj.weight)
-               .loader("all", None, narrow(1, start, inter, n)))
-        if self.down_proj.bias is not None:
-            wm.add(p + "down_proj.bias", wm.slot(p + "down_proj.bias", self.down_proj.bias).loader())
+        rank, full = narrow(0, start, inter, n), spec.intermediate_size
+        parts = [Part("gate_proj", 0, inter, full, rank), Part("up_proj", inter, inter, full, rank)]
+        register_fused(wm, p, "gate_up_proj", self.gate_up_proj.checkpoint_tensors(), parts, spec.fused_checkpoint)
+        register_single(wm, p + "down_proj", self.down_proj.checkpoint_tensors(), spec.hidden_size,
+                        columns=(start, inter, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x)))
@@ -136,7 +121,8 @@ class DecoderLayer(nn.Module):
         self.ops: Ops = ops
         self.self_attn = Attention(spec, layer_index, shapes, tp)
         self.mlp: MLP | SparseMoeBlock = (SparseMoeBlock(spec, tp, ops) if spec.is_sparse(layer_index)
-                                          else MLP(spec.hidden_size, shapes.intermediate_size, spec.mlp_bias, tp, ops))
+                                          else MLP(spec.hidden_size, shapes.intermediate_size, spec.mlp_bias, tp, ops,
+                                                   mlp_schemes(spec, layer_index)))
         h, eps, one_plus = spec.hidden_size, spec.rms_norm_eps, spec.norm == "rms_one_plus"
         self.input_layernorm = RMSNorm(h, eps, one_plus)
         self.post_attention_layernorm = RMSNorm(h, eps, one_plus)
@@ -186,6 +172,12 @@ class DecoderLayer(nn.Module):
         if self.post_feedforward_layernorm is not None:
             out = ops.norm(out, self.post_feedforward_layernorm)
         return out, residual
+
+
+def mlp_schemes(spec: ModelSpec, layer_index: int) -> tuple[WeightScheme | None, WeightScheme | None]:
+    p = f"model.layers.{layer_index}.mlp."
+    gate_up = ["gate_up_proj"] if spec.fused_checkpoint else ["gate_proj", "up_proj"]
+    return scheme_of(spec, [p + m for m in gate_up]), scheme_of(spec, [p + "down_proj"])
 
 
 def register_norm(wm: WeightMap, name: str, norm: RMSNorm) -> None:

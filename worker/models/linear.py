@@ -11,6 +11,9 @@ sums, all-reduced, and its bias is added once after the sum.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -80,6 +83,24 @@ def panels(op: LinearOp) -> int | None:
     return None if w is None else w.data.data_ptr()
 
 
+# (a checkpoint tensor, the output rows of the module it belongs to, its name) -> the tensor as
+# the layer holds those rows (quantized layers unpack and widen what checkpoints store).
+Convert = Callable[[torch.Tensor, int, str], torch.Tensor]
+
+
+@dataclass
+class CheckpointTensor:
+    """One tensor a checkpoint stores per linear module, and where it goes (worker/models/weights.py
+    cuts a fused layer's parts and a tensor-parallel rank's slice out of it)."""
+
+    suffix: str  # after the module's name: "weight", "bias", "weight_packed", "weight_scale", ...
+    param: torch.Tensor | None  # None: checked as it is read, not kept (weight_shape)
+    convert: Convert | None = None
+    # Input features per column of `param`, for a row-parallel rank's slice: 1 for weights, the
+    # group for group scales, 0 for what is not cut by columns (biases, one scale per row).
+    per_column: int = 1
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -98,6 +119,10 @@ class Linear(nn.Module):
         if isinstance(self.op, (PackedLinear, PackedHalfLinear)):
             kept = self.op.packed.dtype if isinstance(self.op, PackedHalfLinear) else self.weight.dtype
             self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=kept, device="meta"), requires_grad=False)
+
+    def checkpoint_tensors(self) -> list[CheckpointTensor]:
+        return [CheckpointTensor("weight", self.weight),
+                *([CheckpointTensor("bias", self.bias, None, 0)] if self.bias is not None else [])]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x, self.bias)

@@ -11,8 +11,11 @@ experts transformers 5 keeps in memory, and Phi-3's fused q/k/v and gate/up.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import NamedTuple
 
 import torch
+
+from noria.worker.models.linear import CheckpointTensor
 
 # A checkpoint tensor's loader: (the tensor, its name for messages).
 Loader = Callable[[torch.Tensor, str], None]
@@ -104,3 +107,67 @@ class WeightMap:
 def _ignored(name: str) -> bool:
     # Old checkpoints store the rotary buffer (recomputed here); a tied model may still ship an lm_head.
     return "rotary_emb.inv_freq" in name or name == "lm_head.weight"
+
+
+class Part(NamedTuple):
+    """One checkpoint module's rows of a fused layer (q of qkv_proj, gate of gate_up_proj)."""
+
+    module: str  # its name in the checkpoint, after the prefix ("q_proj")
+    start: int  # its first row in the layer (this rank's rows)
+    size: int  # its rows in the layer
+    full: int  # its rows in the checkpoint (all ranks')
+    rank: Callable[[torch.Tensor], torch.Tensor] | None  # this rank's rows of the checkpoint tensor
+
+
+def register_fused(wm: WeightMap, prefix: str, fused: str, tensors: Sequence[CheckpointTensor],
+                   parts: Sequence[Part], fused_checkpoint: bool) -> None:
+    """A column-parallel layer whose parts the checkpoint stores as separate modules (or, with
+    `fused_checkpoint`, already stacked under the layer's own name, as Phi-3 does): every tensor
+    the layer keeps per module (weight, bias, scales, zero points) goes into its parts' rows."""
+    for t in tensors:
+        if t.param is None:  # checked, not kept
+            names = [(fused, sum(p.full for p in parts))] if fused_checkpoint else [(p.module, p.full) for p in parts]
+            for name, full in names:
+                wm.add(f"{prefix}{name}.{t.suffix}", _converted(t, full, lambda tensor, what: None))
+            continue
+        slot = wm.slot(f"{prefix}{fused}.{t.suffix}", t.param, [(p.module,) for p in parts])
+        loaders = [slot.loader(p.module, rows(p.start, p.size), p.rank) for p in parts]
+        if fused_checkpoint:
+            full = [p.full for p in parts]
+            wm.add(f"{prefix}{fused}.{t.suffix}", _converted(t, sum(full), split_rows(full, loaders)))
+        else:
+            for p, load in zip(parts, loaders, strict=True):
+                wm.add(f"{prefix}{p.module}.{t.suffix}", _converted(t, p.full, load))
+
+
+def register_single(wm: WeightMap, name: str, tensors: Sequence[CheckpointTensor], full_rows: int,
+                    rows_rank: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    columns: tuple[int, int, int] | None = None) -> None:
+    """A layer that is one checkpoint module `name`: this rank's rows of it (`rows_rank`: a
+    vocab-parallel lm_head), or its input columns (start, size, ranks) for a row-parallel one,
+    each tensor cut where its columns are input features or groups of them."""
+    for t in tensors:
+        if t.param is None:
+            wm.add(f"{name}.{t.suffix}", _converted(t, full_rows, lambda tensor, what: None))
+            continue
+        if columns is None:
+            rank = rows_rank
+        else:  # a bias (added once, after the sum) and one scale per row are replicated
+            rank = None if t.per_column == 0 else _columns(t, name, *columns)
+        wm.add(f"{name}.{t.suffix}", _converted(t, full_rows, wm.slot(f"{name}.{t.suffix}", t.param)
+                                                .loader("all", None, rank)))
+
+
+def _columns(t: CheckpointTensor, name: str, start: int, size: int,
+             ranks: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    if start % t.per_column or size % t.per_column:
+        raise ValueError(f"{name}.{t.suffix}: a rank's {size} input features from {start} do not split its "
+                         f"groups of {t.per_column}; use a tensor-parallel size that does")
+    return narrow(1, start // t.per_column, size // t.per_column, ranks)
+
+
+def _converted(t: CheckpointTensor, full_rows: int, load: Loader) -> Loader:
+    if t.convert is None:
+        return load
+    convert = t.convert
+    return lambda tensor, what: load(convert(tensor, full_rows, what), what)

@@ -1,0 +1,402 @@
+"""The native GEMMs over quantized weights (worker/csrc/gemm_quant.c) against float64 references
+computed from the same integers: W8A8 (the int32 sums exact, so within a few float32 ulps of
+float64(sum) * sx * sw + bias, and its activations quantized bit for bit as `quantize_rows`), and the
+weight-only W4A16 / W8A16 kernels within float32's summation error; every int8 path (AVX512_VNNI,
+256-bit VNNI, AVX2, portable C) built from the same source and run in turn."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from noria.worker import gemm_kernels, gemm_quant_kernels
+from noria.worker.gemm_quant_kernels import (
+    PackedGroupWeight,
+    PackedInt8Weight,
+    _quantize_rows_native,
+    gemm_w8a8,
+    gemm_wq,
+    quantize_rows,
+)
+
+pytestmark = pytest.mark.skipif(gemm_quant_kernels.load() is None,
+                                reason="no C compiler: the native quantized GEMMs are not built")
+
+EPS = 2.0**-24  # a float32 unit roundoff
+ROWS = [1, 3, 17, 64, 130]
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+def _cpu_flags() -> list[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((line for line in f if line.startswith("flags")), "").split()
+
+
+def _x(rows: int, k: int, seed: int) -> torch.Tensor:
+    """x as a strided view: a column slice of a wider tensor."""
+    torch.manual_seed(seed)
+    return (torch.randn(rows, k + 7) * 3)[:, 5 : 5 + k]
+
+
+def _int8_case(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    q.view(-1)[:: max(1, q.numel() // 5)] = -128  # the extreme value on purpose
+    return q, torch.rand(n) * 0.01 + 1e-4
+
+
+def _w8a8_reference(x: torch.Tensor, q: torch.Tensor, sw: torch.Tensor,
+                    bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64(exact int sum) * sx * sw + bias, and the bound of a few float32 roundings of it."""
+    qx, sx = quantize_rows(x)
+    acc = qx.double() @ q.double().T  # integers below 2^53: exact
+    scaled = acc * sx.double()[:, None] * sw.double()[None]
+    b = 0 if bias is None else bias.double()
+    return scaled + b, 4 * EPS * (scaled.abs() + (0 if bias is None else bias.double().abs())) + 1e-37
+
+
+def _check_w8a8(x: torch.Tensor, q: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    got = gemm_w8a8(x, PackedInt8Weight(q, sw), bias)
+    want, bound = _w8a8_reference(x, q, sw, bias)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max()
+    return got
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), [(1, 4), (37, 96), (100, 259), (131, 130)])  # K not a multiple of 4 too
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w8a8_matches_float64_of_the_exact_int32_sums(rows: int, n: int, k: int, with_bias: bool) -> None:
+    q, sw = _int8_case(n, k, rows * 1000 + n + k)
+    x = _x(rows, k, rows + n + k)
+    assert rows < 2 or not x.is_contiguous()
+    bias = torch.randn(n) if with_bias else None
+    got = _check_w8a8(x, q, sw, bias)
+    # The worst case of the sums: every activation at +-127 against -128 weights.
+    x_hot = torch.where(x >= 0, 1.0, -1.0)
+    _check_w8a8(x_hot, torch.full((n, k), -128, dtype=torch.int8), sw, bias)
+    # A row's result does not depend on the other rows of its batch.
+    assert torch.equal(gemm_w8a8(x[-1:], PackedInt8Weight(q, sw), bias), got[-1:])
+
+
+def test_w8a8_rows_of_zeros_and_non_finite_rows() -> None:
+    q, sw = _int8_case(40, 64, 7)
+    x = torch.randn(5, 64)
+    x[1] = 0
+    x[2, 3] = float("nan")
+    x[3, 0] = float("inf")
+    x[4] = 1e-44  # max / 127 underflows to 0: s = 1, q = 0
+    y = gemm_w8a8(x, PackedInt8Weight(q, sw), None)
+    assert torch.equal(y[1], torch.zeros(40)) and torch.equal(y[4], torch.zeros(40))
+    assert y[2].isnan().all() and y[3].isnan().all()
+    want, bound = _w8a8_reference(x[:1], q, sw, None)
+    assert ((y[:1].double() - want).abs() <= bound).all()
+
+
+def _quant_inputs() -> Iterator[torch.Tensor]:
+    torch.manual_seed(11)
+    yield torch.randn(33, 259) * 5
+    yield torch.randn(4, 1)
+    # Ties: max|x| = 127 * 2^-3, so s = 2^-3 exactly and x / s = k + 0.5 exactly (both signs, even and odd k).
+    k = torch.arange(-126, 127).float()
+    ties = torch.cat([(k + 0.5) * 2**-3, torch.tensor([127 * 2**-3, -127 * 2**-3])])
+    yield ties[None].repeat(3, 1)
+    halves = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 127.0]])
+    yield halves  # s = 1
+    zeros = torch.zeros(3, 16)
+    zeros[1, 4] = -0.0
+    zeros[2, 5] = 3e-45  # a denormal alone: s underflows
+    yield zeros
+    special = torch.randn(4, 20)
+    special[0, 1], special[1, 2], special[2, 3] = float("nan"), float("inf"), -float("inf")
+    special[3] = torch.randn(20) * 1e-39  # denormal rows: the division is not flushed
+    yield special
+
+
+def test_quantize_rows_follows_the_rule() -> None:
+    q, s = quantize_rows(torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 127.0]]))
+    assert s.tolist() == [1.0] and q.tolist() == [[0, 2, 2, 0, -2, -2, 126, -126, 127]]  # half to even
+    q, s = quantize_rows(torch.tensor([[0.0, 0.0], [1.0, float("nan")], [-254.0, 1.0]]))
+    assert s[0] == 1 and s[1].isnan() and s[2] == 2 and q.tolist() == [[0, 0], [0, 0], [-127, 0]]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_the_kernel_quantizes_bit_for_bit_as_quantize_rows(index: int) -> None:
+    x = list(_quant_inputs())[index]
+    want_q, want_s = quantize_rows(x)
+    got_q, got_s = _quantize_rows_native(x.contiguous())
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_s.isnan(), want_s.isnan()) and torch.equal(got_s[~got_s.isnan()], want_s[~want_s.isnan()])
+
+
+def _group_case(n: int, k: int, group: int, bits: int, zero: bool, seed: int) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(seed)
+    lo, hi = (-8, 7) if bits == 4 else (-128, 127)
+    q = torch.randint(lo, hi + 1, (n, k), dtype=torch.int8)
+    q.view(-1)[:: max(1, q.numel() // 7)] = lo
+    scale = torch.rand(n, k // group) * 0.1 + 1e-3
+    z = torch.randint(lo, hi + 1, (n, k // group), dtype=torch.int8) if zero else None
+    return q, scale, z
+
+
+def _dequantized(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int) -> torch.Tensor:
+    """float64 (q - zero) * scale, from the integers."""
+    diff = q.double() - (0 if zero is None else zero.double().repeat_interleave(group, dim=1))
+    return diff * scale.double().repeat_interleave(group, dim=1)
+
+
+def _check_wq(x: torch.Tensor, w: PackedGroupWeight, q: torch.Tensor, scale: torch.Tensor,
+              zero: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    got = gemm_wq(x, w, bias)
+    wd = _dequantized(q, scale, zero, w.group)
+    b = 0 if bias is None else bias.double()
+    want = x.double() @ wd.T + b
+    # Float32 sums of K products, then per group a product and a sum: ~(K + 2) roundings of the |terms|.
+    bound = EPS * 2 * (x.shape[1] + 4) * (x.double().abs() @ wd.abs().T + (0 if bias is None else abs(b)))
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert ((got.double() - want).abs() <= bound + 1e-30).all()
+    return got
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 130])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("group", "k"), [(32, 96), (64, 320), (128, 384), (None, 200)])  # odd multiples; per channel
+@pytest.mark.parametrize("zero", [False, True])
+def test_weight_only_matches_float64(rows: int, bits: int, group: int | None, k: int, zero: bool) -> None:
+    group = group or k
+    n = 133  # not a multiple of any panel width, more than 4 panels
+    q, scale, z = _group_case(n, k, group, bits, zero, rows + bits + k)
+    w = PackedGroupWeight(q, scale, z, group, bits)
+    x = _x(rows, k, rows * 7 + k)
+    bias = torch.randn(n) if rows % 2 else None
+    got = _check_wq(x, w, q, scale, z, bias)
+    # The decoding paths (registers, 1 / 2 / 4 panels at a time, or once per panel into scratch) give the same bits.
+    assert torch.equal(gemm_wq(x[-1:], w, bias), got[-1:])
+    assert torch.equal(gemm_wq(x[:2], w, bias), got[:2])
+
+
+def test_weight_only_extremes() -> None:
+    """Every weight at the bottom of its range against zero points at the top, and large scales."""
+    for bits, lo, hi in ((4, -8, 7), (8, -128, 127)):
+        q = torch.full((40, 64), lo, dtype=torch.int8)
+        scale, z = torch.full((40, 2), 3e3), torch.full((40, 2), hi, dtype=torch.int8)
+        x = torch.randn(9, 64)
+        got = _check_wq(x, PackedGroupWeight(q, scale, z, 32, bits), q, scale, z, None)
+        assert got.isfinite().all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_weight_only_dequantizes_exactly(bits: int) -> None:
+    """x = the identity: y = float32((q - zero) * scale) exactly (each group's sum is one exact term)."""
+    q, scale, z = _group_case(70, 64, 32, bits, True, 5)
+    w = PackedGroupWeight(q, scale, z, 32, bits)
+    got = gemm_wq(torch.eye(64), w, None)
+    assert torch.equal(got.T, w.dequantize())
+    assert torch.equal(w.dequantize(), _dequantized(q, scale, z, 32).float())
+
+
+def _set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+
+
+def test_thread_counts_give_identical_bits() -> None:
+    """Threads split the panels (or the rows, where panels are fewer), never K: 1, 2 and 8 threads."""
+    torch.manual_seed(3)
+    q8, sw = _int8_case(300, 200, 1)
+    q4, scale, z = _group_case(300, 256, 64, 4, True, 2)
+    cases = [(lambda x: gemm_w8a8(x, PackedInt8Weight(q8, sw), None), 200),
+             (lambda x: gemm_w8a8(x, PackedInt8Weight(q8[:5], sw[:5]), None), 200),  # one panel: rows split
+             (lambda x: gemm_wq(x, PackedGroupWeight(q4, scale, z, 64, 4), None), 256),
+             (lambda x: gemm_wq(x, PackedGroupWeight(q4[:5], scale[:5], z[:5], 64, 4), None), 256)]
+    threads = torch.get_num_threads()
+    try:
+        for call, k in cases:
+            for rows in (1, 7, 130, 300):  # 300: past the row blocks (256 int8, 192 weight-only)
+                x = torch.randn(rows, k)
+                results = []
+                for n in (1, 2, 8):
+                    _set_threads(n)
+                    results.append(call(x))
+                assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (37, 259), (257, 64)])
+def test_int8_unpack_round_trip(n: int, k: int) -> None:
+    q, sw = _int8_case(n, k, n + k)
+    w = PackedInt8Weight(q, sw)
+    back_q, back_s = w.unpack()
+    assert torch.equal(back_q, q) and torch.equal(back_s, sw)
+    assert (w.n, w.k, w.out_features, w.in_features) == (n, k, n, k)
+    padded = -(-n // int(gemm_quant_kernels._dll().gemm_quant_i8_nr())) * int(gemm_quant_kernels._dll().gemm_quant_i8_nr())
+    assert w.nbytes == padded * (-(-k // 4) * 4) + padded * 8  # the panels, a scale and a correction per feature
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("zero", [False, True])
+def test_group_unpack_round_trip_and_bytes(bits: int, zero: bool) -> None:
+    n, k, group = 37, 384, 128
+    q, scale, z = _group_case(n, k, group, bits, zero, bits)
+    w = PackedGroupWeight(q, scale, z, group, bits)
+    back_q, back_s, back_z = w.unpack()
+    assert torch.equal(back_q, q) and torch.equal(back_s, scale)
+    assert (back_z is None) == (z is None) and (z is None or torch.equal(back_z, z))
+    assert (w.n, w.k, w.bits, w.group, w.out_features, w.in_features) == (n, k, bits, group, n, k)
+    nr = int(gemm_quant_kernels._dll().gemm_quant_wq_nr())
+    padded = -(-n // nr) * nr
+    assert w.nbytes == padded * k * bits // 8 + padded * (k // group) * (4 + (1 if zero else 0))
+
+
+def test_bad_inputs_are_refused_with_a_clear_error() -> None:
+    q = torch.zeros(4, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match="int8"):
+        PackedInt8Weight(q.float(), torch.ones(4))
+    with pytest.raises(ValueError, match="scales"):
+        PackedInt8Weight(q, torch.ones(5))
+    with pytest.raises(ValueError, match="K <="):
+        PackedInt8Weight(torch.zeros(1, gemm_quant_kernels.MAX_W8A8_K + 1, dtype=torch.int8), torch.ones(1))
+    with pytest.raises(ValueError, match="divide"):
+        PackedGroupWeight(q, torch.ones(4, 2), None, 48, 4)
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        PackedGroupWeight(q + 8, torch.ones(4, 2), None, 32, 4)
+    with pytest.raises(ValueError, match="zero points"):
+        PackedGroupWeight(q, torch.ones(4, 2), torch.full((4, 2), 9, dtype=torch.int8), 32, 4)
+    with pytest.raises(ValueError, match="bits"):
+        PackedGroupWeight(q, torch.ones(4, 2), None, 32, 3)
+    with pytest.raises(ValueError, match="scales"):
+        PackedGroupWeight(q, torch.ones(4, 3), None, 32, 4)
+    with pytest.raises(ValueError, match="float32"):
+        gemm_w8a8(torch.zeros(2, 63), PackedInt8Weight(q, torch.ones(4)), None)
+    assert gemm_w8a8(torch.zeros(0, 64), PackedInt8Weight(q, torch.ones(4)), None).shape == (0, 4)
+
+
+def test_the_native_build_takes_the_cpus_int8_path() -> None:
+    flags = _cpu_flags()
+    want = ("avx512_vnni" if "avx512_vnni" in flags and "avx512bw" in flags else
+            "avx_vnni" if "avx_vnni" in flags else "avx2" if "avx2" in flags else "portable")
+    assert gemm_quant_kernels.isa() == want
+
+
+# Builds of the same source: (extra flags or -march, the int8 path it takes, what the CPU needs to run it).
+BUILDS = [
+    pytest.param((None, None, None), id="native"),
+    pytest.param((["-DQUANT_VNNI_256"], "avx_vnni", "avx512_vnni"), id="vnni256"),
+    pytest.param((["-march=x86-64-v3"], "avx2", "avx2"), id="avx2"),
+    pytest.param((["-march=x86-64"], "portable", None), id="portable"),
+]
+
+
+@pytest.fixture
+def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    extra, want, needs = request.param
+    if extra is not None and not X86:
+        pytest.skip("x86 builds")
+    if needs is not None and needs not in _cpu_flags():
+        pytest.skip(f"this CPU lacks {needs}")
+    flags = list(gemm_quant_kernels._FLAGS)
+    for f in extra or []:
+        if f.startswith("-march="):
+            flags[flags.index("-march=native")] = f
+        else:
+            flags.append(f)
+    monkeypatch.setattr(gemm_quant_kernels, "_FLAGS", flags)
+    gemm_quant_kernels.load.cache_clear()
+    try:
+        if gemm_quant_kernels.load() is None:
+            pytest.skip("no compiler for this build")
+        yield want or gemm_quant_kernels.isa()
+    finally:
+        monkeypatch.undo()
+        gemm_quant_kernels.load.cache_clear()
+
+
+@pytest.mark.parametrize("build", BUILDS, indirect=True)
+def test_every_int8_path_against_the_reference(build: str) -> None:
+    assert gemm_quant_kernels.isa() == build
+    for rows, (n, k) in zip([1, 17, 130], [(37, 259), (100, 64), (70, 130)], strict=True):
+        q, sw = _int8_case(n, k, rows)
+        x = _x(rows, k, rows)
+        bias = torch.randn(n)
+        _check_w8a8(x, q, sw, bias)
+        _check_w8a8(torch.where(x >= 0, 1.0, -1.0), torch.full((n, k), -128, dtype=torch.int8), sw, None)
+    for x in _quant_inputs():
+        got_q, got_s = _quantize_rows_native(x.contiguous())
+        want_q, want_s = quantize_rows(x)
+        assert torch.equal(got_q, want_q) and torch.equal(got_s.nan_to_num(-1), want_s.nan_to_num(-1))
+
+
+@pytest.mark.parametrize("build", BUILDS, indirect=True)
+def test_every_build_of_the_weight_only_kernels(build: str) -> None:
+    for bits in (4, 8):
+        for rows in (1, 2, 5, 40):
+            q, scale, z = _group_case(75, 192, 64, bits, rows % 2 == 1, rows)
+            x = _x(rows, 192, rows)
+            _check_wq(x, PackedGroupWeight(q, scale, z, 64, bits), q, scale, z, torch.randn(75))
+
+
+def test_builds_with_fused_multiply_adds_agree_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weight-only sums are per lane, so 16-float (AVX-512) and 8-float (AVX2) panels give the same bits;
+    so do the int8 paths, whose sums are exact."""
+    if not X86 or "avx2" not in _cpu_flags():
+        pytest.skip("needs an AVX2 host")
+    torch.manual_seed(9)
+    q4, scale, z = _group_case(75, 256, 128, 4, True, 9)
+    q8, sw = _int8_case(75, 259, 9)
+    x4, x8 = torch.randn(20, 256), torch.randn(20, 259)
+
+    def run() -> list[torch.Tensor]:
+        return [gemm_wq(x4[:m], PackedGroupWeight(q4, scale, z, 128, 4), None) for m in (1, 2, 20)] + [
+            gemm_w8a8(x8, PackedInt8Weight(q8, sw), None)]
+
+    native = run()
+    monkeypatch.setenv("NORIA_CPU_MARCH", "x86-64-v3")
+    gemm_quant_kernels.load.cache_clear()
+    try:
+        assert gemm_quant_kernels.isa() == "avx2"
+        assert all(torch.equal(a, b) for a, b in zip(native, run(), strict=True))
+    finally:
+        monkeypatch.delenv("NORIA_CPU_MARCH")
+        gemm_quant_kernels.load.cache_clear()
+
+
+def test_the_avx_vnni_build_compiles() -> None:
+    """The VEX-encoded AVX-VNNI code (Alder Lake and later, Zen 5) compiles; this host need not run it."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None or not X86:
+        pytest.skip("needs an x86 C compiler")
+    flags = [f for f in gemm_quant_kernels._FLAGS if f not in ("-shared", "-march=native")]
+    out = subprocess.run([cc, *flags, "-march=alderlake", "-dM", "-E", str(gemm_quant_kernels._SRC)],
+                         capture_output=True, text=True)
+    if out.returncode or "__AVXVNNI__" not in out.stdout:
+        pytest.skip("this compiler does not know AVX-VNNI")
+    asm = subprocess.run([cc, *flags, "-march=alderlake", "-S", "-o", "-", str(gemm_quant_kernels._SRC)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "{vex} vpdpbusd" in asm or "vpdpbusd" in asm
+
+
+def test_disabled_with_the_gemm_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    gemm_quant_kernels.load.cache_clear()
+    monkeypatch.setenv("NORIA_DISABLE_CPU_GEMM", "1")
+    try:
+        assert gemm_quant_kernels.load() is None and not gemm_quant_kernels.usable()
+    finally:
+        monkeypatch.delenv("NORIA_DISABLE_CPU_GEMM")
+        gemm_quant_kernels.load.cache_clear()
+    assert gemm_quant_kernels.usable()
+
+
+def test_weight_only_is_the_float32_gemm_where_groups_are_whole_rows() -> None:
+    """Per channel, with scale 1: one group, and the sum is gemm_f32.c's in-order sum over the integers."""
+    if gemm_kernels.load() is None:
+        pytest.skip("the float32 native GEMM is off")
+    q, _, z = _group_case(70, 96, 96, 4, True, 4)
+    w = PackedGroupWeight(q, torch.ones(70, 1), z, 96, 4)
+    x = torch.randn(9, 96)
+    bias = torch.randn(70)
+    assert torch.equal(gemm_wq(x, w, bias), gemm_kernels.gemm(x, gemm_kernels.PackedWeight(w.dequantize()), bias))

@@ -1,0 +1,618 @@
+/* Float32 y = x @ W^T (+ bias) over quantized weights, for the CPU linear layers
+ * of quantized checkpoints (issue 39). Two kernels, read gemm_f32.c first (the
+ * blocking is its: W packed once at load into panels of NR output features,
+ * k-major, so an MR x NR tile of accumulators stays in registers for the whole
+ * K loop; near-equal row tiles; threads split whole panels, or rows, never K,
+ * so no output depends on the thread count or on the batch's other rows).
+ *
+ * 1. W8A8 (gemm_w8a8): int8 weights with one float32 scale per output row,
+ *    activations quantized inside the call, per row, symmetric:
+ *        s = max|x| / 127 (1 where that is 0), q = rint(x / s) clamped to +-127,
+ *    bit for bit worker/gemm_quant_kernels.py's quantize_rows (x / s is one
+ *    correctly rounded division, rint rounds half to even in the default
+ *    rounding mode; a row holding a NaN or an infinity gets s = NaN and q = 0,
+ *    so its outputs are NaN). Then
+ *        y[m, n] = (float)acc * sx[m] * sw[n] + bias[n],  acc = sum_k q[m, k] * w[n, k]
+ *    with acc an exact int32: |acc| <= 127 * 128 * K < 2^31 for K <= 132104
+ *    (the Python side refuses more). The product's ISA is the compiler's:
+ *      - AVX512_VNNI: vpdpbusd on 512-bit vectors, u8 x s8 in groups of 4 k
+ *        per int32 lane. x is shifted to unsigned (q + 128, 1..255) and the
+ *        sum of 128 * w[n, k] over k (precomputed at pack time, `corr`) is
+ *        taken off at the end; int32 arithmetic wraps modulo 2^32, so the
+ *        difference is exact whenever the true sum fits, as above.
+ *      - AVX_VNNI (or AVX512_VNNI built with -DQUANT_VNNI_256, which the tests
+ *        use to run this path on an AVX-512 host): the same on 256-bit vectors.
+ *      - AVX2: vpmaddubsw multiplies u8 by s8 into int16 pair sums, then
+ *        vpmaddwd by ones widens pairs into int32. The u8 operand is |w|
+ *        (0..128: |-128| is 0x80, 128 as unsigned) and the signed one is x
+ *        with w's sign moved onto it (vpsignb; x is in -127..127, so negating
+ *        it cannot overflow). Worst int16 pair: 128 * 127 * 2 = 32512 <=
+ *        32767, so the saturating vpmaddubsw never saturates.
+ *      - portable C (any CPU): the same sums in int32.
+ *    Panels: [ceil(N / NR8), ceil(K / 4), NR8, 4] int8, k in groups of 4 per
+ *    feature (vpdpbusd's lane), K padded with zero weights (and zero x), the
+ *    tail panel with zero features. A 512-bit tile is 6 rows x 4 vectors (24
+ *    of the 32 registers hold sums); 256-bit ones are 6 x 2 (VNNI) or 4 x 2
+ *    (AVX2, which needs temporaries), within 16 registers.
+ *
+ * 2. Weight-only W4A16 / W8A16 (gemm_wq): integer weights q (4 or 8 bits), a
+ *    float32 scale and optionally an integer zero point per group of `group`
+ *    consecutive k of a row; x stays float32. The order of the sums:
+ *        part_g = sum over k of group g, in order, of x[k] * (q[k] - zero_g)
+ *                 (float32, one fused multiply-add per k where the CPU has FMA)
+ *        total  = part_g * scale_g + total, fused, over g in order; y = total + bias
+ *    q - zero is an integer, exact in float32, and so is every product's input:
+ *    the only roundings are the sums'. Stored unsigned, u = q + 8 (4 bits) or
+ *    q + 128 (8 bits), zero points the same (zz = zero + offset), q - zero is
+ *    made in registers exactly as (2^23 + u) - (2^23 + zz): 2^23 + u is u's
+ *    bits or-ed into 2^23's (float32 holds every integer below 2^24) and the
+ *    difference of two such floats is exact; on AVX-512 a symmetric 4-bit value
+ *    instead indexes a table of the 16 values (vpermps reads the low 4 bits of
+ *    each lane, so the nibble needs no mask). At one or two rows the decoding is
+ *    the work (the weight bytes are an eighth of float32's, the arithmetic is
+ *    not): a row takes four panels at a time (eight independent sums hide the
+ *    FMA latency), two rows two. From WQ_WIDEN_TILES row tiles on, a panel's
+ *    q - zero is decoded once into thread-local float32 scratch and the tiles
+ *    read that: the same numbers, the same order, so the same bits whichever
+ *    path, thread count or batch. Panels: NR = 2 vector widths of features
+ *    (the float32 GEMM's), [P, K, NR / 2] bytes at 4 bits (byte j: feature j
+ *    in the low nibble, feature VL + j in the high one, so a k-row is one
+ *    VL-byte load), [P, K, NR] at 8 bits; scales [P, K / group, NR] float32,
+ *    zero points [P, K / group, NR] bytes. The vector code is GCC's vector
+ *    extensions: AVX-512, AVX2 or SSE2 as -march says.
+ *
+ * No -ffast-math: the sums above are the documented ones.
+ *
+ * x:  [M, K] float32, row stride ldx;  y: [M, N] float32, row stride ldy;
+ * bias: [N] float32 or NULL.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the packed layouts assume a little-endian CPU"
+#endif
+
+/* ---------------------------------------------------------------- shared */
+
+/* A thread's scratch, grown as needed. */
+typedef struct {
+    void *p;
+    size_t size;
+} Scratch;
+
+static void *scratch_for(Scratch *s, size_t bytes, const char *what) {
+    if (bytes > s->size) {
+        free(s->p);
+        s->p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (s->p == NULL) {
+            fprintf(stderr, "gemm_quant: out of memory for %zu bytes of %s\n", bytes, what);
+            abort();
+        }
+        s->size = bytes;
+    }
+    return s->p;
+}
+
+/* The calling thread's share [*lo, *hi) of n items, inside a parallel region (all of them outside). */
+static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
+    int64_t tid = 0, nth = 1;
+#ifdef _OPENMP
+    tid = omp_get_thread_num();
+    nth = omp_get_num_threads();
+#endif
+    *lo = n * tid / nth, *hi = n * (tid + 1) / nth;
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* ---------------------------------------------------------------- W8A8 */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(QUANT_VNNI_256)
+#define I8_PATH 3 /* avx512_vnni */
+#elif defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define I8_PATH 2 /* avx_vnni (256-bit) */
+#elif defined(__AVX2__)
+#define I8_PATH 1 /* avx2 */
+#else
+#define I8_PATH 0 /* portable */
+#endif
+
+#if I8_PATH == 3
+#define I8_L 16 /* int32 lanes per vector */
+#define I8_NV 4 /* vectors per panel */
+#define I8_MR 6
+typedef __m512i ivec;
+typedef __m512i wprep;
+static inline __attribute__((always_inline)) wprep i8_prep(const int8_t *p) { return _mm512_loadu_si512(p); }
+static inline __attribute__((always_inline)) ivec i8_bcast(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+static inline __attribute__((always_inline)) ivec i8_dot(ivec acc, ivec a, wprep w) {
+    return _mm512_dpbusd_epi32(acc, a, w);
+}
+#elif I8_PATH == 2 || I8_PATH == 1
+#define I8_L 8
+#define I8_NV 2
+typedef __m256i ivec;
+static inline __attribute__((always_inline)) ivec i8_bcast(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+#if I8_PATH == 2
+#define I8_MR 6
+typedef __m256i wprep;
+static inline __attribute__((always_inline)) wprep i8_prep(const int8_t *p) {
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+static inline __attribute__((always_inline)) ivec i8_dot(ivec acc, ivec a, wprep w) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, a, w);
+#else
+    return _mm256_dpbusd_epi32(acc, a, w);
+#endif
+}
+#else
+#define I8_MR 4
+typedef struct {
+    __m256i w, aw; /* the weights and their magnitudes (as unsigned bytes) */
+} wprep;
+static inline __attribute__((always_inline)) wprep i8_prep(const int8_t *p) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)p);
+    return (wprep){w, _mm256_abs_epi8(w)};
+}
+static inline __attribute__((always_inline)) ivec i8_dot(ivec acc, ivec a, wprep w) {
+    /* |w| (u8) times x with w's sign (s8): pairs into int16 (no saturation, see the top), pairs of those into int32 */
+    const __m256i pairs = _mm256_maddubs_epi16(w.aw, _mm256_sign_epi8(a, w.w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+#else
+#define I8_L 8
+#define I8_NV 2
+#define I8_MR 4
+#endif
+
+#define I8_NR (I8_L * I8_NV)
+#define I8_SHIFT (I8_PATH >= 2) /* x stored as q + 128 (unsigned) for vpdpbusd */
+#define I8_MB 256              /* rows per block: a block's quantized rows stay in L2 while the panels pass */
+
+int gemm_quant_isa(void) { return I8_PATH; }
+int64_t gemm_quant_i8_nr(void) { return I8_NR; }
+int gemm_quant_i8_shift(void) { return I8_SHIFT; }
+
+/* One row of x quantized into q (K4 * 4 bytes, the padding 0), its scale into *s.
+ * shift: store q + 128 as unsigned bytes. */
+static void quant_row(const float *x, int64_t K, int64_t Kp, uint8_t *q, float *s, int shift) {
+    float amax = 0.0f;
+    int bad = 0;
+    for (int64_t k = 0; k < K; k++) {
+        const float a = fabsf(x[k]);
+        amax = a > amax ? a : amax;
+        bad |= !(a <= FLT_MAX); /* NaN or infinity */
+    }
+    const uint8_t zero = shift ? 128 : 0;
+    if (bad) {
+        *s = NAN;
+        memset(q, zero, (size_t)Kp);
+        return;
+    }
+    float sc = amax / 127.0f;
+    if (sc == 0.0f) sc = 1.0f; /* a row of zeros (or so small that max / 127 underflows): q = rint(x) = 0 */
+    *s = sc;
+    for (int64_t k = 0; k < K; k++) {
+        float v = rintf(x[k] / sc);
+        v = v > 127.0f ? 127.0f : v;
+        v = v < -127.0f ? -127.0f : v;
+        q[k] = (uint8_t)((int)v + zero);
+    }
+    for (int64_t k = K; k < Kp; k++) q[k] = zero;
+}
+
+/* quantize_rows in C, for the tests: q [M, K] int8 (row stride ldq), s [M]. */
+void quant_rows_i8(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *q, int64_t ldq, float *s) {
+    for (int64_t m = 0; m < M; m++) quant_row(x + m * ldx, K, K, (uint8_t *)(q + m * ldq), s + m, 0);
+}
+
+/* One mr x I8_NR tile: quantized rows xq (row stride ldq bytes) against one panel. */
+static inline __attribute__((always_inline)) void i8_tile(
+    const uint8_t *xq, int64_t ldq, const int8_t *panel, int64_t K4, const int32_t *corr, const float *sx,
+    const float *sw, const float *bias, float *y, int64_t ldy, int64_t ncols, const int mr) {
+    int32_t sums[I8_MR][I8_NR];
+#if I8_PATH == 0
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < I8_NR; j++) sums[r][j] = 0;
+    for (int64_t k4 = 0; k4 < K4; k4++) {
+        const int8_t *w = panel + k4 * I8_NR * 4;
+        for (int r = 0; r < mr; r++) {
+            const int8_t *a = (const int8_t *)xq + r * ldq + 4 * k4;
+            const int32_t a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+            for (int j = 0; j < I8_NR; j++)
+                sums[r][j] += a0 * w[4 * j] + a1 * w[4 * j + 1] + a2 * w[4 * j + 2] + a3 * w[4 * j + 3];
+        }
+    }
+#else
+    ivec acc[I8_MR][I8_NV];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < I8_NV; v++) acc[r][v] = (ivec){0};
+    for (int64_t k4 = 0; k4 < K4; k4++) {
+        wprep w[I8_NV];
+        for (int v = 0; v < I8_NV; v++) w[v] = i8_prep(panel + (k4 * I8_NR + v * I8_L) * 4);
+        for (int r = 0; r < mr; r++) {
+            const ivec a = i8_bcast(xq + r * ldq + 4 * k4);
+            for (int v = 0; v < I8_NV; v++) acc[r][v] = i8_dot(acc[r][v], a, w[v]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < I8_NV; v++) memcpy(sums[r] + v * I8_L, &acc[r][v], sizeof(ivec));
+#endif
+    for (int r = 0; r < mr; r++) {
+        float out[I8_NR];
+        const float s = sx[r];
+        /* (acc - corr) wraps back to the exact sum (see the top); the scales, then the bias. */
+        if (bias != NULL)
+            for (int j = 0; j < I8_NR; j++)
+                out[j] = (float)(int32_t)((uint32_t)sums[r][j] - (uint32_t)corr[j]) * s * sw[j] + bias[j];
+        else
+            for (int j = 0; j < I8_NR; j++)
+                out[j] = (float)(int32_t)((uint32_t)sums[r][j] - (uint32_t)corr[j]) * s * sw[j];
+        memcpy(y + r * ldy, out, sizeof(float) * (size_t)ncols);
+    }
+}
+
+/* Rows [0, M) against panels [p0, p1), in blocks of I8_MB rows, each block's row tiles of near-equal height. */
+static void i8_range(const uint8_t *xq, int64_t ldq, const float *sx, const int8_t *packed, const int32_t *corr,
+                     const float *sw, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K4,
+                     int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += I8_MB) {
+        const int64_t rows = min64(M - m0, I8_MB);
+        const int64_t tiles = (rows + I8_MR - 1) / I8_MR, base = rows / tiles, taller = rows % tiles;
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t n0 = p * I8_NR, ncols = min64(N - n0, I8_NR);
+            const int8_t *panel = packed + p * K4 * I8_NR * 4;
+            const float *b = bias == NULL ? NULL : bias + n0;
+            for (int64_t t = 0, m = m0; t < tiles; m += base + (t < taller), t++) {
+                const int64_t h = base + (t < taller);
+                const uint8_t *xm = xq + m * ldq;
+                float *ym = y + m * ldy + n0;
+#define I8_TILE(H) i8_tile(xm, ldq, panel, K4, corr + n0, sx + m, sw + n0, b, ym, ldy, ncols, H)
+                switch (h) {
+#if I8_MR > 4
+                    case 6: I8_TILE(6); break;
+                    case 5: I8_TILE(5); break;
+#endif
+                    case 4: I8_TILE(4); break;
+                    case 3: I8_TILE(3); break;
+                    case 2: I8_TILE(2); break;
+                    default: I8_TILE(1); break;
+                }
+#undef I8_TILE
+            }
+        }
+    }
+}
+
+static _Thread_local Scratch quantized;
+
+/* packed: [ceil(N / I8_NR), ceil(K / 4), I8_NR, 4] int8; corr: [panels * I8_NR] int32, 128 * the sum of each
+ * feature's weights where I8_SHIFT (else zeros); sw: [panels * I8_NR] float32 (the padding anything finite). */
+void gemm_w8a8(const float *x, int64_t ldx, const int8_t *packed, const int32_t *corr, const float *sw,
+               const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t K4 = (K + 3) / 4, ldq = K4 * 4, panels = (N + I8_NR - 1) / I8_NR;
+    const size_t qbytes = (size_t)(M * ldq + 63) / 64 * 64;
+    uint8_t *xq = scratch_for(&quantized, qbytes + sizeof(float) * (size_t)M, "quantized activations");
+    float *sx = (float *)(xq + qbytes);
+    /* Threads over whole panels; over rows where there are fewer panels than threads. */
+    const int64_t units = panels >= num_threads ? panels : (M > panels ? M : panels);
+    const int threads = units < num_threads ? (int)units : num_threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t lo, hi;
+        thread_share(M, &lo, &hi);
+        for (int64_t m = lo; m < hi; m++) quant_row(x + m * ldx, K, ldq, xq + m * ldq, sx + m, I8_SHIFT);
+#pragma omp barrier
+        int nth = 1;
+#ifdef _OPENMP
+        nth = omp_get_num_threads();
+#endif
+        if (panels >= nth) {
+            thread_share(panels, &lo, &hi);
+            i8_range(xq, ldq, sx, packed, corr, sw, bias, y, ldy, M, N, K4, lo, hi);
+        } else {
+            thread_share(M, &lo, &hi);
+            i8_range(xq + lo * ldq, ldq, sx + lo, packed, corr, sw, bias, y + lo * ldy, ldy, hi - lo, N, K4, 0,
+                     panels);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- weight-only */
+
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+#define NR (2 * VL)
+#if VL == 16
+#define MR 6 /* 2 x 12 sums (the group's and the total) in 32 registers */
+#else
+#define MR 3 /* 2 x 6 sums in 16 registers */
+#endif
+#ifndef WQ_WIDEN_TILES
+#define WQ_WIDEN_TILES 3 /* row tiles per panel from which a panel is decoded once (measured: 2 loses at 8 rows) */
+#endif
+#define WQ_MB 192
+#define MAGIC 0x4B000000u /* 2^23's bits */
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+
+enum { Q4 = 4, Q8 = 8, FLOAT = 32 };
+
+int64_t gemm_quant_wq_nr(void) { return NR; }
+
+/* VL bytes at p, zero-extended to 32-bit lanes (vpmovzxbd; GCC's __builtin_convertvector of bytes
+ * is scalarized, byte by byte). */
+static inline __attribute__((always_inline)) vu widen_bytes(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vu)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vu)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vu out;
+    for (int i = 0; i < VL; i++) out[i] = p[i];
+    return out;
+#endif
+}
+
+/* What decoding a panel's group needs: per half of the panel, the float to take off the stored
+ * value's 2^23 + u (2^23 + zz: zz the zero point plus the offset, 8 or 128); nothing for 4 bits
+ * without zero points on AVX-512 (a table of the 16 values, indexed by the nibble). */
+typedef struct {
+    vf sub0, sub1;
+} Group;
+
+#if defined(__AVX512F__)
+#ifndef Q4_TABLE
+#define Q4_TABLE 1
+#endif
+#else
+#define Q4_TABLE 0
+#endif
+
+static inline __attribute__((always_inline)) Group group_at(const int bits, const int zp, const uint8_t *zeros,
+                                                            int64_t g) {
+    Group G;
+    const vf off = (vf)((vu){0} + (MAGIC | (bits == Q4 ? 8u : 128u)));
+    if (bits == Q4 && Q4_TABLE && !zp) { /* the table holds q itself */
+        G.sub0 = G.sub1 = (vf){0};
+    } else if (zp) {
+        G.sub0 = (vf)(widen_bytes(zeros + g * NR) | MAGIC);
+        G.sub1 = (vf)(widen_bytes(zeros + g * NR + VL) | MAGIC);
+    } else {
+        G.sub0 = G.sub1 = off;
+    }
+    return G;
+}
+
+/* k-row k of a panel as two vectors of q - zero (integers, exact in float32). */
+static inline __attribute__((always_inline)) void wq_row(const int bits, const int zp, const void *panel, int64_t k,
+                                                         const Group *G, vf *w0, vf *w1) {
+    (void)zp;
+    if (bits == FLOAT) {
+        const float *row = (const float *)panel + k * NR;
+        *w0 = *(const vf *)row, *w1 = *(const vf *)(row + VL);
+    } else if (bits == Q4) {
+        const vu b = widen_bytes((const uint8_t *)panel + k * (NR / 2));
+#if Q4_TABLE
+        if (!zp) {
+            /* vpermps reads the low 4 bits of each index lane: the low nibble as it is, the high one shifted
+             * down. Measured on Zen 4: faster than the or-and-subtract below without zero points, slower with. */
+            const __m512 table = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+            *w0 = (vf)_mm512_permutexvar_ps((__m512i)b, table);
+            *w1 = (vf)_mm512_permutexvar_ps((__m512i)(b >> 4), table);
+            return;
+        }
+#endif
+        *w0 = (vf)((b & 15u) | MAGIC) - G->sub0;
+        *w1 = (vf)((b >> 4) | MAGIC) - G->sub1;
+    } else {
+        const uint8_t *row = (const uint8_t *)panel + k * NR;
+        *w0 = (vf)(widen_bytes(row) | MAGIC) - G->sub0;
+        *w1 = (vf)(widen_bytes(row + VL) | MAGIC) - G->sub1;
+    }
+}
+
+/* One tile: mr rows x np adjacent panels (np * NR features; the first ncols of them stored). Per
+ * group, sum_k x * (q - zero) in float32 (one fused multiply-add per k, in order), then
+ * total = group sum * scale + total (fused): the documented order, whichever path decodes.
+ * panel: the first panel (psize bytes apart, or the decoded float32 panel, np = 1); zeros and
+ * scales: the first panel's groups (gsize = K / group * NR apart). */
+static inline __attribute__((always_inline)) void wq_tile(
+    const int bits, const int zp, const float *x, int64_t ldx, const void *panel, int64_t psize,
+    const uint8_t *zeros, const float *scales, int64_t gsize, int64_t K, int64_t group, const float *bias, float *y,
+    int64_t ldy, int64_t ncols, const int mr, const int np) {
+    vf acc[MR][8], part[MR][8]; /* np <= 4 */
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < 2 * np; v++) acc[r][v] = (vf){0};
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, g++) {
+        Group G[4];
+        if (bits != FLOAT)
+            for (int j = 0; j < np; j++) G[j] = group_at(bits, zp, zeros + j * gsize, g);
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < 2 * np; v++) part[r][v] = (vf){0};
+        for (int64_t k = k0; k < k0 + group; k++) {
+            vf w[8];
+            for (int j = 0; j < np; j++)
+                wq_row(bits, zp, (const char *)panel + j * psize, k, &G[j], &w[2 * j], &w[2 * j + 1]);
+            for (int r = 0; r < mr; r++) {
+                const float a = x[r * ldx + k];
+                for (int v = 0; v < 2 * np; v++) part[r][v] += a * w[v];
+            }
+        }
+        for (int j = 0; j < np; j++) {
+            const float *s = scales + j * gsize + g * NR;
+            const vf s0 = *(const vfu *)s, s1 = *(const vfu *)(s + VL);
+            for (int r = 0; r < mr; r++) {
+                acc[r][2 * j] += part[r][2 * j] * s0;
+                acc[r][2 * j + 1] += part[r][2 * j + 1] * s1;
+            }
+        }
+    }
+    /* The bias after the sum, as torch's addmm adds it. */
+    float b[4 * NR] = {0};
+    if (bias != NULL) memcpy(b, bias, sizeof(float) * (size_t)ncols);
+    for (int r = 0; r < mr; r++) {
+        float out[4 * NR];
+        for (int v = 0; v < 2 * np; v++) *(vfu *)(out + v * VL) = acc[r][v] + *(const vfu *)(b + v * VL);
+        memcpy(y + r * ldy, out, sizeof(float) * (size_t)ncols);
+    }
+}
+
+static _Thread_local Scratch decoded;
+
+/* A panel's q - zero as float32 [K, NR], features in order, into this thread's scratch. */
+static const float *decode_panel(const int bits, const int zp, const uint8_t *panel, const uint8_t *zeros, int64_t K,
+                                 int64_t group) {
+    float *out = scratch_for(&decoded, sizeof(float) * (size_t)(K * NR), "decoded weights");
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, g++) {
+        const Group G = group_at(bits, zp, zeros, g);
+        for (int64_t k = k0; k < k0 + group; k++) {
+            vf w0, w1;
+            wq_row(bits, zp, panel, k, &G, &w0, &w1);
+            *(vf *)(out + k * NR) = w0, *(vf *)(out + k * NR + VL) = w1;
+        }
+    }
+    return out;
+}
+
+/* Panels [p0, p1) for rows [0, M) (M <= WQ_MB). One or two row tiles decode in registers, tile by tile,
+ * a single row four panels at a time and two rows two (so that 8 or 16 independent sums hide the
+ * latency of the fused multiply-adds); more decode each panel once into scratch and run the float
+ * tile loop over it: the same numbers, so the same bits. */
+static inline __attribute__((always_inline)) void wq_rows(
+    const int bits, const int zp, const float *x, int64_t ldx, const uint8_t *packed, int64_t psize,
+    const uint8_t *zeros, const float *scales, int64_t gsize, int64_t M, int64_t N, int64_t K, int64_t group,
+    const float *bias, float *y, int64_t ldy, int64_t p0, int64_t p1) {
+    const int64_t tiles = (M + MR - 1) / MR, base = M / tiles, taller = M % tiles;
+#define WQ_ARGS(P) packed + (P) * psize, psize, zeros == NULL ? NULL : zeros + (P) * gsize, scales + (P) * gsize, gsize
+#define WQ_OUT(P, M0, NP) bias == NULL ? NULL : bias + (P) * NR, y + (M0) * ldy + (P) * NR, ldy, \
+    min64(N - (P) * NR, (NP) * NR)
+    if (M == 1 || M == 2) {
+        int64_t p = p0;
+        if (M == 1)
+            for (; p + 4 <= p1; p += 4) wq_tile(bits, zp, x, ldx, WQ_ARGS(p), K, group, WQ_OUT(p, 0, 4), 1, 4);
+        for (; p + 2 <= p1; p += 2) {
+            if (M == 1)
+                wq_tile(bits, zp, x, ldx, WQ_ARGS(p), K, group, WQ_OUT(p, 0, 2), 1, 2);
+            else
+                wq_tile(bits, zp, x, ldx, WQ_ARGS(p), K, group, WQ_OUT(p, 0, 2), 2, 2);
+        }
+        for (; p < p1; p++) {
+            if (M == 1)
+                wq_tile(bits, zp, x, ldx, WQ_ARGS(p), K, group, WQ_OUT(p, 0, 1), 1, 1);
+            else
+                wq_tile(bits, zp, x, ldx, WQ_ARGS(p), K, group, WQ_OUT(p, 0, 1), 2, 1);
+        }
+        return;
+    }
+    for (int64_t p = p0; p < p1; p++) {
+        const int wide = tiles >= WQ_WIDEN_TILES;
+        const void *panel = packed + p * psize;
+        if (wide) panel = decode_panel(bits, zp, panel, zeros == NULL ? NULL : zeros + p * gsize, K, group);
+        for (int64_t t = 0, m = 0; t < tiles; m += base + (t < taller), t++) {
+            const int64_t h = base + (t < taller);
+            const float *xm = x + m * ldx;
+#define WQ_TILE(B, H) wq_tile(B, zp, xm, ldx, panel, psize, zeros == NULL ? NULL : zeros + p * gsize, \
+                              scales + p * gsize, gsize, K, group, WQ_OUT(p, m, 1), H, 1)
+#if MR > 3
+#define WQ_HEIGHTS(B)                    \
+    switch (h) {                         \
+        case 6: WQ_TILE(B, 6); break;    \
+        case 5: WQ_TILE(B, 5); break;    \
+        case 4: WQ_TILE(B, 4); break;    \
+        case 3: WQ_TILE(B, 3); break;    \
+        case 2: WQ_TILE(B, 2); break;    \
+        default: WQ_TILE(B, 1); break;   \
+    }
+#else
+#define WQ_HEIGHTS(B)                    \
+    switch (h) {                         \
+        case 3: WQ_TILE(B, 3); break;    \
+        case 2: WQ_TILE(B, 2); break;    \
+        default: WQ_TILE(B, 1); break;   \
+    }
+#endif
+            if (wide) {
+                WQ_HEIGHTS(FLOAT)
+            } else {
+                WQ_HEIGHTS(bits)
+            }
+#undef WQ_HEIGHTS
+#undef WQ_TILE
+        }
+    }
+#undef WQ_ARGS
+#undef WQ_OUT
+}
+
+static inline __attribute__((always_inline)) void wq_range(
+    const int bits, const int zp, const float *x, int64_t ldx, const uint8_t *packed, const uint8_t *zeros,
+    const float *scales, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t group,
+    int64_t p0, int64_t p1) {
+    const int64_t gsize = K / group * NR, psize = K * (bits == Q4 ? NR / 2 : NR);
+    for (int64_t m0 = 0; m0 < M; m0 += WQ_MB)
+        wq_rows(bits, zp, x + m0 * ldx, ldx, packed, psize, zeros, scales, gsize, min64(M - m0, WQ_MB), N, K, group,
+                bias, y + m0 * ldy, ldy, p0, p1);
+}
+
+/* packed: bits 4: [ceil(N / NR), K, NR / 2] bytes (see the top), bits 8: [.., K, NR]; zeros: NULL or
+ * [.., K / group, NR] bytes (zero + 8 or + 128); scales: [.., K / group, NR] float32. group divides K. */
+void gemm_wq(const float *x, int64_t ldx, const uint8_t *packed, const uint8_t *zeros, const float *scales,
+             const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t group, int bits,
+             int num_threads) {
+    const int64_t panels = (N + NR - 1) / NR;
+    const int64_t units = panels >= num_threads ? panels : (M > panels ? M : panels);
+    const int threads = units < num_threads ? (int)units : num_threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int nth = 1;
+#ifdef _OPENMP
+        nth = omp_get_num_threads();
+#endif
+        int64_t lo, hi, m0 = 0, m1 = M, p0 = 0, p1 = panels;
+        thread_share(panels >= nth ? panels : M, &lo, &hi);
+        if (panels >= nth)
+            p0 = lo, p1 = hi;
+        else
+            m0 = lo, m1 = hi;
+        const float *xm = x + m0 * ldx;
+        float *ym = y + m0 * ldy;
+        const int64_t rows = m1 - m0;
+#define WQ_CALL(B, Z) wq_range(B, Z, xm, ldx, packed, zeros, scales, bias, ym, ldy, rows, N, K, group, p0, p1)
+        if (bits == 4 && zeros != NULL)
+            WQ_CALL(Q4, 1);
+        else if (bits == 4)
+            WQ_CALL(Q4, 0);
+        else if (zeros != NULL)
+            WQ_CALL(Q8, 1);
+        else
+            WQ_CALL(Q8, 0);
+#undef WQ_CALL
+    }
+}

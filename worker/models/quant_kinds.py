@@ -1,0 +1,71 @@
+"""The kinds a QuantLinear computes in: the native CPU GEMMs over packed integer weights
+(worker/gemm_quant_kernels.py), else the torch reference (worker/models/quant_linear.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from noria.worker.models.quant_linear import QuantLinear, TorchQuantOp
+
+
+class PackedW8A8:
+    """int8 weights, activations quantized per row inside the call, int32 sums (VNNI where built)."""
+
+    native = True
+
+    def __init__(self, layer: QuantLinear) -> None:
+        from noria.worker import gemm_quant_kernels
+
+        self._gemm = gemm_quant_kernels.gemm_w8a8
+        self.packed = gemm_quant_kernels.PackedInt8Weight(layer.qweight.data, layer.weight_scale.data[:, 0].contiguous())
+        self.kind = "packed_w8a8"
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._gemm(x, self.packed, bias)
+
+
+class PackedWeightOnly:
+    """4- or 8-bit weights with group scales (and zero points), widened to float32 in the kernel."""
+
+    native = True
+
+    def __init__(self, layer: QuantLinear) -> None:
+        from noria.worker import gemm_quant_kernels
+
+        zero = None if layer.weight_zero is None else layer.weight_zero.data
+        self._gemm = gemm_quant_kernels.gemm_wq
+        self.packed = gemm_quant_kernels.PackedGroupWeight(layer.qweight.data, layer.weight_scale.data, zero,
+                                                           layer.group, layer.scheme.bits)
+        self.kind = f"packed_w{layer.scheme.bits}a16"
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._gemm(x, self.packed, bias)
+
+
+def native_usable(layer: QuantLinear) -> bool:
+    if layer.qweight.device.type != "cpu":
+        return False
+    try:
+        from noria.worker import gemm_quant_kernels
+    except ImportError:
+        return False
+    return gemm_quant_kernels.usable()
+
+
+def choose(layer: QuantLinear) -> PackedW8A8 | PackedWeightOnly | TorchQuantOp:
+    if not native_usable(layer):
+        return TorchQuantOp(layer)
+    return PackedW8A8(layer) if layer.scheme.act_int8 else PackedWeightOnly(layer)
+
+
+def describe(model: torch.nn.Module, quant: str) -> str:
+    """The start-up line of a quantized model: its scheme and the kinds its layers took."""
+    kinds = Counter(m.op.kind for m in model.modules() if isinstance(m, QuantLinear))
+    isa = ""
+    if any(k.startswith("packed_") for k in kinds):
+        from noria.worker import gemm_quant_kernels
+
+        isa = f" ({gemm_quant_kernels.isa()})"
+    return f"quantized weights: {quant}; kinds: " + ", ".join(f"{k} x {n}" for k, n in sorted(kinds.items())) + isa
