@@ -59,6 +59,11 @@ class Shape:
     top_k: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0
+    # Quantized decoder-layer weights (protocol/quant_config.py): bytes per weight with their
+    # scales, and the arithmetic they run ("int8": W8A8's int8 dot products; "float32": a
+    # weight-only scheme widened to float32 FMAs); 0 / "": the dtype's.
+    layer_weight_bytes: float = 0.0
+    layer_compute: str = ""
 
     @staticmethod
     def from_spec(spec: ModelSpec) -> Shape:
@@ -69,7 +74,8 @@ class Shape:
                      sparse_layers=sum(spec.sparse_layers),
                      experts=spec.num_experts, top_k=spec.num_experts_per_tok if sparse else 0,
                      expert_intermediate=spec.moe_intermediate_size if sparse else 0,
-                     shared_intermediate=spec.shared_expert_intermediate_size)
+                     shared_intermediate=spec.shared_expert_intermediate_size,
+                     **_quantized(spec))
 
     @staticmethod
     def from_config(cfg: Mapping[str, Any]) -> Shape:
@@ -107,7 +113,7 @@ class Shape:
 
     def weight_bytes(self, tokens: int) -> int:
         """The decoder layers' linear weights one step of `tokens` tokens reads."""
-        return self._params(self.expected_experts(tokens)) * self.dtype_bytes
+        return round(self._params(self.expected_experts(tokens)) * (self.layer_weight_bytes or self.dtype_bytes))
 
     @property
     def token_params(self) -> int:
@@ -122,6 +128,18 @@ class Shape:
     def kv_row_bytes(self) -> int:
         """One token's K and V in one layer."""
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def _quantized(spec: ModelSpec) -> dict[str, Any]:
+    """The Shape fields of a quantized checkpoint's decoder layers (the first layer's q/k/v scheme
+    stands for all), none for float weights."""
+    q = spec.quantization
+    scheme = None if q is None else q.scheme_for("model.layers.0.self_attn.q_proj")
+    if scheme is None:
+        return {}
+    group = scheme.group or spec.hidden_size
+    extra = 4 * (1 + (0 if scheme.symmetric else 1) + (1 if getattr(scheme, "minimum", False) else 0)) / group
+    return {"layer_weight_bytes": scheme.bits / 8 + extra, "layer_compute": "int8" if scheme.act_int8 else "float32"}
 
 
 def step_cost(shape: Shape, query_lens: list[int], seq_lens: list[int], num_sampled: int) -> tuple[int, int]:
@@ -154,7 +172,11 @@ def step_roofline(shape: Shape, machine: Machine, step: tuple) -> tuple[float, f
     """(memory seconds, compute seconds, measured seconds) of one recorded step."""
     query_lens, seq_lens, num_sampled, seconds = step
     moved, flops = step_cost(shape, query_lens, seq_lens, num_sampled)
-    return moved / (machine.copy_gbs * 1e9), flops / (machine.gflops(shape.dtype) * 1e9), seconds
+    compute = flops / (machine.gflops(shape.dtype) * 1e9)
+    if shape.layer_compute:  # the decoder layers' GEMMs at their own rate, the rest at the dtype's
+        layers = 2 * shape.token_params * sum(query_lens)
+        compute += layers / (machine.gflops(shape.layer_compute) * 1e9) - layers / (machine.gflops(shape.dtype) * 1e9)
+    return moved / (machine.copy_gbs * 1e9), compute, seconds
 
 
 def bucket_of(rows: int) -> tuple[int, int]:

@@ -51,6 +51,7 @@ class Machine:
     fma_peak_how: str
     bf16_gflops: float | None = None  # the native bf16-weight GEMM, None where it does not build
     bf16_layout: str = ""
+    int8_gops: float | None = None  # the native W8A8 GEMM (int8 dot products), None where it does not build
 
     @staticmethod
     def best(ms: list[Machine]) -> Machine:
@@ -61,11 +62,15 @@ class Machine:
                        gemm_n=first.gemm_n, stream_mib=first.stream_mib, fma_peak_gflops=first.fma_peak_gflops,
                        fma_peak_how=first.fma_peak_how,
                        bf16_gflops=max((m.bf16_gflops for m in ms if m.bf16_gflops), default=None),
-                       bf16_layout=first.bf16_layout)
+                       bf16_layout=first.bf16_layout,
+                       int8_gops=max((m.int8_gops for m in ms if m.int8_gops), default=None))
 
     def gflops(self, dtype: str) -> float:
         """The GEMM peak a run whose weights are `dtype` computes at: the bf16 GEMM's for bfloat16,
-        else float32's (float16 weights are widened to float32 FMAs on a CPU)."""
+        the int8 GEMM's for "int8" (W8A8), else float32's (float16 weights are widened to float32
+        FMAs on a CPU)."""
+        if dtype == "int8" and self.int8_gops:
+            return self.int8_gops
         return self.bf16_gflops if dtype == "bfloat16" and self.bf16_gflops else self.gemm_gflops
 
     def to_json(self) -> dict:
@@ -145,10 +150,12 @@ def measure(threads: int, stream_mib: int = 256, gemm_n: int = 2048, repeats: in
     peak, how = theoretical_peak(cpuinfo, threads)
     size = n * 4
     bf16, layout = _bf16_seconds(x, w, max(3, repeats // 2))
+    int8 = _int8_seconds(x, w, max(3, repeats // 2))
     return Machine(threads=threads, copy_gbs=2 * size / copy_s / 1e9, read_gbs=size / read_s / 1e9,
                    gemm_gflops=2 * gemm_n**3 / gemm_s / 1e9, gemm_n=gemm_n, stream_mib=stream_mib,
                    fma_peak_gflops=peak, fma_peak_how=how,
-                   bf16_gflops=None if bf16 is None else 2 * gemm_n**3 / bf16 / 1e9, bf16_layout=layout)
+                   bf16_gflops=None if bf16 is None else 2 * gemm_n**3 / bf16 / 1e9, bf16_layout=layout,
+                   int8_gops=None if int8 is None else 2 * gemm_n**3 / int8 / 1e9)
 
 
 def _bf16_seconds(x: object, w: object, repeats: int) -> tuple[float | None, str]:
@@ -159,6 +166,19 @@ def _bf16_seconds(x: object, w: object, repeats: int) -> tuple[float | None, str
         return None, ""
     packed = gemm_bf16_kernels.PackedHalfWeight(w)  # type: ignore[arg-type]
     return _best_seconds(lambda: gemm_bf16_kernels.gemm_bf16(x, packed, None), repeats), packed.kind  # type: ignore[arg-type]
+
+
+def _int8_seconds(x: object, w: object, repeats: int) -> float | None:
+    """The native W8A8 GEMM's best time for x @ w^T (activations quantized inside), None where not built."""
+    import torch
+
+    from noria.worker import gemm_quant_kernels
+
+    if not gemm_quant_kernels.usable():
+        return None
+    q = torch.randint(-127, 128, w.shape, dtype=torch.int8)  # type: ignore[attr-defined]
+    packed = gemm_quant_kernels.PackedInt8Weight(q, torch.rand(q.shape[0]) / 100)
+    return _best_seconds(lambda: gemm_quant_kernels.gemm_w8a8(x, packed, None), repeats)  # type: ignore[arg-type]
 
 
 def describe(m: Machine, what: str = "best of the job's measurements") -> str:
@@ -173,7 +193,8 @@ def describe(m: Machine, what: str = "best of the job's measurements") -> str:
             f"  float32 GEMM {m.gemm_gflops:.1f} GFLOP/s (best of torch.mm {m.gemm_n}^3 and "
             f"F.linear {m.gemm_n}x{m.gemm_n // 2} by {2 * m.gemm_n}x{m.gemm_n // 2}); {peak}"
             + (f"\n  bf16-weight GEMM ({m.bf16_layout}) {m.bf16_gflops:.1f} GFLOP/s on the F.linear shape"
-               if m.bf16_gflops else ""))
+               if m.bf16_gflops else "")
+            + (f"\n  int8 GEMM (W8A8) {m.int8_gops:.1f} GOP/s on the F.linear shape" if m.int8_gops else ""))
 
 
 def measure_in_child(threads: int) -> Machine:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from noria.bench.roofline import Shape, analyse, step_cost
+from noria.bench.roofline import Shape, analyse, config_spec, step_cost
 from noria.bench.roofline_machine import Machine, flops_per_cycle, theoretical_peak
 
 TINY = Shape(hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=10)
@@ -237,3 +237,33 @@ def test_the_compute_roof_follows_the_weights_dtype() -> None:
     bf16, f16 = (dataclasses.replace(TINY, dtype_bytes=2, dtype=d) for d in ("bfloat16", "float16"))
     (mem_b, comp_b, _), (mem_h, comp_h, _) = step_roofline(bf16, machine, step), step_roofline(f16, machine, step)
     assert mem_b == mem_h and comp_h == pytest.approx(2 * comp_b)
+
+
+def test_quantized_layers_read_their_bytes_and_compute_at_their_rate() -> None:
+    """W4A16 g128 reads half a byte per weight plus a float32 scale per 128 and widens to float32
+    FMAs; W8A8 reads a byte plus a scale per row and computes at the int8 GEMM's rate; the
+    embedding, the lm_head and the KV cache stay in the checkpoint's dtype."""
+    import dataclasses
+
+    from noria.bench.roofline import step_roofline
+    from noria.protocol.quant_config import QuantSpec, WeightScheme
+
+    spec = config_spec({"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "vocab_size": 100, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"})
+    w4 = QuantSpec("compressed-tensors", ((("Linear",), WeightScheme(4, 128, True, True, False)),), ("lm_head",))
+    w8 = QuantSpec("compressed-tensors", ((("Linear",), WeightScheme(8, None, True, False, True)),), ("lm_head",))
+    plain = Shape.from_spec(spec)
+    s4, s8 = (Shape.from_spec(dataclasses.replace(spec, quantization=q)) for q in (w4, w8))
+    assert plain.weight_bytes(1) == 2 * plain.layer_params
+    assert s4.weight_bytes(1) == round(plain.layer_params * (0.5 + 4 / 128)) and s4.layer_compute == "float32"
+    assert s8.weight_bytes(1) == round(plain.layer_params * (1 + 4 / 256)) and s8.layer_compute == "int8"
+    assert s8.kv_row_bytes == plain.kv_row_bytes
+    machine = dataclasses.replace(_machine(copy_gbs=1e-6, gemm_gflops=1e-5), bf16_gflops=2e-5, int8_gops=4e-5)
+    step = ([64], [64], 1, 0.02)
+    _, comp_plain, _ = step_roofline(plain, machine, step)
+    _, comp_8, _ = step_roofline(s8, machine, step)
+    _, comp_4, _ = step_roofline(s4, machine, step)
+    layers = 2 * plain.token_params * 64 / 1e9
+    assert comp_8 == pytest.approx(comp_plain - layers / 2e-5 + layers / 4e-5)
+    assert comp_4 == pytest.approx(comp_plain - layers / 2e-5 + layers / 1e-5)
