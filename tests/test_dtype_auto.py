@@ -265,7 +265,7 @@ def test_doctor_reports_the_cpu_kernels_and_the_auto_choice() -> None:
     from noria.worker import cpu_ops, doctor_checks
 
     info, families = doctor_checks.cpu_kernel_report()
-    cpu, gemm, auto = info
+    cpu, gemm, auto, quant = info
     assert cpu.startswith(f"CPU: {host.cpu_model()}, ") and "ISA: " in cpu
     for flag in host.ISA_FLAGS:  # each flag said: among those the CPU has, or those it lacks
         assert re.search(rf"\b{flag}\b", cpu), (flag, cpu)
@@ -275,3 +275,7 @@ def test_doctor_reports_the_cpu_kernels_and_the_auto_choice() -> None:
     assert gemm.startswith(f"bf16 GEMM: {kind} (" if kind else "bf16 GEMM: none ("), gemm
     choice = choose_dtype("auto", CPU, "bfloat16", flags=host.cpu_flags())
     assert auto.startswith(f"--dtype auto, bfloat16 checkpoint: {choice.name} ({choice.reason})"), auto
+    from noria.worker import gemm_quant_kernels
+
+    assert quant.startswith(f"quantized GEMMs: int8 W8A8 on the {gemm_quant_kernels.isa()} path"
+                            if gemm_quant_kernels.usable() else "quantized GEMMs: none (not built)"), quant

@@ -100,8 +100,18 @@ def cpu_kernel_report() -> tuple[list[str], str]:
         said += f"; bfloat16 where float32 weights would not fit in {host.memory_available() / GiB:.1f} GiB available"
     info = [f"CPU: {host.cpu_model()}, {host.cpu_count()} cores; ISA: {has}" + (f" (not {lacks})" if lacks else ""),
             f"bf16 GEMM: {gemm}",
-            f"--dtype auto, bfloat16 checkpoint: {said}"]
+            f"--dtype auto, bfloat16 checkpoint: {said}",
+            f"quantized GEMMs: {_quant_gemms()}"]
     return info, " ".join(f"{family}={path}" for family, path in cpu_ops.paths().items())
+
+
+def _quant_gemms() -> str:
+    from noria.worker import gemm_quant_kernels
+
+    if not gemm_quant_kernels.usable():
+        return "none (not built): quantized layers on torch's operators"
+    return (f"int8 W8A8 on the {gemm_quant_kernels.isa()} path, activations quantized per token; "
+            "4/8-bit weight-only widened to float32 in registers")
 
 
 def _cpu_kernels(report: Report) -> str:

@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 
 # The CPU features the native kernels and the dtype choice care about, in the order doctor prints them.
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "f16c", "avx512_fp16")
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "f16c", "avx512_fp16", "avx512_vnni", "avx_vnni")
 # Either gives bf16 dot products in hardware (vdpbf16ps, AMX tiles); without them bf16 is widened in software.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 

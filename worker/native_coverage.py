@@ -20,7 +20,7 @@ import torch
 
 from noria.protocol.model_spec import ModelSpec
 from noria.worker import cpu_kernels
-from noria.worker.models.linear import LinearOp, PackedHalfLinear, PackedLinear
+from noria.worker.models.linear import LinearOp, PackedHalfLinear, PackedLinear, panels
 from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.models.rope import rotary_dim
 
@@ -53,8 +53,7 @@ _RECIPE: dict[str, Callable[[ModelSpec], str | None]] = {
     "qk_norm": _rotary,
     "rope": _rotary,
     "local_rope": _rotary,
-    "quantization": lambda s: None if s.quantization is None else
-    f"{s.quantization.describe} weights: the driver's GEMMs are float",
+    "quantization": lambda s: None,  # its kinds say: a layer whose kind the driver has no entry for is declined
 }
 # Fields the driver reads as they are (sizes, biases, windows, the post-norms, the scale) or
 # need not know: outside the layers, or the checkpoint's naming, or a sparse layer's own block.
@@ -124,7 +123,7 @@ def _layer_reason(layer: DecoderLayer, cache: tuple[torch.Tensor, torch.Tensor],
     linears = {"qkv": at.qkv_proj, "o": at.o_proj}
     if not isinstance(mlp, SparseMoeBlock):  # a sparse layer's block is called back as it is
         linears |= {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
-    unpacked = [name for name, linear in linears.items() if not isinstance(linear.op, (PackedLinear, PackedHalfLinear))]
+    unpacked = [name for name, linear in linears.items() if panels(linear.op) is None]
     if unpacked:
         return f"{', '.join(unpacked)} not packed for the native GEMM"
     other = [name for name, linear in linears.items() if _gemm(linear.op) != kind]

@@ -77,10 +77,11 @@ def packed(op: LinearOp) -> PackedWeight | PackedHalfWeight | None:
     return op.packed if isinstance(op, (PackedLinear, PackedHalfLinear)) else None
 
 
-def panels(op: LinearOp) -> int | None:
-    """The address of a packed kind's panels (what the native decoder stack's GEMM reads), else None."""
-    w = packed(op)
-    return None if w is None else w.data.data_ptr()
+def panels(op: object) -> int | None:
+    """What the native decoder stack's GEMM reads for a layer: a packed kind's panels, a quantized
+    kind's descriptor (worker/models/quant_kinds.py), else None."""
+    w = packed(op)  # type: ignore[arg-type]
+    return w.data.data_ptr() if w is not None else getattr(op, "desc_ptr", None)
 
 
 # (a checkpoint tensor, the output rows of the module it belongs to, its name) -> the tensor as

@@ -25,6 +25,11 @@ class PackedW8A8:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self._gemm(x, self.packed, bias)
 
+    # The native decoder stack calls the kernel's descriptor entry (gemm_f32's arguments, the
+    # descriptor in place of the panels): worker/native_stack.py.
+    desc_ptr = property(lambda self: getattr(self.packed, "desc_ptr", None))
+    entry = property(lambda self: _entry("w8a8"))
+
 
 class PackedWeightOnly:
     """4- or 8-bit weights with group scales (and zero points), widened to float32 in the kernel."""
@@ -42,6 +47,15 @@ class PackedWeightOnly:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self._gemm(x, self.packed, bias)
+
+    desc_ptr = property(lambda self: getattr(self.packed, "desc_ptr", None))
+    entry = property(lambda self: _entry("wq"))
+
+
+def _entry(kind: str) -> int:
+    from noria.worker import gemm_quant_kernels
+
+    return gemm_quant_kernels.entry(kind)
 
 
 def native_usable(layer: QuantLinear) -> bool:
