@@ -20,7 +20,6 @@ import torch
 from noria.bench.ceiling import _metadata
 from noria.protocol.config import EngineConfig
 from noria.protocol.families import FAMILIES
-from noria.protocol.quant_config import QuantSpec, WeightScheme
 from noria.worker import cpu_kernels, fused_kernels, gemm_bf16_kernels, gemm_kernels, native_stack
 from noria.worker.model_runner import ModelRunner
 from noria.worker.models.linear import TorchLinear, packed
@@ -294,7 +293,7 @@ def test_every_supported_family_runs_on_the_driver(architecture: str, dtype: str
 
 def test_recipe_entries_outside_the_drivers_are_declined_with_their_name(tmp_path: Path) -> None:
     """What the driver does not run is named in the reason, from the model's spec, not run wrong:
-    an activation, a partial rotary under a q/k norm, a non-positive soft-cap, quantized weights,
+    an activation, a partial rotary under a q/k norm, a non-positive soft-cap,
     and any spec field the driver has not learnt (fine at its default, declined off it)."""
     runner = _runner(make_checkpoint("qwen3", tmp_path / "qwen3", num_hidden_layers=3))
     model = runner.model
@@ -305,8 +304,6 @@ def test_recipe_entries_outside_the_drivers_are_declined_with_their_name(tmp_pat
         ({"rope": dataclasses.replace(spec.rope, partial_rotary_factor=0.5)},
          "per-head q/k norm with partial rotary: its fused kernel rotates whole heads"),
         ({"attn_softcap": -1.0}, "attention soft-cap -1.0: a cap must be positive"),
-        ({"quantization": QuantSpec("compressed-tensors", ((("Linear",), WeightScheme(4, 32, True, True, False)),))},
-         "compressed-tensors W4A16 g32 weights: the driver's GEMMs are float"),
     ):
         model.spec = dataclasses.replace(spec, **changes)
         assert _coverage(runner) == [want] * 3, changes
