@@ -2,7 +2,9 @@
 from CuPy, every instance compiled for the local arch, and timings with CUDA events.
 
 Used by `noria doctor` and `noria bench kernels`; nothing here runs without a GPU except
-`cupy_status`, which says why CuPy is not usable.
+`cupy_status`, which says why CuPy is not usable, and the timings with `device="cpu"`: the same
+launches under the CPU emulator, timed by the host clock (`noria bench kernels --emulated`, a
+check of the harness, not a measurement).
 """
 
 from __future__ import annotations
@@ -109,6 +111,18 @@ def time_cuda(fn: Callable[[], None], iters: int = 20, warmup: int = 3) -> float
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def time_on(device: torch.device, fn: Callable[[], None], iters: int = 20, warmup: int = 3) -> float:
+    """Mean seconds per call: CUDA events on a GPU, the host clock elsewhere (the emulator)."""
+    if device.type == "cuda":
+        return time_cuda(fn, iters, warmup)
+    for _ in range(warmup):
+        fn()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
 @dataclass
 class DecodeTiming:
     cfg: AttentionConfig
@@ -126,11 +140,11 @@ class DecodeTiming:
 
 def decode_timing(
     cfg: AttentionConfig, num_seqs: int, context: int, num_heads: int = 32, num_kv_heads: int = 8,
-    split: bool | None = None,
+    split: bool | None = None, device: str = "cuda", iters: int = 20,
 ) -> DecodeTiming:
     """The decode kernel on one step of `num_seqs` sequences of `context` tokens each, their
     blocks scattered over the cache (as after a while of serving)."""
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     dtype = TORCH_DTYPES[cfg.dtype]
     per_seq = -(-context // cfg.block_size)
     num_blocks = num_seqs * per_seq
@@ -142,17 +156,18 @@ def decode_timing(
     q = torch.randn(num_seqs, num_heads, cfg.head_dim, dtype=dtype, device=dev)
     out = torch.empty_like(q)
     lens_host = [context] * num_seqs  # as the worker passes them: the split plan needs no sync
-    seconds = time_cuda(lambda: ops.paged_attention_decode(
-        out, q, k, v, tables, seq_lens, 0.1, max_seq_len=context, split=split, seq_lens_host=lens_host))
+    seconds = time_on(dev, lambda: ops.paged_attention_decode(
+        out, q, k, v, tables, seq_lens, 0.1, max_seq_len=context, split=split, seq_lens_host=lens_host),
+        iters=iters, warmup=min(3, iters))
     kv_bytes = 2 * num_seqs * context * num_kv_heads * cfg.head_dim * k.element_size()
     return DecodeTiming(cfg, num_seqs, context, num_heads, num_kv_heads, seconds, kv_bytes)
 
 
 def prefill_timing(cfg: AttentionConfig, num_seqs: int, prompt: int, num_heads: int = 32,
-                   num_kv_heads: int = 8) -> tuple[float, float]:
+                   num_kv_heads: int = 8, device: str = "cuda", iters: int = 5) -> tuple[float, float]:
     """(seconds, TFLOP/s) of the prefill kernel over `num_seqs` whole prompts of `prompt` tokens
     (causal: about half the QK^T and PV products of a full square)."""
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     dtype = TORCH_DTYPES[cfg.dtype]
     per_seq = -(-prompt // cfg.block_size)
     shape = (num_seqs * per_seq, cfg.block_size, num_kv_heads, cfg.head_dim)
@@ -165,10 +180,16 @@ def prefill_timing(cfg: AttentionConfig, num_seqs: int, prompt: int, num_heads: 
     out = torch.empty_like(q)
     # Built once per step from host lengths, as the worker does: the work list costs no sync.
     plan = ops.plan_step([prompt] * num_seqs, [prompt] * num_seqs, dev)
-    seconds = time_cuda(lambda: ops.paged_attention_prefill(
-        out, q, k, v, tables, seq_lens, qsl, 0.1, max_query_len=prompt, plan=plan), iters=5, warmup=1)
-    flops = 2 * 2 * num_seqs * num_heads * cfg.head_dim * prompt * (prompt + 1) / 2
+    seconds = time_on(dev, lambda: ops.paged_attention_prefill(
+        out, q, k, v, tables, seq_lens, qsl, 0.1, max_query_len=prompt, plan=plan), iters=iters, warmup=1)
+    flops = prefill_flops(num_seqs, prompt, num_heads, cfg.head_dim)
     return seconds, flops / seconds / 1e12
+
+
+def prefill_flops(num_seqs: int, prompt: int, num_heads: int, head_dim: int) -> float:
+    """QK^T and PV of causal attention over whole prompts: 2 products x 2 FLOPs per
+    multiply-add x the (query, key) pairs at or before the query."""
+    return 2 * 2 * num_seqs * num_heads * head_dim * prompt * (prompt + 1) / 2
 
 
 def copy_gbps(nbytes: int = 1 << 30) -> float:

@@ -297,7 +297,7 @@ def test_missing_weights_are_reported(tmp_path: Path) -> None:
 
 
 def test_sizes(checkpoints: dict[str, Path]) -> None:
-    runner = ModelRunner(EngineConfig(model=str(checkpoints["qwen3"]), max_num_seqs=3, swap_space=0.001,
+    runner = ModelRunner(EngineConfig(model=str(checkpoints["qwen3"]), device="cpu", max_num_seqs=3, swap_space=0.001,
                                       preemption_mode="swap"))
     # qwen3 tiny: 2 layers, 2 KV heads, head_dim 32, float32 -> 16 KiB per 16-token block.
     assert runner.block_size == 16
@@ -305,7 +305,7 @@ def test_sizes(checkpoints: dict[str, Path]) -> None:
     assert runner.vocab_size == 512
     assert runner.num_kv_blocks == 3 * (512 // 16)
     assert runner.num_cpu_blocks == int(0.001 * (1 << 30)) // (2 * 2 * 16 * 2 * 32 * 4)
-    runner = ModelRunner(EngineConfig(model=str(checkpoints["qwen3"]), kv_cache_memory=0.001, swap_space=0,
+    runner = ModelRunner(EngineConfig(model=str(checkpoints["qwen3"]), device="cpu", kv_cache_memory=0.001, swap_space=0,
                                       max_model_len=100))
     assert runner.max_model_len == 100
     assert runner.num_kv_blocks == int(0.001 * (1 << 30)) // (2 * 2 * 16 * 2 * 32 * 4)
