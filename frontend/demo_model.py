@@ -74,9 +74,14 @@ def demo_path() -> Path:
 
 
 def resolve_model(model: str) -> str:
-    """Turn a model argument into a local checkpoint folder (building `demo` if needed)."""
+    """Turn a model argument into a local checkpoint folder (building `demo`, or a GGUF file's
+    view, if needed)."""
     if model == DEMO_NAME:
         return str(ensure_demo())
+    if model.lower().endswith(".gguf"):  # a folder view of the file (frontend/gguf_view.py)
+        from noria.frontend.gguf_view import gguf_view
+
+        return str(gguf_view(model))
     if os.path.isdir(model):
         return os.path.abspath(model)
     raise FileNotFoundError(

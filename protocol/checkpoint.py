@@ -6,7 +6,8 @@ describing a model noria implements (its `ModelSpec`), every safetensors file wh
 (header readable, every tensor's bytes inside the file), every shard an index
 names present, and every tensor the spec's layers need (a mixture-of-experts layer's
 router and experts in either layout the worker loads) both present and shaped as the
-spec says. It reads headers only, never weights.
+spec says. It reads headers only, never weights. A GGUF file's folder view (frontend/gguf_view.py)
+is checked against the file's own header (protocol/gguf_check.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def check_checkpoint(folder: str | Path) -> ModelSpec:
     """Raise CheckpointError naming the first problem found, or return the checkpoint's spec."""
     folder = Path(folder)
     spec = _spec(folder)
+    if spec.quantization is not None and spec.quantization.method == "gguf":
+        return _check_gguf(folder, spec)
     sparse = {i for i in range(spec.num_layers) if spec.is_sparse(i)}
     expected = {**_expected_shapes(spec), **_expert_shapes(spec)}
     present: set[str] = set()
@@ -49,6 +52,19 @@ def check_checkpoint(folder: str | Path) -> ModelSpec:
     if missing:
         raise CheckpointError(f"{folder} lacks {len(missing)} weight tensor(s) config.json requires (first: "
                               f"{missing[0]}): the weights are incomplete or belong to another config")
+    return spec
+
+
+def _check_gguf(folder: Path, spec: ModelSpec) -> ModelSpec:
+    """A GGUF file's view (frontend/gguf_view.py): the file's header against the spec's float shapes."""
+    from dataclasses import replace
+
+    from noria.protocol.gguf_check import check_gguf
+
+    plain = replace(spec, quantization=None)
+    expected = _expected_shapes(plain)
+    check_gguf(str(read_config(folder)["quantization_config"]["gguf_file"]), spec.architecture, expected,
+               _required(plain, expected, set()), _generic)
     return spec
 
 

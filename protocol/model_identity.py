@@ -4,12 +4,14 @@ registering worker's model with its own and refuses one that differs.
 The identity is the sha256 of config.json and, for each *.safetensors file, its size and the
 sha256 of its JSON header (which names every tensor's dtype, shape and byte offsets). Two
 copies of one checkpoint on two hosts agree; a different model, a re-quantised copy or a
-truncated download does not. Reading headers only keeps it instant on multi-GB checkpoints.
+truncated download does not. Reading headers only keeps it instant on multi-GB checkpoints. A GGUF
+file's folder view is identified by the file's size and header in the same way.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from pathlib import Path
 
@@ -52,6 +54,23 @@ def _header_sha256(path: Path) -> str:
         return hashlib.sha256(f.read(length)).hexdigest()
 
 
+def _gguf_weights(config: Path) -> WeightFile | None:
+    """A GGUF file's folder view (frontend/gguf_view.py): the file's size and the sha256 of its
+    header (metadata and tensor table, up to the tensors' data); None for any other folder."""
+    try:
+        quant = json.loads(config.read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(quant, dict) or quant.get("quant_method") != "gguf":
+        return None
+    from noria.protocol.gguf_file import open_gguf
+
+    path = Path(quant["gguf_file"])
+    offset = open_gguf(path).data_offset
+    with path.open("rb") as f:
+        return WeightFile(path.name, path.stat().st_size, hashlib.sha256(f.read(offset)).hexdigest())
+
+
 def model_identity(folder: str | Path) -> ModelIdentity:
     """The identity of the checkpoint folder; FileNotFoundError names what is missing."""
     folder = Path(folder)
@@ -59,9 +78,10 @@ def model_identity(folder: str | Path) -> ModelIdentity:
     if not config.is_file():
         raise FileNotFoundError(f"{config} does not exist")
     files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    gguf = None if files else _gguf_weights(config)
+    if not files and gguf is None:
         raise FileNotFoundError(f"{folder} holds no *.safetensors file")
-    weights = [WeightFile(p.name, p.stat().st_size, _header_sha256(p)) for p in files]
+    weights = [WeightFile(p.name, p.stat().st_size, _header_sha256(p)) for p in files] if files else [gguf]
     return ModelIdentity(hashlib.sha256(config.read_bytes()).hexdigest(), weights)
 
 

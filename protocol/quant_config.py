@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED = ("compressed-tensors int8 W8A8 (int-quantized, channel weights, dynamic per-token activations), "
@@ -27,6 +27,9 @@ class WeightScheme:
     symmetric: bool  # False: an integer zero point per group
     packed: bool  # values packed into int32 words (pack-quantized), else one int8 per value
     act_int8: bool  # activations quantized per token to int8 on the fly (W8A8)
+    # A float minimum per group, subtracted after scaling: w = q * scale - min (GGUF's Q4_K,
+    # values q in [0, 15]); exclusive of zero points.
+    minimum: bool = field(default=False, kw_only=True)
 
     def groups(self, in_features: int) -> int:
         """Scales per output row; ValueError where the group does not divide the layer."""
@@ -38,7 +41,7 @@ class WeightScheme:
 
     @property
     def name(self) -> str:
-        return f"W{self.bits}A{8 if self.act_int8 else 16}"
+        return f"W{self.bits}A{8 if self.act_int8 else 16}" + ("min" if self.minimum else "")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class QuantSpec:
     method: str  # quantization_config's quant_method
     groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]  # (targets, scheme), in config order
     ignore: tuple[str, ...] = ()
+    label: str = ""  # what `describe` says, where the groups alone would not say it (GGUF's types)
 
     def scheme_for(self, module: str) -> WeightScheme | None:
         """The scheme of a checkpoint module ("model.layers.0.mlp.gate_proj"), None to keep it float.
@@ -69,6 +73,8 @@ class QuantSpec:
 
     @property
     def describe(self) -> str:
+        if self.label:
+            return f"{self.method} {self.label}"
         names = sorted({s.name + ("" if s.group is None else f" g{s.group}") + ("" if s.symmetric else " asym")
                         for _, s in self.groups})
         return f"{self.method} {', '.join(names)}"
@@ -89,6 +95,10 @@ def read_quant(config: Mapping[str, Any]) -> QuantSpec | None:
     if not isinstance(q, Mapping):
         raise ValueError("quantization_config is not a JSON object")
     method = str(q.get("quant_method"))
+    if method == "gguf":
+        from noria.protocol.gguf_quant import gguf_quant
+
+        return gguf_quant(q)
     if method != "compressed-tensors":
         raise ValueError(f"quantization method {method!r} is not supported yet; noria loads {SUPPORTED}")
     if q.get("kv_cache_scheme"):

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint folder: its spec (protocol/model_spec.py), weights from safetensors."""
+"""Load a Hugging Face checkpoint folder: its spec (protocol/model_spec.py), weights from safetensors
+(or, for a GGUF file's folder view, from the file: worker/gguf_weights.py)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,12 @@ def load_model(path: str | Path, spec: ModelSpec, device: torch.device, dtype: t
             model = CausalLM(spec, tp)
     finally:
         torch.set_default_dtype(previous)
-    model.load_weights(iter_weights(checkpoint_files(path)))
+    if spec.quantization is not None and spec.quantization.method == "gguf":
+        from noria.worker.gguf_weights import iter_gguf_weights
+
+        model.load_weights(iter_gguf_weights(path, spec))
+    else:
+        model.load_weights(iter_weights(checkpoint_files(path)))
     model.pack_weights(weights)
     model.use_ops(choose_ops(spec.activation, device, dtype))
     return model.eval()

@@ -2,7 +2,8 @@
 
 A `QuantLinear` holds what every scheme reduces to once loaded: int8 values [N, K] (4-bit ones
 in [-8, 7]), a float32 scale per output row and group of input features [N, G], and for an
-asymmetric scheme an int8 zero point per scale. The checkpoint's own forms (compressed-tensors'
+asymmetric scheme an int8 zero point per scale, or for a scheme with minimums (GGUF's Q4_K) a
+float32 minimum per scale, subtracted after scaling. The checkpoint's own forms (compressed-tensors'
 int32 words of packed values, zero points packed along the output rows, one scale for the
 whole tensor, bf16 scales) are converted as each tensor is read, so a fused layer's parts
 (q/k/v, gate/up) and a tensor-parallel rank's slice are cut from them like float weights.
@@ -12,7 +13,7 @@ worker/gemm_quant_kernels.py, and torch references that compute the same thing (
 hosts without a C compiler take them): W8A8 quantizes each row of activations to int8 with its
 own scale (vLLM's dynamic per-token rule: absmax / 127, rounded to nearest even) and sums the
 int8 products exactly in int32; weight-only schemes multiply float activations by
-(q - zero) * scale.
+(q - zero) * scale, or q * scale - min.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class QuantLinear(nn.Module):
         self.weight_scale = nn.Parameter(torch.empty(out_features, g, dtype=torch.float32), requires_grad=False)
         self.weight_zero = (None if scheme.symmetric else
                             nn.Parameter(torch.empty(out_features, g, dtype=torch.int8), requires_grad=False))
+        self.weight_min = (nn.Parameter(torch.empty(out_features, g, dtype=torch.float32), requires_grad=False)
+                           if scheme.minimum else None)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         # The float weight's shape and dtype, no bytes (code that asks a Linear for them).
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
@@ -75,6 +78,8 @@ class QuantLinear(nn.Module):
             out.append(CheckpointTensor("weight_shape", None, _shape_check(k)))
         if self.weight_zero is not None:
             out.append(CheckpointTensor("weight_zero_point", self.weight_zero, _zeros(s.bits, k // g), per_row))
+        if self.weight_min is not None:
+            out.append(CheckpointTensor("weight_min", self.weight_min, _scales(k // g), per_row))
         if self.bias is not None:
             out.append(CheckpointTensor("bias", self.bias, None, 0))
         return out
@@ -86,9 +91,11 @@ class QuantLinear(nn.Module):
             return
         from noria.worker.models import quant_kinds
 
-        self.op = quant_kinds.choose(self)
+        # No native kind computes minimums yet (quant_kinds.choose would drop them): the torch
+        # reference until one does.
+        self.op = TorchQuantOp(self) if self.scheme.minimum else quant_kinds.choose(self)
         if self.op.native:
-            for name in ("qweight", "weight_scale", "weight_zero"):
+            for name in ("qweight", "weight_scale", "weight_zero", "weight_min"):
                 p = getattr(self, name)
                 if p is not None:
                     setattr(self, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
@@ -175,8 +182,10 @@ class TorchQuantOp:
         q = lay.qweight.float()
         if lay.weight_zero is not None:
             q = q.view(lay.out_features, -1, lay.group) - lay.weight_zero.float()[..., None]
-        return (q.view(lay.out_features, -1, lay.group) * lay.weight_scale[..., None]).view(
-            lay.out_features, lay.in_features)
+        w = q.view(lay.out_features, -1, lay.group) * lay.weight_scale[..., None]
+        if lay.weight_min is not None:  # GGUF's order: (d * sc) * q - dmin * m
+            w = w - lay.weight_min[..., None]
+        return w.view(lay.out_features, lay.in_features)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         lay = self.layer
