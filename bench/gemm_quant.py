@@ -5,12 +5,13 @@
 and row count (1 / 8 / 32 / 128 / 512), the median milliseconds per call of the float32 GEMM
 (worker/gemm_kernels.py), the bf16 one in this CPU's layout (worker/gemm_bf16_kernels.py: "dot" with
 AVX512_BF16) and the quantized ones (worker/gemm_quant_kernels.py): W8A8 (int8 weights and dynamic
-int8 activations), W4A16 and W8A16 (weight-only, group 128, symmetric) and W4A16 with zero points;
+int8 activations), W4A8 (int4 weights, group 128, int8 activations with a scale per row and group of
+128; symmetric, with zero points, and with GGUF Q4_K-style float minimums), W4A16 and W8A16 (weight-only, group 128, symmetric) and W4A16 with zero points;
 each one's speed-up over float32, then GFLOP/s and weight GB/s (the packed weight's bytes per call).
 Few rows are bound by the weight bytes (int8 reads a quarter of float32's, int4 an eighth), many by
 arithmetic (W8A8's vpdpbusd multiplies four times as many pairs per instruction as a float32 FMA).
 By default the weights are the same every call, so they are read from the caches (L3 holds all of
-these); `--cold` cycles each kernel through copies of its weight totalling more than 64 MiB, so every
+these); `--kernels` picks some of them (f32 always runs: the ratios are against it); `--cold` cycles each kernel through copies of its weight totalling more than 64 MiB, so every
 call reads its weight from memory, as a model's layers in turn do. On a loaded machine, --threads 1.
 """
 
@@ -25,7 +26,7 @@ import torch
 
 from noria.bench.gemm_bf16 import median_seconds
 from noria.worker import gemm_bf16_kernels, gemm_kernels, gemm_quant_kernels
-from noria.worker.gemm_quant_kernels import PackedGroupWeight, PackedInt8Weight
+from noria.worker.gemm_quant_kernels import PackedGroupWeight, PackedInt4Weight, PackedInt8Weight
 
 SHAPES = {"qkv": (1536, 768), "o": (768, 768), "gate_up": (4096, 768), "down": (768, 2048)}  # (N, K)
 ROWS = [1, 8, 32, 128, 512]
@@ -76,13 +77,34 @@ def _weight_only(bits: int, zero: bool) -> Callable[[int, int], tuple[Callable[[
     return make
 
 
-def kernels(n: int, k: int, cold: bool) -> dict[str, tuple[Callable[[torch.Tensor], object], int]]:
-    """Per kernel name: (call taking x, weight bytes); `cold`: each call on the next of enough copies of the
-    weight to overflow the caches."""
-    makers = {"f32": _f32, f"bf16-{gemm_bf16_kernels.layout()}": _bf16, "w8a8": _w8a8,
-              "w4a16": _weight_only(4, False), "w4a16z": _weight_only(4, True), "w8a16": _weight_only(8, False)}
+def _w4a8(mode: str) -> Callable[[int, int], tuple[Callable[[torch.Tensor], object], int]]:
+    """mode: "sym", "zero" (zero points) or "min" (unsigned q with float minimums)."""
+    def make(n: int, k: int) -> tuple[Callable[[torch.Tensor], object], int]:
+        groups = k // GROUP
+        z = torch.randint(-8, 8, (n, groups), dtype=torch.int8) if mode == "zero" else None
+        mi = torch.rand(n, groups) / 4 if mode == "min" else None
+        lo = 0 if mode == "min" else -8
+        w = PackedInt4Weight(torch.randint(lo, lo + 16, (n, k), dtype=torch.int8), torch.rand(n, groups) / 8, z,
+                             GROUP, mi)
+        return (lambda x: gemm_quant_kernels.gemm_w4a8(x, w, None)), w.nbytes
+
+    return make
+
+
+def makers() -> dict[str, Callable[[int, int], tuple[Callable[[torch.Tensor], object], int]]]:
+    return {"f32": _f32, f"bf16-{gemm_bf16_kernels.layout()}": _bf16, "w8a8": _w8a8,
+            "w4a8": _w4a8("sym"), "w4a8z": _w4a8("zero"), "w4a8m": _w4a8("min"),
+            "w4a16": _weight_only(4, False), "w4a16z": _weight_only(4, True), "w8a16": _weight_only(8, False)}
+
+
+def kernels(n: int, k: int, cold: bool,
+            names: list[str] | None = None) -> dict[str, tuple[Callable[[torch.Tensor], object], int]]:
+    """Per kernel name (all, or f32 and `names`): (call taking x, weight bytes); `cold`: each call on the next
+    of enough copies of the weight to overflow the caches."""
     out = {}
-    for name, make in makers.items():
+    for name, make in makers().items():
+        if names is not None and name != "f32" and name not in names:
+            continue
         first = make(n, k)
         built = [first] + ([make(n, k) for _ in range(-(-COLD_BYTES // first[1]) - 1)] if cold else [])
         calls = itertools.cycle([call for call, _ in built])
@@ -97,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="*", default=ROWS)
     parser.add_argument("--layers", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--cold", action="store_true", help="weights read from memory: copies over 64 MiB in turn")
+    parser.add_argument("--kernels", nargs="*", default=None, help="only these (and f32): "
+                        "f32 bf16-<layout> w8a8 w4a8 w4a8z w4a8m w4a16 w4a16z w8a16")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.kernels or []) - set(makers()))
+    if unknown:
+        parser.error(f"unknown kernels {', '.join(unknown)}: of {', '.join(makers())}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if gemm_kernels.load() is None or gemm_bf16_kernels.load() is None or gemm_quant_kernels.load() is None:
@@ -108,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     rates: list[str] = []
     for layer in args.layers:
         n, k = SHAPES[layer]
-        calls = kernels(n, k, args.cold)
+        calls = kernels(n, k, args.cold, args.kernels)
         if layer == args.layers[0]:
             print(f"{'layer':<8} {'N':>5} {'K':>5} {'rows':>4}" + "".join(f" {name + ' ms':>10} {'f32/':>5}"
                                                                        for name in calls))

@@ -1,7 +1,9 @@
 """llama.cpp's build and its GGUF files, made under `$NORIA_CACHE/llama-cpp/` (bench/llama_cpp.py
 says how and why): where each lives, the pinned llama-cpp-python sdist fetched and checked, its
 vendored llama.cpp built with cmake (`llama-server` alone), the GGUF converter's own venv, and a
-checkpoint converted to GGUF once per outtype.
+checkpoint converted to GGUF once per type: "f32", "bf16" and "q8_0" by the converter itself,
+"q4_k_m" by `llama-quantize` from the checkpoint's own float type (f32, or bf16 for a bfloat16
+checkpoint), as llama.cpp's users make it.
 """
 
 from __future__ import annotations
@@ -42,8 +44,16 @@ def build_dir(base: Path | None = None) -> Path:
     return (base or root()) / VERSION
 
 
+# The targets built: the server, and the quantizer that makes the K-quant GGUF files.
+TARGETS = ("llama-server", "llama-quantize")
+
+
 def server_binary(base: Path | None = None) -> Path:
     return build_dir(base) / "build" / "bin" / "llama-server"
+
+
+def quantize_binary(base: Path | None = None) -> Path:
+    return build_dir(base) / "build" / "bin" / "llama-quantize"
 
 
 def source_dir(base: Path | None = None) -> Path:
@@ -75,11 +85,11 @@ def _unsupported() -> str | None:
 
 
 def cmake_commands(src: Path, build: Path, commit: str, jobs: int) -> list[list[str]]:
-    """The configure and build commands: only the `llama-server` target is built."""
+    """The configure and build commands: only the `llama-server` and `llama-quantize` targets are built."""
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     return [["cmake", "-S", str(src), "-B", str(build), *generator, *CMAKE_FLAGS,
              f"-DLLAMA_BUILD_COMMIT={commit}", "-DLLAMA_BUILD_NUMBER=0"],
-            ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)]]
+            ["cmake", "--build", str(build), "--target", *TARGETS, "-j", str(jobs)]]
 
 
 def _download(dest: Path, log) -> None:
@@ -124,19 +134,27 @@ def _extract(sdist: Path, src: Path) -> str:
 
 
 def setup(install: bool = True, base: Path | None = None, jobs: int | None = None, log=sys.stderr) -> str | None:
-    """Build llama-server and the converter's venv if needed. None when ready, else why not."""
+    """Build llama-server, llama-quantize and the converter's venv if needed. None when ready, else why not."""
     base = base or root()
-    if build_info(base) and _converter_ready(base):
+    built = build_info(base) is not None
+    if built and quantize_binary(base).exists() and _converter_ready(base):
         return None
     if not install:
-        return (f"no llama.cpp build from llama-cpp-python {VERSION} in {build_dir(base)} "
+        what = "llama-quantize in the llama.cpp build" if built else "llama.cpp build"
+        return (f"no {what} from llama-cpp-python {VERSION} in {build_dir(base)} "
                 f"(make it with `python -m noria.bench.llama_cpp setup`)")
     why = _unsupported()
     if why:
         return why
+    jobs = jobs or max(1, (os.cpu_count() or 1))
     try:
-        if not build_info(base):
-            _build(base, jobs or max(1, (os.cpu_count() or 1)), log)
+        if not built:
+            _build(base, jobs, log)
+        elif not quantize_binary(base).exists():  # a build from before the quantizer was a target
+            print("building llama-quantize in the existing llama.cpp build ...", file=log, flush=True)
+            build = build_dir(base) / "build"
+            subprocess.run(["cmake", "--build", str(build), "--target", "llama-quantize", "-j", str(jobs)],
+                           stdout=log, stderr=log, check=True)
         if not _converter_ready(base):
             _converter_venv(base, log)
     except (OSError, RuntimeError, subprocess.CalledProcessError, ValueError) as e:
@@ -151,7 +169,7 @@ def _build(base: Path, jobs: int, log) -> None:
     if not sdist.exists():
         _download(sdist, log)
     commit = _extract(sdist, source_dir(base))
-    print(f"building llama-server (llama.cpp {commit[:12]}, from llama-cpp-python {VERSION}) "
+    print(f"building llama-server and llama-quantize (llama.cpp {commit[:12]}, from llama-cpp-python {VERSION}) "
           f"with {jobs} jobs: several minutes ...", file=log, flush=True)
     for cmd in cmake_commands(source_dir(base), out / "build", commit[:8], jobs):
         subprocess.run(cmd, stdout=log, stderr=log, check=True)
@@ -227,6 +245,13 @@ def _fingerprint(checkpoint: Path) -> str:
     return h.hexdigest()[:12]
 
 
+# The GGUF types a checkpoint is made into: the converter's own outtypes, and llama-quantize's
+# types, each quantized from a converted float file (QUANTIZE_FROM).
+CONVERT_TYPES = ("f32", "bf16", "q8_0")
+QUANTIZE_TYPES = {"q4_k_m": "Q4_K_M"}
+GGUF_TYPES = (*CONVERT_TYPES, *QUANTIZE_TYPES)
+
+
 def gguf_path(checkpoint: Path, outtype: str, base: Path | None = None) -> Path:
     return (base or root()) / "gguf" / VERSION / f"{checkpoint.name}-{_fingerprint(checkpoint)}-{outtype}.gguf"
 
@@ -237,14 +262,36 @@ def convert_command(checkpoint: Path, outtype: str, out: Path, base: Path | None
             str(checkpoint), *(["--pre", pre] if pre else []), "--", "--outtype", outtype, "--outfile", str(out)]
 
 
+def quantize_from(checkpoint: Path) -> str:
+    """The float GGUF type llama-quantize reads for `checkpoint`: its own weights' type, so the
+    float file holds them exactly (bf16 for a bfloat16 checkpoint, f32 otherwise)."""
+    config = json.loads((checkpoint / "config.json").read_text()) if (checkpoint / "config.json").exists() else {}
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    return "bf16" if dtype == "bfloat16" else "f32"
+
+
+def quantize_command(src: Path, out: Path, outtype: str, n_threads: int, base: Path | None = None) -> list[str]:
+    """llama-quantize's command line: `src` (a float GGUF) to `out` of `outtype` ("q4_k_m"), its
+    default mix (no importance matrix), on `n_threads` threads."""
+    return [str(quantize_binary(base)), str(src), str(out), QUANTIZE_TYPES[outtype], str(n_threads)]
+
+
 def convert(checkpoint: Path, outtype: str, base: Path | None = None, log=sys.stderr) -> Path:
-    """The checkpoint as a GGUF of `outtype` ("f32", "bf16"), converted once and cached."""
+    """The checkpoint as a GGUF of `outtype` (GGUF_TYPES), converted once and cached."""
+    if outtype not in GGUF_TYPES:
+        raise ValueError(f"no GGUF type {outtype!r} (made here: {', '.join(GGUF_TYPES)})")
     out = gguf_path(checkpoint, outtype, base)
     if out.exists():
         return out
+    if outtype in QUANTIZE_TYPES:
+        src = convert(checkpoint, quantize_from(checkpoint), base, log)
+        cmd = quantize_command(src, out.with_name(out.name + ".part"), outtype, os.cpu_count() or 1, base)
+        how = f"quantizing {src.name} to {QUANTIZE_TYPES[outtype]}"
+    else:
+        cmd = convert_command(checkpoint, outtype, out.with_name(out.name + ".part"), base)
+        how = f"converting {checkpoint} to GGUF ({outtype})"
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".part")
-    print(f"converting {checkpoint} to GGUF ({outtype}) ...", file=log, flush=True)
-    subprocess.run(convert_command(checkpoint, outtype, tmp, base), stdout=log, stderr=log, check=True)
-    tmp.rename(out)
+    print(f"{how} ...", file=log, flush=True)
+    subprocess.run(cmd, stdout=log, stderr=log, check=True)
+    out.with_name(out.name + ".part").rename(out)
     return out

@@ -63,6 +63,7 @@ class Shape:
     # scales, and the arithmetic they run ("int8": W8A8's int8 dot products; "float32": a
     # weight-only scheme widened to float32 FMAs); 0 / "": the dtype's.
     layer_weight_bytes: float = 0.0
+    head_weight_bytes: float = 0.0  # a quantized lm_head's bytes per weight; 0: the dtype's
     layer_compute: str = ""
 
     @staticmethod
@@ -83,6 +84,11 @@ class Shape:
 
     @staticmethod
     def from_checkpoint(path: str | Path) -> Shape:
+        """A checkpoint folder's shape; a GGUF file's is read through its folder view, as noria loads it."""
+        if str(path).lower().endswith(".gguf"):
+            from noria.frontend.demo_model import resolve_model
+
+            path = resolve_model(str(path))
         return Shape.from_spec(read_spec(path))
 
     @property
@@ -130,16 +136,42 @@ class Shape:
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
+def _scheme_bytes(scheme: Any, in_features: int) -> float:
+    """Bytes per weight of a quantized scheme, its float32 scales (zero points, minimums) included."""
+    group = scheme.group or in_features
+    per_group = 1 + (0 if scheme.symmetric else 1) + (1 if getattr(scheme, "minimum", False) else 0)
+    return scheme.bits / 8 + 4 * per_group / group
+
+
 def _quantized(spec: ModelSpec) -> dict[str, Any]:
-    """The Shape fields of a quantized checkpoint's decoder layers (the first layer's q/k/v scheme
-    stands for all), none for float weights."""
+    """The Shape fields of a quantized checkpoint: the decoder layers' bytes per weight averaged
+    over every linear module by its size (GGUF mixes types), the lm_head's, and the arithmetic
+    most of the layers' weights run (int8 where activations are rounded to int8: W8A8, and 4-bit
+    weights on a CPU unless $NORIA_CPU_W4A16); none for float weights."""
     q = spec.quantization
-    scheme = None if q is None else q.scheme_for("model.layers.0.self_attn.q_proj")
-    if scheme is None:
+    if q is None:
         return {}
-    group = scheme.group or spec.hidden_size
-    extra = 4 * (1 + (0 if scheme.symmetric else 1) + (1 if getattr(scheme, "minimum", False) else 0)) / group
-    return {"layer_weight_bytes": scheme.bits / 8 + extra, "layer_compute": "int8" if scheme.act_int8 else "float32"}
+    from noria.protocol import switches
+
+    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    parts = {"self_attn.q_proj": (spec.num_heads * d, h), "self_attn.k_proj": (spec.num_kv_heads * d, h),
+             "self_attn.v_proj": (spec.num_kv_heads * d, h), "self_attn.o_proj": (h, spec.num_heads * d),
+             "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter)}
+    total = weighted = int8 = 0.0
+    for i in range(spec.num_layers):
+        for name, (rows, cols) in parts.items():
+            scheme = q.scheme_for(f"model.layers.{i}.{name}")
+            n = rows * cols
+            total += n
+            if scheme is None:
+                weighted += n * DTYPE_BYTES.get(spec.dtype or "float32", 4)
+                continue
+            weighted += n * _scheme_bytes(scheme, cols)
+            if scheme.act_int8 or (scheme.bits == 4 and not switches.cpu_w4a16()):
+                int8 += n
+    head = q.scheme_for("lm_head")
+    return {"layer_weight_bytes": weighted / total, "layer_compute": "int8" if int8 > total / 2 else "float32",
+            "head_weight_bytes": 0.0 if head is None or spec.tie_word_embeddings else _scheme_bytes(head, h)}
 
 
 def step_cost(shape: Shape, query_lens: list[int], seq_lens: list[int], num_sampled: int) -> tuple[int, int]:
@@ -147,7 +179,7 @@ def step_cost(shape: Shape, query_lens: list[int], seq_lens: list[int], num_samp
     b = shape.dtype_bytes
     tokens = sum(query_lens)
     weights = shape.weight_bytes(tokens) + (2 * shape.layers + 1) * shape.hidden * b
-    weights += shape.head_params * b if num_sampled else 0
+    weights += round(shape.head_params * (shape.head_weight_bytes or b)) if num_sampled else 0
     moved = (weights + tokens * shape.hidden * b  # embedding rows
              + shape.layers * shape.kv_row_bytes * (sum(seq_lens) + tokens)  # K/V read and written
              + num_sampled * shape.vocab * 4)  # float32 logits out

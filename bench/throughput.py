@@ -13,7 +13,10 @@ skipped with a message where it cannot be installed), llama.cpp-f32 and
 llama.cpp-bf16 (llama.cpp's own server on the same weights as F32 and BF16
 GGUF, W1 with 16 requests in flight through its /completion; built from the
 llama-cpp-python sdist's source, see bench/llama_cpp.py; skipped with a
-message where it cannot be built). The noria, vLLM and llama.cpp rows run
+message where it cannot be built), and llama.cpp (the same server on a GGUF
+model's own file: `--model small-q4_k_m --systems noria-llm,noria-serve-16,llama.cpp`
+runs noria and llama.cpp on the very same file; HF and vLLM take a folder and
+are refused for a GGUF model, llama.cpp-f32/-bf16 likewise, llama.cpp for a folder). The noria, vLLM and llama.cpp rows run
 --rounds times, interleaved, and the best of each is reported next to every
 run's time; vLLM's and llama.cpp's greedy tokens are compared with noria-llm's.
 Prints a table of output tokens/s and ratios, writes JSON and a PNG bar chart.
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         row = run_one(args.one, args, args.record, args.skip)
         Path(args.row).write_text(json.dumps(row))
         return 0
-    CHECKPOINTS[args.model]()
+    _refuse_gguf(args.systems.split(","), CHECKPOINTS[args.model](), args.model)
     work = workload(args)
     systems = _available(args.systems.split(","), install=not args.no_vllm_install)
     systems = llama_cpp.available(systems, CHECKPOINTS[args.model](), install=not args.no_llama_cpp_install)
@@ -180,14 +183,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _refuse_gguf(systems: list[str], path: Path, model: str) -> None:
+    """A GGUF model runs on noria's and llama.cpp's systems alone: HF's and vLLM's runners load a
+    checkpoint folder (llama_cpp.available refuses llama.cpp's converting systems)."""
+    if not llama_cpp.is_gguf(path):
+        return
+    folder_only = [s for s in systems if s.startswith("hf-") or s in vllm_cpu.SYSTEMS]
+    if folder_only:
+        raise SystemExit(f"--model {model} is a GGUF file ({path.name}), which {', '.join(folder_only)} cannot load: "
+                         f"run noria's systems and llama.cpp on it")
+
+
 def _noria_dtype(dtype: str, path: Path) -> str:
-    """What noria's `--dtype` resolves to for this checkpoint on this host's CPU."""
+    """What noria's `--dtype` resolves to for this checkpoint (or GGUF file, read through its
+    folder view as noria reads it) on this host's CPU."""
     import torch
 
+    from noria.frontend.demo_model import resolve_model
     from noria.protocol.model_spec import read_spec
     from noria.worker.device import choose_dtype
 
-    return choose_dtype(dtype, torch.device("cpu"), read_spec(path).dtype).name
+    return choose_dtype(dtype, torch.device("cpu"), read_spec(resolve_model(str(path))).dtype).name
 
 
 def _roofline(args: argparse.Namespace, runs: dict[str, list[dict]], machines: list, out: Path) -> dict:

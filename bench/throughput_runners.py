@@ -124,8 +124,10 @@ def _recorded(record: str, warm: int, output_tokens: int) -> dict:
 
 def run_ceiling(path: Path, record: str, flags: dict, skip: int) -> dict:
     from noria.bench.ceiling import read_steps, replay
+    from noria.frontend.demo_model import resolve_model
     from noria.frontend.startup import make_config
 
     steps = read_steps(record, skip)
-    dt = replay(make_config(str(path), **flags), steps)
+    # The worker's model as start_core hands it over: a GGUF file's folder view (noria-llm resolves the same).
+    dt = replay(make_config(resolve_model(str(path)), **flags), steps)
     return {"system": "ceiling", "seconds": dt, "output_tokens": sum(s[2] for s in steps), "steps": len(steps)}

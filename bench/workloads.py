@@ -116,9 +116,31 @@ def _quantized(base: str, scheme: str) -> Callable[[], Path]:
     return make
 
 
+def _gguf(base: str, outtype: str) -> Callable[[], Path]:
+    """`base` as a GGUF file of `outtype` ("q8_0", "q4_k_m") made by llama.cpp's own tools
+    (bench/llama_cpp_build.py: its converter, then llama-quantize for a K-quant), made once; the
+    file itself is the model (noria loads it through frontend/gguf_view.py, llama.cpp as it is)."""
+    def make() -> Path:
+        from noria.bench import llama_cpp_build
+
+        checkpoint = CHECKPOINTS[base]()
+        path = llama_cpp_build.gguf_path(checkpoint, outtype)
+        if path.exists():
+            return path
+        why = llama_cpp_build.setup()
+        if why:
+            raise SystemExit(f"--model {base}-{outtype} is made by llama.cpp's own tools: {why}")
+        return llama_cpp_build.convert(checkpoint, outtype)
+    return make
+
+
+# GGUF models ("small-q8_0", "small-q4_k_m", ...): the types llama.cpp's users run.
+GGUF_TYPES = ("q8_0", "q4_k_m")
 # The benchmark models by name, for `--model` flags.
 CHECKPOINTS: dict[str, Callable[[], Path]] = {
     "small": small_checkpoint, "serving": serving_checkpoint, "qwen3-moe-small": qwen3_moe_small_checkpoint,
     "llama-1b": llama_1b_checkpoint, "llama-3b": llama_3b_checkpoint}
 CHECKPOINTS.update({f"{base}-{scheme}": _quantized(base, scheme)
                     for base in ("small", "serving", "llama-1b") for scheme in ("w8a8", "w4a16")})
+CHECKPOINTS.update({f"{base}-{outtype}": _gguf(base, outtype)
+                    for base in ("small", "serving", "llama-1b") for outtype in GGUF_TYPES})

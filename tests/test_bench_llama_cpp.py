@@ -56,13 +56,14 @@ def _requests(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
 
 
-def test_build_is_the_server_alone_release_native_cpu(tmp_path):
+def test_build_is_the_server_and_quantizer_alone_release_native_cpu(tmp_path):
     configure, build = llama_cpp.cmake_commands(tmp_path / "src", tmp_path / "build", "0c1e5709", 2)
     assert configure[:5] == ["cmake", "-S", str(tmp_path / "src"), "-B", str(tmp_path / "build")]
     for flag in ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                  "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_COMMIT=0c1e5709"):
         assert flag in configure
-    assert build == ["cmake", "--build", str(tmp_path / "build"), "--target", "llama-server", "-j", "2"]
+    assert build == ["cmake", "--build", str(tmp_path / "build"), "--target", "llama-server", "llama-quantize",
+                     "-j", "2"]
 
 
 def test_server_command_has_a_slot_per_request_in_flight():
@@ -247,3 +248,4 @@ def test_an_explicit_environment_reaches_the_server(fake_binary, tmp_path):
     env = {**llama_cpp.server_env(), "OMP_WAIT_POLICY": "PASSIVE"}
     with llama_cpp.LlamaServer(tmp_path / "m.gguf", 1, 64, binary=fake_binary, env=env).wait(timeout=60):
         assert json.loads((tmp_path / "env.json").read_text())["OMP_WAIT_POLICY"] == "PASSIVE"
+

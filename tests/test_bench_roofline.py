@@ -239,11 +239,16 @@ def test_the_compute_roof_follows_the_weights_dtype() -> None:
     assert mem_b == mem_h and comp_h == pytest.approx(2 * comp_b)
 
 
-def test_quantized_layers_read_their_bytes_and_compute_at_their_rate() -> None:
-    """W4A16 g128 reads half a byte per weight plus a float32 scale per 128 and widens to float32
-    FMAs; W8A8 reads a byte plus a scale per row and computes at the int8 GEMM's rate; the
-    embedding, the lm_head and the KV cache stay in the checkpoint's dtype."""
+def test_quantized_layers_read_their_bytes_and_compute_at_their_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """W4A16 g128 reads half a byte per weight plus a float32 scale per 128 and (with
+    $NORIA_CPU_W4A16) widens to float32 FMAs; W8A8 reads a byte plus a scale per row and computes
+    at the int8 GEMM's rate; the embedding, the lm_head and the KV cache stay in the checkpoint's
+    dtype."""
     import dataclasses
+
+    from noria.protocol import switches
+
+    monkeypatch.setenv(switches.CPU_W4A16, "1")
 
     from noria.bench.roofline import step_roofline
     from noria.protocol.quant_config import QuantSpec, WeightScheme
@@ -257,7 +262,9 @@ def test_quantized_layers_read_their_bytes_and_compute_at_their_rate() -> None:
     s4, s8 = (Shape.from_spec(dataclasses.replace(spec, quantization=q)) for q in (w4, w8))
     assert plain.weight_bytes(1) == 2 * plain.layer_params
     assert s4.weight_bytes(1) == round(plain.layer_params * (0.5 + 4 / 128)) and s4.layer_compute == "float32"
-    assert s8.weight_bytes(1) == round(plain.layer_params * (1 + 4 / 256)) and s8.layer_compute == "int8"
+    # One scale per output row: 4 bytes per row of K weights (K = 256, and 512 for down_proj).
+    rows_cols = [(256, 256), (128, 256), (128, 256), (256, 256), (512, 256), (512, 256), (256, 512)]
+    assert s8.weight_bytes(1) == round(2 * sum(r * c + 4 * r for r, c in rows_cols)) and s8.layer_compute == "int8"
     assert s8.kv_row_bytes == plain.kv_row_bytes
     machine = dataclasses.replace(_machine(copy_gbs=1e-6, gemm_gflops=1e-5), bf16_gflops=2e-5, int8_gops=4e-5)
     step = ([64], [64], 1, 0.02)
@@ -267,3 +274,5 @@ def test_quantized_layers_read_their_bytes_and_compute_at_their_rate() -> None:
     layers = 2 * plain.token_params * 64 / 1e9
     assert comp_8 == pytest.approx(comp_plain - layers / 2e-5 + layers / 4e-5)
     assert comp_4 == pytest.approx(comp_plain - layers / 2e-5 + layers / 1e-5)
+    monkeypatch.delenv(switches.CPU_W4A16)  # the CPU's default: 4-bit weights on int8 activations
+    assert Shape.from_spec(dataclasses.replace(spec, quantization=w4)).layer_compute == "int8"

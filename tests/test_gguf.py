@@ -35,10 +35,12 @@ from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig
 from noria.protocol.gguf_file import hf_name
 from noria.protocol.gguf_quant import gguf_quant
+from noria.worker import gemm_quant_kernels
 from noria.worker.gguf_blocks import DECODERS
 from noria.worker.model_runner import ModelRunner
 from noria.worker.models.quant_linear import QuantLinear
 from tests import gguf_files as gf
+from tests.quant_checks import check_layers_on_their_inputs, check_logits, fake_quant
 from tests.tiny_models import reference_greedy
 
 PROMPT = [1, 17, 300, 5, 88, 42, 19, 240, 7, 7, 130, 64, 3, 99]
@@ -152,6 +154,28 @@ def test_every_position_matches_transformers_on_the_same_file(tmp_path, types, v
     if types == "Q4_K_M":  # q/k Q4_K beside v Q6_K: one layer, groups of 16, minimums
         s = runner.model.layers[0].self_attn.qkv_proj.scheme
         assert (s.group, s.minimum) == (16, True)
+
+
+@pytest.mark.skipif(not gemm_quant_kernels.usable(), reason="no C compiler for the native kernels")
+@pytest.mark.parametrize("types", ["Q4_0", "Q4_K"])
+def test_q4_0_and_q4_k_on_int8_activations(tmp_path, monkeypatch, types, vocab, demo_path):
+    # The CPU's default for 4-bit layers: activations rounded to int8 per group of 32 (the
+    # weights' group), int32 sums per group. Each layer on the inputs it sees, and the logits
+    # within the rounding's own reach (tests/quant_checks.py).
+    monkeypatch.delenv(switches.CPU_W4A16)
+    path = _file(tmp_path, "llama", vocab, gf.every(types, embedding="Q8_0"), demo_path)
+    logits, runner = _logits(gguf_view(path))
+    quant = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+    assert {m.op.kind for m in quant} == {"packed_w4a8"} and len(quant) == 9
+    assert check_layers_on_their_inputs(runner, PROMPT) == 9
+    model = gf.reference(path)
+    with torch.inference_mode():
+        plain = model(torch.tensor([PROMPT])).logits[0]
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda m, args: (fake_quant(args[0], 32),))
+        hooked = model(torch.tensor([PROMPT])).logits[0]
+    check_logits(logits, hooked, plain)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma2", "gemma3"])

@@ -23,14 +23,16 @@ import torch
 from noria import LLM, SamplingParams
 from noria.bench.ceiling import _metadata
 from noria.bench.quantized_models import save_quantized
+from noria.protocol import switches
 from noria.protocol.config import EngineConfig
 from noria.protocol.model_spec import read_spec
 from noria.worker import gemm_quant_kernels
 from noria.worker.model_runner import ModelRunner
 from noria.worker.models.quant_linear import QuantLinear, TorchQuantOp, unpack_words
+from tests.quant_checks import check_layers_on_their_inputs, check_logits, fake_quant
 from tests.test_worker_tp import _drive, _run_ranks
 from tests.test_worker_tp import _runner as _tp_runner
-from tests.tiny_models import make_model, reference_greedy
+from tests.tiny_models import make_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the test checkpoints")
@@ -45,8 +47,10 @@ def make_quantized(path: Path, scheme: str, arch: str = "llama", ignore: tuple[s
     return save_quantized(make_model(arch, **{**SIZES, **overrides}), path, scheme, ignore)
 
 
-def reference(path: Path, act_int8: bool) -> Any:
-    """transformers' decompressed model, with vLLM's per-token int8 inputs where the scheme has them."""
+def reference(path: Path, act_group: int | None) -> Any:
+    """transformers' decompressed model, its quantized layers' inputs rounded to int8 as noria's
+    kind rounds them: `act_group` 0 per token (W8A8, vLLM's rule), g per group of g features
+    (4-bit weights on int8 activations), None not at all."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
     from transformers.utils import logging
 
@@ -54,25 +58,31 @@ def reference(path: Path, act_int8: bool) -> Any:
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
     model.generation_config.eos_token_id = None
-    if act_int8:
+    ignored = json.loads((path / "config.json").read_text())["quantization_config"]["ignore"]
+    if act_group is not None:
         for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name != "lm_head":
-                module.register_forward_pre_hook(lambda m, args: (_fake_quant(args[0]),))
+            if isinstance(module, torch.nn.Linear) and name not in ignored:
+                module.register_forward_pre_hook(lambda m, args: (fake_quant(args[0], act_group),))
     return model
 
 
-def _fake_quant(x: torch.Tensor) -> torch.Tensor:
-    # Written apart from noria's quantize_rows: absmax / 127 per token, nearest even, [-127, 127].
-    s = x.abs().amax(-1, keepdim=True) / 127
-    s = torch.where(s == 0, torch.ones_like(s), s)
-    return (x / s).round().clamp(-127, 127) * s
+def arithmetic(scheme: str) -> tuple[str, int | None]:
+    """The kind noria's CPU takes for a scheme (native where built) and how it rounds activations."""
+    native = gemm_quant_kernels.usable()
+    if scheme == "w8a8":
+        return ("packed_w8a8" if native else "torch_w8a8"), 0
+    if scheme == "w8a16":
+        return ("packed_w8a16" if native else "torch_w8a16"), None
+    if native and not switches.cpu_w4a16():
+        return "packed_w4a8", int(scheme.split("_g")[1].split("_")[0])
+    return ("packed_w4a16" if native else "torch_w4a16"), None
 
 
 PROMPT = [1, 17, 300, 5, 88, 42, 19, 240, 7, 7, 130, 64, 3, 99]
 
 
 def _logits(path: Path) -> tuple[torch.Tensor, ModelRunner]:
-    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu", num_kv_blocks=64,
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu", num_kv_blocks=128,
                                       swap_space=0.001, num_threads=2))
     _, meta = _metadata(runner, [len(PROMPT)], [len(PROMPT)])
     with torch.inference_mode():
@@ -80,40 +90,60 @@ def _logits(path: Path) -> tuple[torch.Tensor, ModelRunner]:
         return runner.model.compute_logits(hidden), runner
 
 
-@pytest.mark.parametrize("scheme", ["w4a16_g32", "w4a16_g64_asym", "w8a16", "w8a8"])
-def test_every_position_matches_transformers_on_the_decompressed_checkpoint(tmp_path, scheme):
+@pytest.mark.parametrize(("scheme", "w4a16"), [("w4a16_g32", False), ("w4a16_g64_asym", False),
+                                               ("w4a16_g64_asym", True), ("w8a16", False), ("w8a8", False)])
+def test_every_position_matches_transformers_on_the_decompressed_checkpoint(tmp_path, monkeypatch, scheme, w4a16):
+    # Float activations: the reference's products, to float32 rounding. Activations rounded to
+    # int8: every layer on its own inputs, and the logits within the rounding's own reach
+    # (tests/quant_checks.py says why a chained comparison can be no tighter).
+    if w4a16:
+        monkeypatch.setenv(switches.CPU_W4A16, "1")
     path = make_quantized(tmp_path / scheme, scheme)
     logits, runner = _logits(path)
     layers = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 2 * 2 * 2  # qkv, o, gate_up, down in both layers; lm_head ignored
-    native = gemm_quant_kernels.usable()
-    assert {m.op.kind for m in layers} == {("packed_" if native else "torch_") + quant_kind(scheme)}
+    kind, act_group = arithmetic(scheme)
+    assert {m.op.kind for m in layers} == {kind}
     with torch.inference_mode():
-        want = reference(path, scheme == "w8a8")(torch.tensor([PROMPT])).logits[0]
-    torch.testing.assert_close(logits, want, rtol=0, atol=2e-4 if scheme == "w8a8" else 2e-5)
-    assert logits.argmax(-1).tolist() == want.argmax(-1).tolist()
+        plain = reference(path, None)(torch.tensor([PROMPT])).logits[0]
+        if act_group is None:
+            torch.testing.assert_close(logits, plain, rtol=0, atol=2e-5)
+            assert logits.argmax(-1).tolist() == plain.argmax(-1).tolist()
+            return
+        hooked = reference(path, act_group)(torch.tensor([PROMPT])).logits[0]
+    if kind.startswith("packed_"):
+        assert check_layers_on_their_inputs(runner, PROMPT) == len(layers)
+    check_logits(logits, hooked, plain)
 
 
 @pytest.mark.parametrize("scheme", ["w4a16_g64_asym", "w8a8"])
-def test_the_engine_decodes_greedy_as_transformers_does(tmp_path, scheme, demo_path):
+def test_the_engine_decodes_greedy_as_one_process_does(tmp_path, scheme, demo_path):
+    # The served engine (its processes, scheduler, chunked prefill, batches of other rows) gives
+    # the tokens a single ModelRunner gives on its own: each row's int8 rounding is its own, so
+    # the kernels' bits do not depend on the batch. That runner is checked against transformers
+    # above.
+    from tests.test_worker_parity import Driver, Req
+
     path = make_quantized(tmp_path / scheme, scheme, arch="qwen2")  # q/k/v biases beside quantized weights
-    want = reference_greedy(reference(path, scheme == "w8a8"), PROMPT, 12)
-    with LLM(str(path), tokenizer=str(demo_path), dtype="float32", num_kv_blocks=64, max_num_seqs=4) as llm:
+    _, runner = _logits(path)
+    driver = Driver(runner, token_budget=8)
+    for i, prompt in enumerate([PROMPT, PROMPT[:5]]):
+        driver.add(Req(i, list(prompt), len(prompt), 12, arrival=0))
+    want = driver.run()
+    with LLM(str(path), tokenizer=str(demo_path), dtype="float32", num_kv_blocks=64, max_num_seqs=4,
+             max_num_batched_tokens=8) as llm:
         out = llm.generate([PROMPT, PROMPT[:5]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                            use_tqdm=False)
-    assert out[0].outputs[0].token_ids == want
-    assert out[1].outputs[0].token_ids == reference_greedy(reference(path, scheme == "w8a8"), PROMPT[:5], 12)
-
-
-def quant_kind(scheme: str) -> str:
-    return {"w8a8": "w8a8", "w8a16": "w8a16"}.get(scheme, "w4a16")
+    assert [o.outputs[0].token_ids for o in out] == [want[0], want[1]]
 
 
 @pytest.mark.skipif(not gemm_quant_kernels.usable(), reason="no C compiler for the native kernels")
 @pytest.mark.parametrize("scheme", ["w4a16_g64_asym", "w8a16", "w8a8"])
-def test_the_native_kinds_compute_what_the_torch_reference_does(tmp_path, scheme):
+def test_the_native_kinds_compute_what_the_torch_reference_does(tmp_path, monkeypatch, scheme):
     # W8A8's int32 sums are exact in both and scaled in the same order: equal bits. Weight-only
     # kinds apply a group's scale to its sum (the reference to each weight): float32 rounding.
+    # (4-bit weights on int8 activations: tests/test_worker_gemm_quant.py, against float64.)
+    monkeypatch.setenv(switches.CPU_W4A16, "1")
     _, runner = _logits(make_quantized(tmp_path / scheme, scheme))
     g = torch.Generator().manual_seed(1)
     for m in [m for m in runner.model.modules() if isinstance(m, QuantLinear)][:4]:
@@ -128,6 +158,25 @@ def test_the_native_kinds_compute_what_the_torch_reference_does(tmp_path, scheme
             assert torch.equal(m.op(x, m.bias), want)
         else:
             torch.testing.assert_close(m.op(x, m.bias), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not gemm_quant_kernels.usable(), reason="no C compiler for the native kernels")
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16_g32", "w8a16"])
+def test_the_native_stack_runs_quantized_layers_as_the_python_path_does(tmp_path, scheme):
+    # The driver calls each layer's kind through its descriptor entry: the same kernels on the
+    # same rows, so the same bits, hidden states and the KV it writes.
+    from noria.worker import native_coverage
+    from tests.test_worker_native_stack import STEPS, _forward
+
+    _, runner = _logits(make_quantized(tmp_path / scheme, scheme))
+    assert native_coverage.coverage(runner.model, runner._kv_layers) == [None, None]
+    torch.manual_seed(0)
+    runner.kv_cache.device_cache.uniform_(-1, 1)
+    for name, step in STEPS.items():
+        native, ran = _forward(runner, step, native=True)
+        python, ran_python = _forward(runner, step, native=False)
+        assert ran == (name != "long prompt") and not ran_python, name  # a long prompt's SDPA: Python
+        assert torch.equal(native, python), name
 
 
 def test_tensor_parallel_ranks_take_their_groups_with_their_columns(tmp_path):
@@ -148,9 +197,11 @@ def test_a_quantized_lm_head_and_a_layer_left_in_float(tmp_path):
     model = runner.model
     assert not isinstance(model.layers[0].mlp.down_proj, QuantLinear)
     assert isinstance(model.layers[1].mlp.down_proj, QuantLinear) and isinstance(model.lm_head, QuantLinear)
+    assert check_layers_on_their_inputs(runner, PROMPT) == (8 if gemm_quant_kernels.usable() else 0)
     with torch.inference_mode():
-        want = reference(path, False)(torch.tensor([PROMPT])).logits[0]
-    torch.testing.assert_close(logits, want, rtol=0, atol=2e-5)
+        plain = reference(path, None)(torch.tensor([PROMPT])).logits[0]
+        hooked = reference(path, arithmetic("w4a16_g32")[1])(torch.tensor([PROMPT])).logits[0]
+    check_logits(logits, hooked, plain)
 
 
 def test_the_spec_reads_the_schemes(tmp_path):

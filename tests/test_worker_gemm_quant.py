@@ -1,14 +1,20 @@
 """The native GEMMs over quantized weights (worker/csrc/gemm_quant.c) against float64 references
 computed from the same integers: W8A8 (the int32 sums exact, so within a few float32 ulps of
-float64(sum) * sx * sw + bias, and its activations quantized bit for bit as `quantize_rows`), and the
+float64(sum) * sx * sw + bias, and its activations quantized bit for bit as `quantize_rows`), W4A8
+(activations quantized per row and group bit for bit as `quantize_groups`, exact int32 sums per group,
+within the float32 error of the per-group accumulation; and why per group: an outlier feature), and the
 weight-only W4A16 / W8A16 kernels within float32's summation error; every int8 path (AVX512_VNNI,
-256-bit VNNI, AVX2, portable C) built from the same source and run in turn."""
+256-bit VNNI, AVX2, portable C) built from the same source and run in turn; and the descriptor
+entries the native decoder driver calls (the decoder's gemm_fn signature), bit for bit the same."""
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import shutil
 import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -17,10 +23,15 @@ import torch
 from noria.worker import gemm_kernels, gemm_quant_kernels
 from noria.worker.gemm_quant_kernels import (
     PackedGroupWeight,
+    PackedInt4Weight,
     PackedInt8Weight,
+    _quantize_groups_native,
     _quantize_rows_native,
+    entry,
+    gemm_w4a8,
     gemm_w8a8,
     gemm_wq,
+    quantize_groups,
     quantize_rows,
 )
 
@@ -28,6 +39,7 @@ pytestmark = pytest.mark.skipif(gemm_quant_kernels.load() is None,
                                 reason="no C compiler: the native quantized GEMMs are not built")
 
 EPS = 2.0**-24  # a float32 unit roundoff
+NATIVE_FLAGS = list(gemm_quant_kernels._FLAGS)
 ROWS = [1, 3, 17, 64, 130]
 X86 = platform.machine() in ("x86_64", "AMD64")
 
@@ -400,3 +412,373 @@ def test_weight_only_is_the_float32_gemm_where_groups_are_whole_rows() -> None:
     x = torch.randn(9, 96)
     bias = torch.randn(70)
     assert torch.equal(gemm_wq(x, w, bias), gemm_kernels.gemm(x, gemm_kernels.PackedWeight(w.dequantize()), bias))
+
+
+
+# ---------------------------------------------------------------- W4A8
+
+
+def _int4_case(n: int, k: int, group: int, mode: str, seed: int) -> tuple[torch.Tensor, ...]:
+    """(q, scale, zero or None, minimum or None); mode "sym", "zero" or "min" (unsigned q, float minimums)."""
+    torch.manual_seed(seed)
+    lo, hi = (0, 15) if mode == "min" else (-8, 7)
+    q = torch.randint(lo, hi + 1, (n, k), dtype=torch.int8)
+    q.view(-1)[:: max(1, q.numel() // 7)] = lo
+    scale = torch.rand(n, k // group) * 0.1 + 1e-3
+    zero = torch.randint(-8, 8, (n, k // group), dtype=torch.int8) if mode == "zero" else None
+    minimum = torch.rand(n, k // group) * 0.5 if mode == "min" else None
+    return q, scale, zero, minimum
+
+
+def _w4a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                    minimum: torch.Tensor | None, group: int,
+                    bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 of the documented sum from the same integers, quantized activations and per-group scales, and a
+    bound of its float32 roundings (per group the activation side's product and the fused multiply-add, the
+    same for the minimum's, one at the end)."""
+    qx, sx = quantize_groups(x, group)
+    (m, k), n = x.shape, q.shape[0]
+    groups = k // group
+    diff = q.double() - (0 if zero is None else zero.double().repeat_interleave(group, dim=1))
+    xg, wg = qx.double().view(m, groups, group), diff.view(n, groups, group)
+    sxd = sx.double()[:, None, :]  # [M, 1, G]
+    # exact integer sums times the activations' and the weights' group scales
+    terms = torch.einsum("mgk,ngk->mng", xg, wg) * sxd * scale.double()[None]
+    size = terms.abs()
+    if minimum is not None:
+        mins = xg.sum(2)[:, None, :] * sxd * minimum.double()[None]
+        terms, size = terms - mins, size + mins.abs()
+    b = 0 if bias is None else bias.double()
+    want = terms.sum(2) + b
+    bound = EPS * (2 * groups + 4) * size.sum(2) + 2 * EPS * abs(b) + 1e-30
+    return want, bound
+
+
+def _check_w4a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                minimum: torch.Tensor | None, group: int, bias: torch.Tensor | None) -> torch.Tensor:
+    w = PackedInt4Weight(q, scale, zero, group, minimum)
+    got = gemm_w4a8(x, w, bias)
+    want, bound = _w4a8_reference(x, q, scale, zero, minimum, group, bias)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    return got
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 17, 64, 130, 300])
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 96, 32), (133, 320, 64), (70, 384, 128), (5, 4, 4)])
+@pytest.mark.parametrize("mode", ["sym", "zero", "min"])
+def test_w4a8_matches_float64_of_the_exact_group_sums(rows: int, n: int, k: int, group: int, mode: str) -> None:
+    q, scale, zero, minimum = _int4_case(n, k, group, mode, rows * 31 + n + k)
+    x = _x(rows, k, rows + k)
+    assert rows < 2 or not x.is_contiguous()
+    bias = torch.randn(n) if rows % 2 else None
+    got = _check_w4a8(x, q, scale, zero, minimum, group, bias)
+    # A row's result does not depend on the other rows of its batch (nor the tile it falls in).
+    w = PackedInt4Weight(q, scale, zero, group, minimum)
+    assert torch.equal(gemm_w4a8(x[-1:], w, bias), got[-1:])
+    assert torch.equal(gemm_w4a8(x[1:6], w, bias), got[1:6])
+
+
+def _group_quant_inputs() -> Iterator[tuple[torch.Tensor, int]]:
+    """(x, group): random, ties, groups of zeros, denormals, NaN and infinities among finite groups."""
+    torch.manual_seed(12)
+    yield torch.randn(33, 256) * 5, 32
+    yield torch.randn(5, 384) * torch.rand(5, 384) ** 4 * 100, 128  # spread magnitudes
+    yield torch.randn(3, 8), 4
+    # Ties in every group: a group's max|x| = 127 * 2^e, so s = 2^e exactly and x / s = k + 0.5 exactly.
+    k = torch.arange(-126, 127).float()
+    ties = torch.cat([(k + 0.5), torch.tensor([127.0, -127.0, 3.0])])  # 256 values
+    yield torch.stack([ties * 2.0**e for e in (-3, 0, 5)]).view(1, -1), 256
+    yield torch.cat([ties[:128] * 2**-3, torch.tensor([127 * 2**-3]), ties[129:256] * 2**-3]).view(2, 128), 64
+    zeros = torch.randn(4, 64)
+    zeros[0, :32] = 0  # a group of zeros beside a finite one
+    zeros[1] = 0
+    zeros[2, 32:] = -0.0
+    zeros[3, 5] = 3e-45  # a denormal alone in a group of zeros: s underflows, so 1
+    zeros[3, 6:32] = 0
+    yield zeros, 32
+    special = torch.randn(6, 96)
+    special[0, 1] = float("nan")
+    special[1, 40] = float("inf")
+    special[2, 95] = -float("inf")
+    special[3] = float("nan")
+    special[4, 32:64] = torch.randn(32) * 1e-39  # a denormal group: the division is not flushed
+    special[5, 10], special[5, 70] = float("inf"), float("nan")
+    yield special, 32
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaNs equal."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) and (
+        torch.equal(a[~a.isnan()].view(torch.int32), b[~b.isnan()].view(torch.int32))
+        if a.is_floating_point() else torch.equal(a, b))
+
+
+def test_quantize_groups_follows_the_rule() -> None:
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, 254.0, 1.0, -3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, float("nan"), 2.0, 3.0]])
+    q, s = quantize_groups(x, 4)
+    assert s[0, 0] == torch.tensor(2.5) / 127 and s[0, 1:3].tolist() == [2.0, 1.0] and s[0, 3].isnan()
+    assert q.tolist() == [[25, 76, 127, -25, 127, 0, -2, 0, 0, 0, 0, 0, 0, 0, 0, 0]]
+    # group = K is quantize_rows; each group alone is quantize_rows of it
+    x = torch.randn(7, 96)
+    (q, s), (qr, sr) = quantize_groups(x, 96), quantize_rows(x)
+    assert torch.equal(q, qr) and s.shape == (7, 1) and torch.equal(s[:, 0], sr)
+    q, s = quantize_groups(x, 32)
+    for g in range(3):
+        qg, sg = quantize_rows(x[:, 32 * g : 32 * (g + 1)])
+        assert torch.equal(q[:, 32 * g : 32 * (g + 1)], qg) and torch.equal(s[:, g], sg)
+    with pytest.raises(ValueError, match="divide"):
+        quantize_groups(x, 40)
+
+
+@pytest.mark.parametrize("index", range(7))
+def test_the_w4a8_kernel_quantizes_bit_for_bit_as_quantize_groups(index: int) -> None:
+    x, group = list(_group_quant_inputs())[index]
+    want_q, want_s = quantize_groups(x, group)
+    got_q, got_s = _quantize_groups_native(x.contiguous(), group)
+    assert _same(got_q, want_q) and _same(got_s, want_s)
+    # a group holding a NaN or an infinity, and only it, is NaN with q = 0
+    bad = ~x.view(x.shape[0], -1, group).isfinite().all(2)
+    assert torch.equal(want_s.isnan(), bad) and not want_q.view(x.shape[0], -1, group)[bad].any()
+
+
+def test_w4a8_an_outlier_feature_coarsens_only_its_own_group() -> None:
+    """Why a scale per group: x = 1 except one feature at 100 (LLM activations' outliers). One scale per row
+    (s = 100 / 127) rounds every other feature to q = 1, i.e. 0.79; per group only the outlier's group does,
+    the other 7 of 8 are exact to float32. Against the float64 product of the dequantized weights and the
+    float x, the error left is the outlier group's alone: for these weights about a fifth to a third (RMS
+    over the outputs) of the per-row rule's error, which a torch reference of that rule gives here."""
+    k, group, n, pos = 1024, 128, 256, 300
+    x = torch.ones(1, k)
+    x[0, pos] = 100
+    own = slice(pos // group * group, (pos // group + 1) * group)
+    for mode in ("sym", "zero", "min"):
+        q, scale, zero, minimum = _int4_case(n, k, group, mode, 17)
+        w = PackedInt4Weight(q, scale, zero, group, minimum)
+        wd = w.dequantize().double()
+        exact = x.double() @ wd.T
+        got = gemm_w4a8(x, w, None).double()
+        qr, sr = quantize_rows(x)  # the per-row rule, in float64 from its integers
+        xr = qr.double() * sr.double()[:, None]
+        per_row = xr @ wd.T
+
+        def rms(t: torch.Tensor) -> float:
+            return float(t.pow(2).mean().sqrt())
+
+        err_group, err_row = rms(got - exact), rms(per_row - exact)
+        assert err_row > 0.1 * rms(exact)  # the per-row rule is off by over 10%
+        assert err_group < err_row / 2.5, (mode, err_group / err_row)
+        # All of the per-group error is the outlier group's, where both rules quantize alike (its max is the
+        # row's): the per-row rule's error over that group alone, to float32 roundings.
+        own_err = (xr[:, own] - x.double()[:, own]) @ wd[:, own].T
+        roundings = 64 * EPS * (x.double().abs() @ wd.abs().T)
+        assert ((got - exact - own_err).abs() <= roundings).all(), mode
+
+
+def test_w4a8_extremes_rows_of_zeros_and_non_finite_rows() -> None:
+    """Every |q - zero| = 15 against activations at +-127 (the largest group sums), large groups too."""
+    for group in (4, 128, 1024):
+        q = torch.full((40, 2048), -8, dtype=torch.int8)
+        zero = torch.full((40, 2048 // group), 7, dtype=torch.int8)
+        x = torch.where(torch.randn(9, 2048) >= 0, 1.0, -1.0)
+        got = _check_w4a8(x, q, torch.full((40, 2048 // group), 3.0), zero, None, group, torch.randn(40))
+        assert got.isfinite().all()
+    q, scale, zero, _ = _int4_case(40, 64, 32, "zero", 7)
+    x = torch.randn(7, 64)
+    x[1] = 0
+    x[2, 3] = float("nan")
+    x[3, 0] = float("inf")
+    x[4] = 1e-44
+    x[5, 40] = -float("inf")  # in the second group
+    x[6, :32] = 0  # a group of zeros beside a finite one
+    bias = torch.randn(40)
+    y = gemm_w4a8(x, PackedInt4Weight(q, scale, zero, 32), bias)
+    assert torch.equal(y[1], bias) and torch.equal(y[4], bias)
+    assert y[2].isnan().all() and y[3].isnan().all() and y[5].isnan().all()
+    want, bound = _w4a8_reference(x[[0, 6]], q, scale, zero, None, 32, bias)
+    assert ((y[[0, 6]].double() - want).abs() <= bound).all()
+
+
+def test_w4a8_threads_give_identical_bits() -> None:
+    """Threads split the panels (or the rows, where panels are fewer), never K: 1, 2 and 8 threads."""
+    cases = []
+    for n in (300, 5):  # 5: one panel, so the rows are split
+        for mode in ("sym", "zero", "min"):
+            q, scale, zero, minimum = _int4_case(n, 256, 64, mode, n)
+            cases.append(PackedInt4Weight(q, scale, zero, 64, minimum))
+    threads = torch.get_num_threads()
+    try:
+        for w in cases:
+            for rows in (1, 7, 130, 300):  # 300: past the row blocks
+                x = torch.randn(rows, 256)
+                results = []
+                for t in (1, 2, 8):
+                    _set_threads(t)
+                    results.append(gemm_w4a8(x, w, None))
+                assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("mode", ["sym", "zero", "min"])
+@pytest.mark.parametrize(("n", "k", "group"), [(1, 4, 4), (37, 384, 128), (130, 96, 32)])
+def test_int4_unpack_round_trip_and_bytes(mode: str, n: int, k: int, group: int) -> None:
+    q, scale, zero, minimum = _int4_case(n, k, group, mode, n + k)
+    w = PackedInt4Weight(q, scale, zero, group, minimum)
+    back_q, back_s, back_z, back_m = w.unpack()
+    assert torch.equal(back_q, q) and torch.equal(back_s, scale)
+    assert (back_z is None) == (zero is None) and (zero is None or torch.equal(back_z, zero))
+    assert (back_m is None) == (minimum is None) and (minimum is None or torch.equal(back_m, minimum))
+    assert (w.n, w.k, w.bits, w.group, w.out_features, w.in_features) == (n, k, 4, group, n, k)
+    nr = int(gemm_quant_kernels._dll().gemm_quant_i8_nr())
+    padded = -(-n // nr) * nr
+    per_group = 4 + (1 if mode == "zero" else 4 if mode == "min" else 0)
+    assert w.nbytes == padded * k // 2 + padded * (k // group) * per_group
+    # x = the identity: y = float32 of each weight (q - zero) * scale or q * scale - minimum, within a rounding.
+    want = w.dequantize().double()
+    eye = gemm_w4a8(torch.eye(k) * 127, w, None).T.double() / 127
+    assert ((eye - want).abs() <= 4 * EPS * (want.abs() + (0 if minimum is None else
+                                                            minimum.double().abs().repeat_interleave(group, 1)))
+            ).all()
+
+
+def test_w4a8_bad_inputs_are_refused_with_a_clear_error() -> None:
+    q = torch.zeros(4, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        PackedInt4Weight(q, torch.ones(4, 4), None, 18)
+    with pytest.raises(ValueError, match="divide"):
+        PackedInt4Weight(q, torch.ones(4, 2), None, 48)
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        PackedInt4Weight(q + 8, torch.ones(4, 2), None, 32)
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        PackedInt4Weight(q - 1, torch.ones(4, 2), None, 32, torch.ones(4, 2))
+    with pytest.raises(ValueError, match="not both"):
+        PackedInt4Weight(q, torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int8), 32, torch.ones(4, 2))
+    with pytest.raises(ValueError, match="zero points"):
+        PackedInt4Weight(q, torch.ones(4, 2), torch.full((4, 2), 9, dtype=torch.int8), 32)
+    with pytest.raises(ValueError, match="scales"):
+        PackedInt4Weight(q, torch.ones(4, 3), None, 32)
+    with pytest.raises(ValueError, match="minimums"):
+        PackedInt4Weight(q, torch.ones(4, 2), None, 32, torch.ones(4, 3))
+    with pytest.raises(ValueError, match="float32"):
+        gemm_w4a8(torch.zeros(2, 63), PackedInt4Weight(q, torch.ones(4, 2), None, 32), None)
+    assert gemm_w4a8(torch.zeros(0, 64), PackedInt4Weight(q, torch.ones(4, 2), None, 32), None).shape == (0, 4)
+
+
+@pytest.mark.parametrize("build", BUILDS, indirect=True)
+def test_every_build_of_w4a8_gives_the_same_bits(build: str) -> None:
+    """The int32 sums are exact and the float steps are fmaf in every build, so every ISA's bits are the
+    native build's (the weights packed again for each build's panels)."""
+    cases = []
+    for rows, mode in ((1, "sym"), (2, "zero"), (5, "min"), (40, "zero"), (13, "sym")):
+        q, scale, zero, minimum = _int4_case(75, 192, 64, mode, rows)
+        cases.append((_x(rows, 192, rows), q, scale, zero, minimum, torch.randn(75) if rows % 2 else None))
+    got = [_check_w4a8(x, q, s, z, mi, 64, b) for x, q, s, z, mi, b in cases]
+    quantized = [_quantize_groups_native(x.contiguous(), g) for x, g in _group_quant_inputs()]
+    assert all(_same(a, b) for (x, g), qs in zip(_group_quant_inputs(), quantized, strict=True)
+               for a, b in zip(qs, quantize_groups(x, g), strict=True))
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(gemm_quant_kernels, "_FLAGS", NATIVE_FLAGS)
+    try:
+        gemm_quant_kernels.load.cache_clear()
+        native = [gemm_w4a8(x, PackedInt4Weight(q, s, z, 64, mi), b) for x, q, s, z, mi, b in cases]
+    finally:
+        monkey.undo()
+        gemm_quant_kernels.load.cache_clear()
+    assert all(torch.equal(a, b) for a, b in zip(got, native, strict=True))
+
+
+# ---------------------------------------------------------------- descriptor entries
+
+_GEMM_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
+
+
+def _call_entry(w: object, x: torch.Tensor, bias: torch.Tensor | None, ldy: int, threads: int) -> torch.Tensor:
+    """The decoder driver's call: entry(kind)(x, ldx, desc, bias, y, ldy, M, N, K, threads); y [M, ldy]."""
+    m, n, k = x.shape[0], w.n, w.k  # type: ignore[attr-defined]
+    y = torch.full((m, ldy), -7.0)
+    fn = _GEMM_FN(entry(w.entry_kind))  # type: ignore[attr-defined]
+    b = None if bias is None else bias.contiguous()
+    fn(x.data_ptr(), x.stride(0), w.desc_ptr, None if b is None else b.data_ptr(), y.data_ptr(), ldy, m, n, k,  # type: ignore[attr-defined]
+       threads)
+    assert (y[:, n:] == -7).all()  # nothing written past N
+    return y[:, :n]
+
+
+def _weights(n: int, k: int) -> list[tuple[object, object]]:
+    """(packed weight, its Python GEMM) of every kind."""
+    q8, sw = _int8_case(n, k, n)
+    out: list[tuple[object, object]] = [(PackedInt8Weight(q8, sw), gemm_w8a8)]
+    if k % 32 == 0:
+        for bits, zero in ((4, False), (4, True), (8, True)):
+            q, scale, z = _group_case(n, k, 32, bits, zero, n + bits)
+            out.append((PackedGroupWeight(q, scale, z, 32, bits), gemm_wq))
+        for mode in ("sym", "zero", "min"):
+            q, scale, z, mi = _int4_case(n, k, 32, mode, n)
+            out.append((PackedInt4Weight(q, scale, z, 32, mi), gemm_w4a8))
+    return out
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 96), (300, 256), (70, 130)])
+def test_descriptor_entries_match_the_python_gemms_bit_for_bit(n: int, k: int) -> None:
+    threads = torch.get_num_threads()
+    for w, gemm in _weights(n, k):
+        for rows in (1, 2, 7, 33, 300):
+            wide = torch.randn(rows, k + 19)
+            x = wide[:, 3 : 3 + k]  # ldx = K + 19
+            bias = torch.randn(n) if rows % 2 else None
+            want = gemm(x, w, bias)
+            for ldy, t in ((n, threads), (n + 5, 1), (n + 64, 3)):
+                assert torch.equal(_call_entry(w, x, bias, ldy, t), want), (type(w).__name__, rows, ldy, t)
+
+
+def test_descriptor_entries_from_other_threads_and_large_m() -> None:
+    w8, _ = _weights(64, 128)[0]
+    w4, _ = _weights(64, 128)[-1]
+    x = torch.randn(2500, 128)
+    want = {id(w): (gemm_w8a8 if w is w8 else gemm_w4a8)(x, w, None) for w in (w8, w4)}
+    errors: list[BaseException] = []
+
+    def work(w: object) -> None:
+        try:
+            for _ in range(3):
+                assert torch.equal(_call_entry(w, x, None, 64, 2), want[id(w)])
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+
+    runners = [threading.Thread(target=work, args=(w,)) for w in (w8, w4, w8, w4)]
+    for r in runners:
+        r.start()
+    for r in runners:
+        r.join()
+    assert not errors, errors
+
+
+def test_descriptor_entries_with_k_zero_and_the_layout() -> None:
+    w = PackedInt8Weight(torch.zeros(5, 0, dtype=torch.int8), torch.ones(5))
+    bias = torch.randn(5)
+    assert torch.equal(_call_entry(w, torch.zeros(3, 0), bias, 5, 1), bias.expand(3, 5))
+    assert torch.equal(_call_entry(w, torch.zeros(3, 0), None, 5, 1), torch.zeros(3, 5))
+    d = w.desc
+    assert (d.magic, d.kind, d.n, d.k, d.layout) == (0x31445147, 1, 5, 0, int(gemm_quant_kernels._dll().gemm_quant_layout()))
+    assert w.desc_ptr == ctypes.addressof(w.desc)
+    assert {entry(kind) for kind in ("w8a8", "wq", "w4a8")} == {
+        ctypes.cast(getattr(gemm_quant_kernels._dll(), f"gemm_{kind}_desc"), ctypes.c_void_p).value
+        for kind in ("w8a8", "wq", "w4a8")}
+    with pytest.raises(ValueError, match="w4a8"):
+        entry("w4a16")
+
+
+def test_a_descriptor_of_another_kind_is_refused_loudly() -> None:
+    """An entry handed the wrong descriptor (or another build's) aborts with a message, rather than read wrong."""
+    code = ("import ctypes, torch\n"
+            "from noria.worker import gemm_quant_kernels as g\n"
+            "w = g.PackedInt8Weight(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))\n"
+            "x, y = torch.zeros(1, 8), torch.zeros(1, 4)\n"
+            "f = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3"
+            " + [ctypes.c_int64] * 4 + [ctypes.c_int])(g.entry('w4a8'))\n"
+            "f(x.data_ptr(), 8, w.desc_ptr, None, y.data_ptr(), 4, 1, 4, 8, 1)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "does not fit this entry" in out.stderr

@@ -10,6 +10,19 @@ x and y are float32; the weights stay quantized in panels packed once at load:
   scale and an optional zero point per group of input features, q - zero decoded in registers (or
   once per panel into scratch when many row tiles meet it); per group a float32 in-order sum of
   x * (q - zero), times the group's scale, summed over the groups in order (C file for details).
+- W4A8 (`PackedInt4Weight`, `gemm_w4a8`): 4-bit weights with group scales and optional zero points (or
+  float group minimums, GGUF Q4_K's w = q * scale - minimum), activations quantized to int8 with one
+  scale per row and group of the weight's (`quantize_groups`: W8A8's rule over each group alone, as
+  llama.cpp's Q8_0 / Q8_K blocks, so that an outlier feature ~60x the others coarsens only its own
+  group, not the whole row: checkpoints not calibrated for int8 activations stay usable); per group an
+  exact int32 sum of qx * (q - zero) (vpdpbusd with the nibbles as the unsigned operand), then in
+  float32 tot = fma(float(sum) * sx_g, scale_g, tot) over the groups in order, y = tot + bias.
+  The per-group activation scale costs one float multiply per output and group over a per-row one (the
+  C file has the measured cost).
+
+The native decoder driver calls one GEMM per linear layer with the decoder's signature (decoder_f32.c's
+`gemm_fn`: x, ldx, packed, bias, y, ldy, M, N, K, threads); for these kinds `packed` is the address of a
+descriptor (`GemmQuantDesc`, held by the packed weight: `desc_ptr`) and the function `entry(kind)`.
 
 Built like worker/gemm_kernels.py (same flags, same switch: worker/cpu_ops.py's gemm family, and
 NORIA_CPU_MARCH), called through ctypes; `load()` returns None where no compiler works or the gemm
@@ -48,10 +61,22 @@ def load() -> ctypes.CDLL | None:
     for name in ("gemm_quant_i8_nr", "gemm_quant_wq_nr"):
         getattr(dll, name).argtypes, getattr(dll, name).restype = [], _I64
     dll.quant_rows_i8.argtypes, dll.quant_rows_i8.restype = [_VP, _I64, _I64, _I64, _VP, _I64, _VP], None
+    dll.quant_groups_i8.argtypes = [_VP, _I64, _I64, _I64, _I64, _VP, _I64, _VP]
+    dll.quant_groups_i8.restype = None
     dll.gemm_w8a8.argtypes = [_VP, _I64, _VP, _VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _INT]
     dll.gemm_w8a8.restype = None
     dll.gemm_wq.argtypes = [_VP, _I64, _VP, _VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _INT, _INT]
     dll.gemm_wq.restype = None
+    dll.gemm_w4a8.argtypes = [_VP, _I64, _VP, _VP, _VP, _VP, _INT, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _INT]
+    dll.gemm_w4a8.restype = None
+    dll.gemm_quant_layout.argtypes, dll.gemm_quant_layout.restype = [], ctypes.c_int32
+    for name in ("gemm_quant_i8_lanes", "gemm_quant_desc_size"):
+        getattr(dll, name).argtypes, getattr(dll, name).restype = [], _I64
+    for name in _ENTRIES.values():
+        getattr(dll, name).argtypes = [_VP, _I64, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _INT]
+        getattr(dll, name).restype = None
+    if dll.gemm_quant_desc_size() != ctypes.sizeof(GemmQuantDesc):
+        raise RuntimeError("gemm_quant.c's GemmQuantDesc and its ctypes mirror differ")
     return dll
 
 
@@ -78,6 +103,37 @@ def _panels(n: int, nr: int) -> int:
     return -(-n // nr)
 
 
+_ENTRIES = {"w8a8": "gemm_w8a8_desc", "wq": "gemm_wq_desc", "w4a8": "gemm_w4a8_desc"}
+_KINDS = {"w8a8": 1, "wq": 2, "w4a8": 3}
+_MAGIC = 0x31445147  # "GQD1"
+
+
+class GemmQuantDesc(ctypes.Structure):
+    """gemm_quant.c's descriptor of a packed weight (what the decoder driver passes as `packed`)."""
+
+    _fields_ = [("magic", ctypes.c_uint32), ("kind", ctypes.c_int32), ("layout", ctypes.c_int32),
+                ("bits", ctypes.c_int32), ("n", _I64), ("k", _I64), ("group", _I64), ("data", _VP), ("scale", _VP),
+                ("zero", _VP), ("corr", _VP), ("minimum", _VP), ("offset", ctypes.c_int32),
+                ("reserved", ctypes.c_int32)]
+
+
+def _desc(dll: ctypes.CDLL, kind: str, bits: int, n: int, k: int, group: int, data: torch.Tensor,
+          scale: torch.Tensor, zero: torch.Tensor | None = None, corr: torch.Tensor | None = None,
+          minimum: torch.Tensor | None = None, offset: int = 0) -> GemmQuantDesc:
+    """A descriptor pointing into the tensors (the caller keeps them alive, and them unchanged)."""
+    return GemmQuantDesc(_MAGIC, _KINDS[kind], int(dll.gemm_quant_layout()), bits, n, k, group, _p(data),
+                         _p(scale), _p(zero), _p(corr), _p(minimum), offset, 0)
+
+
+def entry(kind: str) -> int:
+    """The address of the C function with the decoder driver's GEMM signature (decoder_f32.c's gemm_fn)
+    for packed weights of `kind` ("w8a8", "wq" or "w4a8"), its `packed` argument a weight's `desc_ptr`.
+    The weight must come from this build (the entry aborts on a descriptor of another layout)."""
+    if kind not in _ENTRIES:
+        raise ValueError(f"no quantized GEMM entry for {kind!r}: one of {', '.join(_ENTRIES)}")
+    return ctypes.cast(getattr(_dll(), _ENTRIES[kind]), _VP).value or 0
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-row symmetric int8 (vLLM's rule): s = max|x_row| / 127, q = x / s rounded half to
     even, clamped to [-127, 127]. A row whose s is 0 (all zeros, or max / 127 underflows) gets s = 1
@@ -93,6 +149,31 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     finite = torch.isfinite(amax)
     q = torch.where(finite[:, None], torch.round(x / s[:, None]).clamp(-127, 127), 0).to(torch.int8)
     return q, torch.where(finite, s, torch.full_like(s, float("nan")))
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W4A8's activations: `quantize_rows`'s rule over each group of `group` consecutive features of a row
+    alone: s[m, g] = max|x| over the group / 127 (1 where that is 0; NaN, with the group's q all 0, where
+    the group holds a NaN or an infinity), q = x / s rounded half to even, clamped to [-127, 127].
+    group must divide K. Returns (q int8 [M, K], s float32 [M, K // group]); the C kernel quantizes
+    bit for bit like this."""
+    x = x.to(torch.float32)
+    m, k = x.shape
+    if group <= 0 or k % group:
+        raise ValueError(f"the group size {group} must divide K = {k}")
+    q, s = quantize_rows(x.reshape(m * (k // group), group))
+    return q.reshape(m, k), s.reshape(m, k // group)
+
+
+def _quantize_groups_native(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_groups by the C kernel's own code (for the tests). x float32 with unit column stride."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1)
+    m, k = x.shape
+    assert group > 0 and k % group == 0
+    q, s = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // group, dtype=torch.float32)
+    if m and k:
+        _dll().quant_groups_i8(x.data_ptr(), x.stride(0), m, k, group, q.data_ptr(), k, s.data_ptr())
+    return q, s
 
 
 def _quantize_rows_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +213,9 @@ class PackedInt8Weight:
         shift = int(dll.gemm_quant_i8_shift())
         self.corr = (padded.sum(dim=1, dtype=torch.int32) * 128 * shift).to(torch.int32)
         self.nbytes = self.data.numel() + 4 * self.scale.numel() + 4 * self.corr.numel()
+        self.desc = _desc(dll, "w8a8", 8, self.n, self.k, 0, self.data, self.scale, corr=self.corr)
+        self.desc_ptr: int = ctypes.addressof(self.desc)
+        self.entry_kind = "w8a8"
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [N, K], scale float32 [N]) back from the panels."""
@@ -213,6 +297,9 @@ class PackedGroupWeight:
         self.zero = None if zero is None else features_last(zero.cpu().to(torch.int16) + off,
                                                             torch.int16).to(torch.uint8)
         self.nbytes = self.data.numel() + 4 * self.scale.numel() + (0 if self.zero is None else self.zero.numel())
+        self.desc = _desc(dll, "wq", bits, self.n, self.k, group, self.data, self.scale, zero=self.zero)
+        self.desc_ptr: int = ctypes.addressof(self.desc)
+        self.entry_kind = "wq"
 
     def _features_first(self, t: torch.Tensor) -> torch.Tensor:
         """[P, C, NR] -> [N, C]."""
@@ -248,4 +335,115 @@ def gemm_wq(x: torch.Tensor, w: PackedGroupWeight, bias: torch.Tensor | None) ->
             return y if b is None else y + b
         w._dll.gemm_wq(x.data_ptr(), x.stride(0), w.data.data_ptr(), _p(w.zero), w.scale.data_ptr(), _p(b),
                        y.data_ptr(), w.n, m, w.n, w.k, w.group, w.bits, torch.get_num_threads())
+    return y
+
+
+# The int32 sums of W4A8 are exact while 15 * 127 * group < 2^31; their float32 conversion while < 2^24.
+MAX_W4A8_GROUP = (2**31 - 1) // (15 * 127)
+
+
+class PackedInt4Weight:
+    """W4A8 (activations quantized per row and group of `group` features: `gemm_w4a8`): 4-bit weights with a float32 scale per group of `group` input features and either an int
+    zero point per group (w = (q - zero) * scale, q and zero in [-8, 7]) or a float32 minimum per group
+    (GGUF Q4_K: w = q * scale - minimum, q in [0, 15]) or neither (symmetric, q in [-8, 7]). Stored as
+    u = q + offset in [0, 15] (offset 8 for signed q, 0 with minimums), in the int8 kernel's panels of
+    NR8 = NV vectors of L lanes x 4 k: [P, K / 4, NV / 2, L * 4] bytes, vector j's byte in the low nibble
+    and vector j + NV / 2's in the high one (K / 2 bytes per feature); scales, minimums [P, K / group, NR8]
+    float32; zero points [P, K / group, NR8] bytes (zero + 8). group: a multiple of 4 dividing K."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+                 minimum: torch.Tensor | None = None) -> None:
+        self._dll = dll = _dll()
+        if q.dtype != torch.int8 or q.dim() != 2:
+            raise ValueError(f"4-bit weights must be int8 [N, K], not {q.dtype} {tuple(q.shape)}")
+        self.n, self.k = q.shape
+        if group <= 0 or group % 4:
+            raise ValueError(f"the W4A8 group size must be a positive multiple of 4, not {group}")
+        if self.k % group:
+            raise ValueError(f"the group size {group} must divide K = {self.k}")
+        if group > MAX_W4A8_GROUP:
+            raise ValueError(f"W4A8 needs group <= {MAX_W4A8_GROUP} (exact int32 sums), not {group}")
+        if zero is not None and minimum is not None:
+            raise ValueError("W4A8 takes zero points or minimums, not both")
+        groups = self.k // group
+        lo, hi = (0, 15) if minimum is not None else (-8, 7)
+        for name, t in (("weights", q), ("zero points", zero)):
+            if t is not None and t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
+                raise ValueError(f"4-bit {name} must lie in [{lo}, {hi}]")
+        for name, t in (("scales", scale), ("minimums", minimum)):
+            if t is not None and (t.shape != (self.n, groups) or not t.is_floating_point()):
+                raise ValueError(f"{name} must be float [{self.n}, {groups}], not {t.dtype} {tuple(t.shape)}")
+        if zero is not None and (zero.shape != (self.n, groups) or zero.dtype != torch.int8):
+            raise ValueError(f"zero points must be int8 [{self.n}, {groups}], not {zero.dtype} {tuple(zero.shape)}")
+        self.group, self.bits = group, 4
+        self.offset = 0 if minimum is not None else 8
+        self.out_features, self.in_features = self.n, self.k
+        nr, lanes = int(dll.gemm_quant_i8_nr()), int(dll.gemm_quant_i8_lanes())
+        nv = nr // lanes
+        self._nr, self._nv, self._lanes = nr, nv, lanes
+        p, k4 = _panels(self.n, nr), self.k // 4
+
+        def features_last(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            """[N, C] -> [P, C, NR8] (features padded with zeros)."""
+            padded = torch.zeros(p * nr, t.shape[1], dtype=dtype)
+            padded[: self.n] = t
+            return padded.view(p, nr, -1).transpose(1, 2).contiguous()
+
+        u = torch.zeros(p * nr, self.k, dtype=torch.uint8)
+        u[: self.n] = (q.cpu().to(torch.int16) + self.offset).to(torch.uint8)
+        # [P, NV, L, K4, 4] -> [P, K4, NV, L * 4]: vector v's lane l is feature v * L + l, 4 k to a lane.
+        u = u.view(p, nv, lanes, k4, 4).permute(0, 3, 1, 2, 4).reshape(p, k4, nv, lanes * 4)
+        self.data = (u[:, :, : nv // 2] | (u[:, :, nv // 2 :] << 4)).contiguous()
+        self.scale = features_last(scale.detach().cpu().to(torch.float32), torch.float32)
+        self.zero = None if zero is None else features_last(zero.cpu().to(torch.int16) + self.offset,
+                                                            torch.int16).to(torch.uint8)
+        self.minimum = None if minimum is None else features_last(minimum.detach().cpu().to(torch.float32),
+                                                                  torch.float32)
+        self.nbytes = (self.data.numel() + 4 * self.scale.numel() + (0 if self.zero is None else self.zero.numel())
+                       + (0 if self.minimum is None else 4 * self.minimum.numel()))
+        self.desc = _desc(dll, "w4a8", 4, self.n, self.k, group, self.data, self.scale, zero=self.zero,
+                          minimum=self.minimum, offset=self.offset)
+        self.desc_ptr: int = ctypes.addressof(self.desc)
+        self.entry_kind = "w4a8"
+
+    def _features_first(self, t: torch.Tensor) -> torch.Tensor:
+        """[P, C, NR8] -> [N, C]."""
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[: self.n]
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(q int8 [N, K], scale float32 [N, K / group], zero int8 or None, minimum float32 or None) back."""
+        p, k4 = self.data.shape[:2]
+        u = torch.cat([self.data & 15, self.data >> 4], dim=2)  # [P, K4, NV, L * 4]
+        u = u.view(p, k4, self._nv, self._lanes, 4).permute(0, 2, 3, 1, 4).reshape(p * self._nr, self.k)
+        q = (u[: self.n].to(torch.int16) - self.offset).to(torch.int8)
+        zero = None if self.zero is None else (self._features_first(self.zero).to(torch.int16)
+                                               - self.offset).to(torch.int8)
+        minimum = None if self.minimum is None else self._features_first(self.minimum).contiguous()
+        return q, self._features_first(self.scale).contiguous(), zero, minimum
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: (q - zero) * scale or q * scale - minimum, each rounded once."""
+        q, scale, zero, minimum = self.unpack()
+        diff = q.float() if zero is None else q.float() - zero.float().repeat_interleave(self.group, dim=1)
+        w = diff * scale.repeat_interleave(self.group, dim=1)
+        return w if minimum is None else w - minimum.repeat_interleave(self.group, dim=1)
+
+
+def gemm_w4a8(x: torch.Tensor, w: PackedInt4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x float32 [M, K] (any row stride) -> float32 [M, N], (qx, sx) = quantize_groups(x, w.group): per group g
+    in order, i_g = sum_k qx * (q - zero) (exact int32), tot = fma(float32(float(i_g) * sx[m, g]), scale_g, tot)
+    (with minimums then tot = fma(float32(-float(sum_g qx) * sx[m, g]), minimum_g, tot)); y = tot + bias (tot
+    without a bias). A row with a NaN or an infinity gives NaNs. The same bits whatever the ISA build, the thread
+    count and the batch's other rows."""
+    x = _check_x(x, w.k)
+    b = _bias(bias, w.n)
+    m = x.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.float32)
+    if m and w.n:
+        if w.k == 0:
+            y.zero_()
+            return y if b is None else y + b
+        w._dll.gemm_w4a8(x.data_ptr(), x.stride(0), w.data.data_ptr(), _p(w.zero), w.scale.data_ptr(),
+                         _p(w.minimum), w.offset, _p(b), y.data_ptr(), w.n, m, w.n, w.k, w.group,
+                         torch.get_num_threads())
     return y

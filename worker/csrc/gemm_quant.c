@@ -1,5 +1,5 @@
 /* Float32 y = x @ W^T (+ bias) over quantized weights, for the CPU linear layers
- * of quantized checkpoints (issue 39). Two kernels, read gemm_f32.c first (the
+ * of quantized checkpoints (issue 39). Three kernels, read gemm_f32.c first (the
  * blocking is its: W packed once at load into panels of NR output features,
  * k-major, so an MR x NR tile of accumulators stays in registers for the whole
  * K loop; near-equal row tiles; threads split whole panels, or rows, never K,
@@ -60,6 +60,17 @@
  *    VL-byte load), [P, K, NR] at 8 bits; scales [P, K / group, NR] float32,
  *    zero points [P, K / group, NR] bytes. The vector code is GCC's vector
  *    extensions: AVX-512, AVX2 or SSE2 as -march says.
+ *
+ * 3. W4A8 (gemm_w4a8): 4-bit weights with group scales and zero points (or
+ *    float group minimums, GGUF Q4_K), activations quantized to int8 with a
+ *    scale per row and group of the weight's (W8A8's rule over each group
+ *    alone, as llama.cpp's Q8_0 / Q8_K blocks: one outlier feature coarsens
+ *    only its own group); per group an exact int32 sum, then float32 fused
+ *    multiply-adds (its part below has the order).
+ *
+ * 4. Descriptor entries (gemm_w8a8_desc, gemm_wq_desc, gemm_w4a8_desc): the
+ *    native decoder driver's gemm_fn signature, `packed` a GemmQuantDesc (the
+ *    last part of this file).
  *
  * No -ffast-math: the sums above are the documented ones.
  *
@@ -194,32 +205,41 @@ int gemm_quant_isa(void) { return I8_PATH; }
 int64_t gemm_quant_i8_nr(void) { return I8_NR; }
 int gemm_quant_i8_shift(void) { return I8_SHIFT; }
 
-/* One row of x quantized into q (K4 * 4 bytes, the padding 0), its scale into *s.
+/* One row of x quantized into q (K4 * 4 bytes, the padding 0), its scale into *s; returns the sum of q.
  * shift: store q + 128 as unsigned bytes. */
-static void quant_row(const float *x, int64_t K, int64_t Kp, uint8_t *q, float *s, int shift) {
-    float amax = 0.0f;
-    int bad = 0;
+static inline __attribute__((always_inline)) int32_t quant_row(const float *restrict x, int64_t K, int64_t Kp,
+                                                               uint8_t *restrict q, float *s, const int shift) {
+    /* max |x| by its bits: non-negative floats order as their bits do, and the infinities and NaNs lie
+     * above FLT_MAX's (an integer max vectorizes; the float one, NaN-aware, stays scalar and serial). */
+    uint32_t umax = 0;
     for (int64_t k = 0; k < K; k++) {
-        const float a = fabsf(x[k]);
-        amax = a > amax ? a : amax;
-        bad |= !(a <= FLT_MAX); /* NaN or infinity */
+        uint32_t u;
+        memcpy(&u, x + k, 4);
+        u &= 0x7fffffffu;
+        umax = u > umax ? u : umax;
     }
+    const int bad = umax > 0x7f7fffffu; /* NaN or infinity */
+    float amax;
+    memcpy(&amax, &umax, 4);
     const uint8_t zero = shift ? 128 : 0;
     if (bad) {
         *s = NAN;
         memset(q, zero, (size_t)Kp);
-        return;
+        return 0;
     }
     float sc = amax / 127.0f;
     if (sc == 0.0f) sc = 1.0f; /* a row of zeros (or so small that max / 127 underflows): q = rint(x) = 0 */
     *s = sc;
+    int32_t sum = 0;
     for (int64_t k = 0; k < K; k++) {
         float v = rintf(x[k] / sc);
         v = v > 127.0f ? 127.0f : v;
         v = v < -127.0f ? -127.0f : v;
+        sum += (int)v;
         q[k] = (uint8_t)((int)v + zero);
     }
     for (int64_t k = K; k < Kp; k++) q[k] = zero;
+    return sum;
 }
 
 /* quantize_rows in C, for the tests: q [M, K] int8 (row stride ldq), s [M]. */
@@ -335,6 +355,277 @@ void gemm_w8a8(const float *x, int64_t ldx, const int8_t *packed, const int32_t 
             thread_share(M, &lo, &hi);
             i8_range(xq + lo * ldq, ldq, sx + lo, packed, corr, sw, bias, y + lo * ldy, ldy, hi - lo, N, K4, 0,
                      panels);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- W4A8 */
+
+/* 4-bit weights (u = q + offset in 0..15: offset 8 for signed q in -8..7, 0 for unsigned q with a float
+ * minimum), a float32 scale per group of `group` k, and either an integer zero point (zu = zero + offset)
+ * or a float minimum per group, or neither. The activations are quantized per row and group of the
+ * weight's (quant_groups: quant_row's rule over the group's k alone, not shifted: q in -127..127),
+ *     sx[m, g] = max_g |x| / 127 (1 where that is 0; NaN, with the group's q 0, where it holds a NaN or
+ *                an infinity),  qx = rint(x / sx[m, g]) clamped to +-127,
+ * bit for bit worker/gemm_quant_kernels.py's quantize_groups; with them, per row and group, the sum
+ * xsum[m, g] = sum_g qx and cx[m, g] = -(float)xsum[m, g] * sx[m, g] (one rounding; the minimums' factor).
+ * Per group g:
+ *     acc  = sum_k qx[m, k] * u[n, k]                  (int32, exact: vpdpbusd with u the unsigned operand)
+ *     i_g  = acc - zu[n, g] * xsum[m, g]               (int32, exact; zu = offset without zero points)
+ *          = sum_k qx * (q - zero)
+ *     tot  = fmaf((float)i_g * sx[m, g], scale[n, g], tot)   (over g in order, from 0; the product rounded)
+ *     tot  = fmaf(cx[m, g], minimum[n, g], tot)              (only with minimums: w = u * scale - minimum)
+ * then y = tot + bias[n] (or tot without a bias). The activation side is scaled first, as the minimum term's
+ * factor is (once per row and group there, since it does not depend on n): one multiply more per output
+ * and group than one scale per row took (measured on Zen 4, 2 threads, group 128: up to +4% at 32 and 128
+ * rows of K = 768, and the per-group quantization's overhead; both more than paid back at K = 2048 by
+ * quant_row's vectorized max, which made the quantization 3x faster, so overall -10% to +4%). A group of
+ * zeros gives i_g = 0 and adds nothing; a non-finite one makes every output of its row NaN. |i_g| <= 15 *
+ * 127 * group, so the int32s are exact for any group below 2^20 and (float)i_g exact below group 8808.
+ * fmaf is one rounding on every build (the vectorizer's vfmadd with FMA, libm's fmaf without; no product
+ * here can be contracted into an addition), so every ISA gives the same bits, whatever the thread count
+ * or the batch's other rows. On AVX2, vpmaddubsw (u8 weights x s8 x:
+ * pairs at most 2 * 15 * 127 = 3810, never saturating) then vpmaddwd by ones.
+ * Panels: [ceil(N / NR8), K / 4, NV / 2, L * 4] bytes (NR8 = I8_NR features in NV vectors of L int32
+ * lanes, 4 k per lane as W8A8's): byte b of chunk j holds vector j's byte b in its low nibble and vector
+ * j + NV / 2's in the high one, so a k4 step of a panel is NV / 2 vector loads, K / 2 bytes per feature.
+ * scales, minimums: [.., K / group, NR8] float32; zero points: [.., K / group, NR8] bytes. Every tile
+ * unpacks the nibbles in registers (two ands and a shift per two weight vectors): unpacking a panel once
+ * into scratch for many row tiles, as the weight-only kernel does, measured slower on Zen 4 (the
+ * scratch's writes and reads cost more than the in-register unpacking they save). */
+
+int64_t gemm_quant_i8_lanes(void) { return I8_L; }
+
+#if I8_PATH >= 1
+static inline __attribute__((always_inline)) ivec q4_dot(ivec acc, ivec w, ivec x) {
+#if I8_PATH == 3
+    return _mm512_dpbusd_epi32(acc, w, x);
+#elif I8_PATH == 2 && defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#elif I8_PATH == 2
+    return _mm256_dpbusd_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* The NV weight vectors (unsigned bytes 0..15) of one k4 step, from its NV / 2 vectors of nibbles. */
+static inline __attribute__((always_inline)) void q4_weights(const uint8_t *p, ivec w[I8_NV]) {
+#if I8_PATH == 3
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int j = 0; j < I8_NV / 2; j++) {
+        const __m512i b = _mm512_loadu_si512(p + j * I8_L * 4);
+        w[j] = _mm512_and_si512(b, low);
+        w[j + I8_NV / 2] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+    }
+#else
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int j = 0; j < I8_NV / 2; j++) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(p + j * I8_L * 4));
+        w[j] = _mm256_and_si256(b, low);
+        w[j + I8_NV / 2] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    }
+#endif
+}
+#endif
+
+/* One k4 step's unsigned weight of feature f (0..I8_NR), k 4 * k4 + i, from a panel's nibbles. */
+static inline uint8_t q4_at(const uint8_t *panel, int64_t k4, int f, int i) {
+    const int v = f / I8_L, b = (f % I8_L) * 4 + i;
+    const uint8_t byte = panel[k4 * (I8_NR * 2) + (v % (I8_NV / 2)) * I8_L * 4 + b];
+    return v < I8_NV / 2 ? byte & 15 : byte >> 4;
+}
+
+/* Quantized activations of W4A8, per row and group (row strides ldq bytes and G groups). */
+typedef struct {
+    const int8_t *q;
+    const float *s, *c; /* sx[m, g]; cx[m, g] = -(float)xsum * sx */
+    const int32_t *sum; /* xsum[m, g] */
+    int64_t ldq, G;
+} Q4X;
+
+static inline Q4X q4x_rows(Q4X X, int64_t m) {
+    X.q += m * X.ldq, X.s += m * X.G, X.c += m * X.G, X.sum += m * X.G;
+    return X;
+}
+
+/* x's row quantized in groups of `group` (K a multiple): quant_row over each group's k, into q (signed),
+ * s[g], with sum[g] = the group's sum of q and c[g] = -(float)sum[g] * s[g]. */
+static void quant_groups(const float *x, int64_t K, int64_t group, int8_t *q, float *s, float *c, int32_t *sum) {
+    for (int64_t g = 0, k0 = 0; k0 < K; g++, k0 += group) {
+        const int32_t t = quant_row(x + k0, group, group, (uint8_t *)q + k0, s + g, 0);
+        sum[g] = t;
+        c[g] = -(float)t * s[g];
+    }
+}
+
+/* quantize_groups in C, for the tests: q [M, K] int8 (row stride ldq), s [M, K / group]. */
+void quant_groups_i8(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t group, int8_t *q, int64_t ldq,
+                     float *s) {
+    const int64_t G = K / group;
+    float *c = malloc(sizeof(float) * (size_t)(G ? G : 1));
+    int32_t *sum = malloc(sizeof(int32_t) * (size_t)(G ? G : 1));
+    if (c == NULL || sum == NULL) abort();
+    for (int64_t m = 0; m < M; m++) quant_groups(x + m * ldx, K, group, q + m * ldq, s + m * G, c, sum);
+    free(c);
+    free(sum);
+}
+
+/* A group's int32 sums of an mr x I8_NR tile into the float totals (the order at the top of this part);
+ * X at the tile's first row and this group. */
+static inline __attribute__((always_inline)) void q4_group(
+    int32_t sums[I8_MR][I8_NR], float tot[I8_MR][I8_NR], const Q4X *X, int64_t g, const float *scale,
+    const uint8_t *zeros, const float *mins, int32_t off, const int mr, const int zp, const int mn) {
+    for (int r = 0; r < mr; r++) {
+        const int32_t xs = X->sum[r * X->G + g];
+        const float sx = X->s[r * X->G + g], cx = X->c[r * X->G + g];
+        for (int j = 0; j < I8_NR; j++) {
+            const int32_t z = zp ? (int32_t)zeros[j] : off;
+            const int32_t i = (int32_t)((uint32_t)sums[r][j] - (uint32_t)(z * xs));
+            float t = fmaf((float)i * sx, scale[j], tot[r][j]);
+            if (mn) t = fmaf(cx, mins[j], t);
+            tot[r][j] = t;
+        }
+    }
+}
+
+/* One mr x I8_NR tile of the quantized rows X against a panel. */
+static inline __attribute__((always_inline)) void q4_tile(
+    const Q4X *X, const uint8_t *panel, int64_t K4, int64_t gk4, const float *scales, const uint8_t *zeros,
+    const float *mins, int32_t off, const float *bias, float *y, int64_t ldy, int64_t ncols, const int mr,
+    const int zp, const int mn) {
+    const int8_t *xq = X->q;
+    const int64_t ldq = X->ldq;
+    float tot[I8_MR][I8_NR];
+    int32_t sums[I8_MR][I8_NR];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < I8_NR; j++) tot[r][j] = 0.0f;
+    for (int64_t g = 0, k4 = 0; k4 < K4; g++) {
+        const int64_t end = k4 + gk4;
+#if I8_PATH == 0
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < I8_NR; j++) sums[r][j] = 0;
+        for (; k4 < end; k4++)
+            for (int j = 0; j < I8_NR; j++) {
+                int32_t u[4];
+                for (int i = 0; i < 4; i++) u[i] = q4_at(panel, k4, j, i);
+                for (int r = 0; r < mr; r++) {
+                    const int8_t *a = xq + r * ldq + 4 * k4;
+                    sums[r][j] += a[0] * u[0] + a[1] * u[1] + a[2] * u[2] + a[3] * u[3];
+                }
+            }
+#else
+        ivec acc[I8_MR][I8_NV];
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < I8_NV; v++) acc[r][v] = (ivec){0};
+        for (; k4 < end; k4++) {
+            ivec w[I8_NV];
+            q4_weights(panel + k4 * I8_NR * 2, w);
+            for (int r = 0; r < mr; r++) {
+                const ivec a = i8_bcast((const uint8_t *)xq + r * ldq + 4 * k4);
+                for (int v = 0; v < I8_NV; v++) acc[r][v] = q4_dot(acc[r][v], w[v], a);
+            }
+        }
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < I8_NV; v++) memcpy(sums[r] + v * I8_L, &acc[r][v], sizeof(ivec));
+#endif
+        q4_group(sums, tot, X, g, scales + g * I8_NR, zp ? zeros + g * I8_NR : NULL, mn ? mins + g * I8_NR : NULL,
+                 off, mr, zp, mn);
+    }
+    for (int r = 0; r < mr; r++) {
+        float out[I8_NR];
+        if (bias != NULL)
+            for (int j = 0; j < I8_NR; j++) out[j] = tot[r][j] + bias[j];
+        else
+            for (int j = 0; j < I8_NR; j++) out[j] = tot[r][j];
+        memcpy(y + r * ldy, out, sizeof(float) * (size_t)ncols);
+    }
+}
+
+typedef struct {
+    const uint8_t *packed, *zeros;
+    const float *scales, *mins, *bias;
+    int64_t N, K4, gk4, G;
+    int32_t off;
+} Q4Args;
+
+/* Rows [0, M) against panels [p0, p1), in blocks of I8_MB rows, each block's row tiles of near-equal height. */
+static inline __attribute__((always_inline)) void q4_range_(const Q4Args *A, const Q4X *X, float *y, int64_t ldy,
+                                                            int64_t M, int64_t p0, int64_t p1, const int zp,
+                                                            const int mn) {
+    const int64_t K4 = A->K4, G = A->G, gsize = G * I8_NR;
+    for (int64_t m0 = 0; m0 < M; m0 += I8_MB) {
+        const int64_t rows = min64(M - m0, I8_MB);
+        const int64_t tiles = (rows + I8_MR - 1) / I8_MR, base = rows / tiles, taller = rows % tiles;
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t n0 = p * I8_NR, ncols = min64(A->N - n0, I8_NR);
+            const uint8_t *panel = A->packed + p * K4 * I8_NR * 2;
+            const float *b = A->bias == NULL ? NULL : A->bias + n0;
+            const float *sc = A->scales + p * gsize, *mi = mn ? A->mins + p * gsize : NULL;
+            const uint8_t *ze = zp ? A->zeros + p * gsize : NULL;
+            for (int64_t t = 0, m = m0; t < tiles; m += base + (t < taller), t++) {
+                const int64_t h = base + (t < taller);
+                const Q4X xm = q4x_rows(*X, m);
+                float *ym = y + m * ldy + n0;
+#define Q4_TILE(H) q4_tile(&xm, panel, K4, A->gk4, sc, ze, mi, A->off, b, ym, ldy, ncols, H, zp, mn)
+                switch (h) {
+#if I8_MR > 4
+                    case 6: Q4_TILE(6); break;
+                    case 5: Q4_TILE(5); break;
+#endif
+                    case 4: Q4_TILE(4); break;
+                    case 3: Q4_TILE(3); break;
+                    case 2: Q4_TILE(2); break;
+                    default: Q4_TILE(1); break;
+                }
+#undef Q4_TILE
+            }
+        }
+    }
+}
+
+static void q4_range(const Q4Args *A, const Q4X *X, float *y, int64_t ldy, int64_t M, int64_t p0, int64_t p1) {
+    if (A->zeros != NULL)
+        q4_range_(A, X, y, ldy, M, p0, p1, 1, 0);
+    else if (A->mins != NULL)
+        q4_range_(A, X, y, ldy, M, p0, p1, 0, 1);
+    else
+        q4_range_(A, X, y, ldy, M, p0, p1, 0, 0);
+}
+
+/* packed: [ceil(N / I8_NR), K / 4, I8_NV / 2, I8_L * 4] bytes (see above); zeros: NULL or [.., K / group, I8_NR]
+ * bytes (zero + offset); scales and mins (NULL or): [.., K / group, I8_NR] float32; offset: 8 (signed q) or 0
+ * (unsigned q, with minimums). group: a multiple of 4 dividing K; zeros and mins not both. */
+void gemm_w4a8(const float *x, int64_t ldx, const uint8_t *packed, const uint8_t *zeros, const float *scales,
+               const float *mins, int offset, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
+               int64_t K, int64_t group, int num_threads) {
+    const int64_t K4 = K / 4, ldq = K, G = K / group, panels = (N + I8_NR - 1) / I8_NR;
+    const size_t qbytes = (size_t)(M * ldq + 63) / 64 * 64, gbytes = (4 * (size_t)(M * G) + 63) / 64 * 64;
+    uint8_t *xq = scratch_for(&quantized, qbytes + 3 * gbytes, "quantized activations");
+    float *sx = (float *)(xq + qbytes), *cx = (float *)(xq + qbytes + gbytes);
+    int32_t *xsum = (int32_t *)(xq + qbytes + 2 * gbytes);
+    const Q4X X = {(const int8_t *)xq, sx, cx, xsum, ldq, G};
+    const Q4Args A = {packed, zeros, scales, mins, bias, N, K4, group / 4, G, offset};
+    const int64_t units = panels >= num_threads ? panels : (M > panels ? M : panels);
+    const int threads = units < num_threads ? (int)units : num_threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t lo, hi;
+        thread_share(M, &lo, &hi);
+        for (int64_t m = lo; m < hi; m++)
+            quant_groups(x + m * ldx, K, group, (int8_t *)xq + m * ldq, sx + m * G, cx + m * G, xsum + m * G);
+#pragma omp barrier
+        int nth = 1;
+#ifdef _OPENMP
+        nth = omp_get_num_threads();
+#endif
+        if (panels >= nth) {
+            thread_share(panels, &lo, &hi);
+            q4_range(&A, &X, y, ldy, M, lo, hi);
+        } else {
+            thread_share(M, &lo, &hi);
+            const Q4X Xm = q4x_rows(X, lo);
+            q4_range(&A, &Xm, y + lo * ldy, ldy, hi - lo, 0, panels);
         }
     }
 }
@@ -615,4 +906,91 @@ void gemm_wq(const float *x, int64_t ldx, const uint8_t *packed, const uint8_t *
             WQ_CALL(Q8, 0);
 #undef WQ_CALL
     }
+}
+
+/* ---------------------------------------------------------------- descriptors */
+
+/* The native decoder driver calls one gemm_fn (decoder_f32.c) per linear layer, its `packed` argument
+ * the layer's pointer: for these kernels a descriptor of the packed weight, built once at load by
+ * worker/gemm_quant_kernels.py (its ctypes mirror, GemmQuantDesc, must match field for field; the
+ * Python side checks the size). `layout` is the packing build's gemm_quant_layout(): a weight packed
+ * by one build (panel widths, the W8A8 correction) is refused by another, loudly, rather than read
+ * wrong. The entries take any row strides ldx / ldy, any M, and run on any thread (the scratch is
+ * per thread). */
+#define GQ_MAGIC 0x31445147u /* "GQD1" */
+enum { GQ_W8A8 = 1, GQ_WQ = 2, GQ_W4A8 = 3 };
+
+typedef struct {
+    uint32_t magic;
+    int32_t kind;            /* GQ_W8A8, GQ_WQ or GQ_W4A8 */
+    int32_t layout;          /* gemm_quant_layout() of the build that packed it */
+    int32_t bits;            /* 8 (w8a8), 4 or 8 (wq), 4 (w4a8) */
+    int64_t n, k, group;     /* group: 0 for w8a8 (one scale per output row) */
+    const void *data;        /* the panels */
+    const float *scale;      /* w8a8: [panels * NR8]; wq, w4a8: [panels, K / group, NR] */
+    const uint8_t *zero;     /* wq, w4a8: zero points + offset, [panels, K / group, NR] bytes, or NULL */
+    const int32_t *corr;     /* w8a8: 128 * sum_k w per feature where the build shifts x, else zeros */
+    const float *minimum;    /* w4a8: w = u * scale - minimum ([panels, K / group, NR] float32), or NULL */
+    int32_t offset;          /* w4a8: stored u = q + offset (8: signed q; 0: unsigned q with minimums) */
+    int32_t reserved;
+} GemmQuantDesc;
+
+int32_t gemm_quant_layout(void) { return (int32_t)(I8_PATH << 16 | I8_NR << 8 | NR); }
+int64_t gemm_quant_desc_size(void) { return (int64_t)sizeof(GemmQuantDesc); }
+
+static const GemmQuantDesc *desc_check(const float *packed, int kind, int64_t N, int64_t K) {
+    const GemmQuantDesc *d = (const GemmQuantDesc *)(const void *)packed;
+    if (d == NULL || d->magic != GQ_MAGIC || d->kind != kind || d->layout != gemm_quant_layout() || d->n != N ||
+        d->k != K) {
+        fprintf(stderr,
+                "gemm_quant: descriptor %p does not fit this entry (kind %d, layout %#x, N %lld, K %lld): "
+                "kind %d, layout %#x, N %lld, K %lld\n",
+                (const void *)d, kind, (unsigned)gemm_quant_layout(), (long long)N, (long long)K,
+                d == NULL ? -1 : d->kind, d == NULL ? 0u : (unsigned)d->layout, d == NULL ? -1LL : (long long)d->n,
+                d == NULL ? -1LL : (long long)d->k);
+        abort();
+    }
+    return d;
+}
+
+/* K = 0: y = bias (or 0). */
+static void desc_empty(const float *bias, float *y, int64_t ldy, int64_t M, int64_t N) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) y[m * ldy + n] = bias == NULL ? 0.0f : bias[n];
+}
+
+void gemm_w8a8_desc(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                    int64_t M, int64_t N, int64_t K, int num_threads) {
+    const GemmQuantDesc *d = desc_check(packed, GQ_W8A8, N, K);
+    if (M <= 0 || N <= 0) return;
+    if (K == 0) {
+        desc_empty(bias, y, ldy, M, N);
+        return;
+    }
+    gemm_w8a8(x, ldx, (const int8_t *)d->data, d->corr, d->scale, bias, y, ldy, M, N, K,
+              num_threads < 1 ? 1 : num_threads);
+}
+
+void gemm_wq_desc(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                  int64_t M, int64_t N, int64_t K, int num_threads) {
+    const GemmQuantDesc *d = desc_check(packed, GQ_WQ, N, K);
+    if (M <= 0 || N <= 0) return;
+    if (K == 0) {
+        desc_empty(bias, y, ldy, M, N);
+        return;
+    }
+    gemm_wq(x, ldx, (const uint8_t *)d->data, d->zero, d->scale, bias, y, ldy, M, N, K, d->group, d->bits,
+            num_threads < 1 ? 1 : num_threads);
+}
+
+void gemm_w4a8_desc(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                    int64_t M, int64_t N, int64_t K, int num_threads) {
+    const GemmQuantDesc *d = desc_check(packed, GQ_W4A8, N, K);
+    if (M <= 0 || N <= 0) return;
+    if (K == 0) {
+        desc_empty(bias, y, ldy, M, N);
+        return;
+    }
+    gemm_w4a8(x, ldx, (const uint8_t *)d->data, d->zero, d->scale, d->minimum, d->offset, bias, y, ldy, M, N, K,
+              d->group, num_threads < 1 ? 1 : num_threads);
 }

@@ -7,6 +7,7 @@ from collections import Counter
 
 import torch
 
+from noria.protocol import switches
 from noria.worker.models.quant_linear import QuantLinear, TorchQuantOp
 
 
@@ -52,6 +53,33 @@ class PackedWeightOnly:
     entry = property(lambda self: _entry("wq"))
 
 
+class PackedW4A8:
+    """4-bit weights (group scales; zero points, or GGUF's float minimums) against activations
+    rounded to int8 per row and group of the weights' group size, int32 sums per group: the
+    int8 dot products' rate (vpdpbusd) on half W8A8's bytes. One scale per group of activations
+    rather than per row keeps an outlier feature from flattening the rest of its row (llama.cpp
+    quantizes activations in blocks for the same reason)."""
+
+    native = True
+
+    def __init__(self, layer: QuantLinear) -> None:
+        from noria.worker import gemm_quant_kernels
+
+        zero = None if layer.weight_zero is None else layer.weight_zero.data
+        minimum = getattr(layer, "weight_min", None)
+        self._gemm = gemm_quant_kernels.gemm_w4a8
+        self.packed = gemm_quant_kernels.PackedInt4Weight(layer.qweight.data, layer.weight_scale.data, zero,
+                                                          layer.group,
+                                                          minimum=None if minimum is None else minimum.data)
+        self.kind = "packed_w4a8"
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._gemm(x, self.packed, bias)
+
+    desc_ptr = property(lambda self: getattr(self.packed, "desc_ptr", None))
+    entry = property(lambda self: _entry("w4a8"))
+
+
 def _entry(kind: str) -> int:
     from noria.worker import gemm_quant_kernels
 
@@ -68,10 +96,18 @@ def native_usable(layer: QuantLinear) -> bool:
     return gemm_quant_kernels.usable()
 
 
-def choose(layer: QuantLinear) -> PackedW8A8 | PackedWeightOnly | TorchQuantOp:
+def choose(layer: QuantLinear) -> PackedW8A8 | PackedW4A8 | PackedWeightOnly | TorchQuantOp:
+    """W8A8 as the checkpoint says; 4-bit weights on int8 activations (PackedW4A8) unless
+    $NORIA_CPU_W4A16 keeps them on float32 ones; 8-bit weight-only schemes on float32."""
     if not native_usable(layer):
         return TorchQuantOp(layer)
-    return PackedW8A8(layer) if layer.scheme.act_int8 else PackedWeightOnly(layer)
+    if layer.scheme.act_int8:
+        return PackedW8A8(layer)
+    if layer.scheme.bits == 4 and layer.group % 4 == 0 and not switches.cpu_w4a16():
+        return PackedW4A8(layer)
+    # GGUF's minimums (Q4_K, and a fused layer of Q4_K and Q6_K parts) have no float-activation
+    # kernel: the torch reference, which dequantizes per call.
+    return TorchQuantOp(layer) if layer.scheme.minimum else PackedWeightOnly(layer)
 
 
 def describe(model: torch.nn.Module, quant: str) -> str:

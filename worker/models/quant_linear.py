@@ -91,9 +91,7 @@ class QuantLinear(nn.Module):
             return
         from noria.worker.models import quant_kinds
 
-        # No native kind computes minimums yet (quant_kinds.choose would drop them): the torch
-        # reference until one does.
-        self.op = TorchQuantOp(self) if self.scheme.minimum else quant_kinds.choose(self)
+        self.op = quant_kinds.choose(self)
         if self.op.native:
             for name in ("qweight", "weight_scale", "weight_zero", "weight_min"):
                 p = getattr(self, name)
