@@ -5,7 +5,6 @@ compressor packs and saves them with their `quantization_config`."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +75,7 @@ def quantized_checkpoint(base: Path, scheme: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from noria.bench.workloads import write_checkpoint
+
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16).eval()
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_quantized(model, tmp, scheme)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (base / name).exists():
-            shutil.copy(base / name, tmp / name)
-    (tmp / "complete").write_text("ok\n")
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-    return path
+    return write_checkpoint(path, lambda tmp: save_quantized(model, tmp, scheme), base)

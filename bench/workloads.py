@@ -94,13 +94,18 @@ def _checkpoint(name: str, shape: dict, family: str = "llama", dtype: str = "flo
     torch.manual_seed(0)
     config = config_cls(**{"tie_word_embeddings": False, **shape}, torch_dtype=dtype, bos_token_id=0, eos_token_id=1)
     model = model_cls(config).eval().to(getattr(torch, dtype))
+    return write_checkpoint(path, lambda tmp: model.save_pretrained(tmp, safe_serialization=True), ensure_demo())
+
+
+def write_checkpoint(path: Path, save: Callable[[Path], object], tokenizer: Path) -> Path:
+    """A checkpoint folder written by `save` beside `path`, with `tokenizer`'s tokenizer files,
+    marked complete and renamed into place: a reader never sees half of one."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    demo = ensure_demo()
+    save(tmp)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (demo / name).exists():
-            shutil.copy(demo / name, tmp / name)
+        if (tokenizer / name).exists():
+            shutil.copy(tokenizer / name, tmp / name)
     (tmp / "complete").write_text("ok\n")
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)

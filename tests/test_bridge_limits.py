@@ -63,6 +63,9 @@ def test_a_batch_does_not_lock_another_client_out(served):
             async with a.post(url, json=batch) as big:
                 assert big.status == 200
                 await big.content.readline()
+                # A reads its stream as it comes: a client that stops reading has its batch
+                # aborted as a slow reader (--stream-buffer), which is not what this test is about.
+                drain = asyncio.create_task(_drain(big.content))
                 # A may not go past its budget: the 429 names the per-client limit.
                 async with a.post(url, json=_body("one more", 4)) as over:
                     assert over.status == 429 and int(over.headers["Retry-After"]) >= 1
@@ -75,12 +78,18 @@ def test_a_batch_does_not_lock_another_client_out(served):
                     assert done["choices"][0]["finish_reason"] == "length"
                 m = scrape_metrics(served.http)
                 assert m["noria_num_open_requests"] >= PER_CLIENT, "A's batch ended before B was served"
+                drain.cancel()
             # A hung up: its batch is aborted and its budget given back.
             async with a.post(url, json=_body("A again", 4)) as again:
                 assert again.status == 200, await again.text()
 
     asyncio.run(main())
     wait_metrics(served.http, engine_idle)
+
+
+async def _drain(content: aiohttp.StreamReader) -> None:
+    while await content.readline():
+        pass
 
 
 def test_one_request_over_the_per_client_cap_is_a_400(served):
