@@ -6,7 +6,9 @@ and row count (1 / 8 / 32 / 128 / 512), the median milliseconds per call of the 
 (worker/gemm_kernels.py), the bf16 one in this CPU's layout (worker/gemm_bf16_kernels.py: "dot" with
 AVX512_BF16) and the quantized ones (worker/gemm_quant_kernels.py): W8A8 (int8 weights and dynamic
 int8 activations), W4A8 (int4 weights, group 128, int8 activations with a scale per row and group of
-128; symmetric, with zero points, and with GGUF Q4_K-style float minimums), W4A16 and W8A16 (weight-only, group 128, symmetric) and W4A16 with zero points;
+128; symmetric, with zero points, and with GGUF Q4_K-style float minimums), W8A8g (8-bit weights on W4A8's
+activations: group 32 symmetric as GGUF Q8_0, group 16 as Q6_K, group 16 with minimums as Q4_K_M's fused
+Q4_K / Q6_K layers), W4A16 and W8A16 (weight-only, group 128, symmetric) and W4A16 with zero points;
 each one's speed-up over float32, then GFLOP/s and weight GB/s (the packed weight's bytes per call).
 Few rows are bound by the weight bytes (int8 reads a quarter of float32's, int4 an eighth), many by
 arithmetic (W8A8's vpdpbusd multiplies four times as many pairs per instruction as a float32 FMA).
@@ -26,7 +28,12 @@ import torch
 
 from noria.bench.gemm_bf16 import median_seconds
 from noria.worker import gemm_bf16_kernels, gemm_kernels, gemm_quant_kernels
-from noria.worker.gemm_quant_kernels import PackedGroupWeight, PackedInt4Weight, PackedInt8Weight
+from noria.worker.gemm_quant_kernels import (
+    PackedGroupWeight,
+    PackedInt4Weight,
+    PackedInt8GroupWeight,
+    PackedInt8Weight,
+)
 
 SHAPES = {"qkv": (1536, 768), "o": (768, 768), "gate_up": (4096, 768), "down": (768, 2048)}  # (N, K)
 ROWS = [1, 8, 32, 128, 512]
@@ -91,9 +98,22 @@ def _w4a8(mode: str) -> Callable[[int, int], tuple[Callable[[torch.Tensor], obje
     return make
 
 
+def _w8a8g(group: int, mode: str) -> Callable[[int, int], tuple[Callable[[torch.Tensor], object], int]]:
+    """8-bit weights, groups of `group`; mode "sym" or "min" (float minimums)."""
+    def make(n: int, k: int) -> tuple[Callable[[torch.Tensor], object], int]:
+        groups = k // group
+        mi = torch.rand(n, groups) / 4 if mode == "min" else None
+        w = PackedInt8GroupWeight(torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n, groups) / 8,
+                                  None, group, mi)
+        return (lambda x: gemm_quant_kernels.gemm_w8a8g(x, w, None)), w.nbytes
+
+    return make
+
+
 def makers() -> dict[str, Callable[[int, int], tuple[Callable[[torch.Tensor], object], int]]]:
     return {"f32": _f32, f"bf16-{gemm_bf16_kernels.layout()}": _bf16, "w8a8": _w8a8,
             "w4a8": _w4a8("sym"), "w4a8z": _w4a8("zero"), "w4a8m": _w4a8("min"),
+            "w8a8g": _w8a8g(32, "sym"), "w8a8g16": _w8a8g(16, "sym"), "w8a8g16m": _w8a8g(16, "min"),
             "w4a16": _weight_only(4, False), "w4a16z": _weight_only(4, True), "w8a16": _weight_only(8, False)}
 
 
@@ -120,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--cold", action="store_true", help="weights read from memory: copies over 64 MiB in turn")
     parser.add_argument("--kernels", nargs="*", default=None, help="only these (and f32): "
-                        "f32 bf16-<layout> w8a8 w4a8 w4a8z w4a8m w4a16 w4a16z w8a16")
+                        "f32 bf16-<layout> w8a8 w4a8 w4a8z w4a8m w8a8g w8a8g16 w8a8g16m w4a16 w4a16z w8a16")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.kernels or []) - set(makers()))
     if unknown:

@@ -8,7 +8,7 @@
 | `NORIA_DISABLE_CPU_KERNELS` | `1` | off | every family of float32 CPU operators on torch instead of the native C kernels |
 | `NORIA_DISABLE_CPU_GEMM`, `_FUSED`, `_ATTENTION`, `_STACK` | `1` | off | one family on torch (worker/cpu_ops.py) |
 | `NORIA_CPU_BF16_WIDEN` | `1` | off | bf16-weight GEMMs widen W to float32 (float32 activations, float32 FMAs) even where AVX512_BF16's dot products (activations rounded to bf16) are built |
-| `NORIA_CPU_W4A16` | `1` | off | 4-bit weights (W4A16, GGUF Q4_0 / Q4_K) computed on float32 activations, as the checkpoint defines them, instead of on activations rounded to int8 per group of the weights' group size (llama.cpp's way: int8 dot products, 2-4x the rate on a CPU) |
+| `NORIA_CPU_W4A16` | `1` | off | 4- and 8-bit weight-only schemes (W4A16, W8A16, GGUF Q4_0 / Q4_K / Q8_0 / Q6_K) computed on float32 activations, as the checkpoint defines them, instead of on activations rounded to int8 per group of the weights' group size (llama.cpp's way: int8 dot products, 2-4x the rate on a CPU) |
 | `NORIA_CPU_MARCH` | a GCC `-march` | `native` | the instruction set the native CPU kernels are built for, e.g. `x86-64-v3` to run the AVX2 code on an AVX-512 host (bench and tests of another host's path) |
 | `NORIA_EMULATED_KERNELS` | `1` | off | a CPU worker runs the CUDA attention kernels in the CPU emulator |
 | `NORIA_STEP_OBSERVER` | `module:callable` | none | the worker process calls it with each ModelRunner it builds, which may add to `runner.step_observers` (bench's step log installs itself so) |

@@ -1,4 +1,4 @@
-"""Checks of layers that round their activations to int8 (W8A8 per token, 4-bit weights per group).
+"""Checks of layers that round their activations to int8 (W8A8 per token, 4- and 8-bit weights per group).
 
 Chained through a model, such rounding cannot be compared with a reference to float32 rounding:
 a value the reference computes 1e-7 away from a rounding tie may round the other way, and the
@@ -40,6 +40,7 @@ def dequantized(layer: QuantLinear) -> torch.Tensor:
 
 
 def act_group(layer: QuantLinear) -> int:
+    """0 (per token) for W8A8; the weights' group for W4A8 and W8A8g."""
     return 0 if layer.op.kind == "packed_w8a8" else layer.group
 
 
@@ -48,7 +49,8 @@ def check_layers_on_their_inputs(runner: ModelRunner, prompt: list[int]) -> int:
     it: its output against the float64 product of its dequantized weight and the rounded inputs.
     Returns how many layers were checked."""
     model, seen = runner.model, {}
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.op.kind in ("packed_w8a8", "packed_w4a8")]
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)
+              and m.op.kind in ("packed_w8a8", "packed_w4a8", "packed_w8a8g")]
     ops = {m: m.op for m in layers}
     real_head = model.head
 

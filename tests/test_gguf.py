@@ -62,8 +62,8 @@ def _file(tmp: Path, arch: str, vocab: int, types: gf.TypeRule, tokenizer: Path,
     return gf.write_gguf(gf.tiny_model(arch, vocab, **kw), tmp / f"{arch}.gguf", arch, types, tokenizer)
 
 
-def _logits(view: Path) -> tuple[torch.Tensor, ModelRunner]:
-    runner = ModelRunner(EngineConfig(model=str(view), dtype="float32", device="cpu", num_kv_blocks=64,
+def _logits(view: Path, num_kv_blocks: int = 64) -> tuple[torch.Tensor, ModelRunner]:
+    runner = ModelRunner(EngineConfig(model=str(view), dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks,
                                       swap_space=0.001, num_threads=2))
     _, meta = _metadata(runner, [len(PROMPT)], [len(PROMPT)])
     with torch.inference_mode():
@@ -162,18 +162,45 @@ def test_q4_0_and_q4_k_on_int8_activations(tmp_path, monkeypatch, types, vocab, 
     # The CPU's default for 4-bit layers: activations rounded to int8 per group of 32 (the
     # weights' group), int32 sums per group. Each layer on the inputs it sees, and the logits
     # within the rounding's own reach (tests/quant_checks.py).
+    _on_int8_activations(tmp_path, monkeypatch, gf.every(types, embedding="Q8_0"), vocab, demo_path, "packed_w4a8", 32)
+
+
+@pytest.mark.skipif(not gemm_quant_kernels.usable(), reason="no C compiler for the native kernels")
+@pytest.mark.parametrize(("types", "group"), [("Q8_0", 32), ("Q6_K", 16)])
+def test_q8_0_and_q6_k_on_int8_activations(tmp_path, monkeypatch, types, group, vocab, demo_path):
+    # 8-bit layers too (W8A8g): activations rounded to int8 per group of the weights' group (32
+    # for Q8_0, 16 for Q6_K), int32 sums per group, as llama.cpp computes them.
+    _on_int8_activations(tmp_path, monkeypatch, gf.every(types), vocab, demo_path, "packed_w8a8g", group)
+
+
+@pytest.mark.skipif(not gemm_quant_kernels.usable(), reason="no C compiler for the native kernels")
+def test_q4_k_m_on_int8_activations(tmp_path, monkeypatch, vocab, demo_path):
+    # The mix: Q4_K layers on W4A8, Q6_K ones and q/k/v fused of Q4_K and Q6_K parts (8-bit
+    # containers with minimums, groups of 16) on W8A8g; each layer on the inputs it sees.
     monkeypatch.delenv(switches.CPU_W4A16)
-    path = _file(tmp_path, "llama", vocab, gf.every(types, embedding="Q8_0"), demo_path)
+    _, runner = _logits(gguf_view(_file(tmp_path, "llama", vocab, gf.q4_k_m, demo_path)))
+    quant = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+    assert {m.op.kind for m in quant} == {"packed_w4a8", "packed_w8a8g"}
+    assert {m.op.kind for m in quant if m.scheme.bits == 8} == {"packed_w8a8g"}
+    assert any(m.scheme.minimum and m.op.kind == "packed_w8a8g" for m in quant)
+    assert check_layers_on_their_inputs(runner, PROMPT) == len(quant)
+
+
+def _on_int8_activations(tmp_path, monkeypatch, rule, vocab, demo_path, kind, group):
+    """Every layer of the file's model on `kind`, each on the inputs it sees, and the logits against a
+    reference rounding every linear layer's inputs per group of `group`."""
+    monkeypatch.delenv(switches.CPU_W4A16)
+    path = _file(tmp_path, "llama", vocab, rule, demo_path)
     logits, runner = _logits(gguf_view(path))
     quant = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
-    assert {m.op.kind for m in quant} == {"packed_w4a8"} and len(quant) == 9
+    assert {m.op.kind for m in quant} == {kind} and len(quant) == 9
     assert check_layers_on_their_inputs(runner, PROMPT) == 9
     model = gf.reference(path)
     with torch.inference_mode():
         plain = model(torch.tensor([PROMPT])).logits[0]
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(lambda m, args: (fake_quant(args[0], 32),))
+                module.register_forward_pre_hook(lambda m, args: (fake_quant(args[0], group),))
         hooked = model(torch.tensor([PROMPT])).logits[0]
     check_logits(logits, hooked, plain)
 
@@ -302,3 +329,24 @@ def test_a_tensor_of_the_wrong_shape_is_refused_by_the_pre_check(tmp_path, vocab
     (view / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"GGUF tensor blk\.0\.ffn_gate\.weight has shape \(512, 256\)"):
         check_checkpoint(view)
+
+
+@pytest.mark.skipif(not gemm_quant_kernels.usable(), reason="no C compiler for the native kernels")
+def test_a_q4_k_m_file_of_mixed_kinds_runs_on_the_native_stack(tmp_path, monkeypatch, vocab, demo_path):
+    # Q4_K layers beside Q6_K ones and fused layers of both: the driver calls one entry, which
+    # reads each layer's descriptor, so every layer runs there, bit for bit the Python path.
+    from noria.worker import native_coverage
+    from tests.test_worker_native_stack import STEPS, _forward
+
+    monkeypatch.delenv(switches.CPU_W4A16)
+    # 128 blocks: the steps' block tables (tests/test_worker_native_stack.py) do not wrap onto each other.
+    _, runner = _logits(gguf_view(_file(tmp_path, "llama", vocab, gf.q4_k_m, demo_path)), num_kv_blocks=128)
+    kinds = {m.op.kind for m in runner.model.modules() if isinstance(m, QuantLinear)}
+    assert {"packed_w4a8", "packed_w8a8g"} <= kinds, kinds
+    assert native_coverage.coverage(runner.model, runner._kv_layers) == [None, None]
+    torch.manual_seed(0)
+    runner.kv_cache.device_cache.uniform_(-1, 1)
+    for name, step in STEPS.items():
+        native, ran = _forward(runner, step, native=True)
+        python, _ = _forward(runner, step, native=False)
+        assert ran == (name != "long prompt") and torch.equal(native, python), name

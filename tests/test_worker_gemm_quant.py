@@ -1,8 +1,8 @@
 """The native GEMMs over quantized weights (worker/csrc/gemm_quant.c) against float64 references
 computed from the same integers: W8A8 (the int32 sums exact, so within a few float32 ulps of
-float64(sum) * sx * sw + bias, and its activations quantized bit for bit as `quantize_rows`), W4A8
-(activations quantized per row and group bit for bit as `quantize_groups`, exact int32 sums per group,
-within the float32 error of the per-group accumulation; and why per group: an outlier feature), and the
+float64(sum) * sx * sw + bias, and its activations quantized bit for bit as `quantize_rows`), W4A8 and
+W8A8g (activations quantized per row and group bit for bit as `quantize_groups`, exact int32 sums per
+group, within the float32 error of the per-group accumulation; and why per group: an outlier feature), the
 weight-only W4A16 / W8A16 kernels within float32's summation error; every int8 path (AVX512_VNNI,
 256-bit VNNI, AVX2, portable C) built from the same source and run in turn; and the descriptor
 entries the native decoder driver calls (the decoder's gemm_fn signature), bit for bit the same."""
@@ -24,12 +24,14 @@ from noria.worker import gemm_kernels, gemm_quant_kernels
 from noria.worker.gemm_quant_kernels import (
     PackedGroupWeight,
     PackedInt4Weight,
+    PackedInt8GroupWeight,
     PackedInt8Weight,
     _quantize_groups_native,
     _quantize_rows_native,
     entry,
     gemm_w4a8,
     gemm_w8a8,
+    gemm_w8a8g,
     gemm_wq,
     quantize_groups,
     quantize_rows,
@@ -718,6 +720,9 @@ def _weights(n: int, k: int) -> list[tuple[object, object]]:
         for mode in ("sym", "zero", "min"):
             q, scale, z, mi = _int4_case(n, k, 32, mode, n)
             out.append((PackedInt4Weight(q, scale, z, 32, mi), gemm_w4a8))
+        for mode, group in (("sym", 32), ("zero", 32), ("min", 16), ("sym", k)):
+            q, scale, z, mi = _int8g_case(n, k, group, mode, n)
+            out.append((PackedInt8GroupWeight(q, scale, z, group, mi), gemm_w8a8g))
     return out
 
 
@@ -735,10 +740,10 @@ def test_descriptor_entries_match_the_python_gemms_bit_for_bit(n: int, k: int) -
 
 
 def test_descriptor_entries_from_other_threads_and_large_m() -> None:
-    w8, _ = _weights(64, 128)[0]
-    w4, _ = _weights(64, 128)[-1]
+    every = _weights(64, 128)
+    (w8, g8), (w4, g4), (wg, gg) = every[0], next(c for c in every if c[1] is gemm_w4a8), every[-1]
     x = torch.randn(2500, 128)
-    want = {id(w): (gemm_w8a8 if w is w8 else gemm_w4a8)(x, w, None) for w in (w8, w4)}
+    want = {id(w): g(x, w, None) for w, g in ((w8, g8), (w4, g4), (wg, gg))}
     errors: list[BaseException] = []
 
     def work(w: object) -> None:
@@ -748,7 +753,7 @@ def test_descriptor_entries_from_other_threads_and_large_m() -> None:
         except BaseException as e:  # noqa: BLE001 - reported by the test thread
             errors.append(e)
 
-    runners = [threading.Thread(target=work, args=(w,)) for w in (w8, w4, w8, w4)]
+    runners = [threading.Thread(target=work, args=(w,)) for w in (w8, w4, wg, w8, w4, wg)]
     for r in runners:
         r.start()
     for r in runners:
@@ -764,9 +769,10 @@ def test_descriptor_entries_with_k_zero_and_the_layout() -> None:
     d = w.desc
     assert (d.magic, d.kind, d.n, d.k, d.layout) == (0x31445147, 1, 5, 0, int(gemm_quant_kernels._dll().gemm_quant_layout()))
     assert w.desc_ptr == ctypes.addressof(w.desc)
-    assert {entry(kind) for kind in ("w8a8", "wq", "w4a8")} == {
+    kinds = ("w8a8", "wq", "w4a8", "w8a8g")
+    assert len({entry(kind) for kind in kinds}) == 4 and {entry(kind) for kind in kinds} == {
         ctypes.cast(getattr(gemm_quant_kernels._dll(), f"gemm_{kind}_desc"), ctypes.c_void_p).value
-        for kind in ("w8a8", "wq", "w4a8")}
+        for kind in kinds}
     with pytest.raises(ValueError, match="w4a8"):
         entry("w4a16")
 
@@ -782,3 +788,176 @@ def test_a_descriptor_of_another_kind_is_refused_loudly() -> None:
             "f(x.data_ptr(), 8, w.desc_ptr, None, y.data_ptr(), 4, 1, 4, 8, 1)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "does not fit this entry" in out.stderr
+
+
+# ---------------------------------------------------------------- W8A8g
+
+
+def _int8g_case(n: int, k: int, group: int, mode: str, seed: int) -> tuple[torch.Tensor, ...]:
+    """(q, scale, zero or None, minimum or None) of 8-bit weights; mode "sym", "zero" or "min" (float minimums)."""
+    torch.manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    q.view(-1)[:: max(1, q.numel() // 7)] = -128  # the extreme value on purpose
+    scale = torch.rand(n, k // group) * 0.01 + 1e-4
+    zero = torch.randint(-128, 128, (n, k // group), dtype=torch.int8) if mode == "zero" else None
+    minimum = torch.rand(n, k // group) * 0.5 if mode == "min" else None
+    return q, scale, zero, minimum
+
+
+def _check_w8a8g(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                 minimum: torch.Tensor | None, group: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Against the float64 of the documented sums (W4A8's: the same activations, sums and order)."""
+    w = PackedInt8GroupWeight(q, scale, zero, group, minimum)
+    got = gemm_w8a8g(x, w, bias)
+    want, bound = _w4a8_reference(x, q, scale, zero, minimum, group, bias)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    return got
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 17, 64, 130, 300])
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 96, 32), (133, 320, 64), (70, 384, 128), (5, 4, 4),
+                                               (41, 160, 16), (29, 200, 200)])  # the last per channel
+@pytest.mark.parametrize("mode", ["sym", "zero", "min"])
+def test_w8a8g_matches_float64_of_the_exact_group_sums(rows: int, n: int, k: int, group: int, mode: str) -> None:
+    q, scale, zero, minimum = _int8g_case(n, k, group, mode, rows * 31 + n + k)
+    x = _x(rows, k, rows + k)
+    assert rows < 2 or not x.is_contiguous()
+    bias = torch.randn(n) if rows % 2 else None
+    got = _check_w8a8g(x, q, scale, zero, minimum, group, bias)
+    # A row's result does not depend on the other rows of its batch (nor the tile it falls in).
+    w = PackedInt8GroupWeight(q, scale, zero, group, minimum)
+    assert torch.equal(gemm_w8a8g(x[-1:], w, bias), got[-1:])
+    assert torch.equal(gemm_w8a8g(x[1:6], w, bias), got[1:6])
+
+
+def test_w8a8g_gguf_value_ranges() -> None:
+    """Q6_K's values (-32..31, groups of 16, symmetric) and a merged Q4_K / Q6_K layer (groups of 16, Q4_K's
+    rows 0..15 with minimums beside Q6_K's -32..31 with minimum 0)."""
+    torch.manual_seed(21)
+    n, k, group = 48, 256, 16
+    q6 = torch.randint(-32, 32, (n, k), dtype=torch.int8)
+    scale = torch.rand(n, k // group) * 0.01
+    x = _x(9, k, 21)
+    _check_w8a8g(x, q6, scale, None, None, group, None)
+    q4 = torch.randint(0, 16, (n, k), dtype=torch.int8)
+    merged = torch.cat([q4[:32], q6[32:]])
+    minimum = torch.cat([torch.rand(32, k // group) * 0.1, torch.zeros(16, k // group)])
+    _check_w8a8g(x, merged, scale, None, minimum, group, torch.randn(n))
+
+
+def test_w8a8g_extremes_rows_of_zeros_and_non_finite_rows() -> None:
+    """Every |q - zero| = 255 against activations at +-127 (the largest group sums), large groups too."""
+    for group in (4, 128, 2048):
+        q = torch.full((40, 2048), -128, dtype=torch.int8)
+        zero = torch.full((40, 2048 // group), 127, dtype=torch.int8)
+        x = torch.where(torch.randn(9, 2048) >= 0, 1.0, -1.0)
+        got = _check_w8a8g(x, q, torch.full((40, 2048 // group), 3.0), zero, None, group, torch.randn(40))
+        assert got.isfinite().all()
+        _check_w8a8g(x, q, torch.full((40, 2048 // group), 3.0), None, None, group, None)
+    q, scale, zero, _ = _int8g_case(40, 64, 32, "zero", 7)
+    x = torch.randn(7, 64)
+    x[1] = 0
+    x[2, 3] = float("nan")
+    x[3, 0] = float("inf")
+    x[4] = 1e-44
+    x[5, 40] = -float("inf")  # in the second group
+    x[6, :32] = 0  # a group of zeros beside a finite one
+    bias = torch.randn(40)
+    y = gemm_w8a8g(x, PackedInt8GroupWeight(q, scale, zero, 32), bias)
+    assert torch.equal(y[1], bias) and torch.equal(y[4], bias)
+    assert y[2].isnan().all() and y[3].isnan().all() and y[5].isnan().all()
+    want, bound = _w4a8_reference(x[[0, 6]], q, scale, zero, None, 32, bias)
+    assert ((y[[0, 6]].double() - want).abs() <= bound).all()
+
+
+def test_w8a8g_threads_give_identical_bits() -> None:
+    """Threads split the panels (or the rows, where panels are fewer), never K: 1, 2 and 8 threads."""
+    cases = []
+    for n in (300, 5):  # 5: one panel, so the rows are split
+        for mode in ("sym", "zero", "min"):
+            q, scale, zero, minimum = _int8g_case(n, 256, 64, mode, n)
+            cases.append(PackedInt8GroupWeight(q, scale, zero, 64, minimum))
+    threads = torch.get_num_threads()
+    try:
+        for w in cases:
+            for rows in (1, 7, 130, 300):  # 300: past the row blocks
+                x = torch.randn(rows, 256)
+                results = []
+                for t in (1, 2, 8):
+                    _set_threads(t)
+                    results.append(gemm_w8a8g(x, w, None))
+                assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("mode", ["sym", "zero", "min"])
+@pytest.mark.parametrize(("n", "k", "group"), [(1, 4, 4), (37, 384, 128), (130, 96, 32), (70, 64, 16)])
+def test_int8_group_unpack_round_trip_and_bytes(mode: str, n: int, k: int, group: int) -> None:
+    q, scale, zero, minimum = _int8g_case(n, k, group, mode, n + k)
+    w = PackedInt8GroupWeight(q, scale, zero, group, minimum)
+    back_q, back_s, back_z, back_m = w.unpack()
+    assert torch.equal(back_q, q) and torch.equal(back_s, scale)
+    assert (back_z is None) == (zero is None) and (zero is None or torch.equal(back_z, zero))
+    assert (back_m is None) == (minimum is None) and (minimum is None or torch.equal(back_m, minimum))
+    assert (w.n, w.k, w.bits, w.group, w.out_features, w.in_features) == (n, k, 8, group, n, k)
+    nr = int(gemm_quant_kernels._dll().gemm_quant_i8_nr())
+    padded = -(-n // nr) * nr
+    per_group = 4 + (1 if mode == "zero" else 4 if mode == "min" else 0)
+    assert w.nbytes == padded * k + padded * (k // group) * per_group
+    # x = 127 * the identity: y = float32 of each weight (q - zero) * scale or q * scale - minimum, within a rounding.
+    want = w.dequantize().double()
+    if minimum is None:
+        assert torch.equal(w.dequantize(), _dequantized(q, scale, zero, group).float())
+    eye = gemm_w8a8g(torch.eye(k) * 127, w, None).T.double() / 127
+    assert ((eye - want).abs() <= 4 * EPS * (want.abs() + (0 if minimum is None else
+                                                            minimum.double().abs().repeat_interleave(group, 1)))
+            ).all()
+
+
+def test_w8a8g_bad_inputs_are_refused_with_a_clear_error() -> None:
+    q = torch.zeros(4, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match="int8"):
+        PackedInt8GroupWeight(q.float(), torch.ones(4, 2), None, 32)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        PackedInt8GroupWeight(q, torch.ones(4, 4), None, 18)
+    with pytest.raises(ValueError, match="divide"):
+        PackedInt8GroupWeight(q, torch.ones(4, 2), None, 48)
+    with pytest.raises(ValueError, match="exact int32"):
+        big = gemm_quant_kernels.MAX_W8A8G_GROUP // 4 * 4 + 4
+        PackedInt8GroupWeight(torch.zeros(1, big, dtype=torch.int8), torch.ones(1, 1), None, big)
+    with pytest.raises(ValueError, match="not both"):
+        PackedInt8GroupWeight(q, torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int8), 32, torch.ones(4, 2))
+    with pytest.raises(ValueError, match="zero points"):
+        PackedInt8GroupWeight(q, torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int16), 32)
+    with pytest.raises(ValueError, match="scales"):
+        PackedInt8GroupWeight(q, torch.ones(4, 3), None, 32)
+    with pytest.raises(ValueError, match="minimums"):
+        PackedInt8GroupWeight(q, torch.ones(4, 2), None, 32, torch.ones(4, 3))
+    with pytest.raises(ValueError, match="float32"):
+        gemm_w8a8g(torch.zeros(2, 63), PackedInt8GroupWeight(q, torch.ones(4, 2), None, 32), None)
+    assert gemm_w8a8g(torch.zeros(0, 64), PackedInt8GroupWeight(q, torch.ones(4, 2), None, 32), None).shape == (0, 4)
+
+
+@pytest.mark.parametrize("build", BUILDS, indirect=True)
+def test_every_build_of_w8a8g_gives_the_same_bits(build: str) -> None:
+    """The int32 sums are exact and the float steps are fmaf in every build, so every ISA's bits are the
+    native build's (the weights packed again for each build's panels)."""
+    cases = []
+    for rows, mode, group in ((1, "sym", 64), (2, "zero", 16), (5, "min", 16), (40, "zero", 64), (13, "sym", 192),
+                              (7, "min", 64)):
+        q, scale, zero, minimum = _int8g_case(75, 192, group, mode, rows)
+        cases.append((_x(rows, 192, rows), q, scale, zero, minimum, group,
+                      torch.randn(75) if rows % 2 else None))
+    got = [_check_w8a8g(x, q, s, z, mi, g, b) for x, q, s, z, mi, g, b in cases]
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(gemm_quant_kernels, "_FLAGS", NATIVE_FLAGS)
+    try:
+        gemm_quant_kernels.load.cache_clear()
+        native = [gemm_w8a8g(x, PackedInt8GroupWeight(q, s, z, g, mi), b) for x, q, s, z, mi, g, b in cases]
+    finally:
+        monkey.undo()
+        gemm_quant_kernels.load.cache_clear()
+    assert all(torch.equal(a, b) for a, b in zip(got, native, strict=True))

@@ -19,6 +19,10 @@ x and y are float32; the weights stay quantized in panels packed once at load:
   float32 tot = fma(float(sum) * sx_g, scale_g, tot) over the groups in order, y = tot + bias.
   The per-group activation scale costs one float multiply per output and group over a per-row one (the
   C file has the measured cost).
+- W8A8g (`PackedInt8GroupWeight`, `gemm_w8a8g`): 8-bit weights (-128..127: GGUF Q8_0, Q6_K and the merged
+  Q4_K / Q6_K layers, compressed-tensors W8A16) with a float32 scale per group (optional zero points or
+  float minimums), on W4A8's activations and with W4A8's sums and order: the int8 dot products' rate for
+  the 8-bit weight-only schemes, which on float32 activations run at the float32 GEMM's speed at best.
 
 The native decoder driver calls one GEMM per linear layer with the decoder's signature (decoder_f32.c's
 `gemm_fn`: x, ldx, packed, bias, y, ldy, M, N, K, threads); for these kinds `packed` is the address of a
@@ -69,6 +73,8 @@ def load() -> ctypes.CDLL | None:
     dll.gemm_wq.restype = None
     dll.gemm_w4a8.argtypes = [_VP, _I64, _VP, _VP, _VP, _VP, _INT, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _INT]
     dll.gemm_w4a8.restype = None
+    dll.gemm_w8a8g.argtypes = [_VP, _I64, _VP, _VP, _VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _INT]
+    dll.gemm_w8a8g.restype = None
     dll.gemm_quant_layout.argtypes, dll.gemm_quant_layout.restype = [], ctypes.c_int32
     for name in ("gemm_quant_i8_lanes", "gemm_quant_desc_size"):
         getattr(dll, name).argtypes, getattr(dll, name).restype = [], _I64
@@ -103,8 +109,10 @@ def _panels(n: int, nr: int) -> int:
     return -(-n // nr)
 
 
-_ENTRIES = {"w8a8": "gemm_w8a8_desc", "wq": "gemm_wq_desc", "w4a8": "gemm_w4a8_desc"}
-_KINDS = {"w8a8": 1, "wq": 2, "w4a8": 3}
+# "any": the entry that dispatches on the descriptor's own kind (a model of mixed kinds, one entry).
+_ENTRIES = {"w8a8": "gemm_w8a8_desc", "wq": "gemm_wq_desc", "w4a8": "gemm_w4a8_desc", "w8a8g": "gemm_w8a8g_desc",
+            "any": "gemm_quant_desc"}
+_KINDS = {"w8a8": 1, "wq": 2, "w4a8": 3, "w8a8g": 4}
 _MAGIC = 0x31445147  # "GQD1"
 
 
@@ -127,7 +135,8 @@ def _desc(dll: ctypes.CDLL, kind: str, bits: int, n: int, k: int, group: int, da
 
 def entry(kind: str) -> int:
     """The address of the C function with the decoder driver's GEMM signature (decoder_f32.c's gemm_fn)
-    for packed weights of `kind` ("w8a8", "wq" or "w4a8"), its `packed` argument a weight's `desc_ptr`.
+    for packed weights of `kind` ("w8a8", "wq", "w4a8", "w8a8g", or "any": whichever the descriptor says), its
+    `packed` argument a weight's `desc_ptr`.
     The weight must come from this build (the entry aborts on a descriptor of another layout)."""
     if kind not in _ENTRIES:
         raise ValueError(f"no quantized GEMM entry for {kind!r}: one of {', '.join(_ENTRIES)}")
@@ -446,4 +455,105 @@ def gemm_w4a8(x: torch.Tensor, w: PackedInt4Weight, bias: torch.Tensor | None) -
         w._dll.gemm_w4a8(x.data_ptr(), x.stride(0), w.data.data_ptr(), _p(w.zero), w.scale.data_ptr(),
                          _p(w.minimum), w.offset, _p(b), y.data_ptr(), w.n, m, w.n, w.k, w.group,
                          torch.get_num_threads())
+    return y
+
+
+# The int32 sums of W8A8g are exact while 255 * 127 * group < 2^31 (|q - zero| <= 255, |qx| <= 127).
+MAX_W8A8G_GROUP = (2**31 - 1) // (255 * 127)
+
+
+class PackedInt8GroupWeight:
+    """W8A8g (activations quantized per row and group of `group` features, as W4A8's: `gemm_w8a8g`): 8-bit
+    weights q in [-128, 127] with a float32 scale per group of `group` input features and either an int zero
+    point per group (w = (q - zero) * scale, zero in [-128, 127]) or a float32 minimum per group
+    (w = q * scale - minimum: GGUF's merged Q4_K / Q6_K layers) or neither (symmetric: Q8_0, Q6_K, W8A16).
+    Stored as u = q + 128 in W8A8's panels, [P, K / 4, NR8, 4] bytes (4 k of a feature per int32 lane);
+    scales, minimums [P, K / group, NR8] float32; zero points [P, K / group, NR8] bytes (zero + 128).
+    group: a multiple of 4 dividing K, at most MAX_W8A8G_GROUP."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+                 minimum: torch.Tensor | None = None) -> None:
+        self._dll = dll = _dll()
+        if q.dtype != torch.int8 or q.dim() != 2:
+            raise ValueError(f"8-bit weights must be int8 [N, K], not {q.dtype} {tuple(q.shape)}")
+        self.n, self.k = q.shape
+        if group <= 0 or group % 4:
+            raise ValueError(f"the W8A8g group size must be a positive multiple of 4, not {group}")
+        if self.k % group:
+            raise ValueError(f"the group size {group} must divide K = {self.k}")
+        if group > MAX_W8A8G_GROUP:
+            raise ValueError(f"W8A8g needs group <= {MAX_W8A8G_GROUP} (exact int32 sums), not {group}")
+        if zero is not None and minimum is not None:
+            raise ValueError("W8A8g takes zero points or minimums, not both")
+        groups = self.k // group
+        for name, t in (("scales", scale), ("minimums", minimum)):
+            if t is not None and (t.shape != (self.n, groups) or not t.is_floating_point()):
+                raise ValueError(f"{name} must be float [{self.n}, {groups}], not {t.dtype} {tuple(t.shape)}")
+        if zero is not None and (zero.shape != (self.n, groups) or zero.dtype != torch.int8):
+            raise ValueError(f"zero points must be int8 [{self.n}, {groups}], not {zero.dtype} {tuple(zero.shape)}")
+        self.group, self.bits, self.offset = group, 8, 128
+        self.out_features, self.in_features = self.n, self.k
+        nr = int(dll.gemm_quant_i8_nr())
+        self._nr = nr
+        p, k4 = _panels(self.n, nr), self.k // 4
+
+        def features_last(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            """[N, C] -> [P, C, NR8] (features padded with zeros)."""
+            padded = torch.zeros(p * nr, t.shape[1], dtype=dtype)
+            padded[: self.n] = t
+            return padded.view(p, nr, -1).transpose(1, 2).contiguous()
+
+        u = torch.full((p * nr, self.k), 128, dtype=torch.uint8)  # padding features: q = 0
+        u[: self.n] = (q.cpu().to(torch.int16) + 128).to(torch.uint8)
+        self.data = u.view(p, nr, k4, 4).transpose(1, 2).contiguous()  # [P, K4, NR8, 4]
+        self.scale = features_last(scale.detach().cpu().to(torch.float32), torch.float32)
+        self.zero = None if zero is None else features_last(zero.cpu().to(torch.int16) + 128,
+                                                            torch.int16).to(torch.uint8)
+        self.minimum = None if minimum is None else features_last(minimum.detach().cpu().to(torch.float32),
+                                                                  torch.float32)
+        self.nbytes = (self.data.numel() + 4 * self.scale.numel() + (0 if self.zero is None else self.zero.numel())
+                       + (0 if self.minimum is None else 4 * self.minimum.numel()))
+        self.desc = _desc(dll, "w8a8g", 8, self.n, self.k, group, self.data, self.scale, zero=self.zero,
+                          minimum=self.minimum, offset=self.offset)
+        self.desc_ptr: int = ctypes.addressof(self.desc)
+        self.entry_kind = "w8a8g"
+
+    def _features_first(self, t: torch.Tensor) -> torch.Tensor:
+        """[P, C, NR8] -> [N, C]."""
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[: self.n]
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(q int8 [N, K], scale float32 [N, K / group], zero int8 or None, minimum float32 or None) back."""
+        p, k4, nr, _ = self.data.shape
+        u = self.data.transpose(1, 2).reshape(p * nr, k4 * 4)[: self.n]
+        q = (u.to(torch.int16) - 128).to(torch.int8)
+        zero = None if self.zero is None else (self._features_first(self.zero).to(torch.int16) - 128).to(torch.int8)
+        minimum = None if self.minimum is None else self._features_first(self.minimum).contiguous()
+        return q, self._features_first(self.scale).contiguous(), zero, minimum
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: (q - zero) * scale or q * scale - minimum, each rounded once."""
+        q, scale, zero, minimum = self.unpack()
+        diff = q.float() if zero is None else q.float() - zero.float().repeat_interleave(self.group, dim=1)
+        w = diff * scale.repeat_interleave(self.group, dim=1)
+        return w if minimum is None else w - minimum.repeat_interleave(self.group, dim=1)
+
+
+def gemm_w8a8g(x: torch.Tensor, w: PackedInt8GroupWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x float32 [M, K] (any row stride) -> float32 [M, N], (qx, sx) = quantize_groups(x, w.group): `gemm_w4a8`'s
+    sums and order over 8-bit weights: per group g in order, i_g = sum_k qx * (q - zero) (exact int32),
+    tot = fma(float32(float(i_g) * sx[m, g]), scale_g, tot) (with minimums then
+    tot = fma(float32(-float(sum_g qx) * sx[m, g]), minimum_g, tot)); y = tot + bias (tot without a bias). A row
+    with a NaN or an infinity gives NaNs. The same bits whatever the ISA build, the thread count and the batch's
+    other rows."""
+    x = _check_x(x, w.k)
+    b = _bias(bias, w.n)
+    m = x.shape[0]
+    y = torch.empty(m, w.n, dtype=torch.float32)
+    if m and w.n:
+        if w.k == 0:
+            y.zero_()
+            return y if b is None else y + b
+        w._dll.gemm_w8a8g(x.data_ptr(), x.stride(0), w.data.data_ptr(), _p(w.zero), w.scale.data_ptr(),
+                          _p(w.minimum), _p(b), y.data_ptr(), w.n, m, w.n, w.k, w.group, torch.get_num_threads())
     return y

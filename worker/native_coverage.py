@@ -113,8 +113,14 @@ def _model_reason(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Ten
     return recipe_reason(model.spec)
 
 
+QUANTIZED = "quantized (each layer's descriptor)"
+
+
 def _gemm(op: LinearOp) -> str:
-    """Which GEMM reads a packed kind's panels (the bf16 kind has two layouts)."""
+    """Which GEMM reads a packed kind's panels (the bf16 kind has two layouts); every quantized
+    kind is read through one entry that dispatches on the layer's descriptor."""
+    if getattr(op, "desc_ptr", None) is not None:
+        return QUANTIZED
     return f"{op.kind} ({op.packed.kind})" if isinstance(op, PackedHalfLinear) else op.kind
 
 

@@ -98,8 +98,10 @@ class NativeStack:
         first = model.layers[reasons.index(None)].self_attn.qkv_proj.op
         if isinstance(first, PackedHalfLinear):
             self.kernels.gemm = _gemm_half(first.packed.kind)
-        elif getattr(first, "desc_ptr", None) is not None:  # a quantized kind: its descriptors' entry
-            self.kernels.gemm = first.entry
+        elif getattr(first, "desc_ptr", None) is not None:  # quantized kinds: the entry that reads any descriptor
+            from noria.worker import gemm_quant_kernels
+
+            self.kernels.gemm = gemm_quant_kernels.entry("any")
         self.layer_runs = 0  # layers the driver ran, over this stack's life
         self._capacity, self._buffers = 0, []
         self._keep: list[torch.Tensor] = []  # biases the driver reads: contiguous copies, kept alive here

@@ -68,9 +68,15 @@
  *    only its own group); per group an exact int32 sum, then float32 fused
  *    multiply-adds (its part below has the order).
  *
- * 4. Descriptor entries (gemm_w8a8_desc, gemm_wq_desc, gemm_w4a8_desc): the
- *    native decoder driver's gemm_fn signature, `packed` a GemmQuantDesc (the
- *    last part of this file).
+ * 4. W8A8g (gemm_w8a8g): 8-bit weights (-128..127: GGUF Q8_0, Q6_K, the merged
+ *    Q4_K / Q6_K layers, W8A16) with a float32 scale per group (and zero
+ *    points, or float minimums), on W4A8's activations (int8 per row and
+ *    group of the weight's): the same per-group int32 sums and the same fmaf
+ *    order as W4A8 (the same code, the weights 8-bit: the W4A8 part has it).
+ *
+ * 5. Descriptor entries (gemm_w8a8_desc, gemm_wq_desc, gemm_w4a8_desc,
+ *    gemm_w8a8g_desc): the native decoder driver's gemm_fn signature,
+ *    `packed` a GemmQuantDesc (the last part of this file).
  *
  * No -ffast-math: the sums above are the documented ones.
  *
@@ -359,7 +365,7 @@ void gemm_w8a8(const float *x, int64_t ldx, const int8_t *packed, const int32_t 
     }
 }
 
-/* ---------------------------------------------------------------- W4A8 */
+/* ---------------------------------------------------------------- W4A8 and W8A8g */
 
 /* 4-bit weights (u = q + offset in 0..15: offset 8 for signed q in -8..7, 0 for unsigned q with a float
  * minimum), a float32 scale per group of `group` k, and either an integer zero point (zu = zero + offset)
@@ -392,9 +398,28 @@ void gemm_w8a8(const float *x, int64_t ldx, const int8_t *packed, const int32_t 
  * scales, minimums: [.., K / group, NR8] float32; zero points: [.., K / group, NR8] bytes. Every tile
  * unpacks the nibbles in registers (two ands and a shift per two weight vectors): unpacking a panel once
  * into scratch for many row tiles, as the weight-only kernel does, measured slower on Zen 4 (the
- * scratch's writes and reads cost more than the in-register unpacking they save). */
+ * scratch's writes and reads cost more than the in-register unpacking they save).
+ *
+ * W8A8g (gemm_w8a8g) is the same code with 8-bit weights (b8 below): q in -128..127 stored as
+ * u = q + 128 (0..255, one byte: vpdpbusd's unsigned operand, as the nibbles are W4A8's), zero points as
+ * zu = zero + 128 in bytes, offset 128 with minimums too (w = q * scale - minimum = (u - 128) * scale -
+ * minimum, q signed). The same activations, the same i_g = acc - zu * xsum = sum_k qx * (q - zero), the
+ * same fmaf order as above, so the same bits on every build, thread count and batch. |acc| and |i_g| are
+ * at most 255 * 127 * group: exact int32s for group <= 66311 (the Python side refuses more); (float)i_g
+ * is exact below group 518 and one rounding above (per channel at a large K), the same on every build.
+ * On AVX2 the unsigned bytes cannot go through vpmaddubsw (2 * 255 * 127 overflows its int16 pairs), so
+ * u ^ 0x80 = q takes W8A8's path there (|q| the unsigned operand, x with q's sign: pairs at most
+ * 2 * 128 * 127 = 32512); that sum is sum qx * q = acc - 128 * xsum, so the correction takes zu - 128
+ * (W8G_ADJ): the same i_g. Panels: W8A8's layout, [ceil(N / NR8), K / 4, NR8, 4] bytes (4 k of a feature
+ * per int32 lane; K / 4 whole, the group being a multiple of 4 dividing K), loaded as they are; scales,
+ * minimums and zero points as W4A8's. No per-feature column sums (W8A8's `corr`): x is the signed operand,
+ * so the +128 of the weights is taken off as 128 * xsum per row and group, computed with the
+ * activations, where a table of column sums per group and feature would add a quarter byte per weight
+ * at group 16 (Q6_K) to what a decoding step reads. */
 
 int64_t gemm_quant_i8_lanes(void) { return I8_L; }
+
+#define W8G_ADJ (I8_PATH == 1 ? 128 : 0) /* what the AVX2 sums of 8-bit weights lack of the stored offset */
 
 #if I8_PATH >= 1
 static inline __attribute__((always_inline)) ivec q4_dot(ivec acc, ivec w, ivec x) {
@@ -429,8 +454,9 @@ static inline __attribute__((always_inline)) void q4_weights(const uint8_t *p, i
 }
 #endif
 
-/* One k4 step's unsigned weight of feature f (0..I8_NR), k 4 * k4 + i, from a panel's nibbles. */
-static inline uint8_t q4_at(const uint8_t *panel, int64_t k4, int f, int i) {
+/* One k4 step's unsigned weight of feature f (0..I8_NR), k 4 * k4 + i, from a panel's nibbles or bytes. */
+static inline uint8_t q4_at(const int b8, const uint8_t *panel, int64_t k4, int f, int i) {
+    if (b8) return panel[(k4 * I8_NR + f) * 4 + i];
     const int v = f / I8_L, b = (f % I8_L) * 4 + i;
     const uint8_t byte = panel[k4 * (I8_NR * 2) + (v % (I8_NV / 2)) * I8_L * 4 + b];
     return v < I8_NV / 2 ? byte & 15 : byte >> 4;
@@ -472,16 +498,16 @@ void quant_groups_i8(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t 
 }
 
 /* A group's int32 sums of an mr x I8_NR tile into the float totals (the order at the top of this part);
- * X at the tile's first row and this group. */
+ * X at the tile's first row and this group. adj: what the sums lack of the stored offset (W8G_ADJ). */
 static inline __attribute__((always_inline)) void q4_group(
     int32_t sums[I8_MR][I8_NR], float tot[I8_MR][I8_NR], const Q4X *X, int64_t g, const float *scale,
-    const uint8_t *zeros, const float *mins, int32_t off, const int mr, const int zp, const int mn) {
+    const uint8_t *zeros, const float *mins, int32_t off, const int adj, const int mr, const int zp, const int mn) {
     for (int r = 0; r < mr; r++) {
         const int32_t xs = X->sum[r * X->G + g];
         const float sx = X->s[r * X->G + g], cx = X->c[r * X->G + g];
         for (int j = 0; j < I8_NR; j++) {
-            const int32_t z = zp ? (int32_t)zeros[j] : off;
-            const int32_t i = (int32_t)((uint32_t)sums[r][j] - (uint32_t)(z * xs));
+            const int32_t z = (zp ? (int32_t)zeros[j] : off) - adj;
+            const int32_t i = (int32_t)((uint32_t)sums[r][j] - (uint32_t)z * (uint32_t)xs);
             float t = fmaf((float)i * sx, scale[j], tot[r][j]);
             if (mn) t = fmaf(cx, mins[j], t);
             tot[r][j] = t;
@@ -489,11 +515,11 @@ static inline __attribute__((always_inline)) void q4_group(
     }
 }
 
-/* One mr x I8_NR tile of the quantized rows X against a panel. */
+/* One mr x I8_NR tile of the quantized rows X against a panel (4-bit, or 8-bit where b8). */
 static inline __attribute__((always_inline)) void q4_tile(
     const Q4X *X, const uint8_t *panel, int64_t K4, int64_t gk4, const float *scales, const uint8_t *zeros,
     const float *mins, int32_t off, const float *bias, float *y, int64_t ldy, int64_t ncols, const int mr,
-    const int zp, const int mn) {
+    const int zp, const int mn, const int b8) {
     const int8_t *xq = X->q;
     const int64_t ldq = X->ldq;
     float tot[I8_MR][I8_NR];
@@ -508,7 +534,7 @@ static inline __attribute__((always_inline)) void q4_tile(
         for (; k4 < end; k4++)
             for (int j = 0; j < I8_NR; j++) {
                 int32_t u[4];
-                for (int i = 0; i < 4; i++) u[i] = q4_at(panel, k4, j, i);
+                for (int i = 0; i < 4; i++) u[i] = q4_at(b8, panel, k4, j, i);
                 for (int r = 0; r < mr; r++) {
                     const int8_t *a = xq + r * ldq + 4 * k4;
                     sums[r][j] += a[0] * u[0] + a[1] * u[1] + a[2] * u[2] + a[3] * u[3];
@@ -519,18 +545,41 @@ static inline __attribute__((always_inline)) void q4_tile(
         for (int r = 0; r < mr; r++)
             for (int v = 0; v < I8_NV; v++) acc[r][v] = (ivec){0};
         for (; k4 < end; k4++) {
-            ivec w[I8_NV];
-            q4_weights(panel + k4 * I8_NR * 2, w);
-            for (int r = 0; r < mr; r++) {
-                const ivec a = i8_bcast((const uint8_t *)xq + r * ldq + 4 * k4);
-                for (int v = 0; v < I8_NV; v++) acc[r][v] = q4_dot(acc[r][v], w[v], a);
+            if (b8) {
+                /* u as loaded (vpdpbusd); on AVX2 q = u ^ 0x80 and its magnitudes, W8A8's product. */
+                wprep w[I8_NV];
+                for (int v = 0; v < I8_NV; v++) {
+#if I8_PATH == 1
+                    const __m256i q = _mm256_xor_si256(
+                        _mm256_loadu_si256((const __m256i *)(panel + (k4 * I8_NR + v * I8_L) * 4)),
+                        _mm256_set1_epi8((char)0x80));
+                    w[v] = (wprep){q, _mm256_abs_epi8(q)};
+#else
+                    w[v] = i8_prep((const int8_t *)panel + (k4 * I8_NR + v * I8_L) * 4);
+#endif
+                }
+                for (int r = 0; r < mr; r++) {
+                    const ivec a = i8_bcast((const uint8_t *)xq + r * ldq + 4 * k4);
+#if I8_PATH == 1
+                    for (int v = 0; v < I8_NV; v++) acc[r][v] = i8_dot(acc[r][v], a, w[v]);
+#else
+                    for (int v = 0; v < I8_NV; v++) acc[r][v] = q4_dot(acc[r][v], w[v], a);
+#endif
+                }
+            } else {
+                ivec w[I8_NV];
+                q4_weights(panel + k4 * I8_NR * 2, w);
+                for (int r = 0; r < mr; r++) {
+                    const ivec a = i8_bcast((const uint8_t *)xq + r * ldq + 4 * k4);
+                    for (int v = 0; v < I8_NV; v++) acc[r][v] = q4_dot(acc[r][v], w[v], a);
+                }
             }
         }
         for (int r = 0; r < mr; r++)
             for (int v = 0; v < I8_NV; v++) memcpy(sums[r] + v * I8_L, &acc[r][v], sizeof(ivec));
 #endif
         q4_group(sums, tot, X, g, scales + g * I8_NR, zp ? zeros + g * I8_NR : NULL, mn ? mins + g * I8_NR : NULL,
-                 off, mr, zp, mn);
+                 off, b8 ? W8G_ADJ : 0, mr, zp, mn);
     }
     for (int r = 0; r < mr; r++) {
         float out[I8_NR];
@@ -547,19 +596,21 @@ typedef struct {
     const float *scales, *mins, *bias;
     int64_t N, K4, gk4, G;
     int32_t off;
+    int b8; /* 8-bit weights (W8A8g), else 4-bit */
 } Q4Args;
 
 /* Rows [0, M) against panels [p0, p1), in blocks of I8_MB rows, each block's row tiles of near-equal height. */
 static inline __attribute__((always_inline)) void q4_range_(const Q4Args *A, const Q4X *X, float *y, int64_t ldy,
                                                             int64_t M, int64_t p0, int64_t p1, const int zp,
-                                                            const int mn) {
+                                                            const int mn, const int b8) {
     const int64_t K4 = A->K4, G = A->G, gsize = G * I8_NR;
+    const int32_t off = b8 ? 128 : A->off;
     for (int64_t m0 = 0; m0 < M; m0 += I8_MB) {
         const int64_t rows = min64(M - m0, I8_MB);
         const int64_t tiles = (rows + I8_MR - 1) / I8_MR, base = rows / tiles, taller = rows % tiles;
         for (int64_t p = p0; p < p1; p++) {
             const int64_t n0 = p * I8_NR, ncols = min64(A->N - n0, I8_NR);
-            const uint8_t *panel = A->packed + p * K4 * I8_NR * 2;
+            const uint8_t *panel = A->packed + p * K4 * I8_NR * (b8 ? 4 : 2);
             const float *b = A->bias == NULL ? NULL : A->bias + n0;
             const float *sc = A->scales + p * gsize, *mi = mn ? A->mins + p * gsize : NULL;
             const uint8_t *ze = zp ? A->zeros + p * gsize : NULL;
@@ -567,7 +618,7 @@ static inline __attribute__((always_inline)) void q4_range_(const Q4Args *A, con
                 const int64_t h = base + (t < taller);
                 const Q4X xm = q4x_rows(*X, m);
                 float *ym = y + m * ldy + n0;
-#define Q4_TILE(H) q4_tile(&xm, panel, K4, A->gk4, sc, ze, mi, A->off, b, ym, ldy, ncols, H, zp, mn)
+#define Q4_TILE(H) q4_tile(&xm, panel, K4, A->gk4, sc, ze, mi, off, b, ym, ldy, ncols, H, zp, mn, b8)
                 switch (h) {
 #if I8_MR > 4
                     case 6: Q4_TILE(6); break;
@@ -585,27 +636,34 @@ static inline __attribute__((always_inline)) void q4_range_(const Q4Args *A, con
 }
 
 static void q4_range(const Q4Args *A, const Q4X *X, float *y, int64_t ldy, int64_t M, int64_t p0, int64_t p1) {
-    if (A->zeros != NULL)
-        q4_range_(A, X, y, ldy, M, p0, p1, 1, 0);
-    else if (A->mins != NULL)
-        q4_range_(A, X, y, ldy, M, p0, p1, 0, 1);
-    else
-        q4_range_(A, X, y, ldy, M, p0, p1, 0, 0);
+    if (A->b8) {
+        if (A->zeros != NULL)
+            q4_range_(A, X, y, ldy, M, p0, p1, 1, 0, 1);
+        else if (A->mins != NULL)
+            q4_range_(A, X, y, ldy, M, p0, p1, 0, 1, 1);
+        else
+            q4_range_(A, X, y, ldy, M, p0, p1, 0, 0, 1);
+    } else if (A->zeros != NULL) {
+        q4_range_(A, X, y, ldy, M, p0, p1, 1, 0, 0);
+    } else if (A->mins != NULL) {
+        q4_range_(A, X, y, ldy, M, p0, p1, 0, 1, 0);
+    } else {
+        q4_range_(A, X, y, ldy, M, p0, p1, 0, 0, 0);
+    }
 }
 
-/* packed: [ceil(N / I8_NR), K / 4, I8_NV / 2, I8_L * 4] bytes (see above); zeros: NULL or [.., K / group, I8_NR]
- * bytes (zero + offset); scales and mins (NULL or): [.., K / group, I8_NR] float32; offset: 8 (signed q) or 0
- * (unsigned q, with minimums). group: a multiple of 4 dividing K; zeros and mins not both. */
-void gemm_w4a8(const float *x, int64_t ldx, const uint8_t *packed, const uint8_t *zeros, const float *scales,
-               const float *mins, int offset, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
-               int64_t K, int64_t group, int num_threads) {
+/* W4A8 and W8A8g: the activations quantized per row and group (threads over the rows), then the tiles
+ * (threads over whole panels, or rows where the panels are fewer). */
+static void group_gemm(const float *x, int64_t ldx, const uint8_t *packed, const uint8_t *zeros,
+                       const float *scales, const float *mins, int offset, const float *bias, float *y, int64_t ldy,
+                       int64_t M, int64_t N, int64_t K, int64_t group, int num_threads, int b8) {
     const int64_t K4 = K / 4, ldq = K, G = K / group, panels = (N + I8_NR - 1) / I8_NR;
     const size_t qbytes = (size_t)(M * ldq + 63) / 64 * 64, gbytes = (4 * (size_t)(M * G) + 63) / 64 * 64;
     uint8_t *xq = scratch_for(&quantized, qbytes + 3 * gbytes, "quantized activations");
     float *sx = (float *)(xq + qbytes), *cx = (float *)(xq + qbytes + gbytes);
     int32_t *xsum = (int32_t *)(xq + qbytes + 2 * gbytes);
     const Q4X X = {(const int8_t *)xq, sx, cx, xsum, ldq, G};
-    const Q4Args A = {packed, zeros, scales, mins, bias, N, K4, group / 4, G, offset};
+    const Q4Args A = {packed, zeros, scales, mins, bias, N, K4, group / 4, G, offset, b8};
     const int64_t units = panels >= num_threads ? panels : (M > panels ? M : panels);
     const int threads = units < num_threads ? (int)units : num_threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -628,6 +686,24 @@ void gemm_w4a8(const float *x, int64_t ldx, const uint8_t *packed, const uint8_t
             q4_range(&A, &Xm, y + lo * ldy, ldy, hi - lo, 0, panels);
         }
     }
+}
+
+/* packed: [ceil(N / I8_NR), K / 4, I8_NV / 2, I8_L * 4] bytes (see above); zeros: NULL or [.., K / group, I8_NR]
+ * bytes (zero + offset); scales and mins (NULL or): [.., K / group, I8_NR] float32; offset: 8 (signed q) or 0
+ * (unsigned q, with minimums). group: a multiple of 4 dividing K; zeros and mins not both. */
+void gemm_w4a8(const float *x, int64_t ldx, const uint8_t *packed, const uint8_t *zeros, const float *scales,
+               const float *mins, int offset, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N,
+               int64_t K, int64_t group, int num_threads) {
+    group_gemm(x, ldx, packed, zeros, scales, mins, offset, bias, y, ldy, M, N, K, group, num_threads, 0);
+}
+
+/* packed: [ceil(N / I8_NR), K / 4, I8_NR, 4] bytes, u = q + 128; zeros: NULL or [.., K / group, I8_NR] bytes
+ * (zero + 128); scales and mins (NULL or): [.., K / group, I8_NR] float32. group: a multiple of 4 dividing K,
+ * at most 66311; zeros and mins not both. */
+void gemm_w8a8g(const float *x, int64_t ldx, const uint8_t *packed, const uint8_t *zeros, const float *scales,
+                const float *mins, const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                int64_t group, int num_threads) {
+    group_gemm(x, ldx, packed, zeros, scales, mins, 128, bias, y, ldy, M, N, K, group, num_threads, 1);
 }
 
 /* ---------------------------------------------------------------- weight-only */
@@ -918,20 +994,20 @@ void gemm_wq(const float *x, int64_t ldx, const uint8_t *packed, const uint8_t *
  * wrong. The entries take any row strides ldx / ldy, any M, and run on any thread (the scratch is
  * per thread). */
 #define GQ_MAGIC 0x31445147u /* "GQD1" */
-enum { GQ_W8A8 = 1, GQ_WQ = 2, GQ_W4A8 = 3 };
+enum { GQ_W8A8 = 1, GQ_WQ = 2, GQ_W4A8 = 3, GQ_W8A8G = 4 };
 
 typedef struct {
     uint32_t magic;
-    int32_t kind;            /* GQ_W8A8, GQ_WQ or GQ_W4A8 */
+    int32_t kind;            /* GQ_W8A8, GQ_WQ, GQ_W4A8 or GQ_W8A8G */
     int32_t layout;          /* gemm_quant_layout() of the build that packed it */
-    int32_t bits;            /* 8 (w8a8), 4 or 8 (wq), 4 (w4a8) */
+    int32_t bits;            /* 8 (w8a8), 4 or 8 (wq), 4 (w4a8), 8 (w8a8g) */
     int64_t n, k, group;     /* group: 0 for w8a8 (one scale per output row) */
     const void *data;        /* the panels */
-    const float *scale;      /* w8a8: [panels * NR8]; wq, w4a8: [panels, K / group, NR] */
-    const uint8_t *zero;     /* wq, w4a8: zero points + offset, [panels, K / group, NR] bytes, or NULL */
+    const float *scale;      /* w8a8: [panels * NR8]; wq, w4a8, w8a8g: [panels, K / group, NR] */
+    const uint8_t *zero;     /* wq, w4a8, w8a8g: zero points + offset, [panels, K / group, NR] bytes, or NULL */
     const int32_t *corr;     /* w8a8: 128 * sum_k w per feature where the build shifts x, else zeros */
-    const float *minimum;    /* w4a8: w = u * scale - minimum ([panels, K / group, NR] float32), or NULL */
-    int32_t offset;          /* w4a8: stored u = q + offset (8: signed q; 0: unsigned q with minimums) */
+    const float *minimum;    /* w4a8, w8a8g: w = q * scale - minimum ([panels, K / group, NR] float32), or NULL */
+    int32_t offset;          /* w4a8: stored u = q + offset (8: signed q; 0: unsigned q with minimums); w8a8g: 128 */
     int32_t reserved;
 } GemmQuantDesc;
 
@@ -993,4 +1069,31 @@ void gemm_w4a8_desc(const float *x, int64_t ldx, const float *packed, const floa
     }
     gemm_w4a8(x, ldx, (const uint8_t *)d->data, d->zero, d->scale, d->minimum, d->offset, bias, y, ldy, M, N, K,
               d->group, num_threads < 1 ? 1 : num_threads);
+}
+
+void gemm_w8a8g_desc(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                     int64_t M, int64_t N, int64_t K, int num_threads) {
+    const GemmQuantDesc *d = desc_check(packed, GQ_W8A8G, N, K);
+    if (M <= 0 || N <= 0) return;
+    if (K == 0) {
+        desc_empty(bias, y, ldy, M, N);
+        return;
+    }
+    gemm_w8a8g(x, ldx, (const uint8_t *)d->data, d->zero, d->scale, d->minimum, bias, y, ldy, M, N, K, d->group,
+               num_threads < 1 ? 1 : num_threads);
+}
+
+/* Any of the above, by the descriptor's own kind: the decoder driver calls one GEMM entry per model,
+ * and a GGUF file mixes types layer by layer (Q4_K beside Q6_K in a Q4_K_M), so a model whose
+ * layers are all quantized, in whatever kinds, runs on the driver through this one. */
+void gemm_quant_desc(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                     int64_t M, int64_t N, int64_t K, int num_threads) {
+    const GemmQuantDesc *d = (const GemmQuantDesc *)(const void *)packed;
+    switch (d == NULL || d->magic != GQ_MAGIC ? 0 : d->kind) {
+    case GQ_W8A8: gemm_w8a8_desc(x, ldx, packed, bias, y, ldy, M, N, K, num_threads); break;
+    case GQ_WQ: gemm_wq_desc(x, ldx, packed, bias, y, ldy, M, N, K, num_threads); break;
+    case GQ_W4A8: gemm_w4a8_desc(x, ldx, packed, bias, y, ldy, M, N, K, num_threads); break;
+    case GQ_W8A8G: gemm_w8a8g_desc(x, ldx, packed, bias, y, ldy, M, N, K, num_threads); break;
+    default: desc_check(packed, -1, N, K); /* prints what it found, and aborts */
+    }
 }

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -11,79 +12,86 @@ from noria.protocol import switches
 from noria.worker.models.quant_linear import QuantLinear, TorchQuantOp
 
 
-class PackedW8A8:
+class _Packed:
+    """A native kind: the kernel's packed copy of the layer's weight and the call over it. The
+    native decoder stack reads the packed weight's descriptor (`desc_ptr`) through one entry
+    that dispatches on it (worker/native_stack.py)."""
+
+    native = True
+    kind = ""
+
+    def __init__(self, packed: object, gemm: Callable[..., torch.Tensor]) -> None:
+        self.packed, self._gemm = packed, gemm
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._gemm(x, self.packed, bias)
+
+    @property
+    def desc_ptr(self) -> int | None:
+        return getattr(self.packed, "desc_ptr", None)
+
+
+def _groups(layer: QuantLinear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return layer.weight_scale.data, None if layer.weight_zero is None else layer.weight_zero.data
+
+
+def _minimum(layer: QuantLinear) -> torch.Tensor | None:
+    return None if layer.weight_min is None else layer.weight_min.data
+
+
+class PackedW8A8(_Packed):
     """int8 weights, activations quantized per row inside the call, int32 sums (VNNI where built)."""
 
-    native = True
+    kind = "packed_w8a8"
 
     def __init__(self, layer: QuantLinear) -> None:
-        from noria.worker import gemm_quant_kernels
+        from noria.worker import gemm_quant_kernels as g
 
-        self._gemm = gemm_quant_kernels.gemm_w8a8
-        self.packed = gemm_quant_kernels.PackedInt8Weight(layer.qweight.data, layer.weight_scale.data[:, 0].contiguous())
-        self.kind = "packed_w8a8"
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self._gemm(x, self.packed, bias)
-
-    # The native decoder stack calls the kernel's descriptor entry (gemm_f32's arguments, the
-    # descriptor in place of the panels): worker/native_stack.py.
-    desc_ptr = property(lambda self: getattr(self.packed, "desc_ptr", None))
-    entry = property(lambda self: _entry("w8a8"))
+        super().__init__(g.PackedInt8Weight(layer.qweight.data, layer.weight_scale.data[:, 0].contiguous()),
+                         g.gemm_w8a8)
 
 
-class PackedWeightOnly:
+class PackedWeightOnly(_Packed):
     """4- or 8-bit weights with group scales (and zero points), widened to float32 in the kernel."""
 
-    native = True
-
     def __init__(self, layer: QuantLinear) -> None:
-        from noria.worker import gemm_quant_kernels
+        from noria.worker import gemm_quant_kernels as g
 
-        zero = None if layer.weight_zero is None else layer.weight_zero.data
-        self._gemm = gemm_quant_kernels.gemm_wq
-        self.packed = gemm_quant_kernels.PackedGroupWeight(layer.qweight.data, layer.weight_scale.data, zero,
-                                                           layer.group, layer.scheme.bits)
+        super().__init__(g.PackedGroupWeight(layer.qweight.data, *_groups(layer), layer.group, layer.scheme.bits),
+                         g.gemm_wq)
         self.kind = f"packed_w{layer.scheme.bits}a16"
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self._gemm(x, self.packed, bias)
 
-    desc_ptr = property(lambda self: getattr(self.packed, "desc_ptr", None))
-    entry = property(lambda self: _entry("wq"))
-
-
-class PackedW4A8:
+class PackedW4A8(_Packed):
     """4-bit weights (group scales; zero points, or GGUF's float minimums) against activations
     rounded to int8 per row and group of the weights' group size, int32 sums per group: the
     int8 dot products' rate (vpdpbusd) on half W8A8's bytes. One scale per group of activations
     rather than per row keeps an outlier feature from flattening the rest of its row (llama.cpp
     quantizes activations in blocks for the same reason)."""
 
-    native = True
+    kind = "packed_w4a8"
 
     def __init__(self, layer: QuantLinear) -> None:
-        from noria.worker import gemm_quant_kernels
+        from noria.worker import gemm_quant_kernels as g
 
-        zero = None if layer.weight_zero is None else layer.weight_zero.data
-        minimum = getattr(layer, "weight_min", None)
-        self._gemm = gemm_quant_kernels.gemm_w4a8
-        self.packed = gemm_quant_kernels.PackedInt4Weight(layer.qweight.data, layer.weight_scale.data, zero,
-                                                          layer.group,
-                                                          minimum=None if minimum is None else minimum.data)
-        self.kind = "packed_w4a8"
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self._gemm(x, self.packed, bias)
-
-    desc_ptr = property(lambda self: getattr(self.packed, "desc_ptr", None))
-    entry = property(lambda self: _entry("w4a8"))
+        super().__init__(g.PackedInt4Weight(layer.qweight.data, *_groups(layer), layer.group, minimum=_minimum(layer)),
+                         g.gemm_w4a8)
 
 
-def _entry(kind: str) -> int:
-    from noria.worker import gemm_quant_kernels
+class PackedW8A8g(_Packed):
+    """8-bit weight-only schemes (GGUF Q8_0, Q6_K and the merged Q4_K / Q6_K layers with their
+    minimums, compressed-tensors W8A16) on activations rounded to int8 per row and group of the
+    weights' group size, as PackedW4A8 (llama.cpp computes Q8_0 and Q6_K against int8 blocks
+    too): int32 sums per group at the int8 dot products' rate, where float32 activations run at
+    the float32 GEMM's speed at best (and minimums had only the torch reference)."""
 
-    return gemm_quant_kernels.entry(kind)
+    kind = "packed_w8a8g"
+
+    def __init__(self, layer: QuantLinear) -> None:
+        from noria.worker import gemm_quant_kernels as g
+
+        super().__init__(g.PackedInt8GroupWeight(layer.qweight.data, *_groups(layer), layer.group,
+                                                 minimum=_minimum(layer)), g.gemm_w8a8g)
 
 
 def native_usable(layer: QuantLinear) -> bool:
@@ -96,15 +104,21 @@ def native_usable(layer: QuantLinear) -> bool:
     return gemm_quant_kernels.usable()
 
 
-def choose(layer: QuantLinear) -> PackedW8A8 | PackedW4A8 | PackedWeightOnly | TorchQuantOp:
-    """W8A8 as the checkpoint says; 4-bit weights on int8 activations (PackedW4A8) unless
-    $NORIA_CPU_W4A16 keeps them on float32 ones; 8-bit weight-only schemes on float32."""
+def choose(layer: QuantLinear) -> PackedW8A8 | PackedW4A8 | PackedW8A8g | PackedWeightOnly | TorchQuantOp:
+    """W8A8 as the checkpoint says; 4- and 8-bit weight-only schemes on activations rounded to int8
+    per group (PackedW4A8, PackedW8A8g) unless $NORIA_CPU_W4A16 keeps them on float32 ones (or the
+    group is not a multiple of 4, as a per-channel layer's odd K)."""
     if not native_usable(layer):
         return TorchQuantOp(layer)
     if layer.scheme.act_int8:
         return PackedW8A8(layer)
-    if layer.scheme.bits == 4 and layer.group % 4 == 0 and not switches.cpu_w4a16():
-        return PackedW4A8(layer)
+    if layer.group % 4 == 0 and not switches.cpu_w4a16():
+        if layer.scheme.bits == 4:
+            return PackedW4A8(layer)
+        from noria.worker import gemm_quant_kernels
+
+        if layer.scheme.bits == 8 and layer.group <= gemm_quant_kernels.MAX_W8A8G_GROUP:
+            return PackedW8A8g(layer)
     # GGUF's minimums (Q4_K, and a fused layer of Q4_K and Q6_K parts) have no float-activation
     # kernel: the torch reference, which dequantizes per call.
     return TorchQuantOp(layer) if layer.scheme.minimum else PackedWeightOnly(layer)
