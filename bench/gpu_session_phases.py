@@ -225,6 +225,8 @@ def gpu_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def bench_gpu_phase(ctx: Any) -> dict[str, Any]:
     out = ctx.out / "bench-gpu"
+    from noria.protocol import switches  # installed by now: the phases run after the install
+
     env = {}
     if ctx.dry_run:
         extra = ["--tiny", "--device", "cpu"]
@@ -232,14 +234,14 @@ def bench_gpu_phase(ctx: Any) -> dict[str, Any]:
         extra = []
         shm = Path("/dev/shm")
         if shm.is_dir() and shutil.disk_usage(shm).free > SHM_FREE_FOR_CHECKPOINT:
-            env["NORIA_CACHE"] = str(shm / "noria-gpu-session")  # the 16 GB checkpoint in memory, not on disk
+            env[switches.CACHE] = str(shm / "noria-gpu-session")  # the 16 GB checkpoint in memory, not on disk
     # bench gpu keeps its own budget, ending (and writing its report) before the phase is killed.
     budget = max(ctx.left() - 20, 10)
     call = ctx.call([ctx.python, "-m", "noria.cli", "bench", "gpu", "--time-budget", f"{budget:.0f}", "--out", str(out),
                      *extra], env=env)
     path = out.with_suffix(".json")
     data = json.loads(path.read_text()) if path.exists() else {}
-    summary = {"report": str(path), "checkpoint_cache": env.get("NORIA_CACHE", "default"),
+    summary = {"report": str(path), "checkpoint_cache": env.get(switches.CACHE, "default"),
                "phases": data.get("phases", {}), "rows": data.get("rows", []), "meta": data.get("meta", {}),
                "targets": _judged(ctx, gpu_targets(data.get("rows", [])))}
     bad = [k for k, v in summary["phases"].items() if v.get("status") in ("failed", "cut short")]
