@@ -11,13 +11,26 @@ itself moves them.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from noria.bench.ceiling import _metadata
+from noria.protocol.config import EngineConfig
 from noria.worker.model_runner import ModelRunner
 from noria.worker.models.quant_linear import QuantLinear
+
+
+def prompt_logits(path: Path, prompt: list[int], num_kv_blocks: int = 128) -> tuple[torch.Tensor, ModelRunner]:
+    """Every position's logits of one prompt, run as one prefill by a float32 CPU ModelRunner of
+    the checkpoint (which is returned too)."""
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks,
+                                      swap_space=0.001, num_threads=2))
+    _, meta = _metadata(runner, [len(prompt)], [len(prompt)])
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(prompt), meta.positions, meta, runner.attention, runner._kv_layers)
+        return runner.model.compute_logits(hidden), runner
 
 
 def fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -28,11 +28,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from noria import LLM, SamplingParams
-from noria.bench.ceiling import _metadata
 from noria.frontend.gguf_view import gguf_view
 from noria.protocol import switches
 from noria.protocol.checkpoint import CheckpointError, check_checkpoint
-from noria.protocol.config import EngineConfig
 from noria.protocol.gguf_file import hf_name
 from noria.protocol.gguf_quant import gguf_quant
 from noria.worker import gemm_quant_kernels
@@ -40,7 +38,7 @@ from noria.worker.gguf_blocks import DECODERS
 from noria.worker.model_runner import ModelRunner
 from noria.worker.models.quant_linear import QuantLinear
 from tests import gguf_files as gf
-from tests.quant_checks import check_layers_on_their_inputs, check_logits, fake_quant
+from tests.quant_checks import check_layers_on_their_inputs, check_logits, fake_quant, prompt_logits
 from tests.tiny_models import reference_greedy
 
 PROMPT = [1, 17, 300, 5, 88, 42, 19, 240, 7, 7, 130, 64, 3, 99]
@@ -63,12 +61,7 @@ def _file(tmp: Path, arch: str, vocab: int, types: gf.TypeRule, tokenizer: Path,
 
 
 def _logits(view: Path, num_kv_blocks: int = 64) -> tuple[torch.Tensor, ModelRunner]:
-    runner = ModelRunner(EngineConfig(model=str(view), dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks,
-                                      swap_space=0.001, num_threads=2))
-    _, meta = _metadata(runner, [len(PROMPT)], [len(PROMPT)])
-    with torch.inference_mode():
-        hidden = runner.model(torch.tensor(PROMPT), meta.positions, meta, runner.attention, runner._kv_layers)
-        return runner.model.compute_logits(hidden), runner
+    return prompt_logits(view, PROMPT, num_kv_blocks)
 
 
 def _check_against_transformers(path: Path) -> ModelRunner:

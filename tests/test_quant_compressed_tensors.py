@@ -21,15 +21,13 @@ import pytest
 import torch
 
 from noria import LLM, SamplingParams
-from noria.bench.ceiling import _metadata
 from noria.bench.quantized_models import save_quantized
 from noria.protocol import switches
-from noria.protocol.config import EngineConfig
 from noria.protocol.model_spec import read_spec
 from noria.worker import gemm_quant_kernels
 from noria.worker.model_runner import ModelRunner
 from noria.worker.models.quant_linear import QuantLinear, TorchQuantOp, unpack_words
-from tests.quant_checks import check_layers_on_their_inputs, check_logits, fake_quant
+from tests.quant_checks import check_layers_on_their_inputs, check_logits, fake_quant, prompt_logits
 from tests.test_worker_tp import _drive, _run_ranks
 from tests.test_worker_tp import _runner as _tp_runner
 from tests.tiny_models import make_model
@@ -84,12 +82,7 @@ PROMPT = [1, 17, 300, 5, 88, 42, 19, 240, 7, 7, 130, 64, 3, 99]
 
 
 def _logits(path: Path) -> tuple[torch.Tensor, ModelRunner]:
-    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu", num_kv_blocks=128,
-                                      swap_space=0.001, num_threads=2))
-    _, meta = _metadata(runner, [len(PROMPT)], [len(PROMPT)])
-    with torch.inference_mode():
-        hidden = runner.model(torch.tensor(PROMPT), meta.positions, meta, runner.attention, runner._kv_layers)
-        return runner.model.compute_logits(hidden), runner
+    return prompt_logits(path, PROMPT)
 
 
 @pytest.mark.parametrize(("scheme", "w4a16"), [("w4a16_g32", False), ("w4a16_g64_asym", False),
