@@ -27,13 +27,9 @@ from collections.abc import Callable
 import torch
 
 from noria.bench.gemm_bf16 import median_seconds
-from noria.worker import gemm_bf16_kernels, gemm_kernels, gemm_quant_kernels
-from noria.worker.gemm_quant_kernels import (
-    PackedGroupWeight,
-    PackedInt4Weight,
-    PackedInt8GroupWeight,
-    PackedInt8Weight,
-)
+from noria.worker import gemm_bf16_kernels, gemm_kernels, gemm_quant_groups, gemm_quant_kernels
+from noria.worker.gemm_quant_groups import PackedInt4Weight, PackedInt8GroupWeight
+from noria.worker.gemm_quant_kernels import PackedGroupWeight, PackedInt8Weight
 
 SHAPES = {"qkv": (1536, 768), "o": (768, 768), "gate_up": (4096, 768), "down": (768, 2048)}  # (N, K)
 ROWS = [1, 8, 32, 128, 512]
@@ -93,7 +89,7 @@ def _w4a8(mode: str) -> Callable[[int, int], tuple[Callable[[torch.Tensor], obje
         lo = 0 if mode == "min" else -8
         w = PackedInt4Weight(torch.randint(lo, lo + 16, (n, k), dtype=torch.int8), torch.rand(n, groups) / 8, z,
                              GROUP, mi)
-        return (lambda x: gemm_quant_kernels.gemm_w4a8(x, w, None)), w.nbytes
+        return (lambda x: gemm_quant_groups.gemm_w4a8(x, w, None)), w.nbytes
 
     return make
 
@@ -105,7 +101,7 @@ def _w8a8g(group: int, mode: str) -> Callable[[int, int], tuple[Callable[[torch.
         mi = torch.rand(n, groups) / 4 if mode == "min" else None
         w = PackedInt8GroupWeight(torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n, groups) / 8,
                                   None, group, mi)
-        return (lambda x: gemm_quant_kernels.gemm_w8a8g(x, w, None)), w.nbytes
+        return (lambda x: gemm_quant_groups.gemm_w8a8g(x, w, None)), w.nbytes
 
     return make
 

@@ -20,18 +20,20 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from noria.worker import gemm_kernels, gemm_quant_kernels
-from noria.worker.gemm_quant_kernels import (
-    PackedGroupWeight,
+from noria.worker import gemm_kernels, gemm_quant_groups, gemm_quant_kernels
+from noria.worker.gemm_quant_groups import (
     PackedInt4Weight,
     PackedInt8GroupWeight,
+    gemm_w4a8,
+    gemm_w8a8g,
+)
+from noria.worker.gemm_quant_kernels import (
+    PackedGroupWeight,
     PackedInt8Weight,
     _quantize_groups_native,
     _quantize_rows_native,
     entry,
-    gemm_w4a8,
     gemm_w8a8,
-    gemm_w8a8g,
     gemm_wq,
     quantize_groups,
     quantize_rows,
@@ -926,7 +928,7 @@ def test_w8a8g_bad_inputs_are_refused_with_a_clear_error() -> None:
     with pytest.raises(ValueError, match="divide"):
         PackedInt8GroupWeight(q, torch.ones(4, 2), None, 48)
     with pytest.raises(ValueError, match="exact int32"):
-        big = gemm_quant_kernels.MAX_W8A8G_GROUP // 4 * 4 + 4
+        big = gemm_quant_groups.MAX_W8A8G_GROUP // 4 * 4 + 4
         PackedInt8GroupWeight(torch.zeros(1, big, dtype=torch.int8), torch.ones(1, 1), None, big)
     with pytest.raises(ValueError, match="not both"):
         PackedInt8GroupWeight(q, torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int8), 32, torch.ones(4, 2))

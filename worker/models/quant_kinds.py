@@ -72,7 +72,7 @@ class PackedW4A8(_Packed):
     kind = "packed_w4a8"
 
     def __init__(self, layer: QuantLinear) -> None:
-        from noria.worker import gemm_quant_kernels as g
+        from noria.worker import gemm_quant_groups as g
 
         super().__init__(g.PackedInt4Weight(layer.qweight.data, *_groups(layer), layer.group, minimum=_minimum(layer)),
                          g.gemm_w4a8)
@@ -88,7 +88,7 @@ class PackedW8A8g(_Packed):
     kind = "packed_w8a8g"
 
     def __init__(self, layer: QuantLinear) -> None:
-        from noria.worker import gemm_quant_kernels as g
+        from noria.worker import gemm_quant_groups as g
 
         super().__init__(g.PackedInt8GroupWeight(layer.qweight.data, *_groups(layer), layer.group,
                                                  minimum=_minimum(layer)), g.gemm_w8a8g)
@@ -115,9 +115,9 @@ def choose(layer: QuantLinear) -> PackedW8A8 | PackedW4A8 | PackedW8A8g | Packed
     if layer.group % 4 == 0 and not switches.cpu_w4a16():
         if layer.scheme.bits == 4:
             return PackedW4A8(layer)
-        from noria.worker import gemm_quant_kernels
+        from noria.worker import gemm_quant_groups
 
-        if layer.scheme.bits == 8 and layer.group <= gemm_quant_kernels.MAX_W8A8G_GROUP:
+        if layer.scheme.bits == 8 and layer.group <= gemm_quant_groups.MAX_W8A8G_GROUP:
             return PackedW8A8g(layer)
     # GGUF's minimums (Q4_K, and a fused layer of Q4_K and Q6_K parts) have no float-activation
     # kernel: the torch reference, which dequantizes per call.
