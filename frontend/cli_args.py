@@ -17,8 +17,10 @@ from noria.protocol.config import (
     Dtype,
     EngineConfig,
     GenerationConfigMode,
+    KvCacheDtype,
     PoolingType,
     PreemptionMode,
+    QuantizationChoice,
     ReasoningParserName,
     Runner,
     SchedulingPolicy,
@@ -61,6 +63,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    help="auto (default): the checkpoint's on a GPU; on a CPU a bfloat16 checkpoint's where the CPU "
                         "computes bf16 natively, else float32 unless that would not fit in memory (the worker "
                         "logs the choice and why)")
+    g.add_argument("--quantization", "-q", choices=_choices(QuantizationChoice), default=None,
+                   help="quantize a float checkpoint's linear weights at load (fp8: per-channel scales); "
+                        "a quantized checkpoint's own quantization_config needs no flag")
+    g.add_argument("--kv-cache-dtype", choices=_choices(KvCacheDtype), default=None,
+                   help="auto (default): the model's dtype; fp8 / fp8_e4m3: one byte per cached value with a "
+                        "per-layer scale (the checkpoint's k_scale / v_scale where it has them, else 1.0)")
     g.add_argument("--device", choices=_choices(Device), default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")

@@ -22,6 +22,8 @@ AttentionBackendChoice = Literal["auto", "kernels", "torch"]
 ToolCallParserName = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]
 GenerationConfigMode = Literal["auto", "vllm", "none"]  # vLLM's --generation-config
+QuantizationChoice = Literal["fp8"]  # vLLM's --quantization: weights quantized at load
+KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]  # vLLM's --kv-cache-dtype
 AtLeastOne = Annotated[int, Meta(ge=1)]
 GiB = Annotated[float, Meta(ge=0.0)]
 
@@ -50,6 +52,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # the KV cache takes what the profiling pass leaves of it (worker/kv_cache.py). Unused on a CPU.
     gpu_memory_utilization: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.9
     attention_backend: AttentionBackendChoice = "auto"
+    # Online quantization of a float checkpoint's linear weights at load (vLLM's --quantization);
+    # None: the checkpoint's own quantization_config, if any, else float weights.
+    quantization: QuantizationChoice | None = None
+    # auto: the KV cache in the model's dtype; fp8 (= fp8_e4m3): one byte per value with a scale
+    # per layer (the checkpoint's where it has them, else 1.0), as vLLM stores it.
+    kv_cache_dtype: KvCacheDtype = "auto"
     swap_space: GiB = 4.0  # GiB of CPU memory for swapped KV blocks
     preemption_mode: PreemptionMode = "recompute"
     # fcfs: arrival order, a request's `priority` is refused; priority: lower `priority` first,

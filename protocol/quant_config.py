@@ -30,6 +30,14 @@ class WeightScheme:
     # A float minimum per group, subtracted after scaling: w = q * scale - min (GGUF's Q4_K,
     # values q in [0, 15]); exclusive of zero points.
     minimum: bool = field(default=False, kw_only=True)
+    # The values' type: "int" (int8 containers) or "fp8" (float8_e4m3fn, scaled per row or group).
+    kind: str = field(default="int", kw_only=True)
+    # How the checkpoint stores the layer (which tensors, packed how): "compressed-tensors",
+    # "awq", "gptq", "fp8" (quant_method fp8), "gguf", or "online" (a float weight quantized at load).
+    layout: str = field(default="compressed-tensors", kw_only=True)
+    # The input features are stored in activation order (GPTQ's desc_act, a g_idx per feature):
+    # the layer permutes its input so that its groups are contiguous.
+    act_order: bool = field(default=False, kw_only=True)
 
     def groups(self, in_features: int) -> int:
         """Scales per output row; ValueError where the group does not divide the layer."""
@@ -99,6 +107,14 @@ def read_quant(config: Mapping[str, Any]) -> QuantSpec | None:
         from noria.protocol.gguf_quant import gguf_quant
 
         return gguf_quant(q)
+    if method in ("awq", "gptq"):
+        from noria.protocol.quant_awq_gptq import awq_gptq_quant
+
+        return awq_gptq_quant(q)
+    if method == "fp8":
+        from noria.protocol.quant_fp8 import fp8_quant
+
+        return fp8_quant(q)
     if method != "compressed-tensors":
         raise ValueError(f"quantization method {method!r} is not supported yet; noria loads {SUPPORTED}")
     if q.get("kv_cache_scheme"):
@@ -134,6 +150,10 @@ def _scheme(name: str, group: Mapping[str, Any], fmt: Any) -> WeightScheme:
     if not isinstance(w, Mapping):
         raise refuse("a group without weight quantization")
     bits, kind, strategy = int(w.get("num_bits", 0)), w.get("type", "int"), w.get("strategy")
+    if kind == "float":
+        from noria.protocol.quant_fp8 import compressed_fp8_scheme
+
+        return compressed_fp8_scheme(name, group, fmt)
     if kind != "int":
         raise refuse(f"{kind} {bits}-bit weights ({fmt})")
     if w.get("dynamic"):

@@ -229,7 +229,7 @@ W8 = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "d
 
 
 @pytest.mark.parametrize(("quant", "words"), [
-    ({"quant_method": "awq", "bits": 4}, "quantization method 'awq' is not supported yet"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantization method 'bitsandbytes' is not supported yet"),
     (_group({**W8, "type": "float"}, "float-quantized"), "float 8-bit weights (float-quantized)"),
     (_group({**W8, "num_bits": 4, "strategy": "group", "group_size": 128, "actorder": "group"}, "pack-quantized"),
      "actorder 'group'"),

@@ -18,6 +18,8 @@ int8 products exactly in int32; weight-only schemes multiply float activations b
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,7 +56,8 @@ class QuantLinear(nn.Module):
         self.scheme, self.in_features, self.out_features = scheme, in_features, out_features
         self.group = scheme.group or in_features
         g = scheme.groups(in_features)
-        self.qweight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False)
+        values = torch.float8_e4m3fn if scheme.kind == "fp8" else torch.int8
+        self.qweight = nn.Parameter(torch.empty(out_features, in_features, dtype=values), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(out_features, g, dtype=torch.float32), requires_grad=False)
         self.weight_zero = (None if scheme.symmetric else
                             nn.Parameter(torch.empty(out_features, g, dtype=torch.int8), requires_grad=False))
@@ -63,6 +66,9 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         # The float weight's shape and dtype, no bytes (code that asks a Linear for them).
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
+        # The input features in the order the weight's columns hold them (GPTQ's act_order, set
+        # as the checkpoint is read), None where they are in the model's order.
+        self.input_perm: torch.Tensor | None = None
         self.op: QuantOp = TorchQuantOp(self)
 
     # The input features the checkpoint's module has (a row-parallel rank holds a slice of them).
@@ -70,6 +76,9 @@ class QuantLinear(nn.Module):
 
     def checkpoint_tensors(self) -> list[CheckpointTensor]:
         s, k, g = self.scheme, self.checkpoint_in_features, self.group
+        module = _LAYOUT_MODULES.get(s.layout) or (_LAYOUT_MODULES["fp8"] if s.kind == "fp8" else None)
+        if module is not None:  # the formats that keep their tensors in a layout of their own
+            return importlib.import_module(module).checkpoint_tensors(self)
         per_row = 0 if s.group is None else g
         values = (CheckpointTensor("weight_packed", self.qweight, lambda t, n, what: unpack_words(t, s.bits, k, 1))
                   if s.packed else CheckpointTensor("weight", self.qweight, _int8))
@@ -100,7 +109,10 @@ class QuantLinear(nn.Module):
                                                      requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x, self.bias)
+        return self.op(self.permuted(x), self.bias)
+
+    def permuted(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.input_perm is None else x.index_select(-1, self.input_perm)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.name}, group={self.group}"
@@ -115,10 +127,17 @@ class RowParallelQuantLinear(QuantLinear):
     checkpoint_in_features = property(lambda self: self.in_features * self.tp.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.permuted(x)
         if self.tp.size == 1:
             return self.op(x, self.bias)
         out = self.tp.all_reduce(self.op(x, None))
         return out if self.bias is None else out + self.bias
+
+
+# The modules (worker/models/) whose `checkpoint_tensors(layer)` read the layouts that are not
+# compressed-tensors' integer ones.
+_LAYOUT_MODULES = {"awq": "noria.worker.models.quant_awq_gptq", "gptq": "noria.worker.models.quant_awq_gptq",
+                   "fp8": "noria.worker.models.quant_fp8", "online": "noria.worker.models.quant_fp8"}
 
 
 def _int8(t: torch.Tensor, rows: int, what: str) -> torch.Tensor:
