@@ -4,7 +4,8 @@ as they read any checkpoint folder, and only the worker's loader opens the file'
 
 The view holds what transformers itself derives from the file's metadata (config.json through
 `AutoConfig.from_pretrained(..., gguf_file=)`, the tokenizer and its chat template through
-`AutoTokenizer.from_pretrained(..., gguf_file=)`, saved), plus a `quantization_config` naming the
+`AutoTokenizer.from_pretrained(..., gguf_file=)`, saved), with what llama.cpp reads there and
+transformers does not (rope scaling, Gemma's soft-caps and attention scale: protocol/gguf_config.py), plus a `quantization_config` naming the
 file and each linear module's GGUF tensor and type (protocol/gguf_quant.py reads it), and a
 generation_config.json with the file's end-of-generation ids. No weight is copied.
 
@@ -27,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from noria.protocol import gguf_file
+from noria.protocol.gguf_config import metadata_config
 from noria.protocol.switches import cache_dir
 
-VIEW_VERSION = 1
+VIEW_VERSION = 2  # 2: the metadata transformers does not read (protocol/gguf_config.py)
 _LINEAR = ("_proj", "lm_head")
 
 
@@ -50,7 +52,7 @@ def gguf_view(model: str | os.PathLike[str]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix="gguf-view-", dir=view.parent))
     try:
         _derive(file, tmp)
-        config = json.loads((tmp / "config.json").read_text())
+        config = metadata_config(reader, arch, json.loads((tmp / "config.json").read_text()), file)
         config["quantization_config"] = {"quant_method": "gguf", "gguf_file": str(file),
                                          "tensor_types": linear_types(reader, arch)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

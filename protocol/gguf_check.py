@@ -16,7 +16,7 @@ from noria.protocol import gguf_file
 from noria.protocol.checkpoint import CheckpointError
 from noria.protocol.gguf_quant import SUPPORTED_TYPES
 
-DEQUANTIZED_TYPES = (*SUPPORTED_TYPES, "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K")
+DEQUANTIZED_TYPES = SUPPORTED_TYPES
 
 
 def check_gguf(path: str, architecture: str, expected: dict[str, tuple[int, ...] | None], required: set[str],

@@ -22,8 +22,8 @@ from noria.protocol.checkpoint import CheckpointError
 # when the file's name says so).
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 _GEMMA = ("gemma2", "gemma3")
-# Tensors transformers' GGUF loader leaves out. rope_freqs holds Llama 3's rope factors, which
-# llama.cpp applies and transformers (whose config this view takes) does not read.
+# Tensors that are no weight of the model: rope_freqs holds Llama 3's rope factors, which the
+# folder view turns into its config's rope scaling, or refuses (protocol/gguf_config.py).
 IGNORED = ("rope_freqs.weight",)
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -71,6 +71,10 @@ def _check_extents(path: str | Path, size: int, start: int, fields: list[Any]) -
             raise GGUFError(f"{path}: tensor {name} has GGML type id {int(raw_type[0])}, which the gguf package "
                             "does not know") from None
         block, type_size = GGML_QUANT_SIZES[kind]
+        if len(dims) and int(dims[0]) % block:
+            # Each row is whole blocks; the reader would cut rows (their scales) at the wrong bytes.
+            raise GGUFError(f"{path}: tensor {name} has rows of {int(dims[0])} values, not a multiple of "
+                            f"{kind.name}'s block of {block}")
         n = int(np.prod(dims.astype(np.int64)))
         end = start + int(offset[0]) + n * type_size // block
         if end > size:

@@ -21,20 +21,22 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
+from tests.gguf_kquants import PACKERS
 from tests.tiny_models import make_model
 
 ARCH_OF = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
            "gemma3": "gemma3"}
-# Sizes whose every linear layer has K a multiple of 256 (the K-quants' block). Gemma's scalars
-# are the ones transformers assumes for a GGUF file (it reads neither soft-caps nor the query scale).
+# Sizes whose every linear layer has K a multiple of 256 (the K-quants' block). Gemma's attention
+# scale is llama.cpp's for a GGUF file (1 / sqrt(head_dim), which GGUF does not store), its
+# soft-caps not transformers' defaults (only the metadata carries them).
 SIZES: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
                          "num_key_value_heads": 2}
 OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3": {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128},
-    "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
-               "final_logit_softcapping": 30.0, "sliding_window": 4096, "layer_types": None,
+    "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 64, "attn_logit_softcapping": 20.0,
+               "final_logit_softcapping": 5.0, "sliding_window": 4096, "layer_types": None,
                "num_hidden_layers": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-    "gemma3": {"head_dim": 64, "query_pre_attn_scalar": 256, "sliding_window": 512, "layer_types": None,
+    "gemma3": {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 512, "layer_types": None,
                "num_hidden_layers": 2, "final_logit_softcapping": None,
                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
@@ -109,6 +111,8 @@ def encode(w: np.ndarray, kind: str) -> tuple[np.ndarray, GGMLQuantizationType]:
         return pack_q4_k(w), qtype
     if kind == "Q6_K":
         return pack_q6_k(w), qtype
+    if kind in PACKERS:
+        return PACKERS[kind](w), qtype
     return quantize(w.astype(np.float32), qtype), qtype
 
 
@@ -124,6 +128,22 @@ def q4_k_m(name: str) -> str:
     return "Q6_K" if name == "output.weight" or any(p in name for p in ("attn_v", "ffn_down")) else "Q4_K"
 
 
+# llama-quantize's types for a tensor whose rows are not a multiple of 256 (llama-quant.cpp).
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q3_K": "IQ4_NL", "Q2_K": "IQ4_NL"}
+
+
+def k_mix(main: str, rows: dict[str, int]) -> TypeRule:
+    """llama.cpp's Q4_K_M (main "Q4_K") or Q5_K_M ("Q5_K") in small: Q6_K for attn_v, ffn_down
+    and the output, `main` elsewhere, each falling back as llama-quantize does where the tensor's
+    row length (`rows`, by GGUF name) is not a multiple of 256."""
+    def rule(name: str) -> str:
+        if "norm" in name:
+            return "F32"
+        kind = "Q6_K" if name == "output.weight" or any(p in name for p in ("attn_v", "ffn_down")) else main
+        return FALLBACK[kind] if rows[name] % 256 else kind
+    return rule
+
+
 def every(kind: str, embedding: str = "F32") -> TypeRule:
     def rule(name: str) -> str:
         if "norm" in name or name.endswith(".bias"):
@@ -132,8 +152,14 @@ def every(kind: str, embedding: str = "F32") -> TypeRule:
     return rule
 
 
+def row_lengths(model: Any, arch: str) -> dict[str, int]:
+    """Each GGUF tensor's row length (its input features), by GGUF name."""
+    return {g: int(t.shape[-1]) for hf, t in model.state_dict().items()
+            if (g := _gguf_name(hf, ARCH_OF[arch])) is not None}
+
+
 def write_gguf(model: Any, path: Path, arch: str, types: TypeRule, tokenizer: Path,
-               name: str = "tiny") -> Path:
+               name: str = "tiny", metadata: Callable[[GGUFWriter], None] | None = None) -> Path:
     """`model` (a tiny transformers model of `arch`, tests/tiny_models.py's names) as a GGUF file."""
     cfg = model.config
     garch = ARCH_OF[arch]
@@ -161,6 +187,8 @@ def write_gguf(model: Any, path: Path, arch: str, types: TypeRule, tokenizer: Pa
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     _tokenizer(w, tokenizer)
+    if metadata is not None:  # what a test adds: keys, or tensors such as rope_freqs
+        metadata(w)
     for hf, tensor in model.state_dict().items():
         gname = _gguf_name(hf, garch)
         if gname is None or (gname == "output.weight" and cfg.tie_word_embeddings):
@@ -228,14 +256,16 @@ def _chat_template(folder: Path) -> str:
     return jinja.read_text() if jinja.is_file() else ""
 
 
-def reference(path: Path) -> Any:
+def reference(path: Path, config: Any = None) -> Any:
     """transformers' own GGUF loading of the file (float32): its config derived from the metadata,
     its weights dequantized by its GGUF loader (load_gguf_checkpoint, what from_pretrained calls
-    for these architectures; from_pretrained itself needs accelerate, not installed here)."""
+    for these architectures; from_pretrained itself needs accelerate, not installed here).
+    `config`: the config of the model the file was written from, where the file's metadata says
+    more than transformers reads from it (rope scaling, Gemma's soft-caps and attention scale)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    config = config or AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)

@@ -1,5 +1,7 @@
 """GGUF files as models (`--model file.gguf`): F32/F16/BF16, Q8_0, Q4_0, Q4_K, Q6_K and the Q4_K_M mix,
-for the Llama (and Mistral, as llama.cpp converts it), Qwen2/3 and Gemma 2/3 families.
+for the Llama (and Mistral, as llama.cpp converts it), Qwen2/3 and Gemma 2/3 families. The other
+block types are in tests/test_gguf_types.py, the metadata transformers does not read (rope
+scaling, Gemma's soft-caps and scale) in tests/test_gguf_families.py.
 
 The files are written here by the gguf package's writer from tiny seeded transformers models, as
 llama.cpp's converter lays them out (tests/gguf_files.py). The reference is transformers' own
@@ -64,10 +66,10 @@ def _logits(view: Path, num_kv_blocks: int = 64) -> tuple[torch.Tensor, ModelRun
     return prompt_logits(view, PROMPT, num_kv_blocks)
 
 
-def _check_against_transformers(path: Path) -> ModelRunner:
+def _check_against_transformers(path: Path, config: Any = None) -> ModelRunner:
     logits, runner = _logits(gguf_view(path))
     with torch.inference_mode():
-        want = gf.reference(path)(torch.tensor([PROMPT])).logits[0]
+        want = gf.reference(path, config)(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=2e-5)  # float32 rounding
     assert logits.argmax(-1).tolist() == want.argmax(-1).tolist()
     return runner
@@ -76,7 +78,7 @@ def _check_against_transformers(path: Path) -> ModelRunner:
 # -- the blocks ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", list(DECODERS))
+@pytest.mark.parametrize("kind", list(_BLOCK_BYTES))  # the others: tests/test_gguf_types.py
 def test_decoded_blocks_are_the_gguf_packages_dequantization_exactly(kind):
     # Random bytes (every bit pattern of values, sub-scales and minimums) with finite f16 scales.
     block, size, f16_at = _BLOCK_BYTES[kind]
@@ -155,7 +157,7 @@ def test_q4_0_and_q4_k_on_int8_activations(tmp_path, monkeypatch, types, vocab, 
     # The CPU's default for 4-bit layers: activations rounded to int8 per group of 32 (the
     # weights' group), int32 sums per group. Each layer on the inputs it sees, and the logits
     # within the rounding's own reach (tests/quant_checks.py).
-    _on_int8_activations(tmp_path, monkeypatch, gf.every(types, embedding="Q8_0"), vocab, demo_path, "packed_w4a8", 32)
+    on_int8_activations(tmp_path, monkeypatch, gf.every(types, embedding="Q8_0"), vocab, demo_path, "packed_w4a8", 32)
 
 
 @pytest.mark.skipif(not gemm_quant_kernels.usable(), reason="no C compiler for the native kernels")
@@ -163,7 +165,7 @@ def test_q4_0_and_q4_k_on_int8_activations(tmp_path, monkeypatch, types, vocab, 
 def test_q8_0_and_q6_k_on_int8_activations(tmp_path, monkeypatch, types, group, vocab, demo_path):
     # 8-bit layers too (W8A8g): activations rounded to int8 per group of the weights' group (32
     # for Q8_0, 16 for Q6_K), int32 sums per group, as llama.cpp computes them.
-    _on_int8_activations(tmp_path, monkeypatch, gf.every(types), vocab, demo_path, "packed_w8a8g", group)
+    on_int8_activations(tmp_path, monkeypatch, gf.every(types), vocab, demo_path, "packed_w8a8g", group)
 
 
 @pytest.mark.skipif(not gemm_quant_kernels.usable(), reason="no C compiler for the native kernels")
@@ -179,7 +181,7 @@ def test_q4_k_m_on_int8_activations(tmp_path, monkeypatch, vocab, demo_path):
     assert check_layers_on_their_inputs(runner, PROMPT) == len(quant)
 
 
-def _on_int8_activations(tmp_path, monkeypatch, rule, vocab, demo_path, kind, group):
+def on_int8_activations(tmp_path, monkeypatch, rule, vocab, demo_path, kind, group):
     """Every layer of the file's model on `kind`, each on the inputs it sees, and the logits against a
     reference rounding every linear layer's inputs per group of `group`."""
     monkeypatch.delenv(switches.CPU_W4A16)
@@ -201,7 +203,11 @@ def _on_int8_activations(tmp_path, monkeypatch, rule, vocab, demo_path, kind, gr
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_each_family_matches_transformers_in_q4_k_m(tmp_path, arch, vocab, demo_path):
     # Gemma 2 files are tied (llama.cpp writes no output tensor for it); Qwen2 has q/k/v biases.
-    _check_against_transformers(_file(tmp_path, arch, vocab, gf.q4_k_m, demo_path, tied=arch == "gemma2"))
+    # Gemma's soft-caps and attention scale are the metadata's, as llama.cpp reads it, which
+    # transformers' config reading drops: its reference takes the converted model's config.
+    model = gf.tiny_model(arch, vocab, tied=arch == "gemma2")
+    path = gf.write_gguf(model, tmp_path / f"{arch}.gguf", arch, gf.q4_k_m, demo_path)
+    _check_against_transformers(path, model.config if arch.startswith("gemma") else None)
 
 
 # -- the engine, tokenizer and chat template ------------------------------------------------------
@@ -284,7 +290,7 @@ def test_a_truncated_file_is_refused_naming_the_tensor(tmp_path, vocab, demo_pat
         pass
 
 
-@pytest.mark.parametrize("kind", ["Q5_K", "IQ2_XXS"])
+@pytest.mark.parametrize("kind", ["IQ4_XS", "IQ2_XXS"])
 def test_a_linear_layer_of_an_unsupported_type_is_refused(tmp_path, vocab, demo_path, monkeypatch, kind):
     # The gguf package quantizes neither: the blocks are random bytes of the type's size.
     def encode(w: np.ndarray, k: str) -> tuple[np.ndarray, GGMLQuantizationType]:

@@ -12,6 +12,23 @@ exactly (protocol/gguf_quant.py):
         128 bytes of nibbles: 32 bytes per 64 values, low nibbles the first 32, high the next
   Q6_K 210 bytes / 256 values: 128 bytes of low nibbles (ql), 64 bytes of 2-bit highs (qh),
         16 int8 sub-scales, f16 d; per 128 values, 64 bytes of ql and 32 of qh
+
+The types llama-quantize mixes in where a row is not a multiple of 256 (Q5_0 for Q4_K, Q5_1 for
+Q5_K, Q8_0 for Q6_K, IQ4_NL for Q2_K / Q3_K) and the other K-quants:
+
+  Q4_1   20 bytes / 32 values: f16 d, f16 m, 16 bytes of nibbles as Q4_0; w = d * q + m
+  Q5_0   22 bytes / 32 values: f16 d, 4 bytes of fifth bits (bit i: value i), nibbles as Q4_0, q - 16
+  Q5_1   24 bytes / 32 values: f16 d, f16 m, then as Q5_0 unsigned; w = d * q + m
+  IQ4_NL 18 bytes / 32 values: f16 d, nibbles as Q4_0 indexing a fixed table of 16 int8 values
+  Q5_K  176 bytes / 256 values: as Q4_K, with 32 bytes of fifth bits (bit j of byte l: value
+        32j + l) between the scales and the nibbles
+  Q3_K  110 bytes / 256 values: 32 bytes of high bits (hmask), 64 bytes of 2-bit lows, 12 bytes of
+        sixteen 6-bit scales (stored + 32), f16 d; q = low - 4 where the high bit is clear
+  Q2_K   84 bytes / 256 values: 16 bytes of 4-bit (scale, minimum) pairs, 64 bytes of 2-bit values,
+        f16 d, f16 dmin; w = (d * sc) * q - dmin * m per 16 values
+
+Q4_1 and Q5_1 add their minimum; it is returned negated (exact), so every type with one has
+QuantLinear's w = q * scale - min.
 """
 
 from __future__ import annotations
@@ -72,4 +89,79 @@ def q6_k(data: np.ndarray, rows: int) -> Decoded:
     return q.reshape(rows, -1), (d * sc).reshape(rows, -1), None
 
 
-DECODERS: dict[str, Callable[[np.ndarray, int], Decoded]] = {"Q8_0": q8_0, "Q4_0": q4_0, "Q4_K": q4_k, "Q6_K": q6_k}
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """A 32-value block's 16 bytes of nibbles: low nibbles values 0-15, high ones 16-31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Four little-endian bytes per block, bit i the fifth bit of value i."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def q4_1(data: np.ndarray, rows: int) -> Decoded:
+    b = data.reshape(rows, -1, 20)
+    q = _nibbles(b[..., 4:]).astype(np.int8)
+    return q.reshape(rows, -1), _f16(b[..., 0:2])[..., 0], -_f16(b[..., 2:4])[..., 0]
+
+
+def q5_0(data: np.ndarray, rows: int) -> Decoded:
+    b = data.reshape(rows, -1, 22)
+    q = (_nibbles(b[..., 6:]) | (_fifth_bits(b[..., 2:6]) << 4)).astype(np.int8) - 16
+    return q.reshape(rows, -1), _f16(b[..., 0:2])[..., 0], None
+
+
+def q5_1(data: np.ndarray, rows: int) -> Decoded:
+    b = data.reshape(rows, -1, 24)
+    q = (_nibbles(b[..., 8:]) | (_fifth_bits(b[..., 4:8]) << 4)).astype(np.int8)
+    return q.reshape(rows, -1), _f16(b[..., 0:2])[..., 0], -_f16(b[..., 2:4])[..., 0]
+
+
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+
+def iq4_nl(data: np.ndarray, rows: int) -> Decoded:
+    b = data.reshape(rows, -1, 18)
+    return IQ4_NL_VALUES[_nibbles(b[..., 2:])].reshape(rows, -1), _f16(b[..., :2])[..., 0], None
+
+
+def q5_k(data: np.ndarray, rows: int) -> Decoded:
+    b = data.reshape(rows, -1, 176)
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, m = _k4_scale_min(b[..., 4:16])
+    qs = b[..., 48:].reshape(rows, -1, 4, 1, 32)
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(rows, -1, 8, 32)
+    high = (b[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+    q = (low | (high << 4)).astype(np.int8)
+    return q.reshape(rows, -1), (d * sc).reshape(rows, -1), (dmin * m).reshape(rows, -1)
+
+
+def q3_k(data: np.ndarray, rows: int) -> Decoded:
+    b = data.reshape(rows, -1, 110)
+    s = b[..., 96:108]
+    # Scale i: a low nibble (byte i % 8, the high nibble for i >= 8) and 2 high bits (byte 8 +
+    # i % 4, bits 2 * (i // 4)).
+    low = np.concatenate([s[..., 0:8] & 0x0F, s[..., 0:8] >> 4], axis=-1)
+    high = (s[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)).swapaxes(-1, -2).reshape(*s.shape[:-1], 16)
+    sc = ((low | ((high & 3) << 4)).astype(np.int16) - 32).astype(np.float32)
+    # Values: 2 chunks of 128, each 32 bytes whose 2-bit fields (shift 0, 2, 4, 6) are 4 runs of
+    # 32; the high bit of value 32j + l is bit j of hmask byte l.
+    lo = (b[..., 32:96].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3
+    hi = (b[..., 0:32].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+    q = lo.reshape(rows, -1, 8, 32).astype(np.int8) - ((hi ^ 1) << 2).astype(np.int8)
+    return q.reshape(rows, -1), (_f16(b[..., 108:110]) * sc).reshape(rows, -1), None
+
+
+def q2_k(data: np.ndarray, rows: int) -> Decoded:
+    b = data.reshape(rows, -1, 84)
+    s = b[..., 0:16]
+    d, dmin = _f16(b[..., 80:82]), _f16(b[..., 82:84])
+    q = (b[..., 16:80].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3
+    scales = d * (s & 0x0F).astype(np.float32)
+    mins = dmin * (s >> 4).astype(np.float32)
+    return q.astype(np.int8).reshape(rows, -1), scales.reshape(rows, -1), mins.reshape(rows, -1)
+
+
+DECODERS: dict[str, Callable[[np.ndarray, int], Decoded]] = {
+    "Q8_0": q8_0, "Q4_0": q4_0, "Q4_K": q4_k, "Q6_K": q6_k, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1,
+    "IQ4_NL": iq4_nl, "Q5_K": q5_k, "Q3_K": q3_k, "Q2_K": q2_k}

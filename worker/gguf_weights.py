@@ -57,6 +57,9 @@ def iter_gguf_weights(folder: str | Path, spec: ModelSpec) -> Iterator[tuple[str
             continue
         kind = t.tensor_type.name
         values, scales, mins = DECODERS[kind](np.asarray(t.data), rows)
+        if not (np.isfinite(scales).all() and (mins is None or np.isfinite(mins).all())):
+            # An inf or NaN f16 scale would turn every output it touches into NaN, silently.
+            raise ValueError(f"{path}: GGUF tensor {t.name} ({kind}) has a scale or minimum that is not finite")
         values, scales, mins = _widen(values, scales, mins, scheme, kind)
         yield name, torch.from_numpy(_unpermute(values, heads))
         yield f"{name}_scale", torch.from_numpy(_unpermute(scales, heads))
