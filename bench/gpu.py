@@ -1,11 +1,14 @@
 """`noria bench gpu`: the engine on one GPU, against its HBM roofline and transformers, in under 8 minutes.
 
-Builds (once, into the cache folder) a bfloat16 Llama-3-8B-shaped checkpoint with seeded random
-weights and a word-level tokenizer of the same vocabulary, or takes `--model PATH`; then measures
-offline throughput (256 requests x 1024 prompt / 256 output tokens, EOS ignored), TTFT of one 2k
-and one 8k prompt, inter-token latency at batch 1 and 32 with CUDA graphs and, where the engine
-has `enforce_eager`, without; and the anchor: Hugging Face transformers `generate` with a static
-cache on the same checkpoint and GPU, at batch 1 and 16, eager and (where it works) compiled.
+Writes (once, into the cache folder) the config and a word-level tokenizer of a bfloat16
+Llama-3-8B-shaped model and serves it with `--load-format dummy`: seeded random weights made
+directly on the device, so no 16 GB checkpoint is written or read; `--model PATH` measures a real
+checkpoint instead. In order of value (a budget cut drops the last): inter-token latency at batch
+1, 16 and 32 with CUDA graphs; decode throughput at batch 1 and 32 and a short offline run in the
+model's dtype, with `--quantization fp8` and as a W4A16 int4 model (bench/gpu_quant.py); offline
+throughput (256 requests x 1024 prompt / 256 output tokens, EOS ignored); TTFT of one 2k and one
+8k prompt; the anchor, Hugging Face transformers `generate` with a static cache on the same
+shape and GPU, at batch 1 and 16, eager and (where it works) compiled; and eager decode.
 
 Every figure stands beside its floor: the bytes a step must read (weights, plus the K/V of every
 sequence in it) over the measured device-to-device copy bandwidth, or, for a prefill, its matmul
@@ -28,8 +31,9 @@ from pathlib import Path
 
 from noria.bench.gpu_budget import PHASES, TINY_SIZES, Budget, PhaseTimeout, Sizes
 from noria.bench.gpu_checkpoint import CHECKPOINT_VERSION, LLAMA3_8B, TINY, build_checkpoint
-from noria.bench.gpu_phases import hf_phase, noria_phases
+from noria.bench.gpu_phases import eager_phase, engine_flags, hf_phase, itl_phase, throughput_phases
 from noria.bench.gpu_probes import probe_copy_gbps, probe_matmul_tflops
+from noria.bench.gpu_quant import measure, quant_phases
 from noria.bench.gpu_report import Report, Row, speedups
 from noria.bench.gpu_roofline import (
     ModelCost,
@@ -44,14 +48,16 @@ from noria.protocol.model_spec import read_spec
 # The benchmark's parts, reachable from its entry point as one surface.
 __all__ = ["CHECKPOINT_VERSION", "LLAMA3_8B", "PHASES", "TINY", "TINY_SIZES", "Budget", "ModelCost", "PhaseTimeout",
            "Report", "Row", "Sizes", "build_checkpoint", "decode_step_floor", "hf_phase", "itl_floor", "main",
-           "model_cost", "noria_phases", "prefill_floor", "probe_copy_gbps", "probe_matmul_tflops", "speedups",
+           "model_cost", "prefill_floor", "probe_copy_gbps", "probe_matmul_tflops", "speedups",
            "throughput_ceiling"]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="noria bench gpu", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="a local checkpoint folder; default: the random Llama-3-8B-"
-                    "shaped one, built into the cache folder on first use (about 16 GB)")
+    ap.add_argument("--model", default=None, help="a local checkpoint folder; default: a Llama-3-8B-shaped config "
+                    "served with --load-format dummy (random weights made on the device)")
+    ap.add_argument("--load-format", default=None, choices=["auto", "dummy"], help="default: dummy for the "
+                    "built config, auto (the checkpoint's weights) for --model")
     ap.add_argument("--tiny", action="store_true", help="a tiny model at tiny sizes (checks the harness; on the "
                     "CPU where there is no GPU)")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
@@ -108,23 +114,32 @@ def main(argv: list[str] | None = None) -> int:
             from noria.protocol import switches
 
             shape = TINY if args.tiny else LLAMA3_8B
-            name = f"bench-gpu-{'tiny' if args.tiny else 'llama3-8b'}-{args.dtype}-v{CHECKPOINT_VERSION}-s{args.seed}"
+            name = f"bench-gpu-{'tiny' if args.tiny else 'llama3-8b'}-{args.dtype}-config-v{CHECKPOINT_VERSION}"
             start = time.perf_counter()
-            model = str(build_checkpoint(switches.cache_dir() / name, shape, args.dtype, dev, args.seed))
-            rep.add(Row("checkpoint", "build (or find) the random checkpoint", time.perf_counter() - start, "s",
+            model = str(build_checkpoint(switches.cache_dir() / name, shape, args.dtype, dev, args.seed, weights=False))
+            rep.add(Row("checkpoint", "write (or find) the config and tokenizer", time.perf_counter() - start, "s",
                         note=model))
     if model is None:
         print("noria bench gpu: no checkpoint (the build was skipped or failed); see", rep.md_path)
         return 0
-    rep.meta["model"] = model
+    load_format = args.load_format or ("auto" if args.model else "dummy")
+    rep.meta["model"], rep.meta["load_format"] = model, load_format
     spec = read_spec(model)
     cost = model_cost(spec, torch.tensor([], dtype=getattr(torch, args.dtype)).element_size())
     rep.meta["weight_gb"] = cost.weight_bytes / 1e9
     rep.meta["kv_bytes_per_token"] = cost.kv_bytes_per_token
     rep.flush()
 
-    noria_phases(budget, rep, args, sizes, model, cost, spec, gbps, tflops)
+    flags = engine_flags(args, sizes, spec, load_format)
+
+    def baseline(llm: object, itl: dict[int, float]) -> None:  # the quantized rows' baseline, on the itl engine
+        measure(rep, "itl", args.dtype, llm, args, sizes, spec, cost, gbps, tflops, itl)
+
+    itl_phase(budget, rep, args, sizes, model, cost, spec, gbps, flags, after=baseline)
+    quant_phases(budget, rep, args, sizes, model, spec, gbps, tflops, flags)
+    throughput_phases(budget, rep, args, sizes, model, cost, spec, gbps, tflops, flags)
     hf_phase(budget, rep, args, sizes, model, cost, spec, gbps, dev)
+    eager_phase(budget, rep, args, sizes, model, cost, spec, gbps, flags)
     for r in speedups(rep.rows):
         rep.add(r)
     print(rep.markdown())

@@ -23,11 +23,12 @@ TINY: dict[str, Any] = {
 }
 
 
-def build_checkpoint(out: Path, shape: dict[str, Any], dtype: str, dev: Any, seed: int = 0) -> Path:
+def build_checkpoint(out: Path, shape: dict[str, Any], dtype: str, dev: Any, seed: int = 0,
+                     weights: bool = True) -> Path:
     """A Llama checkpoint folder with seeded random weights and a word-level tokenizer covering
     the whole vocabulary, built beside `out` and renamed into place. Weights are drawn on `dev`
     a layer at a time and written in shards of a few layers, so an 8B model never sits whole in
-    host memory."""
+    host memory. `weights` False: config.json and the tokenizer only, for `--load-format dummy`."""
     import shutil
     import tempfile
 
@@ -44,6 +45,10 @@ def build_checkpoint(out: Path, shape: dict[str, Any], dtype: str, dev: Any, see
         cfg.save_pretrained(str(tmp))
         (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
         _write_tokenizer(tmp, shape["vocab_size"])
+        if not weights:
+            (tmp / "complete").write_text("ok\n")
+            _rename(tmp, out)
+            return out
         tdtype = getattr(torch, dtype)
         gen = torch.Generator(device=dev)
         h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -87,13 +92,44 @@ def build_checkpoint(out: Path, shape: dict[str, Any], dtype: str, dev: Any, see
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         (tmp / "complete").write_text("ok\n")
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not (out / "complete").exists():
-                raise
+        _rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _rename(tmp: Path, out: Path) -> None:
+    try:
+        os.rename(tmp, out)
+    except OSError:  # a concurrent builder got there first
+        if not (out / "complete").exists():
+            raise
+
+
+# compressed-tensors' W4A16 (llm-compressor's preset): 4-bit symmetric integer weights in groups
+# of 128, packed into int32 words (pack-quantized), float activations, the lm_head left in float.
+W4A16_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                              "group_size": 128, "dynamic": False, "actorder": None}}},
+    "ignore": ["lm_head"],
+}
+
+
+def quantized_variant(model: Path, out: Path, quantization_config: dict[str, Any]) -> Path:
+    """`model`'s config.json with `quantization_config` and its tokenizer files in `out`, no
+    weights: a quantized model of the same shape for `--load-format dummy`."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".index.json")) and f.name != "config.json":
+            shutil.copy2(f, out / f.name)
+    cfg = json.loads((model / "config.json").read_text())
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(cfg | {"quantization_config": quantization_config}, indent=1))
+    os.replace(tmp, out / "config.json")
     return out
 
 

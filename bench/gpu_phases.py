@@ -1,10 +1,12 @@
-"""`noria bench gpu`'s measuring phases: noria's engine (offline throughput, TTFT, inter-token
-latency with CUDA graphs and eager) and the anchor, transformers' static-cache `generate`."""
+"""`noria bench gpu`'s measuring phases: noria's engine (inter-token latency with CUDA graphs and
+eager, offline throughput, TTFT) and the anchor, transformers' static-cache `generate`; the
+quantized kinds beside them are bench/gpu_quant.py's."""
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 from noria.bench.gpu_budget import Budget, PhaseTimeout, Sizes
@@ -43,23 +45,71 @@ def _itl(run: Any, rng: Any, batch: int, sizes: Sizes, vocab: int) -> float:
     return max(many - one, 1e-9) / sizes.itl_tokens
 
 
-def noria_phases(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, model: str, cost: ModelCost,
-                 spec: ModelSpec, gbps: float, tflops: float | None) -> None:
+def engine_flags(args: argparse.Namespace, sizes: Sizes, spec: ModelSpec, load_format: str) -> dict[str, Any]:
+    flags: dict[str, Any] = {"dtype": args.dtype, "device": args.device, "seed": args.seed, "load_format": load_format,
+                             "max_model_len": min(sizes.max_model_len, spec.max_position_embeddings)}
+    if args.tiny:
+        flags["num_kv_blocks"] = 256
+    return flags
+
+
+def decode_flags(flags: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
+    """An engine for the decode rows only: graphs of exactly the batches measured, so that a start
+    captures a few graphs, not one per multiple of 8 up to 256."""
+    batches = sorted({*sizes.itl_batches, *sizes.quant_batches})
+    return flags | {"max_num_seqs": batches[-1], "cuda_graph_sizes": batches}
+
+
+def graphs_mode(args: argparse.Namespace) -> str:
+    from noria.protocol.config import EngineConfig
+
+    has_eager = "enforce_eager" in EngineConfig.__struct_fields__
+    return "CUDA graphs" if args.device == "cuda" and has_eager else "default"
+
+
+def itl_phase(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, model: str, cost: ModelCost,
+              spec: ModelSpec, gbps: float, flags: dict[str, Any], after: Any = None) -> None:
+    """Inter-token latency at each batch on an engine of the model's dtype; `after(llm, itl_by_batch)`
+    adds what else that engine measures (the quantized comparison's baseline rows)."""
     import numpy as np
 
     from noria import LLM
     from noria.protocol.config import EngineConfig
 
-    vocab = _prompt_vocab(spec)
     has_eager = "enforce_eager" in EngineConfig.__struct_fields__
     rep.meta["graphs"] = "compared (--enforce-eager)" if has_eager else "n/a (the engine has no enforce_eager)"
-    max_len = min(sizes.max_model_len, spec.max_position_embeddings)
-    flags: dict[str, Any] = {"dtype": args.dtype, "device": args.device, "max_model_len": max_len, "seed": args.seed}
-    if args.tiny:
-        flags["num_kv_blocks"] = 256
-    rng = np.random.default_rng(args.seed)
+    vocab, rng, mode = _prompt_vocab(spec), np.random.default_rng(args.seed), graphs_mode(args)
     itl_ctx = sizes.itl_prompt + sizes.itl_tokens // 2
-    mode = "CUDA graphs" if args.device == "cuda" and has_eager else "default"
+    with b.phase("itl") as go:
+        if not go:
+            return
+        llm = None
+        try:
+            start = time.perf_counter()
+            llm = LLM(model, **decode_flags(flags, sizes))
+            rep.add(Row("itl", "engine start (load + graph capture)", time.perf_counter() - start, "s"))
+            _noria_run(llm, _prompts(rng, 2, 16, vocab), 2)  # warm-up
+            itl: dict[int, float] = {}
+            for batch in sizes.itl_batches:
+                itl[batch] = _itl(lambda ps, n: _noria_run(llm, ps, n), rng, batch, sizes, vocab)
+                rep.add(Row("itl", f"ITL batch {batch} ({mode})", itl[batch] * 1e3, "ms",
+                            itl_floor(cost, batch, itl_ctx, gbps) * 1e3, f"context ~{itl_ctx}"))
+            if after is not None:
+                after(llm, itl)
+        finally:
+            if llm is not None:
+                llm.shutdown()
+
+
+def throughput_phases(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, model: str, cost: ModelCost,
+                      spec: ModelSpec, gbps: float, tflops: float | None, flags: dict[str, Any]) -> None:
+    """Offline throughput and TTFT on one engine of the model's dtype with the default graphs."""
+    import numpy as np
+
+    from noria import LLM
+
+    vocab, rng = _prompt_vocab(spec), np.random.default_rng(args.seed + 2)
+    max_len = flags["max_model_len"]
     llm: Any = None
     try:
         with b.phase("throughput") as go:
@@ -85,33 +135,38 @@ def noria_phases(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes,
                     floor, bound = prefill_floor(cost, p, gbps, tflops)
                     rep.add(Row("ttft", f"TTFT {p}-token prompt", seconds * 1e3, "ms", floor * 1e3,
                                 f"{bound}-bound floor"))
-        with b.phase("itl") as go:
-            if go:
-                llm = llm or LLM(model, **flags)
-                for batch in sizes.itl_batches:
-                    s = _itl(lambda ps, n: _noria_run(llm, ps, n), rng, batch, sizes, vocab)
-                    rep.add(Row("itl", f"ITL batch {batch} ({mode})", s * 1e3, "ms",
-                                itl_floor(cost, batch, itl_ctx, gbps) * 1e3, f"context ~{itl_ctx}"))
     finally:
         if llm is not None:
             llm.shutdown()
-    llm = None
+
+
+def eager_phase(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, model: str, cost: ModelCost,
+                spec: ModelSpec, gbps: float, flags: dict[str, Any]) -> None:
+    import numpy as np
+
+    from noria import LLM
+    from noria.protocol.config import EngineConfig
+
+    vocab, rng = _prompt_vocab(spec), np.random.default_rng(args.seed + 3)
+    itl_ctx = sizes.itl_prompt + sizes.itl_tokens // 2
     with b.phase("eager") as go:
-        if go:
-            if not has_eager:
-                rep.add(Row("eager", "graphs vs eager", None, "", None, "this engine has no enforce_eager flag"))
-            else:
-                try:
-                    start = time.perf_counter()
-                    llm = LLM(model, **flags, enforce_eager=True)
-                    rep.add(Row("eager", "engine start (eager)", time.perf_counter() - start, "s"))
-                    for batch in sizes.itl_batches:
-                        s = _itl(lambda ps, n: _noria_run(llm, ps, n), rng, batch, sizes, vocab)
-                        rep.add(Row("eager", f"ITL batch {batch} (eager)", s * 1e3, "ms",
-                                    itl_floor(cost, batch, itl_ctx, gbps) * 1e3, f"context ~{itl_ctx}"))
-                finally:
-                    if llm is not None:
-                        llm.shutdown()
+        if not go:
+            return
+        if "enforce_eager" not in EngineConfig.__struct_fields__:
+            rep.add(Row("eager", "graphs vs eager", None, "", None, "this engine has no enforce_eager flag"))
+            return
+        llm = None
+        try:
+            start = time.perf_counter()
+            llm = LLM(model, **decode_flags(flags, sizes), enforce_eager=True)
+            rep.add(Row("eager", "engine start (eager)", time.perf_counter() - start, "s"))
+            for batch in sizes.itl_batches:
+                s = _itl(lambda ps, n: _noria_run(llm, ps, n), rng, batch, sizes, vocab)
+                rep.add(Row("eager", f"ITL batch {batch} (eager)", s * 1e3, "ms",
+                            itl_floor(cost, batch, itl_ctx, gbps) * 1e3, f"context ~{itl_ctx}"))
+        finally:
+            if llm is not None:
+                llm.shutdown()
 
 
 def hf_phase(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, model: str, cost: ModelCost,
@@ -125,8 +180,15 @@ def hf_phase(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, mod
         from transformers.utils import logging
 
         logging.disable_progress_bar()
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype),
-                                                  device_map=dev.type if dev.type == "cuda" else None).eval()
+        dtype = getattr(torch, args.dtype)
+        if any(Path(model).glob("*.safetensors")):
+            hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype,
+                                                      device_map=dev.type if dev.type == "cuda" else None).eval()
+        else:  # a config-only folder (noria's dummy weights): transformers' own random init, on the device
+            from transformers import AutoConfig
+
+            with torch.device(dev):
+                hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model), dtype=dtype).eval()
         rng = np.random.default_rng(args.seed + 1)
         itl_ctx = sizes.itl_prompt + sizes.itl_tokens // 2
 

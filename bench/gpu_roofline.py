@@ -19,16 +19,25 @@ class ModelCost:
     attn_flops_per_pair: int  # QK^T and PV for one (query, key) pair over all layers
 
 
-def model_cost(model: ModelSpec | Mapping[str, Any], dtype_bytes: int = 2) -> ModelCost:
-    """`model`: a spec, or a config dict (a bare dict of sizes is Llama's, see config_spec)."""
+def model_cost(model: ModelSpec | Mapping[str, Any], dtype_bytes: int = 2, linear_bits: int | None = None,
+               scale_group: int | None = None) -> ModelCost:
+    """`model`: a spec, or a config dict (a bare dict of sizes is Llama's, see config_spec).
+    `linear_bits`: the decoder layers' linear weights quantized to this many bits with a float32
+    scale per `scale_group` weights of a row (None: one per row); the embedding, the lm_head and
+    the norms stay in `dtype_bytes`, as --quantization fp8 and compressed-tensors' W4A16 keep them."""
     spec = config_spec(model)
     h, layers, inter, vocab = spec.hidden_size, spec.num_layers, spec.intermediate_size, spec.vocab_size
     heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     per_layer = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h + 3 * h * inter
     matmul_params = layers * per_layer + vocab * h  # lm_head
     params = matmul_params + (0 if spec.tie_word_embeddings else vocab * h) + (2 * layers + 1) * h
+    weight_bytes = params * dtype_bytes
+    if linear_bits is not None:
+        linear = layers * per_layer
+        scale_bytes = linear * 4 / (scale_group or h)
+        weight_bytes = round((params - linear) * dtype_bytes + linear * linear_bits / 8 + scale_bytes)
     return ModelCost(
-        weight_bytes=params * dtype_bytes,
+        weight_bytes=weight_bytes,
         kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype_bytes,
         flops_per_token=2 * matmul_params,
         attn_flops_per_pair=4 * layers * heads * head_dim,

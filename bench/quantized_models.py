@@ -18,6 +18,9 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "w4a16": {"weights": {"num_bits": 4, "strategy": "group", "group_size": 128}},
     "w4a16_g32": {"weights": {"num_bits": 4, "strategy": "group", "group_size": 32}},
     "w4a16_g64_asym": {"weights": {"num_bits": 4, "strategy": "group", "group_size": 64, "symmetric": False}},
+    # llm-compressor's FP8_DYNAMIC: e4m3 channel weights, activations e4m3 per token on the fly.
+    "fp8": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}},
 }
 
 

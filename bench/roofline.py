@@ -147,7 +147,7 @@ def _quantized(spec: ModelSpec) -> dict[str, Any]:
     """The Shape fields of a quantized checkpoint: the decoder layers' bytes per weight averaged
     over every linear module by its size (GGUF mixes types), the lm_head's, and the arithmetic
     most of the layers' weights run (int8 where activations are rounded to int8: W8A8, and 4- and
-    8-bit weight-only schemes on a CPU unless $NORIA_CPU_W4A16); none for float weights."""
+    8-bit integer weight-only schemes on a CPU unless $NORIA_CPU_W4A16); none for float weights."""
     q = spec.quantization
     if q is None:
         return {}
@@ -167,7 +167,8 @@ def _quantized(spec: ModelSpec) -> dict[str, Any]:
                 weighted += n * DTYPE_BYTES.get(spec.dtype or "float32", 4)
                 continue
             weighted += n * _scheme_bytes(scheme, cols)
-            if scheme.act_int8 or (scheme.bits in (4, 8) and not switches.cpu_w4a16()):
+            # fp8 weights widen to float32 FMAs on a CPU (worker/gemm_fp8_kernels.py).
+            if scheme.kind != "fp8" and (scheme.act_int8 or (scheme.bits in (4, 8) and not switches.cpu_w4a16())):
                 int8 += n
     head = q.scheme_for("lm_head")
     return {"layer_weight_bytes": weighted / total, "layer_compute": "int8" if int8 > total / 2 else "float32",

@@ -146,6 +146,6 @@ CHECKPOINTS: dict[str, Callable[[], Path]] = {
     "small": small_checkpoint, "serving": serving_checkpoint, "qwen3-moe-small": qwen3_moe_small_checkpoint,
     "llama-1b": llama_1b_checkpoint, "llama-3b": llama_3b_checkpoint}
 CHECKPOINTS.update({f"{base}-{scheme}": _quantized(base, scheme)
-                    for base in ("small", "serving", "llama-1b") for scheme in ("w8a8", "w4a16")})
+                    for base in ("small", "serving", "llama-1b") for scheme in ("w8a8", "w4a16", "fp8")})
 CHECKPOINTS.update({f"{base}-{outtype}": _gguf(base, outtype)
                     for base in ("small", "serving", "llama-1b") for outtype in GGUF_TYPES})

@@ -8,8 +8,36 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from noria.kernels.instances import AttentionConfig
+
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SLOT_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
+# The fp8 KV cache's dtype (worker/kv_fp8.py): e4m3 bytes, read as fp8 * the layer's scale.
+FP8 = torch.float8_e4m3fn
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8
+
+
+def cache_scales(cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[np.float32, np.float32]:
+    """The kernels' (k_scale, v_scale) arguments: the layer's for an fp8 cache, 1 for another
+    (whose values are stored as they are)."""
+    if not is_fp8_cache(cache):
+        return np.float32(1.0), np.float32(1.0)
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not 0.0 < float(value) < float("inf"):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return np.float32(k_scale), np.float32(v_scale)
+
+
+def attention_config(query: torch.Tensor, k_cache: torch.Tensor, head_dim: int, block_size: int) -> AttentionConfig:
+    """The instance configuration of an attention launch: the query's dtype, over a cache of
+    that dtype or an fp8 one."""
+    if not is_fp8_cache(k_cache) and k_cache.dtype != query.dtype:
+        raise TypeError(f"query ({query.dtype}) and KV cache ({k_cache.dtype}) dtypes differ; the cache is "
+                        "the query's dtype or fp8")
+    return AttentionConfig(dtype_name(query), head_dim, block_size, kv_fp8=is_fp8_cache(k_cache))
 
 
 def dtype_name(t: torch.Tensor) -> str:

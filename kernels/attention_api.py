@@ -43,6 +43,10 @@ class LayerAttention:
     # Gemma 2's attention logit soft-capping: every score s becomes cap * tanh(s / cap)
     # before the softmax (None: scores as they are).
     logits_soft_cap: float | None = None
+    # An fp8 KV cache's scales (worker/kv_fp8.py): a cached K value reads as fp8 * k_scale, V as
+    # fp8 * v_scale; other cache dtypes ignore them.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 class AttentionBackend(Protocol):

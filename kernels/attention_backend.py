@@ -9,6 +9,9 @@ a layer (a head size, dtype or block size with no instance); such layers go to `
 reaches a kernel that was not built for it. `warm_up` compiles the modules a model needs at
 start-up instead of at its first step. A decode step that a CUDA graph captures is prepared by
 `prepare_graph` instead: persistent buffers and launches fixed per bucket (kernels/graph_plan.py).
+An fp8 KV cache (--kv-cache-dtype fp8) is written and read by the kernels with each layer's
+k_scale / v_scale; `kv_dtype` (the cache's dtype, given at construction) decides which
+instances a layer needs.
 
 `rotary_attention` takes a layer's fused QKV projection instead: it applies rotary to q and k,
 writes the cache and attends (three launches of torch operators and a cache write become one
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from noria.kernels import fused_ops, instances, ops
+from noria.kernels.arg_checks import FP8
 from noria.kernels.attention_api import AttentionBackend, AttentionMetadata, LayerAttention
 from noria.kernels.backends import KernelBackend, default_backend
 from noria.kernels.graph_plan import GraphDecode, GraphStep
@@ -41,8 +45,10 @@ class _StepTensors:
     fallback_data: Any  # what the fallback's prepare() left in meta.backend_data
 
 
-def unsupported(layer: LayerAttention, dtype: torch.dtype, block_size: int) -> str | None:
-    """Why the kernels cannot run `layer` with this cache dtype and block size, or None when they can."""
+def unsupported(layer: LayerAttention, dtype: torch.dtype, block_size: int,
+                kv_dtype: torch.dtype | None = None) -> str | None:
+    """Why the kernels cannot run `layer` with this model (query) dtype, block size and cache
+    dtype (None: the model's), or None when they can."""
     window = layer.sliding_window
     if window is not None and (not isinstance(window, int) or window < 1):
         return f"sliding window {window!r} (kernels: a positive number of tokens)"
@@ -57,6 +63,10 @@ def unsupported(layer: LayerAttention, dtype: torch.dtype, block_size: int) -> s
         return f"block size {block_size} (kernels: {', '.join(map(str, instances.BLOCK_SIZES))})"
     if layer.num_kv_heads < 1 or layer.num_heads % layer.num_kv_heads:
         return f"{layer.num_heads} query heads do not group evenly over {layer.num_kv_heads} KV heads"
+    if kv_dtype == FP8:
+        return instances.fp8_unsupported(ops.DTYPE_NAMES[dtype], layer.head_dim, block_size)
+    if kv_dtype is not None and kv_dtype != dtype:
+        return f"a {kv_dtype} KV cache under a {dtype} model"
     return None
 
 
@@ -66,21 +76,30 @@ class KernelAttentionBackend:
     # persistent buffers (kernels/graph_plan.py), so CUDA graphs may capture it.
     graph_safe = True
 
-    def __init__(self, fallback: AttentionBackend | None = None, backend: KernelBackend | None = None) -> None:
+    def __init__(self, fallback: AttentionBackend | None = None, backend: KernelBackend | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.fallback = fallback
         self.backend = backend  # None: CuPy for CUDA tensors, the emulator for CPU ones
-        # (layer, dtype, block size) -> why not, or None; decided once per layer shape.
-        self._decisions: dict[tuple[LayerAttention, torch.dtype, int], str | None] = {}
+        self.kv_dtype = kv_dtype  # the KV cache's dtype where it is not the model's (fp8)
+        # (layer, dtype, block size, cache dtype) -> why not, or None; decided once per layer shape.
+        self._decisions: dict[tuple[LayerAttention, torch.dtype, int, torch.dtype | None], str | None] = {}
         self.graph = GraphDecode(backend)
 
-    def supports(self, layer: LayerAttention, dtype: torch.dtype, block_size: int) -> bool:
-        return self.unsupported(layer, dtype, block_size) is None
+    def supports(self, layer: LayerAttention, dtype: torch.dtype, block_size: int,
+                 kv_dtype: torch.dtype | None = None) -> bool:
+        return self.unsupported(layer, dtype, block_size, kv_dtype) is None
 
-    def unsupported(self, layer: LayerAttention, dtype: torch.dtype, block_size: int) -> str | None:
-        key = (layer, dtype, block_size)
+    def unsupported(self, layer: LayerAttention, dtype: torch.dtype, block_size: int,
+                    kv_dtype: torch.dtype | None = None) -> str | None:
+        """unsupported() for a model dtype; the cache's dtype is kv_dtype, else the backend's."""
+        key = (layer, dtype, block_size, kv_dtype or self.kv_dtype)
         if key not in self._decisions:
-            self._decisions[key] = unsupported(layer, dtype, block_size)
+            self._decisions[key] = unsupported(*key)
         return self._decisions[key]
+
+    def _cache_unsupported(self, layer: LayerAttention, dtype: torch.dtype, k_cache: torch.Tensor) -> str | None:
+        """unsupported() for a step's tensors: the query's dtype over this cache."""
+        return self.unsupported(layer, dtype, k_cache.shape[1], k_cache.dtype)
 
     def warm_up(self, layers: Sequence[LayerAttention], dtype: torch.dtype, block_size: int, device: torch.device) -> None:
         """Check the backend and compile every module the supported `layers` need, so that a
@@ -93,9 +112,12 @@ class KernelAttentionBackend:
         head_dims = sorted({la.head_dim for la in layers if self.supports(la, dtype, block_size)})
         if not head_dims:
             return
-        specs = [instances.reshape_module(dtype_name), instances.copy_module(), instances.fused_module(dtype_name)]
+        fp8 = self.kv_dtype == FP8
+        specs = [instances.reshape_module(dtype_name, fp8), instances.copy_module(), instances.fused_module(dtype_name)]
+        if fp8:
+            specs.append(instances.rotary_fp8_module(dtype_name))
         for d in head_dims:
-            cfg = instances.AttentionConfig(dtype_name, d, block_size)
+            cfg = instances.AttentionConfig(dtype_name, d, block_size, kv_fp8=fp8)
             specs += [instances.decode_module(cfg), instances.prefill_module(cfg)]
         for spec in specs:
             for name in spec.names:
@@ -145,7 +167,7 @@ class KernelAttentionBackend:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         step: _StepTensors | GraphStep = meta.backend_data
-        why = self.unsupported(layer, k_cache.dtype, k_cache.shape[1])
+        why = self._cache_unsupported(layer, q.dtype, k_cache)
         if why is not None:
             if self.fallback is None:
                 raise NotImplementedError(f"no kernel for this layer: {why}")
@@ -154,7 +176,8 @@ class KernelAttentionBackend:
                 return self.fallback.forward(layer, q, k, v, k_cache, v_cache, meta)
             finally:
                 meta.backend_data = step
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, backend=self.backend)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=layer.k_scale,
+                              v_scale=layer.v_scale, backend=self.backend)
         return self._attend(layer, q, k_cache, v_cache, step)
 
     def rotary_attention(
@@ -171,10 +194,11 @@ class KernelAttentionBackend:
         on q and k in place with the cache write in one kernel, then the attention kernel.
         None (nothing done) for a layer the kernels do not run; the caller takes the
         unfused path, whose forward() goes to the fallback."""
-        if self.unsupported(layer, k_cache.dtype, k_cache.shape[1]) is not None:
+        if self._cache_unsupported(layer, qkv.dtype, k_cache) is not None:
             return None
         q, _, _ = fused_ops.rotary_qkv_cache(
-            qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, layer.num_heads, backend=self.backend
+            qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, layer.num_heads, k_scale=layer.k_scale,
+            v_scale=layer.v_scale, backend=self.backend
         )
         return self._attend(layer, q, k_cache, v_cache, meta.backend_data)
 
@@ -185,7 +209,7 @@ class KernelAttentionBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if isinstance(step, GraphStep):
             step.attend(out, q, k_cache, v_cache, layer.scale, window=layer.sliding_window,
-                        soft_cap=layer.logits_soft_cap)
+                        soft_cap=layer.logits_soft_cap, k_scale=layer.k_scale, v_scale=layer.v_scale)
             return out
         ops.paged_attention(
             out,
@@ -201,6 +225,8 @@ class KernelAttentionBackend:
             plan=step.plan,
             window=layer.sliding_window,
             soft_cap=layer.logits_soft_cap,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
             backend=self.backend,
         )
         return out

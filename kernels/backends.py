@@ -131,6 +131,8 @@ class EmuBackend(KernelBackend):
         storage = t.untyped_storage()
         if t.dtype == torch.bfloat16:
             t = t.view(torch.int16)  # numpy has no bfloat16; only the address matters
+        elif t.dtype == torch.float8_e4m3fn:
+            t = t.view(torch.uint8)  # nor fp8
         # The storage's extent lets the memory check tell a read past a strided slice (a query
         # slice of a fused QKV row) from a read of some other allocation.
         return tensor_view(t.detach().numpy(), storage.data_ptr(), storage.nbytes())

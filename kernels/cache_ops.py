@@ -10,7 +10,14 @@ import numpy as np
 import torch
 
 from noria.kernels import instances
-from noria.kernels.arg_checks import SLOT_DTYPES, check_cache, check_rows, dtype_name
+from noria.kernels.arg_checks import (
+    SLOT_DTYPES,
+    cache_scales,
+    check_cache,
+    check_rows,
+    dtype_name,
+    is_fp8_cache,
+)
 from noria.kernels.backends import KernelBackend, default_backend
 from noria.kernels.launch_plan import block_threads
 
@@ -22,14 +29,21 @@ def reshape_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     backend: KernelBackend | None = None,
 ) -> None:
-    """Write key[t] / value[t] ([tokens, num_kv_heads, head_dim]) into slot slot_mapping[t]."""
+    """Write key[t] / value[t] ([tokens, num_kv_heads, head_dim]) into slot slot_mapping[t]. An
+    fp8 cache (float8_e4m3fn, 16-bit keys and values) stores fp8(key / k_scale) and
+    fp8(value / v_scale), saturated to +-448 and rounded to nearest even (worker/kv_fp8.py's
+    quantize); other caches store the values as they are and ignore the scales."""
     _, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
     check_rows("key", key, num_kv_heads, head_dim)
     check_rows("value", value, num_kv_heads, head_dim)
-    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
-        raise TypeError("key, value and the caches must share one dtype")
+    kv_fp8 = is_fp8_cache(k_cache)
+    if key.dtype != value.dtype or (key.dtype != k_cache.dtype and not kv_fp8):
+        raise TypeError("key, value and the caches must share one dtype (or the caches are fp8)")
+    scales = cache_scales(k_cache, k_scale, v_scale)
     if slot_mapping.dtype not in SLOT_DTYPES or slot_mapping.dim() != 1:
         raise ValueError("slot_mapping must be a 1-D int32 or int64 tensor")
     num_tokens = key.shape[0]
@@ -38,9 +52,11 @@ def reshape_and_cache(
     if num_tokens == 0:
         return  # a zero-sized grid is a launch error on a GPU
     be = backend if backend is not None else default_backend(k_cache.device)
-    dtype = dtype_name(k_cache)
-    spec = instances.reshape_module(dtype)
-    kern = be.kernel(spec, instances.reshape_name(dtype, SLOT_DTYPES[slot_mapping.dtype]))
+    dtype = dtype_name(key)
+    if kv_fp8 and dtype not in instances.TENSOR_CORE_DTYPES:
+        raise TypeError(f"an fp8 cache takes float16 / bfloat16 keys and values, got {key.dtype}")
+    spec = instances.reshape_module(dtype, kv_fp8)
+    kern = be.kernel(spec, instances.reshape_name(dtype, SLOT_DTYPES[slot_mapping.dtype], kv_fp8))
     row = num_kv_heads * head_dim
     with be.launch_context(k_cache.device):
         kern(
@@ -55,6 +71,7 @@ def reshape_and_cache(
                 np.int32(key.stride(0)),
                 np.int32(value.stride(0)),
                 np.int32(row),
+                *scales,
             ),
         )
 

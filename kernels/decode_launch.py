@@ -13,7 +13,12 @@ import numpy as np
 import torch
 
 from noria.kernels import instances
-from noria.kernels.arg_checks import check_attention_args, check_window, dtype_name
+from noria.kernels.arg_checks import (
+    attention_config,
+    cache_scales,
+    check_attention_args,
+    check_window,
+)
 from noria.kernels.backends import KernelBackend, default_backend
 from noria.kernels.instances import AttentionConfig, ModuleSpec
 from noria.kernels.launch_plan import (
@@ -44,6 +49,8 @@ def paged_attention_decode(
     seq_lens_host: Sequence[int] | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     backend: KernelBackend | None = None,
 ) -> None:
     """One query token per sequence: out[s] = softmax(scale * q[s] K^T) V over the first
@@ -58,7 +65,9 @@ def paged_attention_decode(
     max(seq_lens); computed with a device sync if omitted) sizes its split-K grid, split=None
     lets choose_num_partitions decide, True / False force split-K (partitions of
     partition_size tokens) or a single pass. A window splits by the keys it covers, not the
-    context: a long sliding-window context costs its window."""
+    context: a long sliding-window context costs its window. An fp8 cache (float8_e4m3fn, with
+    float16 / bfloat16 queries) reads as fp8 * k_scale and fp8 * v_scale; other caches ignore
+    the scales."""
     block_size, num_kv_heads, head_dim = check_attention_args(out, query, k_cache, v_cache, block_tables, seq_lens)
     window_args = check_window(window, soft_cap)
     num_seqs, num_heads = query.shape[0], query.shape[1]
@@ -66,11 +75,12 @@ def paged_attention_decode(
         return
     if partition_size % block_size != 0:
         raise ValueError("partition_size must be a multiple of the block size")
-    cfg = AttentionConfig(dtype_name(k_cache), head_dim, block_size)
+    cfg = attention_config(query, k_cache, head_dim, block_size)
     be = backend if backend is not None else default_backend(k_cache.device)
     if instances.uses_gqa_decode(cfg):
         plan = _gqa_plan(be, query, k_cache, seq_lens, seq_lens_host, split, partition_size, window)
-        _launch_gqa_decode(be, cfg, out, query, k_cache, v_cache, block_tables, seq_lens, scale, plan, window_args)
+        _launch_gqa_decode(be, cfg, out, query, k_cache, v_cache, block_tables, seq_lens, scale, plan,
+                           (*window_args, *cache_scales(k_cache, k_scale, v_scale)))
         return
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
@@ -161,10 +171,10 @@ def _work_layout(parts: tuple[int, ...], device: torch.device) -> tuple[torch.Te
 def _launch_gqa_decode(
     be: KernelBackend, cfg: AttentionConfig, out: torch.Tensor, query: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, plan: DecodePlan, window_args: tuple[np.int32, np.float32],
+    seq_lens: torch.Tensor, scale: float, plan: DecodePlan, tail_args: tuple[Any, ...],
 ) -> None:
     """The tensor-core decode kernel over the plan's work items, then the merge kernel for the
-    sequences it split."""
+    sequences it split. tail_args: (window, soft_cap, k_scale, v_scale)."""
     num_seqs, num_heads, head_dim = out.shape
     num_kv_heads = k_cache.shape[2]
     head_groups = -(-(num_heads // num_kv_heads) // GQA_ROWS)
@@ -195,7 +205,7 @@ def _launch_gqa_decode(
                 be.ptr(seq_lens), be.ptr(work_seq), be.ptr(part_start), np.float32(scale),
                 np.int32(num_heads), np.int32(num_kv_heads), np.int32(query.stride(0)),
                 np.int32(block_tables.stride(0)), np.int32(min(plan.chunk, SINGLE_PARTITION)),
-                *window_args,
+                *tail_args,
             ),
         )
         if split:

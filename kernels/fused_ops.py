@@ -14,7 +14,13 @@ import numpy as np
 import torch
 
 from noria.kernels import instances
-from noria.kernels.arg_checks import SLOT_DTYPES, check_cache, dtype_name
+from noria.kernels.arg_checks import (
+    SLOT_DTYPES,
+    cache_scales,
+    check_cache,
+    dtype_name,
+    is_fp8_cache,
+)
 from noria.kernels.backends import KernelBackend, default_backend
 from noria.kernels.launch_plan import block_threads
 
@@ -141,6 +147,8 @@ def rotary_qkv_cache(
     slot_mapping: torch.Tensor,
     num_heads: int,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     backend: KernelBackend | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Neox rotary embedding (rotate halves) of the q and k heads of a fused QKV projection
@@ -150,7 +158,8 @@ def rotary_qkv_cache(
     rotary_dim, their width times two, may be less than head_dim (partial rotary: the first
     rotary_dim dims of each head rotate, the others pass through).
     Returns q [tokens, num_heads, head_dim], k and v [tokens, num_kv_heads, head_dim]: views
-    of qkv, as the attention kernels take them."""
+    of qkv, as the attention kernels take them. An fp8 cache (float16 / bfloat16 qkv) stores
+    fp8(k / k_scale) and fp8(v / v_scale) as reshape_and_cache does."""
     _, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
     _check_rows("qkv", qkv, (num_heads + 2 * num_kv_heads) * head_dim)
     dtype = dtype_name(qkv)
@@ -167,8 +176,12 @@ def rotary_qkv_cache(
                              f"token, got {tuple(t.shape)}")
     if cos2.stride(0) != sin2.stride(0):
         raise ValueError("cos and sin must share one row stride")
-    if any(t.dtype != qkv.dtype for t in (cos2, sin2, k_cache)):
-        raise TypeError("qkv, cos, sin and the caches must share one dtype")
+    kv_fp8 = is_fp8_cache(k_cache)
+    if any(t.dtype != qkv.dtype for t in (cos2, sin2)) or (k_cache.dtype != qkv.dtype and not kv_fp8):
+        raise TypeError("qkv, cos, sin and the caches must share one dtype (or the caches are fp8)")
+    if kv_fp8 and dtype not in instances.TENSOR_CORE_DTYPES:
+        raise TypeError(f"an fp8 cache takes float16 / bfloat16 qkv, got {qkv.dtype}")
+    scales = cache_scales(k_cache, k_scale, v_scale)
     if slot_mapping.dtype not in SLOT_DTYPES or slot_mapping.dim() != 1 or slot_mapping.shape[0] < tokens:
         raise ValueError("slot_mapping must be a 1-D int32 or int64 tensor with a slot per token")
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -178,7 +191,8 @@ def rotary_qkv_cache(
     if tokens == 0:
         return q, k, v
     be = backend if backend is not None else default_backend(qkv.device)
-    kern = be.kernel(instances.fused_module(dtype), instances.rotary_name(dtype, SLOT_DTYPES[slot_mapping.dtype]))
+    spec = instances.rotary_fp8_module(dtype) if kv_fp8 else instances.fused_module(dtype)
+    kern = be.kernel(spec, instances.rotary_name(dtype, SLOT_DTYPES[slot_mapping.dtype], kv_fp8))
     with be.launch_context(qkv.device):
         kern(
             (tokens,),
@@ -196,6 +210,7 @@ def rotary_qkv_cache(
                 np.int32(num_kv_heads),
                 np.int32(head_dim),
                 np.int32(rot_half),
+                *scales,
             ),
         )
     return q, k, v

@@ -33,7 +33,12 @@ import numpy as np
 import torch
 
 from noria.kernels import instances, ops
-from noria.kernels.arg_checks import check_attention_args, check_window, dtype_name
+from noria.kernels.arg_checks import (
+    attention_config,
+    cache_scales,
+    check_attention_args,
+    check_window,
+)
 from noria.kernels.backends import KernelBackend, default_backend
 from noria.kernels.instances import AttentionConfig
 from noria.kernels.launch_plan import (
@@ -97,9 +102,11 @@ class GraphStep:
 
     def attend(
         self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        scale: float, *, window: int | None = None, soft_cap: float | None = None,
+        scale: float, *, window: int | None = None, soft_cap: float | None = None, k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        self.owner.attend(self, out, query, k_cache, v_cache, scale, window=window, soft_cap=soft_cap)
+        self.owner.attend(self, out, query, k_cache, v_cache, scale, window=window, soft_cap=soft_cap,
+                          k_scale=k_scale, v_scale=v_scale)
 
 
 @dataclass(eq=False)
@@ -173,9 +180,11 @@ class GraphDecode:
     def attend(
         self, step: GraphStep, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
         v_cache: torch.Tensor, scale: float, *, window: int | None = None, soft_cap: float | None = None,
+        k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> None:
         """One query per row (rows = the bucket size): out[s] = attention of query[s] over the
-        first seq_lens[s] keys of row s, as ops.paged_attention_decode computes it."""
+        first seq_lens[s] keys of row s, as ops.paged_attention_decode computes it (an fp8
+        cache read with its scales)."""
         block_size, num_kv_heads, head_dim = check_attention_args(
             out, query, k_cache, v_cache, step.block_tables, step.seq_lens)
         window_args = check_window(window, soft_cap)
@@ -186,7 +195,7 @@ class GraphDecode:
             raise ValueError(f"{rows} query rows for a bucket of {step.rows}")
         device = k_cache.device
         be = self.backend or default_backend(device)
-        cfg = AttentionConfig(dtype_name(k_cache), head_dim, block_size)
+        cfg = attention_config(query, k_cache, head_dim, block_size)
         launch = self._launch(be, step, cfg, num_heads, num_kv_heads, window, device)
         split = launch.split
         spec = instances.decode_module(cfg)
@@ -212,6 +221,7 @@ class GraphDecode:
                         be.ptr(step.seq_lens), be.ptr(launch.work_seq), be.ptr(launch.part_start),
                         np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads), np.int32(query.stride(0)),
                         np.int32(step.block_tables.stride(0)), np.int32(split.size), *window_args,
+                        *cache_scales(k_cache, k_scale, v_scale),
                     ),
                 )
                 if split.parts > 1:

@@ -17,17 +17,37 @@ DECODE_GQA = "decode_attention_gqa.cu"
 PREFILL = "prefill_attention.cu"
 PREFILL_TC = "prefill_attention_tc.cu"
 FUSED = "fused_ops.cu"
-SOURCES: tuple[str, ...] = (CACHE_OPS, DECODE, DECODE_GQA, PREFILL, PREFILL_TC, FUSED)
+GEMM_W4A16 = "gemm_w4a16.cu"
+SOURCES: tuple[str, ...] = (CACHE_OPS, DECODE, DECODE_GQA, PREFILL, PREFILL_TC, FUSED, GEMM_W4A16)
 # Dtypes whose decode runs on tensor cores (decode_attention_gqa.cu); float32 keeps the
 # CUDA-core kernel (decode_attention.cu).
 TENSOR_CORE_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
+# The fp8 (e4m3) KV cache's element type in the kernels (csrc/fp8.cuh: noria::fp8_e4m3).
+FP8_CTYPE = "unsigned char"
+# Attention over an fp8 cache is built for the tensor-core kernels (16-bit queries) only, for
+# the common head sizes and block sizes (few instances: each adds to every compile check); a
+# layer outside them keeps its fp8 cache on the torch backend.
+FP8_HEAD_SIZES: tuple[int, ...] = (64, 128)
+FP8_BLOCK_SIZES: tuple[int, ...] = (16, 32)
+
+
+def fp8_unsupported(dtype: str, head_dim: int, block_size: int) -> str | None:
+    """Why attention over an fp8 cache has no instance for these, or None."""
+    if dtype not in TENSOR_CORE_DTYPES:
+        return f"{dtype} queries over an fp8 KV cache (kernels: {', '.join(TENSOR_CORE_DTYPES)})"
+    if head_dim not in FP8_HEAD_SIZES:
+        return f"head size {head_dim} with an fp8 KV cache (kernels: {', '.join(map(str, FP8_HEAD_SIZES))})"
+    if block_size not in FP8_BLOCK_SIZES:
+        return f"block size {block_size} with an fp8 KV cache (kernels: {', '.join(map(str, FP8_BLOCK_SIZES))})"
+    return None
 
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    dtype: str  # a key of DTYPES
+    dtype: str  # a key of DTYPES: the queries' and outputs' (and a 16-bit cache's) type
     head_dim: int
     block_size: int
+    kv_fp8: bool = False  # the KV cache holds e4m3 bytes with per-layer K / V scales
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -36,10 +56,17 @@ class AttentionConfig:
             raise ValueError(f"unsupported head size {self.head_dim}; one of {HEAD_SIZES}")
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"unsupported block size {self.block_size}; one of {BLOCK_SIZES}")
+        if self.kv_fp8 and fp8_unsupported(self.dtype, self.head_dim, self.block_size):
+            raise ValueError(f"no fp8 KV cache instance: {fp8_unsupported(self.dtype, self.head_dim, self.block_size)}")
 
     @property
     def ctype(self) -> str:
         return DTYPES[self.dtype]
+
+    @property
+    def cache_arg(self) -> str:
+        """The cache type's template argument where it is not the query type's default."""
+        return f", {FP8_CTYPE}" if self.kv_fp8 else ""
 
 
 @dataclass(frozen=True)
@@ -59,7 +86,7 @@ def reduce_name(cfg: AttentionConfig) -> str:
 
 
 def decode_gqa_name(cfg: AttentionConfig) -> str:
-    return f"paged_attention_decode_gqa<{cfg.ctype}, {cfg.head_dim}, {cfg.block_size}>"
+    return f"paged_attention_decode_gqa<{cfg.ctype}, {cfg.head_dim}, {cfg.block_size}{cfg.cache_arg}>"
 
 
 def decode_gqa_merge_name(cfg: AttentionConfig) -> str:
@@ -75,7 +102,7 @@ def prefill_name(cfg: AttentionConfig) -> str:
 
 
 def prefill_tc_name(cfg: AttentionConfig) -> str:
-    return f"paged_attention_prefill_tc<{cfg.ctype}, {cfg.head_dim}, {cfg.block_size}>"
+    return f"paged_attention_prefill_tc<{cfg.ctype}, {cfg.head_dim}, {cfg.block_size}{cfg.cache_arg}>"
 
 
 def uses_tc_prefill(cfg: AttentionConfig) -> bool:
@@ -84,8 +111,9 @@ def uses_tc_prefill(cfg: AttentionConfig) -> bool:
     return cfg.dtype in TENSOR_CORE_DTYPES
 
 
-def reshape_name(dtype: str, slot_type: str) -> str:
-    return f"reshape_and_cache<{DTYPES[dtype]}, {SLOT_TYPES[slot_type]}>"
+def reshape_name(dtype: str, slot_type: str, kv_fp8: bool = False) -> str:
+    cache = f", {FP8_CTYPE}" if kv_fp8 else ""
+    return f"reshape_and_cache<{DTYPES[dtype]}, {SLOT_TYPES[slot_type]}{cache}>"
 
 
 def copy_name(unit_bytes: int) -> str:
@@ -106,8 +134,8 @@ def prefill_module(cfg: AttentionConfig) -> ModuleSpec:
     return ModuleSpec(PREFILL, (prefill_name(cfg),))
 
 
-def reshape_module(dtype: str) -> ModuleSpec:
-    return ModuleSpec(CACHE_OPS, tuple(reshape_name(dtype, s) for s in SLOT_TYPES))
+def reshape_module(dtype: str, kv_fp8: bool = False) -> ModuleSpec:
+    return ModuleSpec(CACHE_OPS, tuple(reshape_name(dtype, s, kv_fp8) for s in SLOT_TYPES))
 
 
 def copy_module() -> ModuleSpec:
@@ -127,8 +155,9 @@ def silu_and_mul_name(dtype: str, vec: int) -> str:
     return f"silu_and_mul<{DTYPES[dtype]}, {vec}>"
 
 
-def rotary_name(dtype: str, slot_type: str) -> str:
-    return f"rotary_qkv_cache<{DTYPES[dtype]}, {SLOT_TYPES[slot_type]}>"
+def rotary_name(dtype: str, slot_type: str, kv_fp8: bool = False) -> str:
+    cache = f", {FP8_CTYPE}" if kv_fp8 else ""
+    return f"rotary_qkv_cache<{DTYPES[dtype]}, {SLOT_TYPES[slot_type]}{cache}>"
 
 
 def fused_module(dtype: str) -> ModuleSpec:
@@ -145,16 +174,58 @@ def fused_module(dtype: str) -> ModuleSpec:
     )
 
 
+def rotary_fp8_module(dtype: str) -> ModuleSpec:
+    """Rotary + the write into an fp8 KV cache, per slot type: a module of its own, so that a
+    model with a 16-bit cache compiles none of it."""
+    return ModuleSpec(FUSED, tuple(rotary_name(dtype, s, True) for s in SLOT_TYPES))
+
+
+# Row tiles (16 rows each) of the tensor-core W4A16 GEMM: one for decode (M <= 16), four for
+# prefill, where each weight word loaded feeds four times the mma's.
+W4A16_M_TILES: tuple[int, ...] = (1, 4)
+
+
+def gemm_w4a16_tc_name(dtype: str, m_tiles: int) -> str:
+    return f"gemm_w4a16_tc<{DTYPES[dtype]}, {m_tiles}>"
+
+
+def gemm_w4a16_simt_name(dtype: str) -> str:
+    return f"gemm_w4a16_simt<{DTYPES[dtype]}>"
+
+
+def gemm_w4a16_reduce_name(dtype: str) -> str:
+    return f"gemm_w4a16_reduce<{DTYPES[dtype]}>"
+
+
+def gemm_w4a16_module(dtype: str) -> ModuleSpec:
+    """A dtype's W4A16 GEMMs: tensor cores for 16-bit activations, CUDA cores for float32; the
+    split-K reduce."""
+    if dtype in TENSOR_CORE_DTYPES:
+        main = tuple(gemm_w4a16_tc_name(dtype, t) for t in W4A16_M_TILES)
+    else:
+        main = (gemm_w4a16_simt_name(dtype),)
+    return ModuleSpec(GEMM_W4A16, (*main, gemm_w4a16_reduce_name(dtype)))
+
+
 def all_configs() -> list[AttentionConfig]:
     return [AttentionConfig(d, h, b) for d in DTYPES for h in HEAD_SIZES for b in BLOCK_SIZES]
+
+
+def fp8_configs() -> list[AttentionConfig]:
+    """The attention configurations with an fp8 KV cache."""
+    return [AttentionConfig(d, h, b, kv_fp8=True) for d in TENSOR_CORE_DTYPES for h in FP8_HEAD_SIZES
+            for b in FP8_BLOCK_SIZES]
 
 
 def all_instances() -> dict[str, tuple[str, ...]]:
     """Every name expression of every source, for the compile check."""
     out: dict[str, list[str]] = {s: [] for s in SOURCES}
-    for cfg in all_configs():
+    for cfg in (*all_configs(), *fp8_configs()):
         for spec in (decode_module(cfg), prefill_module(cfg)):
             out[spec.source].extend(n for n in spec.names if n not in out[spec.source])
-    for spec in (*(reshape_module(d) for d in DTYPES), copy_module(), *(fused_module(d) for d in DTYPES)):
+    for spec in (*(reshape_module(d) for d in DTYPES), copy_module(), *(fused_module(d) for d in DTYPES),
+                 *(reshape_module(d, True) for d in TENSOR_CORE_DTYPES),
+                 *(rotary_fp8_module(d) for d in TENSOR_CORE_DTYPES),
+                 *(gemm_w4a16_module(d) for d in DTYPES)):
         out[spec.source].extend(n for n in spec.names if n not in out[spec.source])
     return {s: tuple(v) for s, v in out.items()}

@@ -94,13 +94,16 @@ def paged_attention(
     plan: StepPlan | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     backend: KernelBackend | None = None,
 ) -> None:
     """One step's attention. Every sequence brings one token: the decode kernel (query row s is
     sequence s). A mixed step with a plan and a 16-bit cache: the decode kernel over the
     one-token sequences and the tensor-core prefill kernel over the others, neither launching a
     CTA for the other's rows. Otherwise (no plan, or float32) the ragged prefill kernel over
-    everything; it computes decode rows too."""
+    everything; it computes decode rows too. An fp8 cache reads as fp8 * k_scale and
+    fp8 * v_scale (other caches ignore the scales)."""
     if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
         paged_attention_decode(
             out,
@@ -114,13 +117,15 @@ def paged_attention(
             seq_lens_host=plan.seq_lens if plan is not None else None,
             window=window,
             soft_cap=soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
             backend=backend,
         )
         return
     mixed = (
         plan is not None
         and plan.decode_seq_index is not None
-        and DTYPE_NAMES.get(k_cache.dtype) in instances.TENSOR_CORE_DTYPES
+        and DTYPE_NAMES.get(query.dtype) in instances.TENSOR_CORE_DTYPES
     )
     paged_attention_prefill(
         out,
@@ -136,18 +141,21 @@ def paged_attention(
         skip_decode=mixed,
         window=window,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
         backend=backend,
     )
     if mixed:
         assert plan is not None
         _decode_rows(out, query, k_cache, v_cache, block_tables, seq_lens, scale, plan, backend,
-                     window=window, soft_cap=soft_cap)
+                     window=window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
 
 
 def _decode_rows(
     out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, plan: StepPlan,
-    backend: KernelBackend | None, *, window: int | None, soft_cap: float | None,
+    backend: KernelBackend | None, *, window: int | None, soft_cap: float | None, k_scale: float,
+    v_scale: float,
 ) -> None:
     """The decode kernel over a mixed step's one-token sequences: views of the step's tensors
     when those sequences are consecutive, else gathered rows scattered back into `out`."""
@@ -157,7 +165,7 @@ def _decode_rows(
         paged_attention_decode(
             out[tokens], query[tokens], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale,
             max_seq_len=max(lens_host), seq_lens_host=lens_host, window=window, soft_cap=soft_cap,
-            backend=backend,
+            k_scale=k_scale, v_scale=v_scale, backend=backend,
         )
         return
     assert isinstance(seqs, torch.Tensor) and isinstance(tokens, torch.Tensor)
@@ -165,6 +173,6 @@ def _decode_rows(
     paged_attention_decode(
         dec_out, query.index_select(0, tokens), k_cache, v_cache, block_tables.index_select(0, seqs),
         seq_lens.index_select(0, seqs), scale, max_seq_len=max(lens_host), seq_lens_host=lens_host,
-        window=window, soft_cap=soft_cap, backend=backend,
+        window=window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, backend=backend,
     )
     out.index_copy_(0, tokens, dec_out)

@@ -9,9 +9,14 @@ import numpy as np
 import torch
 
 from noria.kernels import instances
-from noria.kernels.arg_checks import check_attention_args, check_int32, check_window, dtype_name
+from noria.kernels.arg_checks import (
+    attention_config,
+    cache_scales,
+    check_attention_args,
+    check_int32,
+    check_window,
+)
 from noria.kernels.backends import KernelBackend, default_backend
-from noria.kernels.instances import AttentionConfig
 from noria.kernels.launch_plan import NUM_THREADS, PREFILL_TILE, StepPlan, plan_step
 
 
@@ -30,6 +35,8 @@ def paged_attention_prefill(
     skip_decode: bool = False,
     window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     backend: KernelBackend | None = None,
 ) -> None:
     """Ragged causal attention: the query tokens query_start_loc[s]:query_start_loc[s+1] of
@@ -40,7 +47,9 @@ def paged_attention_prefill(
     float16 / bfloat16 run the tensor-core kernel over a flat work list (from `plan`, else
     from query_start_loc with a device sync); skip_decode (with a plan) leaves the rows of
     one-token sequences unwritten, for the decode kernel. float32 runs the CUDA-core kernel
-    over every sequence (max_query_len sizes its grid)."""
+    over every sequence (max_query_len sizes its grid). An fp8 cache (float8_e4m3fn, with
+    float16 / bfloat16 queries: the tensor-core kernel) reads as fp8 * k_scale and
+    fp8 * v_scale; other caches ignore the scales."""
     block_size, num_kv_heads, head_dim = check_attention_args(out, query, k_cache, v_cache, block_tables, seq_lens)
     window_args = check_window(window, soft_cap)
     num_tokens, num_heads = query.shape[0], query.shape[1]
@@ -53,7 +62,7 @@ def paged_attention_prefill(
     if num_tokens == 0 or num_seqs == 0:
         return
     be = backend if backend is not None else default_backend(k_cache.device)
-    cfg = AttentionConfig(dtype_name(k_cache), head_dim, block_size)
+    cfg = attention_config(query, k_cache, head_dim, block_size)
     if instances.uses_tc_prefill(cfg):
         if plan is None:
             lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
@@ -70,7 +79,7 @@ def paged_attention_prefill(
                     be.ptr(out), be.ptr(query), be.ptr(k_cache), be.ptr(v_cache), be.ptr(block_tables),
                     be.ptr(seq_lens), be.ptr(query_start_loc), be.ptr(work), np.float32(scale),
                     np.int32(num_heads), np.int32(query.stride(0)), np.int32(block_tables.stride(0)),
-                    *window_args,
+                    *window_args, *cache_scales(k_cache, k_scale, v_scale),
                 ),
             )
         return

@@ -11,6 +11,20 @@ from collections.abc import Sequence
 
 import torch
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def fp8_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an fp8 KV cache stores for x: fp8(x / scale), divided in float32, saturated to
+    +-448 (NaN stays NaN), rounded to nearest even (worker/kv_fp8.py's quantize)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def fp8_dequantize(cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an fp8 cache's bytes read as, in float64: the exact e4m3 value times the scale."""
+    return cache.double() * scale
+
 
 def reshape_and_cache(
     key: torch.Tensor,
@@ -18,14 +32,22 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
+    """An fp8 cache stores fp8_quantize(key, k_scale) and fp8_quantize(value, v_scale); other
+    caches store the values as they are."""
     num_tokens = key.shape[0]
     slots = slot_mapping[:num_tokens].long()
     keep = slots >= 0
     rows_k = k_cache.view(-1, *k_cache.shape[2:])
     rows_v = v_cache.view(-1, *v_cache.shape[2:])
-    rows_k[slots[keep]] = key[keep].to(k_cache.dtype)
-    rows_v[slots[keep]] = value[keep].to(v_cache.dtype)
+    if k_cache.dtype == FP8:
+        key, value = fp8_quantize(key, k_scale), fp8_quantize(value, v_scale)
+        rows_k, rows_v = rows_k.view(torch.uint8), rows_v.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+    rows_k[slots[keep]] = key[keep].to(rows_k.dtype)
+    rows_v[slots[keep]] = value[keep].to(rows_v.dtype)
 
 
 def gather_kv(
@@ -151,3 +173,22 @@ def rotary_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.double().chunk(2, dim=-1)
     return gate * torch.sigmoid(gate) * up
+
+
+def gemm_w4a16(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W.T + bias in float64, W[n][k] = (q[n][k] - zero[n][k // group]) * scale[n][k // group]
+    from QuantLinear's unpacked tensors (q int8 [N, K], scale / zero [N, K // group])."""
+    n, k = q.shape
+    w = q.double().view(n, -1, group)
+    if zero is not None:
+        w = w - zero.double()[..., None]
+    w = (w * scale.double()[..., None]).view(n, k)
+    y = x.double() @ w.t()
+    return y if bias is None else y + bias.double()

@@ -31,10 +31,16 @@ class CheckpointError(ValueError):
     """A checkpoint the engine cannot load; the message is one sentence naming what is wrong."""
 
 
-def check_checkpoint(folder: str | Path) -> ModelSpec:
-    """Raise CheckpointError naming the first problem found, or return the checkpoint's spec."""
+def check_checkpoint(folder: str | Path, weights: bool = True) -> ModelSpec:
+    """Raise CheckpointError naming the first problem found, or return the checkpoint's spec.
+    `weights` False (--load-format dummy): config.json alone, the weights are made at load."""
     folder = Path(folder)
     spec = _spec(folder)
+    if not weights:
+        if spec.quantization is not None and spec.quantization.method == "gguf":
+            raise CheckpointError("--load-format dummy makes weights from config.json; a GGUF file brings "
+                                  "its own: drop the flag")
+        return spec
     if spec.quantization is not None and spec.quantization.method == "gguf":
         return _check_gguf(folder, spec)
     sparse = {i for i in range(spec.num_layers) if spec.is_sparse(i)}
@@ -48,7 +54,8 @@ def check_checkpoint(folder: str | Path) -> ModelSpec:
             if want is not None and tuple(shape) != want:
                 raise CheckpointError(f"{file}: tensor {name} has shape {tuple(shape)} but config.json implies "
                                       f"{want}: the weights do not belong to this config")
-    missing = sorted(_required(spec, expected, sparse) - present) + _missing_experts(spec, sparse, present)
+    missing = sorted(_required(spec, expected, sparse) - present)
+    missing += [n for n in _missing_experts(spec, sparse, present) if n not in missing]  # quantized: in both
     if missing:
         raise CheckpointError(f"{folder} lacks {len(missing)} weight tensor(s) config.json requires (first: "
                               f"{missing[0]}): the weights are incomplete or belong to another config")
@@ -116,7 +123,8 @@ def _expected_shapes(spec: ModelSpec) -> Shapes:
             out[f"{layer}{name}.weight"] = (rows, cols)
         else:  # each layer's own: an `ignore` list may name single modules
             for i in range(spec.num_layers):
-                out.update(_linear_shapes(spec, f"layers.{i}.{name}", rows, cols))
+                if not (spec.is_sparse(i) and name.startswith("mlp.")):  # a sparse layer's are its experts'
+                    out.update(_linear_shapes(spec, f"layers.{i}.{name}", rows, cols))
         if bias:
             out[f"{layer}{name}.bias"] = (rows,)
     if spec.quantization is not None:
@@ -137,6 +145,14 @@ def _linear_shapes(spec: ModelSpec, name: str, rows: int, cols: int) -> Shapes:
     scheme = spec.quantization.scheme_for(name if name == "lm_head" else f"model.{name}")
     if scheme is None:
         return {f"{name}.weight": (rows, cols)}
+    if scheme.layout in ("awq", "gptq", "gptq_v2"):
+        from noria.protocol.quant_awq_gptq import checkpoint_shapes
+
+        return checkpoint_shapes(scheme, name, rows, cols)
+    if scheme.kind == "fp8":
+        from noria.protocol.quant_fp8 import checkpoint_shapes as fp8_shapes
+
+        return fp8_shapes(scheme, name, rows, cols)
     groups = scheme.groups(cols)
     if not scheme.packed:
         return {f"{name}.weight": (rows, cols), f"{name}.weight_scale": None}
@@ -166,7 +182,6 @@ def _required(spec: ModelSpec, expected: Shapes, sparse: set[int]) -> set[str]:
 _DENSE_MLP = tuple(f"layers.N.mlp.{p}." for p in ("gate_proj", "up_proj", "down_proj", "gate_up_proj"))
 _SPARSE_PREFIXES = ("layers.N.mlp.experts.", "layers.N.block_sparse_moe.", "layers.N.mlp.gate.",
                     "layers.N.mlp.shared_expert")
-_SHARED_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _expert_shapes(spec: ModelSpec) -> Shapes:
@@ -189,7 +204,32 @@ def _expert_shapes(spec: ModelSpec) -> Shapes:
         out[b + "gate_proj.weight"] = out[b + "up_proj.weight"] = (shared, hidden)
         out[b + "down_proj.weight"] = (hidden, shared)
         out["layers.N.mlp.shared_expert_gate.weight"] = (1, hidden)
+    if spec.quantization is not None:  # each expert's quantized tensors, under the block the formats use
+        from noria.protocol.quant_moe import expert_block
+
+        for i in (i for i in range(spec.num_layers) if spec.is_sparse(i)):
+            for part, rows, cols in _expert_parts(spec):
+                for e in range(experts):
+                    out.update(_linear_shapes(spec, f"layers.{i}.{expert_block(spec)}.experts.{e}.{part}", rows, cols))
+            for part, rows, cols in _shared_parts(spec):
+                out.update(_linear_shapes(spec, f"layers.{i}.mlp.shared_expert.{part}", rows, cols))
     return out
+
+
+def _expert_parts(spec: ModelSpec) -> list[tuple[str, int, int]]:
+    inter, hidden = spec.moe_intermediate_size, spec.hidden_size
+    return [(spec.expert_parts[0], inter, hidden), (spec.expert_parts[1], inter, hidden),
+            (spec.expert_parts[2], hidden, inter)]
+
+
+def _shared_parts(spec: ModelSpec) -> list[tuple[str, int, int]]:
+    shared, hidden = spec.shared_expert_intermediate_size, spec.hidden_size
+    return [("gate_proj", shared, hidden), ("up_proj", shared, hidden), ("down_proj", hidden, shared)] if shared else []
+
+
+def _module_tensors(spec: ModelSpec, name: str, rows: int, cols: int) -> list[str]:
+    """The tensors a checkpoint stores for one linear module: its weight, or its format's tensors."""
+    return [f"{name}.weight"] if spec.quantization is None else list(_linear_shapes(spec, name, rows, cols))
 
 
 def _missing_experts(spec: ModelSpec, sparse: set[int], present: set[str]) -> list[str]:
@@ -204,9 +244,11 @@ def _missing_experts(spec: ModelSpec, sparse: set[int], present: set[str]) -> li
         need = [b + "gate.weight"]
         parts = ([] if b + "experts.gate_up_proj" in present else [gate, up]) + \
             ([] if b + "experts.down_proj" in present else [down])
-        need += [b + f"experts.{e}.{part}.weight" for e in range(spec.num_experts) for part in parts]
+        need += [t for e in range(spec.num_experts) for part, rows, cols in _expert_parts(spec) if part in parts
+                 for t in _module_tensors(spec, b + f"experts.{e}.{part}", rows, cols)]
         if spec.shared_expert_intermediate_size:
-            need += [f"layers.{i}.mlp.shared_expert.{p}.weight" for p in _SHARED_PARTS]
+            need += [t for p, rows, cols in _shared_parts(spec)
+                     for t in _module_tensors(spec, f"layers.{i}.mlp.shared_expert.{p}", rows, cols)]
             need.append(f"layers.{i}.mlp.shared_expert_gate.weight")
         missing += [n for n in need if n not in present]
     return missing

@@ -71,12 +71,15 @@ def _gguf_weights(config: Path) -> WeightFile | None:
         return WeightFile(path.name, path.stat().st_size, hashlib.sha256(f.read(offset)).hexdigest())
 
 
-def model_identity(folder: str | Path) -> ModelIdentity:
-    """The identity of the checkpoint folder; FileNotFoundError names what is missing."""
+def model_identity(folder: str | Path, with_weights: bool = True) -> ModelIdentity:
+    """The identity of the checkpoint folder; FileNotFoundError names what is missing. `with_weights`
+    False (--load-format dummy): config.json alone, as the weights are made from it."""
     folder = Path(folder)
     config = folder / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"{config} does not exist")
+    if not with_weights:
+        return ModelIdentity(hashlib.sha256(config.read_bytes()).hexdigest(), [])
     files = sorted(folder.glob("*.safetensors"))
     gguf = None if files else _gguf_weights(config)
     if not files and gguf is None:
@@ -90,6 +93,8 @@ def identity_difference(engine: ModelIdentity, worker: ModelIdentity) -> str | N
     if engine.config_sha256 != worker.config_sha256:
         return (f"config.json differs (sha256 {worker.config_sha256[:12]}… on the worker, "
                 f"{engine.config_sha256[:12]}… on the scheduler)")
+    if not engine.weights:  # --load-format dummy: every worker makes the weights from config.json
+        return None
     mine = {w.name: w for w in engine.weights}
     theirs = {w.name: w for w in worker.weights}
     for name in sorted(mine.keys() | theirs.keys()):

@@ -147,8 +147,10 @@ def model_spec(config: Mapping[str, Any] | Any, max_model_len: int | None = None
     quantization = read_quant(cfg)
     moe = _moe_fields(cfg, family, num_layers)
     if quantization is not None and moe.get("num_experts"):
-        raise ValueError(f"quantized mixture-of-experts models ({family.architecture}) are not supported yet")
-    return ModelSpec(
+        from noria.protocol.quant_moe import check_quantized_moe
+
+        check_quantized_moe(quantization, family.architecture)
+    spec = ModelSpec(
         architecture=family.architecture,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
@@ -159,7 +161,9 @@ def model_spec(config: Mapping[str, Any] | Any, max_model_len: int | None = None
         head_dim=head_dim,
         rms_norm_eps=float(cfg["rms_norm_eps"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # A sequence-classification checkpoint has a `score` head instead of an lm_head
+        # (worker/score_head.py reads it): like a tied model, it ships none to load.
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or _classifier(raw),
         qkv_bias=flag(r.qkv_bias),
         o_bias=flag(r.o_bias),
         mlp_bias=flag(r.mlp_bias),
@@ -180,6 +184,15 @@ def model_spec(config: Mapping[str, Any] | Any, max_model_len: int | None = None
         quantization=quantization,
         **moe,
     )
+    if quantization is not None and spec.num_experts:
+        from noria.protocol.quant_moe import check_experts
+
+        check_experts(spec)
+    return spec
+
+
+def _classifier(raw: Mapping[str, Any]) -> bool:
+    return any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in raw.get("architectures") or ())
 
 
 def _positive(value: Any) -> float | None:

@@ -38,6 +38,10 @@ class WeightScheme:
     # The input features are stored in activation order (GPTQ's desc_act, a g_idx per feature):
     # the layer permutes its input so that its groups are contiguous.
     act_order: bool = field(default=False, kw_only=True)
+    # An fp8 scheme's activations, as the checkpoint was calibrated: "" float (weight-only),
+    # "dynamic" (fp8 per token, or per token and group of a block-scaled weight), "static" (one
+    # input_scale per tensor). protocol/quant_fp8.py reads them; the GPU kind computes them.
+    fp8_act: str = field(default="", kw_only=True)
 
     def groups(self, in_features: int) -> int:
         """Scales per output row; ValueError where the group does not divide the layer."""
@@ -49,6 +53,8 @@ class WeightScheme:
 
     @property
     def name(self) -> str:
+        if self.kind == "fp8":
+            return "FP8" + (f"-{self.fp8_act}" if self.fp8_act else "")
         return f"W{self.bits}A{8 if self.act_int8 else 16}" + ("min" if self.minimum else "")
 
 
@@ -118,7 +124,11 @@ def read_quant(config: Mapping[str, Any]) -> QuantSpec | None:
     if method != "compressed-tensors":
         raise ValueError(f"quantization method {method!r} is not supported yet; noria loads {SUPPORTED}")
     if q.get("kv_cache_scheme"):
-        raise ValueError("compressed-tensors kv_cache_scheme (a quantized KV cache) is not supported yet")
+        from noria.protocol.kv_cache_scheme import check_kv_cache_scheme
+
+        check_kv_cache_scheme(q["kv_cache_scheme"])  # its scales are read by the worker (worker/kv_fp8.py)
+        if not q.get("config_groups"):
+            return None  # only the KV cache was calibrated: the weights are float
     sparsity = q.get("sparsity_config") or {}
     if sparsity and sparsity.get("format", "dense") != "dense":
         raise ValueError(f"compressed-tensors sparsity format {sparsity.get('format')!r} is not supported")

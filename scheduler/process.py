@@ -81,7 +81,8 @@ class SchedulerProcess:
         self.router = bind_worker_router(self.ctx, addrs.workers, self.curve)
         self.in_codec: Codec[FrontendToScheduler] = Codec(FrontendToScheduler)
         self.out_codec: Codec[SchedulerToFrontend] = Codec(SchedulerToFrontend)
-        self.group = WorkerGroup(self.router, config, link, model_identity(config.model), addrs.workers)
+        self.group = WorkerGroup(self.router, config, link, model_identity(config.model, config.load_format != "dummy"),
+                                 addrs.workers)
         self.facts = model_facts(config.model)
         max_len = config.max_model_len or self.facts.max_model_len
         self.sched = Scheduler(config, 0, max_len)  # no KV until a worker group is live

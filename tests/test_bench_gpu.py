@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from noria.bench import gpu
+from noria.bench import gpu, gpu_quant
 
 
 def test_llama3_8b_bytes_match_the_published_parameter_count():
@@ -38,6 +38,20 @@ def test_throughput_ceiling_by_hand():
     wave1 = 2 * 1020 + (1000 + 2 * 3 * 10) + (1000 + 2 * 4 * 10)
     wave2 = 1020 + (1000 + 30) + (1000 + 40)
     assert gpu.throughput_ceiling(COST, 3, 2, 3, 2, 1e-9, None) == pytest.approx(9 / (wave1 + wave2))
+
+
+def test_quantized_weight_bytes_by_hand():
+    # Llama 3 8B: 6,979,321,856 parameters in the decoder layers' linear weights, the rest
+    # (embedding, lm_head, norms) 1,050,939,392, kept in bfloat16.
+    linear, rest = 32 * (4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336), 8_030_261_248 - 6_979_321_856
+    assert linear == 6_979_321_856
+    fp8 = gpu.model_cost(gpu.LLAMA3_8B, 2, linear_bits=8)  # plus a float32 scale per row of 4096
+    assert fp8.weight_bytes == 2 * rest + linear + linear * 4 // 4096
+    w4 = gpu.model_cost(gpu.LLAMA3_8B, 2, linear_bits=4, scale_group=128)
+    assert w4.weight_bytes == 2 * rest + linear // 2 + linear * 4 // 128
+    assert fp8.kv_bytes_per_token == w4.kv_bytes_per_token == gpu.model_cost(gpu.LLAMA3_8B).kv_bytes_per_token
+    # The ceiling the 1.6x FP8 target sits under at batch 1: bf16 bytes over fp8 bytes.
+    assert 1.7 < gpu.model_cost(gpu.LLAMA3_8B).weight_bytes / fp8.weight_bytes < 1.8
 
 
 def test_closeness_to_the_roofline_reads_the_same_way_for_times_and_rates():
@@ -116,8 +130,20 @@ def test_a_tiny_run_measures_every_phase(monkeypatch, tmp_path, capsys):
                  *(f"ITL batch {b} (transformers, static cache, eager)" for b in s.hf_batches)]:
         assert rows[name]["value"] > 0 and rows[name]["floor"] > 0, name
     assert any(r["phase"] == "vs hf" for r in data["rows"])
-    cfg = json.loads((tmp_path / "cache" / f"bench-gpu-tiny-float32-v{gpu.CHECKPOINT_VERSION}-s0" / "config.json")
-                     .read_text())
+    # The quantized kinds beside the model's dtype, each beside its roofline, and their ratios.
+    for label in ("float32", gpu_quant.FP8, gpu_quant.W4A16):
+        for b in s.quant_batches:
+            row = rows[gpu_quant.decode_name(b, label)]
+            assert row["value"] > 0 and row["of_roofline"] > 0, row
+        assert rows[f"offline {s.quant_requests} x {s.quant_prompt}/{s.quant_output} ({label})"]["value"] > 0
+    for label in (gpu_quant.FP8, gpu_quant.W4A16):
+        ratio = rows[gpu_quant.ratio_name(1, label, "float32")]
+        assert ratio["value"] == pytest.approx(rows[gpu_quant.decode_name(1, label)]["value"]
+                                               / rows[gpu_quant.decode_name(1, "float32")]["value"])
+    # No weights written: the engine and transformers ran from config.json (--load-format dummy).
+    folder = tmp_path / "cache" / f"bench-gpu-tiny-float32-config-v{gpu.CHECKPOINT_VERSION}"
+    assert data["meta"]["load_format"] == "dummy" and not list(folder.glob("*.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
     assert data["meta"]["weight_gb"] * 1e9 == gpu.model_cost(cfg, 4).weight_bytes
     md = out.with_suffix(".md").read_text()
     assert all(f"| {name} |" in md for name in rows)

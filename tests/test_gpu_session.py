@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from noria.bench import gpu_session, gpu_session_phases, gpu_wheels
+from noria.bench import gpu_quant, gpu_session, gpu_session_phases, gpu_wheels
 from noria.bench.gpu_session_phases import gpu_targets, kernel_targets, parse_doctor, parse_pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +65,15 @@ def test_dry_run_reports_every_phase_and_a_failed_or_cut_phase_does_not_stop_the
     assert all(t["met"] is None for t in phases["kernels"]["summary"]["targets"])  # a rehearsal judges nothing
     bench = phases["bench_gpu"]["summary"]
     assert bench["rows"] and {v["status"] for v in bench["phases"].values()} == {"ok"}
+    # The quantized kinds' rows at the tiny sizes: each kind's decode beside its roofline, and the
+    # FP8 target read from them (shown, not judged, in a rehearsal).
+    names = {r["name"]: r for r in bench["rows"]}
+    for label in (gpu_quant.FP8, gpu_quant.W4A16):
+        assert names[gpu_quant.decode_name(1, label)]["of_roofline"] > 0
+        assert names[gpu_quant.ratio_name(1, label, "float32")]["value"] > 0
+    fp8_target = next(t for t in bench["targets"] if t["target"].startswith("FP8 decode throughput >= 1.6x bf16 at "
+                                                                            "batch 1"))
+    assert fp8_target["value"] > 0 and fp8_target["met"] is None
     assert (out / "bench-gpu.json").exists()
     md = (out / "gpu-session.md").read_text()
     for name, status in (("install", "skipped"), ("env", "ok"), ("doctor", "failed"), ("tests", "cut short"),
@@ -128,10 +137,14 @@ def test_the_issue_targets_are_judged_from_the_rows() -> None:
     assert got["prefill 1 x 8192: >= 0.8x SDPA flash"]["note"] == "cuDNN: 0.50x"
     engine = [{"name": "ITL batch 1 (CUDA graphs)", "value": 10.0, "of_roofline": 0.8},
               {"name": "offline 256 x 1024/256", "value": 5000.0},
-              {"name": "ITL batch 16 (transformers, static cache, eager)", "value": 20.0}]
-    one, thr = gpu_targets(engine)
+              {"name": "ITL batch 16 (transformers, static cache, eager)", "value": 20.0},
+              {"name": gpu_quant.ratio_name(1, gpu_quant.FP8, "bfloat16"), "value": 1.7},
+              {"name": gpu_quant.ratio_name(1, gpu_quant.W4A16, "bfloat16"), "value": 1.2}]
+    one, thr, fp8_one, fp8_32 = gpu_targets(engine)
     assert one["met"] and one["value"] == pytest.approx(1.25)
     assert thr["value"] == pytest.approx(5000 / 800) and thr["met"]
+    assert fp8_one["met"] and fp8_one["value"] == 1.7  # the fp8 row, not the w4a16 one
+    assert fp8_32["met"] is None and fp8_32["value"] is None  # not measured: not judged
 
 
 def test_the_wheels_carried_are_what_the_image_lacks() -> None:

@@ -230,7 +230,9 @@ W8 = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "d
 
 @pytest.mark.parametrize(("quant", "words"), [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantization method 'bitsandbytes' is not supported yet"),
-    (_group({**W8, "type": "float"}, "float-quantized"), "float 8-bit weights (float-quantized)"),
+    # FP8 is loaded (tests/test_quant_fp8.py); 4-bit floats (NVFP4) are not.
+    (_group({**W8, "type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16},
+            "nvfp4-pack-quantized"), "4-bit float weights (nvfp4-pack-quantized)"),
     (_group({**W8, "num_bits": 4, "strategy": "group", "group_size": 128, "actorder": "group"}, "pack-quantized"),
      "actorder 'group'"),
     (_group(W8, "int-quantized", {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}),

@@ -7,7 +7,9 @@ head_dim]. The tensors hold one block more than the scheduler knows of: that las
 sequence's length (`_decode`), so nothing a block held before reaches an output.
 The cache may be narrower than the queries (a bfloat16 cache under float32 activations,
 the CPU's --dtype bfloat16): rows are rounded as they are written and widened as they
-are read, and the attention itself runs in the queries' dtype.
+are read, and the attention itself runs in the queries' dtype. An fp8 cache (--kv-cache-dtype
+fp8) also scales: rows are stored as fp8(k / k_scale) and read as fp8 * k_scale with the
+layer's scales (LayerAttention.k_scale / v_scale, worker/kv_fp8.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from noria.kernels.attention_api import AttentionBackend, AttentionMetadata, LayerAttention
 from noria.worker import cpu_kernels
+from noria.worker.kv_fp8 import as_bytes, dequantize, is_fp8, quantize
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "LayerAttention", "TorchAttentionBackend", "write_kv"]
 
@@ -128,9 +131,10 @@ class TorchAttentionBackend:
         if rows is not None and cpu_kernels.usable(q, k_cache):
             # One call writes this step's K/V rows and attends: no write_kv dispatch per layer.
             return cpu_kernels.paged_decode(q, k_cache, v_cache, *rows, layer.scale, layer.sliding_window,
-                                            new_kv=(k, v, meta.slot_mapping), soft_cap=layer.logits_soft_cap)
+                                            new_kv=(k, v, meta.slot_mapping), soft_cap=layer.logits_soft_cap,
+                                            kv_scales=(layer.k_scale, layer.v_scale))
         decode_only = plan.decode_blocks is not None and not plan.prefills
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, (layer.k_scale, layer.v_scale))
         if decode_only:
             return self._decode(layer, q, k_cache, v_cache, plan)
         out = torch.empty_like(q)
@@ -153,12 +157,13 @@ class TorchAttentionBackend:
         if self.native and cpu_kernels.usable(q, k_cache):
             # In place through the block tables: no gathered copy of the context.
             return cpu_kernels.paged_decode(q, k_cache, v_cache, plan.decode_tables, plan.decode_seq_lens,
-                                            layer.scale, layer.sliding_window, soft_cap=layer.logits_soft_cap)
+                                            layer.scale, layer.sliding_window, soft_cap=layer.logits_soft_cap,
+                                            kv_scales=(layer.k_scale, layer.v_scale))
         batch, length = plan.decode_shape
         kvh, d = layer.num_kv_heads, layer.head_dim
         # Gather whole blocks (contiguous memcpy per block) rather than single slots.
-        keys = _widen(k_cache.index_select(0, plan.decode_blocks), q).view(batch, length, kvh, d).transpose(1, 2)
-        values = _widen(v_cache.index_select(0, plan.decode_blocks), q).view(batch, length, kvh, d).transpose(1, 2)
+        keys = _widen(_gather(k_cache, plan.decode_blocks), q, layer.k_scale).view(batch, length, kvh, d).transpose(1, 2)
+        values = _widen(_gather(v_cache, plan.decode_blocks), q, layer.v_scale).view(batch, length, kvh, d).transpose(1, 2)
         # Fold the query heads of a KV group into the query-length axis so K/V
         # are never repeated for GQA: [B, KVH, G, D] against [B, KVH, L, D].
         queries = q.reshape(batch, kvh, layer.num_heads // kvh, d)
@@ -209,11 +214,12 @@ class TorchAttentionBackend:
         if seq.block_ids is None:
             # Nothing cached yet: the new tokens are the whole sequence, as the cache holds them
             # (rounded), so that a prompt attends to the keys a later chunk or decode step reads.
-            keys, values = _widen(k.to(k_cache.dtype), q), _widen(v.to(v_cache.dtype), q)
+            keys = _widen(_narrow(k, k_cache.dtype, layer.k_scale), q, layer.k_scale)
+            values = _widen(_narrow(v, v_cache.dtype, layer.v_scale), q, layer.v_scale)
         else:
             kvh, d = layer.num_kv_heads, layer.head_dim
-            keys = _widen(k_cache.index_select(0, seq.block_ids), q).view(-1, kvh, d)[:seq_len]
-            values = _widen(v_cache.index_select(0, seq.block_ids), q).view(-1, kvh, d)[:seq_len]
+            keys = _widen(_gather(k_cache, seq.block_ids), q, layer.k_scale).view(-1, kvh, d)[:seq_len]
+            values = _widen(_gather(v_cache, seq.block_ids), q, layer.v_scale).view(-1, kvh, d)[:seq_len]
         mask = self._prefill_mask(plan, seq, layer.sliding_window, q.device)
         queries, keys, values = (x.transpose(0, 1).unsqueeze(0) for x in (q, keys, values))
         if layer.logits_soft_cap is not None:
@@ -261,17 +267,29 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return (weights @ v.unsqueeze(2)).reshape(n, h, lq, d)
 
 
-def _widen(cached: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def _widen(cached: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
     """K/V read from the cache in the queries' dtype: the same tensor where they agree (a
-    gathered copy is the caller's own either way)."""
-    return cached.to(q.dtype)
+    gathered copy is the caller's own either way); fp8 times its scale."""
+    return dequantize(cached, scale, q.dtype) if is_fp8(cached.dtype) else cached.to(q.dtype)
+
+
+def _narrow(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """New K/V rows as a cache of `dtype` stores them."""
+    return quantize(x, scale) if is_fp8(dtype) else x.to(dtype)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of a cache (fp8 moved as bytes: not every device has fp8 index ops)."""
+    return as_bytes(cache).index_select(0, blocks).view(cache.dtype)
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Scatter new K/V rows [T, KVH, D] into the paged cache (reshape_and_cache), rounded to
-    the cache's dtype (nearest even) where it is narrower."""
+    the cache's dtype (nearest even) where it is narrower; an fp8 cache's rows divided by its
+    (k_scale, v_scale) first and saturated (kv_fp8.quantize)."""
     kvh, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))
+    for new, cache, scale in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
+        as_bytes(cache).view(-1, kvh, d).index_copy_(0, slots, as_bytes(_narrow(new, cache.dtype, scale)))

@@ -6,6 +6,9 @@ broken (no wheel, a wheel for another CUDA major, no NVRTC, a kernel that does n
 every layer runs on torch. Either way the worker logs one line saying what and why, and no
 step ever reaches a kernel that was not built for its shapes. `--attention-backend kernels`
 turns that fallback into a start-up error; `--attention-backend torch` skips the kernels.
+An fp8 KV cache (--kv-cache-dtype fp8) is read and written by the kernels for float16 / bfloat16
+models at the head sizes and block sizes they have fp8 instances for; other layers run on
+torch, which reads fp8 too, with the reason in the same log line.
 """
 
 from __future__ import annotations
@@ -67,10 +70,11 @@ def get_attention_backend(
     *,
     kernel_backend: Any = None,
     choice: AttentionBackendChoice = "auto",
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The backend `select_attention_backend` picks."""
     return select_attention_backend(device, layers, dtype, block_size, kernel_backend=kernel_backend,
-                                    choice=choice).backend
+                                    choice=choice, kv_dtype=kv_dtype).backend
 
 
 def select_attention_backend(
@@ -81,12 +85,14 @@ def select_attention_backend(
     *,
     kernel_backend: Any = None,
     choice: AttentionBackendChoice = "auto",
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionChoice:
     """`choice` is --attention-backend. auto: the kernel backend (with torch for the layers it
     cannot run) on a CUDA device, the torch backend elsewhere; kernels: the same, but a worker
     that cannot run them raises WorkerFatal (one sentence) instead of falling back; torch: the
     torch backend. `kernel_backend` (a kernels.backends.KernelBackend, e.g. the CPU emulator in
-    tests) forces the kernel path on any device."""
+    tests) forces the kernel path on any device. `kv_dtype`: the KV cache's (None: the model's);
+    with fp8 a layer runs on the kernels where they have its fp8 instances."""
     native = device.type == "cpu"
     if choice == "torch":
         log.info("attention: torch backend for every layer (--attention-backend torch)")
@@ -103,7 +109,8 @@ def select_attention_backend(
     try:
         from noria.kernels.attention_backend import KernelAttentionBackend
 
-        kernels = KernelAttentionBackend(fallback=TorchAttentionBackend(native=False), backend=kernel_backend)
+        kernels = KernelAttentionBackend(fallback=TorchAttentionBackend(native=False), backend=kernel_backend,
+                                         kv_dtype=kv_dtype)
         kernels.warm_up(layers, dtype, block_size, device)
     except Exception as e:  # noqa: BLE001 - any failure of an optional dependency means: use torch
         what = "CuPy is not installed" if isinstance(e, ImportError) else "CuPy does not work here"

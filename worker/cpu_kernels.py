@@ -21,8 +21,9 @@ _SRC = Path(__file__).parent / "csrc" / "paged_decode.c"
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# The cache dtypes the kernel reads, by the suffix of its entry points.
-CACHE_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+# The cache dtypes the kernel reads, by the suffix of its entry points. fp8's entry points take the
+# layer's K and V scales after the others' arguments (worker/kv_fp8.py).
+CACHE_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "fp8"}
 
 
 @cache
@@ -40,7 +41,8 @@ def bind(dll: ctypes.CDLL) -> ctypes.CDLL:
             ctypes.c_float, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _I64]
     for dtype in CACHE_DTYPES.values():
         plain, capped = getattr(dll, f"paged_decode_{dtype}"), getattr(dll, f"paged_decode_capped_{dtype}")
-        plain.argtypes, capped.argtypes = args, [*args, ctypes.c_float]
+        scales = [ctypes.c_float, ctypes.c_float] if dtype == "fp8" else []
+        plain.argtypes, capped.argtypes = [*args, *scales], [*args, ctypes.c_float, *scales]
         plain.restype = capped.restype = ctypes.c_int
     return dll
 
@@ -49,13 +51,16 @@ def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, window: int | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, soft_cap: float | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """q [B, H, D] against paged K/V [NB, BS, KVH, D], contiguous, on the CPU: q and the output
-    float32, the caches float32, bfloat16 or float16 (widened to float32, exactly, as they are read).
+    float32, the caches float32, bfloat16, float16 or float8_e4m3fn (widened to float32, exactly, as
+    they are read; an fp8 value times its scale of `kv_scales`, K's and V's, which fp8 alone reads).
 
     `new_kv` = (k [N, KVH, D], v [N, KVH, D], slots [N]): float32 rows written into the caches
     first, in the same call (write_kv fused; into a half cache rounded to nearest even, as
-    `.to(k_cache.dtype)` rounds: into float16, past 65504 to infinity, subnormals kept).
+    `.to(k_cache.dtype)` rounds: into float16, past 65504 to infinity, subnormals kept; into fp8 as
+    kv_fp8.quantize: x / scale, saturated to +-448).
     `soft_cap`: each score s becomes soft_cap * tanh(s / soft_cap) before the softmax
     (LayerAttention.logits_soft_cap)."""
     dll = load()
@@ -75,12 +80,13 @@ def paged_decode(
             b, h, k_cache.shape[2], d, k_cache.shape[1], tables.shape[1], scale, window or 0,
             torch.get_num_threads(), k_ptr, v_ptr, slot_ptr, num_new)
     suffix = CACHE_DTYPES[k_cache.dtype]
+    scales = kv_scales if suffix == "fp8" else ()
     if soft_cap is None:
-        status = getattr(dll, f"paged_decode_{suffix}")(*args)
+        status = getattr(dll, f"paged_decode_{suffix}")(*args, *scales)
     else:
         if not soft_cap > 0:
             raise ValueError(f"soft_cap must be positive, got {soft_cap}")
-        status = getattr(dll, f"paged_decode_capped_{suffix}")(*args, soft_cap)
+        status = getattr(dll, f"paged_decode_capped_{suffix}")(*args, soft_cap, *scales)
     if status != 0:
         raise MemoryError("paged_decode: no memory for the kernel's task list")
     return out

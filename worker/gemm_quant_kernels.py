@@ -27,6 +27,8 @@ x and y are float32; the weights stay quantized in panels packed once at load:
 The native decoder driver calls one GEMM per linear layer with the decoder's signature (decoder_f32.c's
 `gemm_fn`: x, ldx, packed, bias, y, ldy, M, N, K, threads); for these kinds `packed` is the address of a
 descriptor (`GemmQuantDesc`, held by the packed weight: `desc_ptr`) and the function `entry(kind)`.
+FP8 weights (worker/gemm_fp8_kernels.py, a library of its own) have descriptors too: `fp8_desc`, which
+carries the address of the fp8 build's kernel for the dispatcher to call (gemm_quant.c says why).
 
 Built like worker/gemm_kernels.py (same flags, same switch: worker/cpu_ops.py's gemm family, and
 NORIA_CPU_MARCH), called through ctypes; `load()` returns None where no compiler works or the gemm
@@ -111,8 +113,8 @@ def _panels(n: int, nr: int) -> int:
 
 # "any": the entry that dispatches on the descriptor's own kind (a model of mixed kinds, one entry).
 _ENTRIES = {"w8a8": "gemm_w8a8_desc", "wq": "gemm_wq_desc", "w4a8": "gemm_w4a8_desc", "w8a8g": "gemm_w8a8g_desc",
-            "any": "gemm_quant_desc"}
-_KINDS = {"w8a8": 1, "wq": 2, "w4a8": 3, "w8a8g": 4}
+            "fp8": "gemm_fp8_desc", "any": "gemm_quant_desc"}
+_KINDS = {"w8a8": 1, "wq": 2, "w4a8": 3, "w8a8g": 4, "fp8": 5}
 _MAGIC = 0x31445147  # "GQD1"
 
 
@@ -122,7 +124,7 @@ class GemmQuantDesc(ctypes.Structure):
     _fields_ = [("magic", ctypes.c_uint32), ("kind", ctypes.c_int32), ("layout", ctypes.c_int32),
                 ("bits", ctypes.c_int32), ("n", _I64), ("k", _I64), ("group", _I64), ("data", _VP), ("scale", _VP),
                 ("zero", _VP), ("corr", _VP), ("minimum", _VP), ("offset", ctypes.c_int32),
-                ("reserved", ctypes.c_int32)]
+                ("reserved", ctypes.c_int32), ("fp8", _VP)]
 
 
 def _desc(dll: ctypes.CDLL, kind: str, bits: int, n: int, k: int, group: int, data: torch.Tensor,
@@ -133,9 +135,20 @@ def _desc(dll: ctypes.CDLL, kind: str, bits: int, n: int, k: int, group: int, da
                          _p(scale), _p(zero), _p(corr), _p(minimum), offset, 0)
 
 
+def fp8_desc(n: int, k: int, group: int, data: torch.Tensor, scale: torch.Tensor, kernel: int,
+             layout: int) -> GemmQuantDesc | None:
+    """An fp8 weight's descriptor: its panels and scales as worker/gemm_fp8_kernels.py packs them, and
+    `kernel`, the address of gemm_fp8 in the build that packed them (`layout`: that build's
+    gemm_fp8_layout()). None where this library is not built (the weight then runs only layer by layer)."""
+    if load() is None:
+        return None
+    return GemmQuantDesc(_MAGIC, _KINDS["fp8"], layout, 8, n, k, group, _p(data), _p(scale), None, None, None, 0,
+                         0, kernel)
+
+
 def entry(kind: str) -> int:
     """The address of the C function with the decoder driver's GEMM signature (decoder_f32.c's gemm_fn)
-    for packed weights of `kind` ("w8a8", "wq", "w4a8", "w8a8g", or "any": whichever the descriptor says), its
+    for packed weights of `kind` ("w8a8", "wq", "w4a8", "w8a8g", "fp8", or "any": whichever the descriptor says), its
     `packed` argument a weight's `desc_ptr`.
     The weight must come from this build (the entry aborts on a descriptor of another layout)."""
     if kind not in _ENTRIES:

@@ -13,6 +13,9 @@ source blocks and a swap-in before the step reads its blocks, with no host
 synchronisation. The launch returns at once: the host builds the step's batch
 (ModelRunner._prepare) while the copy runs. Nothing on the host reads the CPU
 area; it is only ever read back by a later swap-in on the same stream.
+
+An fp8 cache (worker/kv_fp8.py) is one byte per value, so a block takes a quarter of a float32
+one's bytes (--kv-cache-memory holds 4x the blocks) and swaps move its bytes as they are.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from noria.protocol.config import EngineConfig
 from noria.worker.errors import WorkerFatal
+from noria.worker.kv_fp8 import as_bytes, describe
 
 GiB = 1 << 30
 # copy_blocks(src_caches, dst_caches, block_mapping [pairs, 2]): dst[c][d] = src[c][s].
@@ -164,12 +168,13 @@ def needs_profile(config: EngineConfig, device: torch.device) -> bool:
     return device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory is None
 
 
-def capacity_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
-    """The start-up line: how many sequences of full length fit at once."""
+def capacity_line(num_blocks: int, block_size: int, max_model_len: int, dtype: torch.dtype | None = None) -> str:
+    """The start-up line: how many sequences of full length fit at once (and in what dtype)."""
     tokens = num_blocks * block_size
     per_seq = -(-max_model_len // block_size)
-    return (f"KV cache: {num_blocks} blocks, {tokens} tokens, {num_blocks // per_seq} sequences of "
+    line = (f"KV cache: {num_blocks} blocks, {tokens} tokens, {num_blocks // per_seq} sequences of "
             f"max_model_len {max_model_len}")
+    return line if dtype is None else f"{line}, {describe(dtype)}"
 
 
 def num_swap_blocks(config: EngineConfig, layout: KVLayout) -> int:
@@ -219,8 +224,8 @@ class KVCache:
         if self.block_copier is not None:
             self._copy_kernel(self.device_cache, self.cpu_cache, pairs)
             return
-        moved = self.device_cache.index_select(2, self._index(dev)).to("cpu")
-        self.cpu_cache.index_copy_(2, torch.tensor(cpu, dtype=torch.long), moved)
+        moved = as_bytes(self.device_cache).index_select(2, self._index(dev)).to("cpu")
+        as_bytes(self.cpu_cache).index_copy_(2, torch.tensor(cpu, dtype=torch.long), moved)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """CPU block -> device block for every (device_block, cpu_block) pair."""
@@ -232,8 +237,8 @@ class KVCache:
         if self.block_copier is not None:
             self._copy_kernel(self.cpu_cache, self.device_cache, [(c, d) for d, c in pairs])
             return
-        moved = self.cpu_cache.index_select(2, torch.tensor(cpu, dtype=torch.long))
-        self.device_cache.index_copy_(2, self._index(dev), moved.to(self.device, non_blocking=True))
+        moved = as_bytes(self.cpu_cache).index_select(2, torch.tensor(cpu, dtype=torch.long))
+        as_bytes(self.device_cache).index_copy_(2, self._index(dev), moved.to(self.device, non_blocking=True))
 
     def _copy_kernel(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         """One launch for every layer's K and V: per-layer views of the two areas."""

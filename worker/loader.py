@@ -75,9 +75,11 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallel | None = None, weights: torch.dtype | None = None) -> CausalLM:
+               tp: TensorParallel | None = None, weights: torch.dtype | None = None,
+               load_format: str = "auto", seed: int = 0) -> CausalLM:
     """Build the model for `spec` (this rank's shard of it under `tp`) directly on `device` in
-    `dtype`, fill it from `path`, keep its linear weights in `weights`' dtype where a kernel
+    `dtype`, fill it from `path` (load_format "dummy": with random weights seeded by `seed`,
+    worker/dummy_weights.py), keep its linear weights in `weights`' dtype where a kernel
     takes it (None: `dtype`), and give it the ops of its device and dtype (the worker gives it
     the CUDA ops once its attention backend is chosen: `CausalLM.use_ops`)."""
     tp = tp or TensorParallel()
@@ -90,7 +92,11 @@ def load_model(path: str | Path, spec: ModelSpec, device: torch.device, dtype: t
             model = CausalLM(spec, tp)
     finally:
         torch.set_default_dtype(previous)
-    if spec.quantization is not None and spec.quantization.method == "gguf":
+    if load_format == "dummy":
+        from noria.worker.dummy_weights import fill_dummy
+
+        fill_dummy(model, seed)
+    elif spec.quantization is not None and spec.quantization.method == "gguf":
         from noria.worker.gguf_weights import iter_gguf_weights
 
         model.load_weights(iter_gguf_weights(path, spec))

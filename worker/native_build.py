@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -42,6 +43,20 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
+def _text(src: Path, seen: set[Path] | None = None) -> bytes:
+    """The source's bytes and those of the local headers it includes (`#include "name"`, beside it,
+    recursively): the cached library is keyed by them all, so an edited header rebuilds it."""
+    seen = set() if seen is None else seen
+    seen.add(src)
+    text = src.read_bytes()
+    out = [text]
+    for name in re.findall(rb'^\s*#\s*include\s*"([^"]+)"', text, flags=re.MULTILINE):
+        header = src.parent / name.decode()
+        if header not in seen and header.is_file():
+            out.append(_text(header, seen))
+    return b"".join(out)
+
+
 def failure(src: Path) -> str | None:
     """Why `build(src, ...)` returned None ("no C compiler", "the build failed"), or None."""
     return _failures.get(src.name)
@@ -54,7 +69,7 @@ def build(src: Path, flags: list[str]) -> ctypes.CDLL | None:
     if cc is None:
         _failures[src.name] = "no C compiler"
         return None
-    digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode() + _cpu_flags()).hexdigest()[:16]
+    digest = hashlib.sha256(_text(src) + " ".join(flags).encode() + _cpu_flags()).hexdigest()[:16]
     lib = cache_dir() / f"{src.stem}-{digest}.so"
     tmp = None
     try:

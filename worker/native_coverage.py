@@ -129,6 +129,10 @@ def _layer_reason(layer: DecoderLayer, cache: tuple[torch.Tensor, torch.Tensor],
     linears = {"qkv": at.qkv_proj, "o": at.o_proj}
     if not isinstance(mlp, SparseMoeBlock):  # a sparse layer's block is called back as it is
         linears |= {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+    # The driver calls each kind on the layer's input as it is; GPTQ's activation order needs it permuted.
+    permuted = [name for name, linear in linears.items() if getattr(linear, "input_perm", None) is not None]
+    if permuted:
+        return f"{', '.join(permuted)} permute their input features (GPTQ desc_act)"
     unpacked = [name for name, linear in linears.items() if panels(linear.op) is None]
     if unpacked:
         return f"{', '.join(unpacked)} not packed for the native GEMM"

@@ -14,7 +14,7 @@ P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 class Kernels(ctypes.Structure):
     _fields_ = [("gemm", P), ("norm", P), ("rope", P), ("silu", P), ("attn", P), ("qk_rope", P),
-                ("rope_partial", P), ("gelu_tanh", P), ("attn_capped", P)]
+                ("rope_partial", P), ("gelu_tanh", P), ("attn_capped", P), ("attn_scaled", P)]
 
 
 class Layer(ctypes.Structure):
@@ -23,7 +23,7 @@ class Layer(ctypes.Structure):
     _fields_ += [("window", I64), ("q_norm", P), ("k_norm", P)]
     _fields_ += [("post_attn_norm", P), ("post_mlp_norm", P), ("soft_cap", ctypes.c_float),
                  ("geglu", ctypes.c_int32), ("local_rope", I64)]
-    _fields_ += [("moe", P), ("index", I64)]
+    _fields_ += [("moe", P), ("index", I64), ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float)]
 
 
 class Shape(ctypes.Structure):

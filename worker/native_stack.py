@@ -3,8 +3,10 @@
 The C driver calls the same kernels as the layers' native CPU ops (worker/models/ops.py), in
 the same order, on the same inputs, so its output is bit for bit theirs; what it removes is
 the Python between them (wrappers, ctypes conversions, a tensor per result). It runs float32
-activations on the CPU, one rank, packed GEMM weights (float32 or bf16), a float32 or bf16 KV
-cache, and a step whose attention is one call of the paged kernel per layer (decode rows, or
+activations on the CPU, one rank, packed GEMM weights (float32, bf16, or quantized: int8, int4 and
+fp8 kinds through their descriptors, worker/gemm_quant_kernels.py), a float32, bf16,
+float16 or fp8 KV cache (fp8 through its scaled entry point, with each layer's scales), and a
+step whose attention is one call of the paged kernel per layer (decode rows, or
 short prompts as rows: `TorchAttentionBackend.paged_rows`).
 A mixture-of-experts layer runs its attention on the driver; its MLP is the layer's own
 SparseMoeBlock, called back from the driver on the driver's normed rows.
@@ -93,8 +95,11 @@ class NativeStack:
         # The attention kernel reads the caches' element type (coverage: one for every layer).
         attn, suffix = cpu_kernels.load(), cpu_kernels.CACHE_DTYPES[kv_caches[0][0].dtype]
         assert attn is not None
-        self.kernels.attn = ctypes.cast(getattr(attn, f"paged_decode_{suffix}"), P).value
-        self.kernels.attn_capped = ctypes.cast(getattr(attn, f"paged_decode_capped_{suffix}"), P).value
+        if suffix == "fp8":  # the scaled entry, whose signature has each layer's scales
+            self.kernels.attn_scaled = ctypes.cast(attn.paged_decode_capped_fp8, P).value
+        else:
+            self.kernels.attn = ctypes.cast(getattr(attn, f"paged_decode_{suffix}"), P).value
+            self.kernels.attn_capped = ctypes.cast(getattr(attn, f"paged_decode_capped_{suffix}"), P).value
         first = model.layers[reasons.index(None)].self_attn.qkv_proj.op
         if isinstance(first, PackedHalfLinear):
             self.kernels.gemm = _gemm_half(first.packed.kind)
@@ -129,6 +134,7 @@ class NativeStack:
                 row.post_attn_norm = _ptr(layer.post_attention_layernorm.weight)
                 row.post_mlp_norm = _ptr(layer.post_feedforward_layernorm.weight)
             row.soft_cap = at.attn.logits_soft_cap or 0.0
+            row.k_scale, row.v_scale = at.attn.k_scale, at.attn.v_scale
             row.geglu = int(spec.activation == "gelu_tanh")
             row.local_rope = int(at.local_rope)
             if isinstance(mlp, SparseMoeBlock):

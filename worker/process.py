@@ -61,7 +61,7 @@ class WorkerSession:
         self.opts = opts
         self.link = link
         # Known before registering when this host names its own path, so a wrong model is refused at once.
-        self.identity: ModelIdentity | None = model_identity(opts.model) if opts.model else None
+        self.identity: ModelIdentity | None = _own_identity(opts.model) if opts.model else None
         self.runner: Any = None  # ModelRunner, imported late: torch loads after the OpenMP settings
         self.runner_key: tuple[EngineConfig, str | None] | None = None
 
@@ -115,7 +115,7 @@ class WorkerSession:
             config = msgspec.structs.replace(config, device=self.opts.device)
         self.link.beat(welcome.epoch, welcome.heartbeat_interval, welcome.worker_timeout)
         if self.identity is None:
-            self.identity = _check_model(config.model, welcome.model)
+            self.identity = _check_model(config.model, welcome.model, config.load_format != "dummy")
         key = (config, welcome.dist_init_method)
         if self.runner is None or key != self.runner_key:
             self._close_runner()
@@ -188,11 +188,20 @@ def install_step_observer(runner: Any) -> None:
     install(runner)
 
 
-def _check_model(path: str, engine: ModelIdentity) -> ModelIdentity:
+def _own_identity(path: str) -> ModelIdentity | None:
+    """This host's checkpoint's identity; None for a folder without weights (a dummy load's, or
+    not a checkpoint at all), checked once the engine's config says which (`_check_model`)."""
+    try:
+        return model_identity(path)
+    except FileNotFoundError:
+        return None
+
+
+def _check_model(path: str, engine: ModelIdentity, weights: bool = True) -> ModelIdentity:
     if not Path(path).exists():
         raise WorkerFatal(f"the engine's model {path} does not exist on this host: pass --model PATH "
                           "(this host's copy of the same checkpoint)")
-    mine = model_identity(path)
+    mine = model_identity(path, weights)
     diff = identity_difference(engine, mine)
     if diff:
         raise WorkerFatal(f"the model at {path} is not the engine's: {diff}")

@@ -1,16 +1,19 @@
 // KV cache writes and block copies.
 
 #include "common.cuh"
+#include "fp8.cuh"
 
 // Writes the step's new K and V into their cache slots. One CTA per token; a negative slot
 // (padding, or a token whose KV is not kept) is skipped.
 // key/value: token t, element i (over num_kv_heads * head_dim) at key + t * key_stride + i
 // k/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; slot = block * block_size + offset
-template <typename T, typename SlotT>
+// C:         the cache's element type: T, or noria::fp8_e4m3 (stored as fp8(k / k_scale),
+//            fp8(v / v_scale)); other caches ignore the scales
+template <typename T, typename SlotT, typename C = T>
 __global__ void __launch_bounds__(256) reshape_and_cache(
-    const T* __restrict__ key, const T* __restrict__ value, T* __restrict__ k_cache,
-    T* __restrict__ v_cache, const SlotT* __restrict__ slot_mapping, int key_stride,
-    int value_stride, int row_elems) {
+    const T* __restrict__ key, const T* __restrict__ value, C* __restrict__ k_cache,
+    C* __restrict__ v_cache, const SlotT* __restrict__ slot_mapping, int key_stride,
+    int value_stride, int row_elems, float k_scale, float v_scale) {
   const long long token = blockIdx.x;
   const long long slot = static_cast<long long>(slot_mapping[token]);
   if (slot < 0) return;
@@ -19,8 +22,8 @@ __global__ void __launch_bounds__(256) reshape_and_cache(
   const T* k = key + token * key_stride;
   const T* v = value + token * value_stride;
   for (int i = threadIdx.x; i < row_elems; i += blockDim.x) {
-    k_cache[dst + i] = k[i];
-    v_cache[dst + i] = v[i];
+    noria::cache_store(k_cache + dst + i, k[i], k_scale);
+    noria::cache_store(v_cache + dst + i, v[i], v_scale);
   }
 }
 

@@ -32,8 +32,13 @@
 // before the window is read or computed, and the host counts only the window as a sequence's
 // work. Soft-capping (soft_cap > 0): every score s = scale * q.k becomes
 // soft_cap * tanh(s / soft_cap) before the softmax (Gemma 2).
+//
+// fp8 KV cache (C = noria::fp8_e4m3): each K/V row chunk of 8 bytes is loaded, widened to T
+// (exact) and stored to the same shared tile the 16-bit cache's cp.async fills, so the mma
+// path is unchanged; the K scale folds into the softmax scale, the V scale into the output.
 
 #include "common.cuh"
+#include "fp8.cuh"
 #include "tensor_core.cuh"
 
 namespace noria {
@@ -68,7 +73,8 @@ constexpr int num_stages(int head_dim) {
 // part_out:     [num_items, num_heads, HEAD_DIM] float     (split sequences; normalised)
 // part_max/sum: [num_items, num_heads]
 // query:        sequence s, head h at query + s * q_stride + h * HEAD_DIM (16-byte aligned)
-// k/v_cache:    [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+// k/v_cache:    [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM] of C: T, or fp8_e4m3 bytes
+//               that read as fp8 * k_scale / v_scale (other caches: both scales 1)
 // block_tables: [num_seqs, bt_stride]; seq_lens: [num_seqs] context length
 // work_seq:     [num_items] the sequence of each item; part_start: [num_seqs + 1] its first
 //               item (an exclusive prefix sum of the partition counts, every count >= 1)
@@ -77,14 +83,15 @@ constexpr int num_stages(int head_dim) {
 // window:       keys a query sees (itself included), 0 = the whole context
 // soft_cap:     logit soft-capping, 0 = off
 // Grid: (num_items, num_kv_heads * ceil(group / 16)); 128 threads.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE>
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, typename C = T>
 __global__ void __launch_bounds__(128) paged_attention_decode_gqa(
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_max,
-    float* __restrict__ part_sum, const T* __restrict__ query, const T* __restrict__ k_cache,
-    const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+    float* __restrict__ part_sum, const T* __restrict__ query, const C* __restrict__ k_cache,
+    const C* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ work_seq,
     const int* __restrict__ part_start, float scale, int num_heads, int num_kv_heads,
-    int q_stride, int bt_stride, int chunk, int window, float soft_cap) {
+    int q_stride, int bt_stride, int chunk, int window, float soft_cap, float k_scale,
+    float v_scale) {
   using namespace noria;
   using namespace noria::decode_gqa;
   static_assert(HEAD_DIM % 16 == 0, "head size in whole mma k-steps");
@@ -103,6 +110,7 @@ __global__ void __launch_bounds__(128) paged_attention_decode_gqa(
   constexpr int kKeysPerThread = kKeys / 8;    // softmax: 8 threads per row
   static_assert(kKTiles * kDSplit == kWarps && kSteps % kDSplit == 0, "warp split of S");
   static_assert(smem_bytes(HEAD_DIM, kStages) <= kMaxStaticSmem, "static shared memory");
+  scale *= k_scale;  // q . (fp8 * k_scale) = k_scale * (q . fp8)
 
   __shared__ __align__(16) T q_s[kRows * kStride];
   __shared__ __align__(16) T k_s[kStages * kKeys * kStride];
@@ -166,8 +174,13 @@ __global__ void __launch_bounds__(128) paged_attention_decode_gqa(
         const int j = idx / kChunks, c = idx % kChunks;
         const bool ok = offs[i] >= 0;
         const long long off = ok ? offs[i] : 0;
-        cp_async_16_zfill(&ks[j * kStride + c * 8], k_cache + off, ok ? 16 : 0);
-        cp_async_16_zfill(&vs[j * kStride + c * 8], v_cache + off, ok ? 16 : 0);
+        if constexpr (IsFp8<C>::value) {
+          fp8x8_to_smem(&ks[j * kStride + c * 8], k_cache + off, ok);
+          fp8x8_to_smem(&vs[j * kStride + c * 8], v_cache + off, ok);
+        } else {
+          cp_async_16_zfill(&ks[j * kStride + c * 8], k_cache + off, ok ? 16 : 0);
+          cp_async_16_zfill(&vs[j * kStride + c * 8], v_cache + off, ok ? 16 : 0);
+        }
       }
     }
   };
@@ -307,7 +320,7 @@ __global__ void __launch_bounds__(128) paged_attention_decode_gqa(
     const int r = g + 8 * half;
     if (r >= rows) continue;
     const float l = l_s[r];
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // empty context: zeros
+    const float inv = l > 0.0f ? v_scale / l : 0.0f;  // empty context: zeros
 #pragma unroll
     for (int j = 0; j < kOTiles; ++j) {
       const int dt = warp + j * kWarps;

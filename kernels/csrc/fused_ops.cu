@@ -6,6 +6,7 @@
 // result differs from torch only in the order of the sum of squares.
 
 #include "common.cuh"
+#include "fp8.cuh"
 
 namespace noria {
 
@@ -101,13 +102,14 @@ __global__ void __launch_bounds__(1024) fused_add_rms_norm(
 // num_kv_heads v heads, head_dim elements each. cos / sin: token t's rot_half values at
 // t * cs_stride. The first 2 * rot_half dims of a head rotate (rot_half < head_dim / 2:
 // partial rotary, Phi-3); the dims after them pass through, and k's are cached as they are.
-// k/v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-template <typename T, typename SlotT>
+// k/v_cache: [num_blocks, block_size, num_kv_heads, head_dim] of C: T, or noria::fp8_e4m3
+// (stored as fp8(k / k_scale), fp8(v / v_scale); other caches ignore the scales).
+template <typename T, typename SlotT, typename C = T>
 __global__ void __launch_bounds__(256) rotary_qkv_cache(
     T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin,
-    T* __restrict__ k_cache, T* __restrict__ v_cache, const SlotT* __restrict__ slot_mapping,
+    C* __restrict__ k_cache, C* __restrict__ v_cache, const SlotT* __restrict__ slot_mapping,
     long long qkv_stride, long long cs_stride, int num_heads, int num_kv_heads, int head_dim,
-    int rot_half) {
+    int rot_half, float k_scale, float v_scale) {
   const long long token = blockIdx.x;
   T* row = qkv + token * qkv_stride;
   const T* c = cos + token * cs_stride;
@@ -128,9 +130,9 @@ __global__ void __launch_bounds__(256) rotary_qkv_cache(
     h[i] = y1;
     h[i + half] = y2;
     if (head >= num_heads && slot >= 0) {
-      T* dst = k_cache + slot * kv_elems + (head - num_heads) * head_dim;
-      dst[i] = y1;
-      dst[i + half] = y2;
+      C* dst = k_cache + slot * kv_elems + (head - num_heads) * head_dim;
+      cache_store(dst + i, y1, k_scale);
+      cache_store(dst + i + half, y2, k_scale);
     }
   }
   if (slot < 0) return;  // after the rotation: q and k are rotated for every token
@@ -138,11 +140,11 @@ __global__ void __launch_bounds__(256) rotary_qkv_cache(
   const T* k = row + num_heads * head_dim;
   for (int e = threadIdx.x; e < num_kv_heads * pass; e += blockDim.x) {
     const int off = (e / pass) * head_dim + rot + e % pass;  // k's dims past the rotary ones
-    k_cache[slot * kv_elems + off] = k[off];
+    cache_store(k_cache + slot * kv_elems + off, k[off], k_scale);
   }
   const T* v = row + (num_heads + num_kv_heads) * head_dim;
-  T* dst = v_cache + slot * kv_elems;
-  for (int e = threadIdx.x; e < kv_elems; e += blockDim.x) dst[e] = v[e];
+  C* dst = v_cache + slot * kv_elems;
+  for (int e = threadIdx.x; e < kv_elems; e += blockDim.x) cache_store(dst + e, v[e], v_scale);
 }
 
 // out = silu(gate) * up for gate_up rows [gate (inter) | up (inter)]. Grid (rows, column

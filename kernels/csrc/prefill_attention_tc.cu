@@ -27,8 +27,13 @@
 // read, and a warp also skips the tiles wholly before its own first row's window.
 // Soft-capping (soft_cap > 0): every score s = scale * q.k becomes soft_cap * tanh(s / soft_cap)
 // before the softmax (Gemma 2).
+//
+// fp8 KV cache (C = noria::fp8_e4m3): each K/V row chunk of 8 bytes is loaded, widened to T
+// (exact) and stored to the same shared tile the 16-bit cache's cp.async fills, so the mma
+// path is unchanged; the K scale folds into the softmax scale, the V scale into the output.
 
 #include "common.cuh"
+#include "fp8.cuh"
 #include "tensor_core.cuh"
 
 namespace noria {
@@ -58,9 +63,9 @@ constexpr int row_pad(int head_dim) {
 
 // Issues (does not commit) the cp.async copies of the K and V rows of positions
 // kv0 .. kv0 + KEYS - 1 of one KV head into k_s / v_s; positions before first_pos or past
-// last_pos are zero-filled.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int KEYS, int STRIDE>
-__device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, const T* k_cache, const T* v_cache,
+// last_pos are zero-filled. An fp8 cache's rows are widened and stored right away instead.
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int KEYS, int STRIDE, typename C>
+__device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, const C* k_cache, const C* v_cache,
                                              const int* table, int kv0, int first_pos,
                                              int last_pos, int num_kv_heads, int kv_head) {
   constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per row
@@ -73,8 +78,13 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, const T* k_cache, c
       const long long phys = table[pos / BLOCK_SIZE];
       off = ((phys * BLOCK_SIZE + pos % BLOCK_SIZE) * num_kv_heads + kv_head) * HEAD_DIM + c * 8;
     }
-    cp_async_16_zfill(&k_s[j * STRIDE + c * 8], k_cache + off, ok ? 16 : 0);
-    cp_async_16_zfill(&v_s[j * STRIDE + c * 8], v_cache + off, ok ? 16 : 0);
+    if constexpr (IsFp8<C>::value) {
+      fp8x8_to_smem(&k_s[j * STRIDE + c * 8], k_cache + off, ok);
+      fp8x8_to_smem(&v_s[j * STRIDE + c * 8], v_cache + off, ok);
+    } else {
+      cp_async_16_zfill(&k_s[j * STRIDE + c * 8], k_cache + off, ok ? 16 : 0);
+      cp_async_16_zfill(&v_s[j * STRIDE + c * 8], v_cache + off, ok ? 16 : 0);
+    }
   }
 }
 }  // namespace prefill_tc
@@ -82,7 +92,8 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, const T* k_cache, c
 
 // out:             [num_tokens, num_heads, HEAD_DIM]
 // query:           token t, head h at query + t * q_stride + h * HEAD_DIM (16-byte aligned rows)
-// k/v_cache:       [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+// k/v_cache:       [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM] of C: T, or fp8_e4m3 bytes
+//                  that read as fp8 * k_scale / v_scale (other caches: both scales 1)
 // block_tables:    [num_seqs, bt_stride]; seq_lens: [num_seqs] context after this step
 // query_start_loc: [num_seqs + 1]
 // work:            [num_items, 2] (sequence, tile of 64 packed rows); every tile of a sequence
@@ -90,13 +101,13 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, const T* k_cache, c
 // window:          keys a query sees (itself included), 0 = every position up to its own
 // soft_cap:        logit soft-capping, 0 = off
 // Grid: (num_items, num_kv_heads); 128 threads.
-template <typename T, int HEAD_DIM, int BLOCK_SIZE>
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, typename C = T>
 __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
-    T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ k_cache,
-    const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+    T* __restrict__ out, const T* __restrict__ query, const C* __restrict__ k_cache,
+    const C* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
     const int* __restrict__ work, float scale, int num_heads, int q_stride, int bt_stride,
-    int window, float soft_cap) {
+    int window, float soft_cap, float k_scale, float v_scale) {
   using namespace noria;
   using namespace noria::prefill_tc;
   static_assert(HEAD_DIM % 16 == 0, "head size in whole mma k-steps");
@@ -109,6 +120,7 @@ __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
   constexpr int kKTiles = kKeys / 8;     // 8-key column tiles of S
   static_assert(kKeys % 16 == 0, "P V takes whole 16-key steps");
   static_assert(smem_bytes(HEAD_DIM, kKeys, row_pad(HEAD_DIM)) <= kMaxStaticSmem, "smem");
+  scale *= k_scale;  // q . (fp8 * k_scale) = k_scale * (q . fp8)
 
   __shared__ __align__(16) T smem[smem_rows(kKeys) * kStride];
 
@@ -161,7 +173,7 @@ __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
   }
   cp_async_commit();
   if (kQInStage1) {
-    load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, kKeys, kStride>(
+    load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, kKeys, kStride, C>(
         smem, smem + kKeys * kStride, k_cache, v_cache, table, kv_begin, first_pos, last_pos,
         num_kv_heads, kv_head);
     cp_async_commit();
@@ -187,7 +199,7 @@ __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
 
   const int num_tiles = last_pos / kKeys + 1 - first_tile;  // through the diagonal
   if (!kQInStage1) {
-    load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, kKeys, kStride>(
+    load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, kKeys, kStride, C>(
         smem, smem + kKeys * kStride, k_cache, v_cache, table, kv_begin, first_pos, last_pos,
         num_kv_heads, kv_head);
     cp_async_commit();
@@ -196,7 +208,7 @@ __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
     const int kv0 = kv_begin + j * kKeys;
     if (j + 1 < num_tiles) {  // prefetch the next tile into the other stage
       T* next = smem + ((j + 1) % kStages) * 2 * kKeys * kStride;
-      load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, kKeys, kStride>(
+      load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, kKeys, kStride, C>(
           next, next + kKeys * kStride, k_cache, v_cache, table, kv0 + kKeys, first_pos,
           last_pos, num_kv_heads, kv_head);
     }
@@ -294,7 +306,7 @@ __global__ void __launch_bounds__(128, 1) paged_attention_prefill_tc(
   for (int r = 0; r < 2; ++r) {
     const int p = tile_begin + row0 + g + 8 * r;
     if (p >= packed) continue;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float inv = l[r] > 0.0f ? v_scale / l[r] : 0.0f;
     const long long token = q_begin + p / group;
     const int head = kv_head * group + p % group;
     T* dst = out + (token * num_heads + head) * HEAD_DIM;

@@ -71,7 +71,7 @@ FUSED: tuple[Mutant, ...] = (
         "rotary-partial-k-pass-uncached",
         "dropped store (partial rotary: k's dims past the rotary ones never reach the cache)",
         "fused_ops.cu",
-        "    k_cache[slot * kv_elems + off] = k[off];\n",
+        "    cache_store(k_cache + slot * kv_elems + off, k[off], k_scale);\n",
         "",
         (_FUSED + "::test_rotary_partial_with_scaled_table",),
         keyword="float32",

@@ -19,6 +19,7 @@ from noria.kernels.attention_backend import KernelAttentionBackend
 from noria.kernels.instances import ModuleSpec
 from noria.worker.attention import AttentionMetadata, LayerAttention, TorchAttentionBackend
 from noria.worker.attention_select import CUDA_INSTALL_HINT, get_attention_backend
+from noria.worker.errors import WorkerFatal
 
 BUILT = LayerAttention(4, 2, 32, 0.2)  # the demo model's head size
 ODD_HEAD = LayerAttention(4, 2, 16, 0.25)  # head size 16: no instance
@@ -71,6 +72,33 @@ def test_per_layer_decision_and_one_line(caplog: pytest.LogCaptureFixture) -> No
     assert not backend.supports(BUILT, torch.float32, 24)
     assert not backend.supports(BUILT, torch.float64, 16)
     assert not backend.supports(ODD_HEAD, torch.float32, 16)
+
+
+def test_fp8_cache_runs_on_the_kernels_where_they_have_instances(caplog: pytest.LogCaptureFixture) -> None:
+    """--kv-cache-dtype fp8: layers with fp8 instances (16-bit model, head size 64 / 128) run on
+    the kernels, which compile their fp8 cache write and attention; others go to torch with the
+    reason in the one line; --attention-backend kernels runs rather than refusing."""
+    fp8 = torch.float8_e4m3fn
+    scaled = LayerAttention(4, 2, 64, 0.125, k_scale=0.5, v_scale=0.25)
+    rec = Counting()
+    backend, lines = select(caplog, CPU, [scaled, BUILT], torch.bfloat16, kernel_backend=rec, choice="kernels",
+                            kv_dtype=fp8)
+    assert isinstance(backend, KernelAttentionBackend) and backend.kv_dtype == fp8
+    assert len(lines) == 1 and "kernels for 1 of 2 layers" in lines[0]
+    assert "1: head size 32 with an fp8 KV cache (kernels: 64, 128)" in lines[0]
+    assert any(n.startswith("paged_attention_decode_gqa<__nv_bfloat16, 64, 16, unsigned char>") for n in rec.compiled)
+    assert any(n.startswith("reshape_and_cache<__nv_bfloat16, long long, unsigned char>") for n in rec.compiled)
+    assert any(n.startswith("rotary_qkv_cache<__nv_bfloat16, long long, unsigned char>") for n in rec.compiled)
+    assert backend.supports(scaled, torch.bfloat16, 16) and not backend.supports(BUILT, torch.bfloat16, 16)
+    assert not backend.supports(scaled, torch.bfloat16, 64)  # block size 64: no fp8 instance
+    # A float32 model's layers have none: auto is torch with the reason, kernels refuses in one sentence.
+    backend, lines = select(caplog, CPU, [scaled], torch.float32, kernel_backend=Counting(), kv_dtype=fp8)
+    assert isinstance(backend, TorchAttentionBackend)
+    assert lines == ["attention: torch backend for every layer: 0: float32 queries over an fp8 KV cache "
+                     "(kernels: float16, bfloat16)"]
+    with pytest.raises(WorkerFatal, match="--attention-backend kernels: no layer") as e:
+        select(caplog, CPU, [scaled], torch.float32, kernel_backend=Counting(), choice="kernels", kv_dtype=fp8)
+    assert "\n" not in str(e.value)
 
 
 def test_every_layer_unsupported_is_torch(caplog: pytest.LogCaptureFixture) -> None:

@@ -44,8 +44,10 @@ typedef void (*qk_rope_fn)(const float *qkv, int64_t ld, const float *cos, const
                            const float *k_weight, float eps, float *q, float *k, float *v, int64_t T, int64_t H,
                            int64_t KVH, int64_t D, int num_threads);
 typedef void (*silu_fn)(const float *gate_up, int64_t ld, float *out, int64_t T, int64_t n, int num_threads);
-/* The caches' elements are float32 or bf16: the caller points attn / attn_capped at the
- * paged_decode.c entry points for theirs, so the driver passes them through untyped. */
+/* The caches' elements are float32, bf16 or float16: the caller points attn / attn_capped at the
+ * paged_decode.c entry points for theirs, so the driver passes them through untyped. An fp8
+ * cache has a K and a V scale per layer: the caller sets attn_scaled (paged_decode_capped_fp8,
+ * cap 0 for none) and the driver passes each layer's scales. */
 typedef int (*attn_capped_fn)(const float *q, void *k_cache, void *v_cache, const int64_t *block_table,
                               const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
@@ -56,6 +58,11 @@ typedef int (*attn_fn)(const float *q, void *k_cache, void *v_cache, const int64
                        int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
                        int num_threads, const float *k_new, const float *v_new, const int64_t *slots,
                        int64_t num_new);
+typedef int (*attn_scaled_fn)(const float *q, void *k_cache, void *v_cache, const int64_t *block_table,
+                              const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                              float scale, int64_t window, int num_threads, const float *k_new, const float *v_new,
+                              const int64_t *slots, int64_t num_new, float cap, float k_scale, float v_scale);
 
 typedef struct {
     gemm_fn gemm;
@@ -67,6 +74,7 @@ typedef struct {
     rope_partial_fn rope_partial;
     silu_fn gelu_tanh;          /* GeGLU (tanh) and mul: silu's signature */
     attn_capped_fn attn_capped; /* attn with soft-capped scores */
+    attn_scaled_fn attn_scaled; /* an fp8 cache's attention (then attn and attn_capped are unused), or NULL */
 } Kernels;
 
 typedef struct { /* packed weights (see gemm_f32.c), biases or NULL, norm weights, this layer's caches */
@@ -84,6 +92,7 @@ typedef struct { /* packed weights (see gemm_f32.c), biases or NULL, norm weight
     /* A sparse layer's MLP: x[:T] = moe(layer, normed[:T]) by the caller, 0 on success; NULL: dense */
     int (*moe)(int64_t layer, int64_t T);
     int64_t index; /* this layer's index in the model, moe's first argument */
+    float k_scale, v_scale; /* an fp8 cache's scales (attn_scaled), else unused */
 } Layer;
 
 typedef struct {
@@ -108,11 +117,12 @@ typedef struct {
 #define DECODER_LAYOUT(S, F)                                                                                    \
     S(Kernels) F(Kernels, gemm) F(Kernels, norm) F(Kernels, rope) F(Kernels, silu) F(Kernels, attn)          \
     F(Kernels, qk_rope) F(Kernels, rope_partial) F(Kernels, gelu_tanh) F(Kernels, attn_capped)                 \
+    F(Kernels, attn_scaled)                                                                                   \
     S(Layer) F(Layer, qkv) F(Layer, qkv_bias) F(Layer, o) F(Layer, o_bias) F(Layer, gate_up)                  \
     F(Layer, gate_up_bias) F(Layer, down) F(Layer, down_bias) F(Layer, input_norm) F(Layer, post_norm)        \
     F(Layer, k_cache) F(Layer, v_cache) F(Layer, window) F(Layer, q_norm) F(Layer, k_norm)                    \
     F(Layer, post_attn_norm) F(Layer, post_mlp_norm) F(Layer, soft_cap) F(Layer, geglu) F(Layer, local_rope) \
-    F(Layer, moe) F(Layer, index)                                                                             \
+    F(Layer, moe) F(Layer, index) F(Layer, k_scale) F(Layer, v_scale)                                         \
     S(Shape) F(Shape, hidden) F(Shape, heads) F(Shape, kv_heads) F(Shape, head_dim) F(Shape, intermediate)   \
     F(Shape, block_size) F(Shape, eps) F(Shape, scale)                                                        \
     S(Step) F(Step, tokens) F(Step, max_blocks) F(Step, cos) F(Step, sin) F(Step, tables) F(Step, lens)      \
@@ -155,7 +165,11 @@ int decoder_stack(const Kernels *kn, const Layer *layers, int64_t num_layers, co
             kn->rope_partial(st->qkv, qkv_n, cos, sin, st->q, st->k, st->v, T, s->heads, s->kv_heads, D,
                              st->rotary_dim, th);
         const int status =
-            l->soft_cap > 0
+            kn->attn_scaled
+                ? kn->attn_scaled(st->q, l->k_cache, l->v_cache, st->tables, st->lens, st->attn, T, s->heads,
+                                  s->kv_heads, D, s->block_size, st->max_blocks, s->scale, l->window, th, st->k,
+                                  st->v, st->slots, T, l->soft_cap, l->k_scale, l->v_scale)
+            : l->soft_cap > 0
                 ? kn->attn_capped(st->q, l->k_cache, l->v_cache, st->tables, st->lens, st->attn, T, s->heads,
                                   s->kv_heads, D, s->block_size, st->max_blocks, s->scale, l->window, th, st->k,
                                   st->v, st->slots, T, l->soft_cap)

@@ -75,8 +75,10 @@
  *    order as W4A8 (the same code, the weights 8-bit: the W4A8 part has it).
  *
  * 5. Descriptor entries (gemm_w8a8_desc, gemm_wq_desc, gemm_w4a8_desc,
- *    gemm_w8a8g_desc): the native decoder driver's gemm_fn signature,
- *    `packed` a GemmQuantDesc (the last part of this file).
+ *    gemm_w8a8g_desc, gemm_fp8_desc): the native decoder driver's gemm_fn
+ *    signature, `packed` a GemmQuantDesc (the last part of this file). The
+ *    fp8 kind's kernel is worker/csrc/gemm_fp8.c, reached through the
+ *    descriptor (its comment there says why).
  *
  * No -ffast-math: the sums above are the documented ones.
  *
@@ -994,21 +996,32 @@ void gemm_wq(const float *x, int64_t ldx, const uint8_t *packed, const uint8_t *
  * wrong. The entries take any row strides ldx / ldy, any M, and run on any thread (the scratch is
  * per thread). */
 #define GQ_MAGIC 0x31445147u /* "GQD1" */
-enum { GQ_W8A8 = 1, GQ_WQ = 2, GQ_W4A8 = 3, GQ_W8A8G = 4 };
+enum { GQ_W8A8 = 1, GQ_WQ = 2, GQ_W4A8 = 3, GQ_W8A8G = 4, GQ_FP8 = 5 };
+
+/* The fp8 kind's GEMM is gemm_fp8() of worker/csrc/gemm_fp8.c, a library of its own, and its
+ * descriptor carries that function's address. Compiling it into this file instead would put two
+ * kernels that each define their own vector width, tile and panel macros (VL, MR, NR, vf, ...) in
+ * one translation unit, and tie the fp8 build to this one's (its tests build it alone for each
+ * instruction set). The pointer is the packing build's own kernel (worker/gemm_fp8_kernels.py
+ * fills it from the library that packed the panels), so its panel width always matches the
+ * weight: no layout check is needed, only that the pointer is there. */
+typedef void (*gemm_fp8_fn)(const float *x, int64_t ldx, const uint8_t *packed, const float *scale, const float *bias,
+                            float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t group, int num_threads);
 
 typedef struct {
     uint32_t magic;
-    int32_t kind;            /* GQ_W8A8, GQ_WQ, GQ_W4A8 or GQ_W8A8G */
-    int32_t layout;          /* gemm_quant_layout() of the build that packed it */
-    int32_t bits;            /* 8 (w8a8), 4 or 8 (wq), 4 (w4a8), 8 (w8a8g) */
+    int32_t kind;            /* GQ_W8A8, GQ_WQ, GQ_W4A8, GQ_W8A8G or GQ_FP8 */
+    int32_t layout;          /* gemm_quant_layout() of the build that packed it (fp8: gemm_fp8_layout()'s) */
+    int32_t bits;            /* 8 (w8a8), 4 or 8 (wq), 4 (w4a8), 8 (w8a8g, fp8) */
     int64_t n, k, group;     /* group: 0 for w8a8 (one scale per output row) */
     const void *data;        /* the panels */
-    const float *scale;      /* w8a8: [panels * NR8]; wq, w4a8, w8a8g: [panels, K / group, NR] */
+    const float *scale;      /* w8a8: [panels * NR8]; wq, w4a8, w8a8g, fp8: [panels, K / group, NR] */
     const uint8_t *zero;     /* wq, w4a8, w8a8g: zero points + offset, [panels, K / group, NR] bytes, or NULL */
     const int32_t *corr;     /* w8a8: 128 * sum_k w per feature where the build shifts x, else zeros */
     const float *minimum;    /* w4a8, w8a8g: w = q * scale - minimum ([panels, K / group, NR] float32), or NULL */
     int32_t offset;          /* w4a8: stored u = q + offset (8: signed q; 0: unsigned q with minimums); w8a8g: 128 */
     int32_t reserved;
+    gemm_fp8_fn fp8;         /* fp8: the packing build's gemm_fp8; NULL for the other kinds */
 } GemmQuantDesc;
 
 int32_t gemm_quant_layout(void) { return (int32_t)(I8_PATH << 16 | I8_NR << 8 | NR); }
@@ -1016,8 +1029,8 @@ int64_t gemm_quant_desc_size(void) { return (int64_t)sizeof(GemmQuantDesc); }
 
 static const GemmQuantDesc *desc_check(const float *packed, int kind, int64_t N, int64_t K) {
     const GemmQuantDesc *d = (const GemmQuantDesc *)(const void *)packed;
-    if (d == NULL || d->magic != GQ_MAGIC || d->kind != kind || d->layout != gemm_quant_layout() || d->n != N ||
-        d->k != K) {
+    if (d == NULL || d->magic != GQ_MAGIC || d->kind != kind ||
+        (kind == GQ_FP8 ? d->fp8 == NULL : d->layout != gemm_quant_layout()) || d->n != N || d->k != K) {
         fprintf(stderr,
                 "gemm_quant: descriptor %p does not fit this entry (kind %d, layout %#x, N %lld, K %lld): "
                 "kind %d, layout %#x, N %lld, K %lld\n",
@@ -1083,6 +1096,18 @@ void gemm_w8a8g_desc(const float *x, int64_t ldx, const float *packed, const flo
                num_threads < 1 ? 1 : num_threads);
 }
 
+void gemm_fp8_desc(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                   int64_t M, int64_t N, int64_t K, int num_threads) {
+    const GemmQuantDesc *d = desc_check(packed, GQ_FP8, N, K);
+    if (M <= 0 || N <= 0) return;
+    if (K == 0) {
+        desc_empty(bias, y, ldy, M, N);
+        return;
+    }
+    d->fp8(x, ldx, (const uint8_t *)d->data, d->scale, bias, y, ldy, M, N, K, d->group,
+           num_threads < 1 ? 1 : num_threads);
+}
+
 /* Any of the above, by the descriptor's own kind: the decoder driver calls one GEMM entry per model,
  * and a GGUF file mixes types layer by layer (Q4_K beside Q6_K in a Q4_K_M), so a model whose
  * layers are all quantized, in whatever kinds, runs on the driver through this one. */
@@ -1094,6 +1119,7 @@ void gemm_quant_desc(const float *x, int64_t ldx, const float *packed, const flo
     case GQ_WQ: gemm_wq_desc(x, ldx, packed, bias, y, ldy, M, N, K, num_threads); break;
     case GQ_W4A8: gemm_w4a8_desc(x, ldx, packed, bias, y, ldy, M, N, K, num_threads); break;
     case GQ_W8A8G: gemm_w8a8g_desc(x, ldx, packed, bias, y, ldy, M, N, K, num_threads); break;
+    case GQ_FP8: gemm_fp8_desc(x, ldx, packed, bias, y, ldy, M, N, K, num_threads); break;
     default: desc_check(packed, -1, N, K); /* prints what it found, and aborts */
     }
 }

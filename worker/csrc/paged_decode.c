@@ -30,16 +30,20 @@
  *   (reshape_and_cache fused: no extra dispatch per layer).
  * - Logit soft-capping (Gemma 2): with cap > 0 every score s becomes
  *   cap * tanh(s / cap) before the softmax, as transformers' eager attention does.
- * - The caches hold float32, bfloat16 or float16 (the _f32, _bf16 and _f16 entry points): the
- *   half types halve the bytes every step reads. Both widen exactly to float32 in registers: a
+ * - The caches hold float32, bfloat16, float16 or fp8 e4m3 (the _f32, _bf16, _f16 and _fp8 entry
+ *   points): the half types halve the bytes every step reads, fp8 quarters them. Both widen exactly to float32 in registers: a
  *   bf16 is the top half of a float32's bits (a shift), a float16 goes through vcvtph2ps (F16C,
  *   on every x86-64-v3 CPU; AVX-512F's 16-wide form), or bit manipulation where neither is
  *   built in. Scores, softmax and accumulation stay float32, and one source serves every
  *   element type (kv_load / kv_vec, specialised by a constant `elt`). New rows arrive as
  *   float32 and are rounded to nearest even as they are written, as torch's .to() rounds.
+ * - fp8 (--kv-cache-dtype fp8, float8_e4m3fn) stores x / scale with one scale per layer for K and
+ *   one for V; its widening, rounding and entry points are in paged_decode_fp8.h. The scales are
+ *   applied outside the inner loops: K's folded into the query scale (q . (s k) = s (q . k)), V's
+ *   into the final 1 / sum.
  *
  * q:           [B, H, D]                float32
- * k/v cache:   [NB, BS, KVH, D]         float32, bfloat16 or float16
+ * k/v cache:   [NB, BS, KVH, D]         float32, bfloat16, float16 or fp8 e4m3 (bytes)
  * block_table: [B, max_blocks]          int64
  * seq_lens:    [B]                      int64
  * out:         [B, H, D]                float32
@@ -149,6 +153,7 @@ typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 typedef float vfu __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof(float)))); /* unaligned */
 typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
 typedef uint16_t vbu __attribute__((vector_size(VW * sizeof(uint16_t)), aligned(sizeof(uint16_t)))); /* unaligned */
+typedef uint8_t vb8 __attribute__((vector_size(VW), aligned(1)));                                         /* unaligned */
 
 /* float16 -> float32, exactly, without F16C: the exponent rebiased (112 = 127 - 15), an
  * infinity or NaN's exponent saturated, a subnormal (or zero) renormalised by one float
@@ -212,12 +217,18 @@ static inline uint16_t to_f16(float x) {
 #endif
 }
 
+/* fp8 e4m3 elements: widened and rounded in paged_decode_fp8.h, which is included at the end of
+ * this file with the fp8 entry points (they call paged_decode below). */
+static inline float fp8_widen_bits(uint8_t b);
+static inline vf fp8_widen_vec(const uint8_t *p);
+static inline uint8_t to_fp8(float x);
+
 /* Cache elements. Every caller passes elt as a constant into always_inline code, so each
  * element type gets its own loops with no test inside them. */
-enum kv_elt { KV_F32, KV_BF16, KV_F16 };
+enum kv_elt { KV_F32, KV_BF16, KV_F16, KV_FP8 };
 
 static inline int64_t kv_bytes(int64_t elems, const enum kv_elt elt) {
-    return elems * (elt != KV_F32 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
+    return elems * (elt == KV_FP8 ? 1 : elt != KV_F32 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
 }
 
 static inline const char *kv_at(const char *base, int64_t elems, const enum kv_elt elt) {
@@ -226,6 +237,7 @@ static inline const char *kv_at(const char *base, int64_t elems, const enum kv_e
 
 static inline float kv_load(const char *p, int64_t i, const enum kv_elt elt) {
     if (elt == KV_F32) return ((const float *)p)[i];
+    if (elt == KV_FP8) return fp8_widen_bits(((const uint8_t *)p)[i]);
     if (elt == KV_F16) {
 #if defined(__F16C__)
         return _cvtsh_ss(((const uint16_t *)p)[i]);
@@ -258,15 +270,16 @@ static inline vf f16_widen_vec(const uint16_t *p) {
 static inline vf kv_vec(const char *p, int64_t i, const enum kv_elt elt) {
     if (elt == KV_F32) return *(const vfu *)((const float *)p + i);
     if (elt == KV_F16) return f16_widen_vec((const uint16_t *)p + i);
+    if (elt == KV_FP8) return fp8_widen_vec((const uint8_t *)p + i);
     return (vf)(__builtin_convertvector(*(const vbu *)((const uint16_t *)p + i), vu) << 16);
 }
 
-/* q . k over D elements. A float16 row is widened a vector at a time (a scalar conversion
+/* q . k over D elements. A float16 or fp8 row is widened a vector at a time (a scalar conversion
  * would keep the loop from vectorising); the other types' scalar loads vectorise as they are. */
 static inline __attribute__((always_inline)) float dot_qk(const float *q, const char *k, const int64_t D,
                                                          const enum kv_elt elt) {
     float dot = 0.f;
-    if (elt != KV_F16) {
+    if (elt != KV_F16 && elt != KV_FP8) {
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; d++) dot += q[d] * kv_load(k, d, elt);
         return dot;
@@ -376,10 +389,10 @@ static inline __attribute__((always_inline)) void attend(
 #define RUN_TASK_PARAMS                                                                                   \
     const Task *task, const float *q, const char *k_cache, const char *v_cache, const int64_t *block_table, \
         int64_t max_blocks, int64_t num_heads, int64_t group, int64_t D, int64_t block_size,                \
-        int64_t token_stride, float scale, float cap, float *out, float *parts
+        int64_t token_stride, float scale, float cap, float v_scale, float *out, float *parts
 #define RUN_TASK_ARGS                                                                                            \
     task, q, k_cache, v_cache, block_table, max_blocks, num_heads, group, D, block_size, token_stride, scale, cap, \
-        out, parts
+        v_scale, out, parts
 
 static inline __attribute__((always_inline)) void run_task_as(RUN_TASK_PARAMS, const enum kv_elt elt) {
     const Paged p = {kv_at(k_cache, task->kh0 * D, elt), kv_at(v_cache, task->kh0 * D, elt),
@@ -401,6 +414,8 @@ static inline __attribute__((always_inline)) void run_task_as(RUN_TASK_PARAMS, c
         ATTEND(D, ELT)
     if (elt == KV_F16) {
         ATTEND_ANY_D(KV_F16);
+    } else if (elt == KV_FP8) {
+        ATTEND_ANY_D(KV_FP8);
     } else if (elt == KV_BF16) {
         ATTEND_ANY_D(KV_BF16);
     } else {
@@ -411,7 +426,7 @@ static inline __attribute__((always_inline)) void run_task_as(RUN_TASK_PARAMS, c
     if (rec) return;
     float *oh = out + (task->b * num_heads + h0) * D;
     for (int64_t h = 0; h < nh; h++) {
-        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        const float inv = l[h] > 0.f ? v_scale / l[h] : 0.f; /* v_scale 1 but for fp8: the same bits */
         for (int64_t d = 0; d < D; d++) oh[h * D + d] = acc[h * D + d] * inv;
     }
 }
@@ -420,16 +435,21 @@ static inline __attribute__((always_inline)) void run_task_as(RUN_TASK_PARAMS, c
  * bfloat16 loops, they changed those loops' register allocation (bf16 decode from a hot cache
  * ran ~7 % slower). The select below tells the compiler run_task never sees float16. */
 static __attribute__((noinline)) void run_task_f16(RUN_TASK_PARAMS) { run_task_as(RUN_TASK_ARGS, KV_F16); }
+/* fp8's too, for the same reason. */
+static __attribute__((noinline)) void run_task_fp8(RUN_TASK_PARAMS) { run_task_as(RUN_TASK_ARGS, KV_FP8); }
 
 static void run_task(RUN_TASK_PARAMS, const enum kv_elt elt) {
     if (elt == KV_F16)
         run_task_f16(RUN_TASK_ARGS);
+    else if (elt == KV_FP8)
+        run_task_fp8(RUN_TASK_ARGS);
     else
         run_task_as(RUN_TASK_ARGS, elt == KV_BF16 ? KV_BF16 : KV_F32);
 }
 
 /* out[b] = sum over its chunks c of acc_c * e^(m_c - M) / sum of l_c * e^(m_c - M), M = max m_c. */
-static void merge(const float *parts, int64_t first, int64_t count, int64_t num_heads, int64_t D, float *out) {
+static void merge(const float *parts, int64_t first, int64_t count, int64_t num_heads, int64_t D, float v_scale,
+                  float *out) {
     const int64_t rec = num_heads * (D + 2);
     for (int64_t h = 0; h < num_heads; h++) {
         float mx = -INFINITY, sum = 0.f;
@@ -445,7 +465,7 @@ static void merge(const float *parts, int64_t first, int64_t count, int64_t num_
             sum += r[num_heads * (D + 1) + h] * w;
             for (int64_t d = 0; d < D; d++) o[d] += w * r[h * D + d];
         }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        const float inv = sum > 0.f ? v_scale / sum : 0.f;
         for (int64_t d = 0; d < D; d++) o[d] *= inv;
     }
 }
@@ -467,12 +487,19 @@ static void to_f16_row(uint16_t *dst, const float *row, int64_t n) {
     for (; j < n; j++) dst[j] = to_f16(row[j]);
 }
 
+/* kv_scale: fp8's scale, by which a value is divided (a true division, as vLLM's a / scale) before
+ * it is rounded; unused by the other types. */
 static void write_rows(void *cache, const float *rows, const int64_t *slots, int64_t n, int64_t token_stride,
-                       enum kv_elt elt) {
+                       enum kv_elt elt, float kv_scale) {
     for (int64_t i = 0; i < n; i++) {
         const float *row = rows + i * token_stride;
         if (elt == KV_F32) {
             memcpy((float *)cache + slots[i] * token_stride, row, sizeof(float) * (size_t)token_stride);
+            continue;
+        }
+        if (elt == KV_FP8) {
+            uint8_t *dst = (uint8_t *)cache + slots[i] * token_stride;
+            for (int64_t j = 0; j < token_stride; j++) dst[j] = to_fp8(row[j] / kv_scale);
             continue;
         }
         uint16_t *dst = (uint16_t *)cache + slots[i] * token_stride;
@@ -522,15 +549,17 @@ static void fill_tasks(Task *tasks, int64_t *first_part, const int64_t *seq_lens
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing computed).
- * cap > 0: scores are soft-capped (see soft_cap); 0: as they are. elt: the caches' element type. */
+ * cap > 0: scores are soft-capped (see soft_cap); 0: as they are. elt: the caches' element type.
+ * k_scale, v_scale: an fp8 cache's scales (1 for the other types, where they change no bit). */
 static int paged_decode(const float *q, void *k_cache, void *v_cache, const int64_t *block_table,
                         const int64_t *seq_lens, float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
                         int num_threads, const float *k_new, const float *v_new, const int64_t *slots,
-                        int64_t num_new, float cap, enum kv_elt elt) {
+                        int64_t num_new, float cap, enum kv_elt elt, float k_scale, float v_scale) {
     const int64_t group = num_heads / num_kv_heads, D = head_dim, token_stride = num_kv_heads * D;
-    write_rows(k_cache, k_new, slots, num_new, token_stride, elt);
-    write_rows(v_cache, v_new, slots, num_new, token_stride, elt);
+    write_rows(k_cache, k_new, slots, num_new, token_stride, elt, k_scale);
+    write_rows(v_cache, v_new, slots, num_new, token_stride, elt, v_scale);
+    scale *= k_scale; /* the scores of the dequantized keys: scale * (q . k_scale k) */
     /* KV heads per task: all of them for the usual shapes (12 x 64 floats of queries for Llama-small). */
     int64_t nk = num_kv_heads;
     while (nk > 1 && (nk * group * D > MAX_TASK_FLOATS || nk * group > MAX_TASK_HEADS)) nk = (nk + 1) / 2;
@@ -556,19 +585,20 @@ static int paged_decode(const float *q, void *k_cache, void *v_cache, const int6
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_tasks; i++)
             run_task(&tasks[i], q, k_cache, v_cache, block_table, max_blocks, num_heads, group, D, block_size,
-                     token_stride, scale, cap, out, parts, elt);
+                     token_stride, scale, cap, v_scale, out, parts, elt);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < batch; b++)
             if (first_part[b + 1] > first_part[b])
-                merge(parts, first_part[b], first_part[b + 1] - first_part[b], num_heads, D,
+                merge(parts, first_part[b], first_part[b + 1] - first_part[b], num_heads, D, v_scale,
                       out + b * num_heads * D);
     }
     free(tasks), free(first_part), free(parts);
     return 0;
 }
 
-/* The entry points: float32, bfloat16 or float16 caches, with or without soft-capping. The
- * uncapped ones are what worker/csrc/decoder_f32.c calls through a pointer (its attn). */
+/* The entry points: float32, bfloat16 or float16 caches, with or without soft-capping (fp8's, with
+ * the layer's scales: paged_decode_fp8.h). The uncapped ones are what worker/csrc/decoder_f32.c
+ * calls through a pointer (its attn). */
 #define PAGED_DECODE_PARAMS(T)                                                                                    \
     const float *q, T *k_cache, T *v_cache, const int64_t *block_table, const int64_t *seq_lens, float *out,      \
         int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,             \
@@ -579,19 +609,21 @@ static int paged_decode(const float *q, void *k_cache, void *v_cache, const int6
         max_blocks, scale, window, num_threads, k_new, v_new, slots, num_new
 
 int paged_decode_capped_f32(PAGED_DECODE_PARAMS(float), float cap) {
-    return paged_decode(PAGED_DECODE_ARGS, cap, KV_F32);
+    return paged_decode(PAGED_DECODE_ARGS, cap, KV_F32, 1.f, 1.f);
 }
 
-int paged_decode_f32(PAGED_DECODE_PARAMS(float)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, KV_F32); }
+int paged_decode_f32(PAGED_DECODE_PARAMS(float)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, KV_F32, 1.f, 1.f); }
 
 int paged_decode_capped_bf16(PAGED_DECODE_PARAMS(uint16_t), float cap) {
-    return paged_decode(PAGED_DECODE_ARGS, cap, KV_BF16);
+    return paged_decode(PAGED_DECODE_ARGS, cap, KV_BF16, 1.f, 1.f);
 }
 
-int paged_decode_bf16(PAGED_DECODE_PARAMS(uint16_t)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, KV_BF16); }
+int paged_decode_bf16(PAGED_DECODE_PARAMS(uint16_t)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, KV_BF16, 1.f, 1.f); }
 
 int paged_decode_capped_f16(PAGED_DECODE_PARAMS(uint16_t), float cap) {
-    return paged_decode(PAGED_DECODE_ARGS, cap, KV_F16);
+    return paged_decode(PAGED_DECODE_ARGS, cap, KV_F16, 1.f, 1.f);
 }
 
-int paged_decode_f16(PAGED_DECODE_PARAMS(uint16_t)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, KV_F16); }
+int paged_decode_f16(PAGED_DECODE_PARAMS(uint16_t)) { return paged_decode(PAGED_DECODE_ARGS, 0.f, KV_F16, 1.f, 1.f); }
+
+#include "paged_decode_fp8.h"

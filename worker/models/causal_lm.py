@@ -91,6 +91,11 @@ class CausalLM(nn.Module):
         """Copy checkpoint tensors (transformers names) into the parameters through their loaders.
 
         Raises ValueError on unknown names, shape mismatches and missing tensors."""
+        self.weight_map().load(weights, self.spec.architecture)
+
+    def weight_map(self) -> WeightMap:
+        """Every checkpoint tensor's loader and the parameter slots they fill (an online-quantized
+        layer's float weight is made here, to be filled)."""
         wm = WeightMap()
         spec, n = self.spec, self.tp.size
         wm.add("embed_tokens.weight", wm.slot("embed_tokens", self.embed_tokens).loader())
@@ -101,7 +106,7 @@ class CausalLM(nn.Module):
                             rows_rank=narrow(0, self.shapes.vocab_start, rows, n))
         for i, layer in enumerate(self.layers):
             layer.register_weights(wm, f"layers.{i}.", spec, self.shapes, self.tp)
-        wm.load(weights, spec.architecture)
+        return wm
 
     # -- forward ------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from torch import nn
 from noria.protocol.model_spec import ModelSpec
 from noria.protocol.quant_config import WeightScheme
 from noria.worker.attention import AttentionBackend, AttentionMetadata, LayerAttention
+from noria.worker.kv_fp8 import CheckpointScales, register_scales
 from noria.worker.models.layers import RMSNorm
 from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.models.ops import AttendFn, Ops, TorchOps
@@ -59,6 +60,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, spec.rms_norm_eps, one_plus) if spec.qk_norm else None
         window = spec.sliding_windows[layer_index]
         self.attn = LayerAttention(h, kvh, d, spec.scale, window, spec.attn_softcap)
+        # The checkpoint's fp8 KV cache scales, if any (an fp8 cache puts them on self.attn).
+        self.kv_scales = CheckpointScales()
         # The sliding layers of a model with a local rope rotate with it (Gemma 3).
         self.local_rope = window is not None and spec.local_rope is not None
         self.rotary_dim = rotary_dim(spec.local_rope if self.local_rope and spec.local_rope else spec.rope, d)
@@ -81,6 +84,7 @@ class Attention(nn.Module):
         for name, norm in (("q_norm", self.q_norm), ("k_norm", self.k_norm)):
             if norm is not None:
                 register_norm(wm, f"{p}{name}.weight", norm)
+        register_scales(wm, p, self.kv_scales)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         cos, sin = (ctx.local_cos, ctx.local_sin) if self.local_rope else (ctx.cos, ctx.sin)
@@ -120,7 +124,7 @@ class DecoderLayer(nn.Module):
         ops = TorchOps(spec.activation)
         self.ops: Ops = ops
         self.self_attn = Attention(spec, layer_index, shapes, tp)
-        self.mlp: MLP | SparseMoeBlock = (SparseMoeBlock(spec, tp, ops) if spec.is_sparse(layer_index)
+        self.mlp: MLP | SparseMoeBlock = (SparseMoeBlock(spec, tp, ops, layer_index) if spec.is_sparse(layer_index)
                                           else MLP(spec.hidden_size, shapes.intermediate_size, spec.mlp_bias, tp, ops,
                                                    mlp_schemes(spec, layer_index)))
         h, eps, one_plus = spec.hidden_size, spec.rms_norm_eps, spec.norm == "rms_one_plus"

@@ -14,6 +14,11 @@ order transformers adds them in. Where the experts are packed for the native GEM
 layer runs the CPU ops, all of that is one native call (worker/moe_kernels.py), bit for bit
 the same numbers. Qwen2-MoE adds a shared expert scaled by sigmoid(shared_expert_gate(x)).
 
+Quantized checkpoints (compressed-tensors, FP8, AWQ, GPTQ, or --quantization fp8) store one
+linear module per expert and part: each expert is then a pair of linear layers of its scheme
+(worker/models/moe_quant.py), its values kept quantized, and the grouped loop calls each active
+expert's kind on its rows; the router stays float, the shared expert is a dense MLP's layers.
+
 Tensor parallelism shards every expert's intermediate dimension (and the shared
 expert's): gate/up column-parallel, down row-parallel, so each rank's output is a
 partial sum; the routed and shared partial sums are added first and all-reduced once
@@ -29,18 +34,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from noria.protocol.model_spec import ModelSpec
+from noria.protocol.quant_moe import expert_schemes
 from noria.worker import moe_kernels
 from noria.worker.models.linear import (
-    Linear,
     LinearOp,
     PackedHalfLinear,
     TorchLinear,
     linear_op,
     packed,
 )
+from noria.worker.models.moe_quant import ExpertOp, QuantExperts, local
 from noria.worker.models.ops import CpuOps, Ops
 from noria.worker.models.parallel import TensorParallel
-from noria.worker.models.weights import Loader, Slot, WeightMap, narrow, rows
+from noria.worker.models.quant_linear import make_linear, make_row_parallel, scheme_of
+from noria.worker.models.weights import (
+    Loader,
+    Part,
+    Slot,
+    WeightMap,
+    narrow,
+    register_fused,
+    register_single,
+)
 
 
 def describe(spec: ModelSpec, tp: TensorParallel) -> str:
@@ -68,7 +83,7 @@ def _meta(p: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
 class SparseMoeBlock(nn.Module):
     """A decoder layer's MLP when the layer is sparse: router, experts, optional shared expert."""
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel, ops: Ops) -> None:
+    def __init__(self, spec: ModelSpec, tp: TensorParallel, ops: Ops, layer_index: int = 0) -> None:
         super().__init__()
         e, h, n = spec.num_experts, spec.hidden_size, tp.size
         self.tp = tp
@@ -79,18 +94,30 @@ class SparseMoeBlock(nn.Module):
         self.inter = spec.moe_intermediate_size // n  # this rank's columns of every expert
         self.inter_start = tp.rank * self.inter
         self.router = _param(e, h)
+        schemes = expert_schemes(spec, layer_index)
+        # Quantized experts: a layer per expert and part (their float stacks below keep only a shape).
+        self.quantized = QuantExperts(spec, tp, self.inter, schemes) if schemes != (None, None) else None
+        dev = "meta" if self.quantized is not None else None
         # Per expert: [gate rows; up rows] of this rank, as the dense MLP's gate_up_proj.
-        self.experts_gate_up = _param(e, 2 * self.inter, h)
-        self.experts_down = _param(e, h, self.inter)
+        self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * self.inter, h, device=dev), requires_grad=False)
+        self.experts_down = nn.Parameter(torch.empty(e, h, self.inter, device=dev), requires_grad=False)
         shared = spec.shared_expert_intermediate_size
         self.shared_inter = shared // n
         self.shared_start = tp.rank * self.shared_inter
-        self.shared_gate_up = Linear(h, 2 * self.shared_inter) if shared else None
-        self.shared_down = Linear(self.shared_inter, h) if shared else None
+        s = f"model.layers.{layer_index}.mlp.shared_expert."
+        self.shared_gate_up = make_linear(h, 2 * self.shared_inter, False, scheme_of(
+            spec, [s + "gate_proj", s + "up_proj"])) if shared else None
+        self.shared_down = make_row_parallel(self.shared_inter, h, False, tp, scheme_of(
+            spec, [s + "down_proj"])) if shared else None
         self.shared_expert_gate = _param(1, h) if shared else None
         # Each expert's linear kinds (`pack`).
-        self.gate_up_ops: list[LinearOp] = [TorchLinear(w) for w in self.experts_gate_up]
-        self.down_ops: list[LinearOp] = [TorchLinear(w) for w in self.experts_down]
+        self.gate_up_ops: list[LinearOp] | list[ExpertOp]
+        self.down_ops: list[LinearOp] | list[ExpertOp]
+        if self.quantized is not None:
+            self.gate_up_ops, self.down_ops = self.quantized.ops()
+        else:
+            self.gate_up_ops = [TorchLinear(w) for w in self.experts_gate_up]
+            self.down_ops = [TorchLinear(w) for w in self.experts_down]
         self.native: moe_kernels.PackedExperts | None = None  # the one-call path's view of the packed experts
 
     # -- forward ----------------------------------------------------------------
@@ -110,7 +137,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.route(x)
         out = self.experts(x, weights, ids)
         if self.shared_gate_up is not None and self.shared_down is not None and self.shared_expert_gate is not None:
-            shared = self.shared_down(self.ops.act_and_mul(self.shared_gate_up(x)))
+            shared = local(self.shared_down, self.ops.act_and_mul(local(self.shared_gate_up, x)))
             # sigmoid(gate) is the same on every rank, so gating partial sums gates their total.
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
         return self.tp.all_reduce(out)
@@ -143,16 +170,20 @@ class SparseMoeBlock(nn.Module):
     def pack(self, weights: torch.dtype | None = None) -> None:
         """The linear kind of every expert, and the one-call path where all are packed and the
         layer runs the CPU ops (the CUDA ops keep the grouped loop on their kernels)."""
-        if self.experts_gate_up.is_meta:
+        if self.quantized is not None:
+            self.quantized.pack(weights)
+            self.gate_up_ops, self.down_ops = self.quantized.ops()
+        elif self.experts_gate_up.is_meta:
             return  # packed already: the panels are all that is left
-        self.gate_up_ops = [linear_op(w, weights) for w in self.experts_gate_up]
-        self.down_ops = [linear_op(w, weights) for w in self.experts_down]
-        if all(packed(op) is not None for op in self.gate_up_ops + self.down_ops):
-            # As Linear.pack: the panels are the only copy kept (`packed(op).unpack()` gives it back).
-            first = self.gate_up_ops[0]
-            kept = first.packed.dtype if isinstance(first, PackedHalfLinear) else self.experts_gate_up.dtype
-            self.experts_gate_up = _meta(self.experts_gate_up, kept)
-            self.experts_down = _meta(self.experts_down, kept)
+        else:
+            self.gate_up_ops = [linear_op(w, weights) for w in self.experts_gate_up]
+            self.down_ops = [linear_op(w, weights) for w in self.experts_down]
+            if all(packed(op) is not None for op in self.gate_up_ops + self.down_ops):
+                # As Linear.pack: the panels are the only copy kept (`packed(op).unpack()` gives it back).
+                first = self.gate_up_ops[0]
+                kept = first.packed.dtype if isinstance(first, PackedHalfLinear) else self.experts_gate_up.dtype
+                self.experts_gate_up = _meta(self.experts_gate_up, kept)
+                self.experts_down = _meta(self.experts_down, kept)
         for shared in (self.shared_gate_up, self.shared_down):
             if shared is not None:
                 shared.pack(weights)
@@ -173,31 +204,34 @@ class SparseMoeBlock(nn.Module):
         or all at once as transformers 5 holds them ([E, 2I, H] gate_up_proj, [E, H, I] down_proj),
         and Qwen2-MoE's shared expert and its gate."""
         e, n, inter = self.num_experts, self.tp.size, self.inter
-        gate_up = wm.slot(prefix + "mlp.experts_gate_up", self.experts_gate_up,
-                          [((i, p), ("all", p)) for i in range(e) for p in (0, 1)])
-        down = wm.slot(prefix + "mlp.experts_down", self.experts_down, [(i, "all") for i in range(e)])
         router = wm.slot(prefix + "mlp.router", self.router)
-        gate, up, dn = spec.expert_parts
-        cols = narrow(-1, self.inter_start, inter, n)
         for block in ("mlp.", "block_sparse_moe."):
-            b = prefix + block
-            wm.add(b + "gate.weight", router.loader())
-            for i in range(e):
-                for part, name in ((0, gate), (1, up)):
-                    wm.add(f"{b}experts.{i}.{name}.weight",
-                           gate_up.loader((i, part), _expert_rows(i, part, inter), narrow(0, self.inter_start, inter, n)))
-                wm.add(f"{b}experts.{i}.{dn}.weight", down.loader(i, lambda p, i=i: p[i], cols))
-            wm.add(b + "experts.gate_up_proj", self._fused_gate_up(gate_up))
-            wm.add(b + "experts.down_proj", down.loader("all", None, cols))
+            wm.add(prefix + block + "gate.weight", router.loader())
+        if self.quantized is not None:
+            self.quantized.register_weights(wm, prefix, spec, self.inter_start, n)
+        else:
+            gate_up = wm.slot(prefix + "mlp.experts_gate_up", self.experts_gate_up,
+                              [((i, p), ("all", p)) for i in range(e) for p in (0, 1)])
+            down = wm.slot(prefix + "mlp.experts_down", self.experts_down, [(i, "all") for i in range(e)])
+            gate, up, dn = spec.expert_parts
+            cols, rank_rows = narrow(-1, self.inter_start, inter, n), narrow(0, self.inter_start, inter, n)
+            for block in ("mlp.", "block_sparse_moe."):
+                b = prefix + block
+                for i in range(e):
+                    for part, name in ((0, gate), (1, up)):
+                        wm.add(f"{b}experts.{i}.{name}.weight",
+                               gate_up.loader((i, part), _expert_rows(i, part, inter), rank_rows))
+                    wm.add(f"{b}experts.{i}.{dn}.weight", down.loader(i, lambda p, i=i: p[i], cols))
+                wm.add(b + "experts.gate_up_proj", self._fused_gate_up(gate_up))
+                wm.add(b + "experts.down_proj", down.loader("all", None, cols))
         if self.shared_gate_up is None or self.shared_down is None or self.shared_expert_gate is None:
             return
-        s, si = prefix + "mlp.shared_expert.", self.shared_inter
-        sgu = wm.slot(s + "gate_up_proj", self.shared_gate_up.weight, [(0,), (1,)])
+        s, si, full = prefix + "mlp.shared_expert.", self.shared_inter, spec.shared_expert_intermediate_size
         rank_rows = narrow(0, self.shared_start, si, n)
-        wm.add(s + "gate_proj.weight", sgu.loader(0, rows(0, si), rank_rows))
-        wm.add(s + "up_proj.weight", sgu.loader(1, rows(si, si), rank_rows))
-        wm.add(s + "down_proj.weight", wm.slot(s + "down_proj", self.shared_down.weight)
-               .loader("all", None, narrow(-1, self.shared_start, si, n)))
+        register_fused(wm, s, "gate_up_proj", self.shared_gate_up.checkpoint_tensors(),
+                       [Part("gate_proj", 0, si, full, rank_rows), Part("up_proj", si, si, full, rank_rows)], False)
+        register_single(wm, s + "down_proj", self.shared_down.checkpoint_tensors(), spec.hidden_size,
+                        columns=(self.shared_start, si, n))
         wm.add(prefix + "mlp.shared_expert_gate.weight",
                wm.slot(prefix + "mlp.shared_expert_gate", self.shared_expert_gate).loader())
 

@@ -108,6 +108,15 @@ def choose(layer: QuantLinear) -> PackedW8A8 | PackedW4A8 | PackedW8A8g | Packed
     """W8A8 as the checkpoint says; 4- and 8-bit weight-only schemes on activations rounded to int8
     per group (PackedW4A8, PackedW8A8g) unless $NORIA_CPU_W4A16 keeps them on float32 ones (or the
     group is not a multiple of 4, as a per-channel layer's odd K)."""
+    if layer.scheme.kind == "fp8":  # e4m3 values: kinds of their own (worker/models/quant_fp8.py)
+        from noria.worker.models import quant_fp8
+
+        return quant_fp8.choose(layer)  # type: ignore[return-value]
+    if layer.qweight.device.type == "cuda":  # 4-bit weight-only: the CuPy dequant-GEMM
+        from noria.worker.models import quant_w4a16_cuda
+
+        if quant_w4a16_cuda.supports(layer):
+            return quant_w4a16_cuda.CudaW4A16(layer)  # type: ignore[return-value]
     if not native_usable(layer):
         return TorchQuantOp(layer)
     if layer.scheme.act_int8:
@@ -132,4 +141,8 @@ def describe(model: torch.nn.Module, quant: str) -> str:
         from noria.worker import gemm_quant_kernels
 
         isa = f" ({gemm_quant_kernels.isa()})"
+    if "native_fp8" in kinds:
+        from noria.worker import gemm_fp8_kernels
+
+        isa += f" (fp8: {gemm_fp8_kernels.isa()})"
     return f"quantized weights: {quant}; kinds: " + ", ".join(f"{k} x {n}" for k, n in sorted(kinds.items())) + isa

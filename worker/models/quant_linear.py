@@ -137,6 +137,7 @@ class RowParallelQuantLinear(QuantLinear):
 # The modules (worker/models/) whose `checkpoint_tensors(layer)` read the layouts that are not
 # compressed-tensors' integer ones.
 _LAYOUT_MODULES = {"awq": "noria.worker.models.quant_awq_gptq", "gptq": "noria.worker.models.quant_awq_gptq",
+                   "gptq_v2": "noria.worker.models.quant_awq_gptq",
                    "fp8": "noria.worker.models.quant_fp8", "online": "noria.worker.models.quant_fp8"}
 
 
