@@ -169,7 +169,12 @@ def http_exchange(host: str, port: int, method: str, path: str, headers: dict[st
         except (ValueError, KeyError, TypeError, AssertionError):
             raise Violation(f"{method} {path} -> {resp.status} without OpenAI's error shape: {data[:300]!r}") from None
     stream = resp.status == 200 and resp.getheader("Content-Type", "").startswith("text/event-stream")
-    if stream and not data.rstrip().endswith(b"data: [DONE]"):
+    if stream and path.startswith("/v1/messages"):  # Anthropic's events: message_stop, or an error event
+        last = data.rstrip().rsplit(b"\n\n", 1)[-1]
+        if not (last.startswith(b"event: message_stop\n") or last.startswith(b"event: error\n")):
+            raise Violation(f"{method} {path}: an event stream that ends with neither message_stop nor error: "
+                            f"{data[-200:]!r}")
+    elif stream and not data.rstrip().endswith(b"data: [DONE]"):
         raise Violation(f"{method} {path}: an event stream that does not end with [DONE]: {data[-200:]!r}")
     return resp.status
 

@@ -133,11 +133,15 @@ def _answer(status: int, data: bytes) -> str:
         doc = json.loads(data)
     except ValueError:
         return f"{status} {data[:80]!r}"
-    if isinstance(doc, dict) and "error" in doc:
+    if isinstance(doc, dict) and doc.get("error"):  # a Response object holds `"error": null`
         err = doc["error"]
-        return f"{status} {err.get('code')}: {str(err.get('message'))[:90]}"
+        return f"{status} {err.get('code') or err.get('type')}: {str(err.get('message'))[:90]}"
     if isinstance(doc, dict) and doc.get("choices"):
         return f"{status} {doc['choices'][0].get('finish_reason')}"
+    if isinstance(doc, dict) and doc.get("type") == "message":  # Anthropic's
+        return f"{status} {doc.get('stop_reason')}"
+    if isinstance(doc, dict) and doc.get("object") == "response":
+        return f"{status} {doc.get('status')}"
     return f"{status}"
 
 
@@ -179,8 +183,25 @@ class Attacker:
     def messages(self) -> Action:
         return self.chat([{"role": "user", "content": "hi"}] * self.n(100_000))
 
+    def responses_items(self) -> Action:
+        """/v1/responses with a huge list of input items: messages, tool calls and their outputs."""
+        items = [{"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"} if i % 3 == 1 else
+                 {"type": "function_call_output", "call_id": f"c{i - 1}", "output": "ok"} if i % 3 == 2 else
+                 {"role": "user", "content": [{"type": "input_text", "text": "hi"}]} for i in range(self.n(100_000))]
+        doc = {"model": "demo", "input": items, "max_output_tokens": 4}
+        return self.post("/v1/responses", json.dumps(doc).encode())
+
     def huge_role(self) -> Action:
         return self.chat([{"role": "r" * self.n(8 << 20), "content": "hi"}])
+
+    def anthropic_blocks(self) -> Action:
+        """/v1/messages with a huge conversation of content blocks: tool calls and their results."""
+        turns = [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "f", "input": {"a": i}}]}
+                 if i % 2 else {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i - 1}",
+                                                            "content": "ok"}, {"type": "text", "text": "hi"}]}
+                 for i in range(self.n(100_000))]
+        doc = {"model": "demo", "max_tokens": 4, "messages": turns + [{"role": "user", "content": "hi"}]}
+        return self.post("/v1/messages", json.dumps(doc).encode())
 
     def big_int(self, field: str) -> Callable[[], Action]:
         def prepare() -> Action:
@@ -301,7 +322,8 @@ class Attacker:
         """Name -> what prepares the shape."""
         out: dict[str, Callable[[], Action]] = {
             "stop_strings": self.stop_strings, "bad_words": self.bad_words, "logit_bias": self.logit_bias,
-            "messages": self.messages, "huge_role": self.huge_role,
+            "messages": self.messages, "huge_role": self.huge_role, "responses_items": self.responses_items,
+            "anthropic_blocks": self.anthropic_blocks,
         }
         for field in ("priority", "top_k", "max_tokens", "min_tokens"):
             out[f"2**64_{field}"] = self.big_int(field)

@@ -150,8 +150,12 @@ def ws_messages(draw: st.DrawFn) -> str | bytes:
     return draw(st.binary(max_size=64))
 
 
-HTTP_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/v1/stream", "/",
-              "/v1", "/v1/completions/", "/%00", "/..%2f..%2fetc%2fpasswd", "/v1/completions?x=%ff"]
+# The first three take generation bodies (http_requests favours them).
+HTTP_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+              "/v1/stream", "/", "/v1", "/v1/completions/", "/%00", "/..%2f..%2fetc%2fpasswd", "/v1/completions?x=%ff",
+              "/v1/responses/resp_0", "/v1/responses/resp_0/cancel", "/v1/messages", "/v1/messages/count_tokens",
+              # A pooling server's (a generating one answers them 400 naming its runner).
+              "/v1/embeddings", "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank", "/classify"]
 HEADER_TEXT = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
 
 
@@ -166,12 +170,22 @@ def openai_bodies(draw: st.DrawFn) -> Any:
         body["messages"] = draw(st.one_of(
             st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]),
                                             "content": st.one_of(SHORT_TEXT, JSON_ANY)}), max_size=3), JSON_ANY))
+    if draw(st.booleans()):  # /v1/responses: a string or items (messages, calls, call outputs, anything)
+        body["input"] = draw(st.one_of(SHORT_TEXT, JSON_ANY, st.lists(st.one_of(
+            st.fixed_dictionaries({"role": st.sampled_from(["user", "developer", "x"]), "content": JSON_ANY}),
+            st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "reasoning"]),
+                                   "call_id": JSON_ANY, "name": JSON_ANY, "arguments": JSON_ANY, "output": JSON_ANY}),
+            JSON_ANY), max_size=3)))
     names = ["model", "n", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "presence_penalty",
              "logit_bias", "top_k", "min_p", "ignore_eos", "min_tokens", "stop_token_ids", "logprobs",
-             "top_logprobs", "echo", "best_of", "max_completion_tokens", "priority", "user"]
+             "top_logprobs", "echo", "best_of", "max_completion_tokens", "priority", "user", "instructions", "tools",
+             "tool_choice", "text", "previous_response_id", "background", "store",
+             "system", "stop_sequences", "thinking",  # Anthropic's (/v1/messages)
+             "text_1", "text_2", "query", "documents", "top_n", "return_documents"]  # /v1/score, rerank
     for name in draw(st.lists(st.sampled_from(names), max_size=5, unique=True)):
         body[name] = draw(st.one_of(JSON_ANY, st.sampled_from([True, 1, 2, 0.5, "demo", None])))
     body["max_tokens"] = draw(st.one_of(st.integers(1, 4), st.integers(1, 4), JSON_ANY))
+    body["max_output_tokens"] = draw(st.one_of(st.integers(1, 4), st.integers(1, 4), JSON_ANY))
     return body
 
 
@@ -179,7 +193,7 @@ def openai_bodies(draw: st.DrawFn) -> Any:
 def http_requests(draw: st.DrawFn) -> tuple[str, str, dict[str, str], bytes]:
     """(method, path, headers, body)."""
     method = draw(st.sampled_from(["POST"] * 8 + ["GET", "GET", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]))
-    path = draw(st.one_of(st.sampled_from(HTTP_PATHS[:2]), st.sampled_from(HTTP_PATHS[:2]), st.sampled_from(HTTP_PATHS),
+    path = draw(st.one_of(st.sampled_from(HTTP_PATHS[:3]), st.sampled_from(HTTP_PATHS[:3]), st.sampled_from(HTTP_PATHS),
                           st.text(alphabet="abcdefghijklmnopqrstuvwxyz/%.?=&0123456789", max_size=30)
                           .map(lambda p: "/" + p)))
     headers = draw(st.dictionaries(

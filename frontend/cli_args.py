@@ -18,6 +18,7 @@ from noria.protocol.config import (
     EngineConfig,
     GenerationConfigMode,
     KvCacheDtype,
+    LoadFormat,
     PoolingType,
     PreemptionMode,
     QuantizationChoice,
@@ -69,6 +70,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", choices=_choices(KvCacheDtype), default=None,
                    help="auto (default): the model's dtype; fp8 / fp8_e4m3: one byte per cached value with a "
                         "per-layer scale (the checkpoint's k_scale / v_scale where it has them, else 1.0)")
+    g.add_argument("--load-format", choices=_choices(LoadFormat), default=None,
+                   help="auto (default): the checkpoint's weights; dummy: seeded random weights from config.json "
+                        "alone, made on the device (benchmarks; no *.safetensors read or needed)")
     g.add_argument("--device", choices=_choices(Device), default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
@@ -78,10 +82,15 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 and every multiple of 8 "
                         "up to --max-num-seqs); a batch runs in the graph of the next size up, padded")
     g.add_argument("--runner", choices=_choices(Runner), default=None,
-                   help="generate (default): text generation; pooling: one embedding per input (/v1/embeddings)")
+                   help="generate (default): text generation; pooling: one embedding per input (/v1/embeddings), "
+                        "or for a sequence-classification model scores (/v1/score, /v1/rerank, /classify)")
     g.add_argument("--pooling", choices=_choices(PoolingType), default=None,
                    help="how --runner pooling pools the final hidden states (default: the checkpoint's "
                         "sentence-transformers modules.json, else last)")
+    g.add_argument("--hf-overrides", type=_overrides, default=None, metavar="JSON",
+                   help="config.json keys on top of the checkpoint's (vLLM's flag), for a pooling engine that "
+                        "classifies: e.g. '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                        "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
     c = ap.add_argument_group("chat")
     c.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                    help="allow tool_choice \"auto\": the model decides whether to call a tool (needs --tool-call-parser)")
@@ -100,6 +109,15 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     c.add_argument("--trust-request-chat-template", action="store_true", default=None,
                    help="let requests bring their own chat_template (Jinja code, rendered sandboxed under a 2 s "
                         "deadline and --max-chat-template-chars; without this flag such a request is refused)")
+
+
+def _overrides(text: str) -> dict[str, Any]:
+    from noria.protocol.score import parse_overrides
+
+    try:
+        return parse_overrides(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _seconds(text: str) -> float:

@@ -230,7 +230,7 @@ class FrontendCore:
         self._close(req)
         req.sink(Embedding(request_id=req.request_id, embedding=vector,
                            usage=Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=0,
-                                       cached_tokens=num_cached_tokens)))
+                                       cached_tokens=num_cached_tokens), labels=self.embedder.labels))
 
     def _finish_sample(self, req: _Request, s: Sample, finish: str) -> None:
         s.finish(finish)

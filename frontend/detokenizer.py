@@ -70,6 +70,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self._sent = 0
         self.stopped = False
+        self.stop_string: str | None = None  # the one that ended the text (Anthropic's stop_sequence)
 
     def add(self, token_ids: list[int]) -> None:
         """Append tokens; sets `stopped` (and truncates `text`) on a stop string."""
@@ -98,6 +99,10 @@ class IncrementalDetokenizer:
         hit = stop.first_hit(self.text, new_from)
         if hit == -1:
             return False
+        # The hit's shortest string that ends in the new text is the one first_hit found (it
+        # scans ends in order).
+        self.stop_string = next(self.text[hit:hit + n] for n, words in stop.by_length
+                                if hit + n > new_from and self.text[hit:hit + n] in words)
         self.text = self.text[:hit]
         self.stopped = True
         return True

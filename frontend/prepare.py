@@ -9,7 +9,12 @@ import msgspec
 
 from noria.frontend.chat_output import ChatConfig, ChatSetup, chat_setup
 from noria.frontend.detokenizer import StopStrings
-from noria.frontend.embeddings import EMBED_ON_GENERATE, GENERATE_ON_POOLING, Embedder
+from noria.frontend.embeddings import (
+    CLASSIFY_ON_GENERATE,
+    EMBED_ON_GENERATE,
+    GENERATE_ON_POOLING,
+    Embedder,
+)
 from noria.frontend.processor import InputProcessor
 from noria.protocol.client import Embed, Generate
 from noria.protocol.errors import ErrorCode, NoriaError
@@ -19,7 +24,7 @@ from noria.protocol.sampling import EngineSamplingParams, SamplingParams
 class Prepared:
     """A `Generate` turned into what its engine request is made of (`FrontendCore.prepare`)."""
 
-    __slots__ = ("prompt_ids", "params", "engine_params", "stop", "embed", "chat")
+    __slots__ = ("prompt_ids", "params", "engine_params", "stop", "embed", "chat", "prompt_text")
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, engine_params: EngineSamplingParams,
                  stop: StopStrings | None, embed: Embed | None = None) -> None:
@@ -29,6 +34,7 @@ class Prepared:
         self.stop = stop
         self.embed = embed  # an `embed` request: it ends with one `Embedding`
         self.chat: ChatSetup | None = None  # tools and reasoning: how its samples' text is split
+        self.prompt_text: str | None = None  # `return_prompt_text`: what each sample's first delta carries
 
 
 def prepare(msg: Generate | Embed, processor: InputProcessor, embedder: Embedder | None,
@@ -37,7 +43,7 @@ def prepare(msg: Generate | Embed, processor: InputProcessor, embedder: Embedder
     `embedder`: the engine pools and takes `embed` requests only."""
     if isinstance(msg, Embed):
         if embedder is None:
-            raise NoriaError(ErrorCode.INVALID_REQUEST, EMBED_ON_GENERATE)
+            raise NoriaError(ErrorCode.INVALID_REQUEST, EMBED_ON_GENERATE if msg.task == "embed" else CLASSIFY_ON_GENERATE)
         ids = embedder.input_ids(processor, msg)
         return Prepared(ids, _EMBED_PARAMS, _EMBED_ENGINE_PARAMS, None, msg)
     if embedder is not None:
@@ -54,6 +60,9 @@ def prepare(msg: Generate | Embed, processor: InputProcessor, embedder: Embedder
         engine_params = msgspec.structs.replace(engine_params, reasoning_end_token_id=setup.grammar_after)
     prepared = Prepared(prompt_ids, params, engine_params, StopStrings(params.stop) if params.stop else None)
     prepared.chat = setup
+    if msg.return_prompt_text:
+        # vLLM's echo of a token-id prompt: decoded with its special tokens (BOS included).
+        prepared.prompt_text = msg.prompt if msg.prompt is not None else processor.tokenizer.decode(prompt_ids)
     return prepared
 
 

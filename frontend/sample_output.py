@@ -26,7 +26,7 @@ from noria.protocol.engine import RequestUpdate
 
 class Sample:
     __slots__ = ("rid", "index", "detok", "num_tokens", "finish_reason", "stream", "ids", "held_logprobs",
-                 "prompt_logprobs", "chat", "drop")
+                 "prompt_logprobs", "chat", "drop", "prompt_text")
 
     def __init__(self, rid: int, index: int, detok: IncrementalDetokenizer, stream: bool) -> None:
         self.rid = rid
@@ -44,6 +44,8 @@ class Sample:
         self.chat: ChatOutput | None = None
         # Ids kept out of the text: EOS, where special tokens are kept for a tool parser.
         self.drop: frozenset[int] | None = None
+        # The prompt's text for this sample's first delta (`return_prompt_text`), until it is sent.
+        self.prompt_text: str | None = None
 
     @classmethod
     def start(cls, rid: int, index: int, prepared: Prepared, tokenizer: Any, eos_ids: Sequence[int],
@@ -55,6 +57,7 @@ class Sample:
                                        params.skip_special_tokens and not special)
         # Stop strings need the text as it grows, so such samples always stream inside.
         sample = cls(rid, index, detok, stream or bool(params.stop))
+        sample.prompt_text = prepared.prompt_text
         if chat is not None:
             sample.chat = chat.sample_output()
             if special:
@@ -101,7 +104,8 @@ class Sample:
         if len(parts) > 1 or parts["text"] or u.new_token_ids:
             delta = Delta(request_id=request_id, token_ids=list(u.new_token_ids), index=self.index,
                           logprobs=u.logprobs, prompt_logprobs=self.prompt_logprobs,
-                          prompt_tokens=self._prompt_tokens(prompt_ids, texts), **parts)
+                          prompt_tokens=self._prompt_tokens(prompt_ids, texts), prompt_text=self._take_prompt_text(),
+                          **parts)
             self.prompt_logprobs = None
         return delta, finish, cut
 
@@ -115,7 +119,11 @@ class Sample:
         parts = self.split(self.detok.take(final=True), True)
         return Delta(request_id=request_id, token_ids=self.ids, index=self.index, logprobs=self.held_logprobs,
                      prompt_logprobs=self.prompt_logprobs, prompt_tokens=self._prompt_tokens(prompt_ids, texts),
-                     **parts)
+                     prompt_text=self._take_prompt_text(), **parts)
+
+    def _take_prompt_text(self) -> str | UnsetType:
+        text, self.prompt_text = self.prompt_text, None
+        return UNSET if text is None else text
 
     def _prompt_tokens(self, prompt_ids: list[int], texts: TokenTexts) -> list[str] | UnsetType:
         """The prompt tokens' texts, beside the prompt logprobs that a delta carries."""
@@ -133,6 +141,7 @@ def done_message(request_id: str, prompt_ids: list[int], samples: list[Sample], 
     """A request's final message once its samples are over (those still open count as aborted)."""
     reasons = [s.finish_reason or "abort" for s in samples]
     calls = [s.chat.calls if s.chat is not None else [] for s in samples]
+    stops = [s.detok.stop_string for s in samples]
     return Done(
         request_id=request_id,
         finish_reason=reasons[0],
@@ -141,4 +150,5 @@ def done_message(request_id: str, prompt_ids: list[int], samples: list[Sample], 
         finish_reasons=reasons if len(reasons) > 1 else None,
         prompt_token_ids=prompt_ids,
         tool_calls=calls if any(calls) else msgspec.UNSET,
+        stop_strings=stops if any(s is not None for s in stops) else msgspec.UNSET,
     )

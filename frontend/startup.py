@@ -23,6 +23,8 @@ from noria.protocol.model_identity import context_error, spec_facts
 from noria.protocol.model_shapes import check_tensor_parallel
 from noria.protocol.model_spec import ModelSpec
 from noria.protocol.pooling import engine_pooling
+from noria.protocol.quant_fp8 import online_quant
+from noria.protocol.score import engine_score
 from noria.protocol.validation import convert
 
 log = logging.getLogger("noria")
@@ -43,7 +45,9 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
     """Start the engine (its worker link as `link` says: local ranks over ipc by default)."""
     chat = chat_config(config)
     model_path = resolve_model(config.model)
-    spec = check_checkpoint(model_path)  # a bad checkpoint is one sentence here, not a worker's traceback
+    # A bad checkpoint is one sentence here, not a worker's traceback (dummy weights: its config).
+    spec = check_checkpoint(model_path, weights=config.load_format != "dummy")
+    online_quant(spec, config.quantization)  # --quantization fp8 of a quantized checkpoint: one sentence too
     check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
     _check_length(spec, config.max_model_len)
     config = msgspec.structs.replace(config, model=model_path)
@@ -53,6 +57,12 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
     if pooling is not None:
         config = msgspec.structs.replace(config, pooling=pooling.mode)
         log.info("pooling runner: %s pooling%s", pooling.mode, ", normalized" if pooling.normalize else "")
+    # A classifier checkpoint generates nothing; a pooling one scores with its head (protocol/score.py).
+    score = engine_score(model_path, config.runner, config.hf_overrides, config.tokenizer,
+                         pooling.mode if pooling is not None else None)
+    if score is not None:
+        head = f"the lm_head rows of tokens {list(score.token_ids)}" if score.token_ids else "its score head"
+        log.info("classifier %s: %s, %d label(s), %s", score.architecture, head, score.num_labels, score.activation)
     tokenizer = _tokenizer(config.tokenizer or model_path)
     if chat.reasoning_parser is not None:
         chat = msgspec.structs.replace(chat, reasoning_end_token_id=reasoning_end_token(tokenizer))
@@ -74,7 +84,7 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
                                input_limits, config.scheduling_policy, chat_template=chat_template,
                                trust_request_chat_template=config.trust_request_chat_template,
                                sampling_defaults=sampling_defaults)
-    embedder = Embedder(pooling, spec.hidden_size) if pooling is not None else None
+    embedder = Embedder(pooling, spec.hidden_size, score) if pooling is not None else None
     return FrontendCore(engine, processor, limits, embedder, chat)
 
 

@@ -7,7 +7,7 @@ The websocket bridge speaks the same shapes as JSON. See docs/protocol.md.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -60,6 +60,9 @@ class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # Each sample's first delta carries the prompt as text (`Delta.prompt_text`): OpenAI's
+    # `echo` of a token-id prompt needs it, and only the frontend has the tokenizer to spell it.
+    return_prompt_text: bool = False
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's parameters; a field it left unset takes `defaults`' value, else vLLM's."""
@@ -156,6 +159,9 @@ class Delta(msgspec.Struct, kw_only=True, tag="delta", tag_field="type"):
     # With `prompt_logprobs`: each prompt token's text, spelled as `Logprob.token` (the
     # first's too, which has no entry there); left out otherwise.
     prompt_tokens: list[str] | UnsetType = UNSET
+    # Each sample's first delta, when the request set `return_prompt_text`: the `prompt` as
+    # given, else its token ids decoded with the special tokens (vLLM's echo); left out otherwise.
+    prompt_text: str | UnsetType = UNSET
     # With a tool-call parser or tool_choice required / named (`text` is then the content
     # outside the calls) and with a reasoning parser. UNSET fields are left out of the map,
     # so a reader that predates them sees the same messages as before.
@@ -185,6 +191,9 @@ class Done(msgspec.Struct, kw_only=True, tag="done", tag_field="type"):
     # Each sample's complete tool calls (by sample index), when any sample made one; left
     # out of the map otherwise (UNSET), as for readers that predate it.
     tool_calls: list[list[ToolCall]] | UnsetType = UNSET
+    # Each sample's stop string that ended it (None: it ended otherwise), when one did; left out
+    # otherwise. Anthropic's `stop_sequence` (vLLM's `stop_reason`).
+    stop_strings: list[str | None] | UnsetType = UNSET
 
 
 class Error(msgspec.Struct, kw_only=True, tag="error", tag_field="type", omit_defaults=True):
@@ -308,6 +317,10 @@ class Embed(msgspec.Struct, kw_only=True, tag="embed", tag_field="type"):
     dimensions: Int64 | None = None
     priority: Int64 = 0
     cache_salt: str | None = None
+    # "classify": a server whose model classifies (protocol/score.py) answers the per-label
+    # probabilities of `prompt`, or of the pair (prompt, text_pair) a cross-encoder scores.
+    task: Literal["embed", "classify"] = "embed"
+    text_pair: str | None = None
 
 
 class Embedding(msgspec.Struct, kw_only=True, tag="embedding", tag_field="type"):
@@ -317,6 +330,9 @@ class Embedding(msgspec.Struct, kw_only=True, tag="embedding", tag_field="type")
     request_id: str
     embedding: list[float]
     usage: Usage
+    # A `classify` answer: `embedding` holds one probability (or score) per label, named here;
+    # left out of an embedding's map.
+    labels: list[str] | UnsetType = UNSET
 
 
 ClientToServer = Generate | Abort | Hello | GetStats | Tokenize | Detokenize | Embed

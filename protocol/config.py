@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -24,6 +24,7 @@ ReasoningParserName = Literal["qwen3", "deepseek_r1"]
 GenerationConfigMode = Literal["auto", "vllm", "none"]  # vLLM's --generation-config
 QuantizationChoice = Literal["fp8"]  # vLLM's --quantization: weights quantized at load
 KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]  # vLLM's --kv-cache-dtype
+LoadFormat = Literal["auto", "dummy"]  # vLLM's --load-format
 AtLeastOne = Annotated[int, Meta(ge=1)]
 GiB = Annotated[float, Meta(ge=0.0)]
 
@@ -58,6 +59,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # auto: the KV cache in the model's dtype; fp8 (= fp8_e4m3): one byte per value with a scale
     # per layer (the checkpoint's where it has them, else 1.0), as vLLM stores it.
     kv_cache_dtype: KvCacheDtype = "auto"
+    # auto: the checkpoint's weights; dummy: config.json alone, seeded random weights made on the
+    # device (worker/dummy_weights.py), for benchmarks that must not read a 16 GB checkpoint.
+    load_format: LoadFormat = "auto"
     swap_space: GiB = 4.0  # GiB of CPU memory for swapped KV blocks
     preemption_mode: PreemptionMode = "recompute"
     # fcfs: arrival order, a request's `priority` is refused; priority: lower `priority` first,
@@ -78,6 +82,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # How a pooling engine pools; None: the checkpoint's sentence-transformers files, else the
     # last token (protocol/pooling.py). Resolved once when the engine starts.
     pooling: PoolingType | None = None
+    # vLLM's --hf-overrides: config.json keys that say how a pooling engine classifies (a causal
+    # LM scored by two tokens' logits, the Qwen3-Reranker way: protocol/score.py).
+    hf_overrides: dict[str, Any] | None = None
     # Chat (read by the frontend): tool_choice "auto" needs both of the first two; the
     # reasoning parser moves <think>...</think> text into `reasoning_content`.
     enable_auto_tool_choice: bool = False

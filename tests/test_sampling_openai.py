@@ -173,7 +173,6 @@ def test_echo_streams_the_prompt_first(oai):
     (dict(logit_bias={"100000": 1}), "logit_bias"),  # out of the vocabulary: the engine's error names it
     (dict(best_of=3), "best_of"),
     (dict(suffix="tail"), "suffix"),
-    (dict(echo=True, prompt=[1, 2, 3]), "echo"),
     (dict(echo=True, logprobs=1, stream=True), "echo"),
     (dict(extra_body={"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
     (dict(extra_body={"tool_choice": "required"}), "tool_choice"),

@@ -28,6 +28,7 @@ from noria.protocol.config import EngineConfig
 from noria.protocol.model_identity import context_error, model_facts
 from noria.protocol.model_shapes import sharded_shapes, tensor_parallel_error
 from noria.protocol.pooling import engine_pooling
+from noria.protocol.quant_fp8 import online_quant
 from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
 from noria.worker import native_stack
@@ -55,6 +56,7 @@ from noria.worker.kv_cache import (
     num_device_blocks,
     num_swap_blocks,
 )
+from noria.worker.kv_fp8 import apply_scales, cache_dtype
 from noria.worker.loader import checkpoint_float32_bytes, load_model, load_spec
 from noria.worker.memory_profile import profile_memory
 from noria.worker.models import quant_kinds
@@ -63,6 +65,7 @@ from noria.worker.models.parallel import destroy_tensor_parallel, init_tensor_pa
 from noria.worker.pooling import Pooler
 from noria.worker.prompt_logprobs import PromptLogprobs, collect, take_complete
 from noria.worker.sampler import Sampler, SamplingState
+from noria.worker.score_head import engine_head
 from noria.worker.step_inputs import Batch, RequestState, build_batch, request_state
 
 log = logging.getLogger("noria.worker")
@@ -129,7 +132,8 @@ class ModelRunner:
         """The model's spec, the tensor-parallel group and this rank's shard of the weights."""
         config, rank, dist_init_method = self.config, self.rank, self._dist_init_method
         tp_size = config.tensor_parallel_size
-        self.spec = s = load_spec(config.model, config.max_model_len)
+        # --quantization fp8: the float checkpoint's linear layers get fp8 schemes, quantized at load.
+        self.spec = s = online_quant(load_spec(config.model, config.max_model_len), config.quantization)
         # The check `noria serve` makes too; here before joining the other ranks.
         problem = tensor_parallel_error(sharded_shapes(s), tp_size)
         if problem:
@@ -139,12 +143,16 @@ class ModelRunner:
         choice = same_on_every_rank(choice, self.device, self.tp)
         self.dtype, self.weight_dtype = cpu_precision(choice.dtype, self.device)
         # The KV cache in the model's dtype even where activations are wider (the CPU's bf16 runs):
-        # decode attention is bound by the K/V bytes it reads, and bf16 halves them.
-        self.kv_dtype = self.weight_dtype or self.dtype
+        # decode attention is bound by the K/V bytes it reads, and bf16 halves them; fp8 (the flag) quarters them.
+        self.kv_dtype = cache_dtype(config.kv_cache_dtype, self.weight_dtype or self.dtype)
         line = choice.line(self.weight_dtype)
         if line and self.tp.first:
             log.info("%s", line)
-        self.model = load_model(config.model, self.spec, self.device, self.dtype, self.tp, self.weight_dtype)
+        self.model = load_model(config.model, self.spec, self.device, self.dtype, self.tp, self.weight_dtype,
+                                config.load_format, config.seed)
+        scales_line = apply_scales((layer.self_attn for layer in self.model.layers), self.kv_dtype)
+        if scales_line and self.tp.first:
+            log.info("%s", scales_line)
         if s.quantization is not None and self.tp.first:
             log.info("%s", quant_kinds.describe(self.model, s.quantization.describe))
 
@@ -162,7 +170,8 @@ class ModelRunner:
         """Per layer, once: kernels where they are built for the shapes, torch elsewhere
         (--attention-backend); chosen before the profiling pass, which runs on it."""
         self.attention_choice = select_attention_backend(self.device, attention_layers(self.model), self.dtype,
-                                                         self.block_size, choice=self.config.attention_backend)
+                                                         self.block_size, choice=self.config.attention_backend,
+                                                         kv_dtype=self.kv_dtype)
         self.use_attention(self.attention_choice.backend)
 
     def use_attention(self, backend: AttentionBackend) -> None:
@@ -176,7 +185,8 @@ class ModelRunner:
         of completed prompts, where nothing is sampled."""
         config = self.config
         self.pooling = engine_pooling(config.model, config.runner, config.pooling)
-        self.pooler = Pooler(self.pooling) if self.pooling is not None and self.tp.first else None
+        head = engine_head(config, self.device) if self.pooling is not None and self.tp.first else None
+        self.pooler = Pooler(self.pooling, head) if self.pooling is not None and self.tp.first else None
         self.sampler = Sampler(self.vocab_size, self.device, config.seed) if self.tp.first and not self.pooling else None
 
     def _plan_graphs(self) -> GraphShapes | None:
@@ -211,7 +221,7 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         self.block_tables = BlockTables(max_blocks, self.kv_cache.null_block)
         if self.tp.first:
-            log.info(capacity_line(self.num_kv_blocks, self.block_size, self.max_model_len))
+            log.info(capacity_line(self.num_kv_blocks, self.block_size, self.max_model_len, self.kv_dtype))
 
     def _log_native_stack(self) -> None:
         if self.device.type == "cpu" and self.tp.first:

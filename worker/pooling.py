@@ -9,7 +9,9 @@ every position themselves (no prefix-cache hit, recompute rather than swap:
 `Request.needs_all_positions`), so the sum and the first row are always this request's own.
 
 The vector goes back unnormalized, as little-endian float32 bytes; the frontend truncates it
-to the `dimensions` asked for and normalizes it (frontend/embeddings.py).
+to the `dimensions` asked for and normalizes it (frontend/embeddings.py). An engine that
+classifies (protocol/score.py) pools the last token and sends its logits instead: the row
+times the score head (worker/score_head.py), in float32.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ class PoolingRequest(Protocol):
 
 
 class Pooler:
-    def __init__(self, spec: PoolingSpec) -> None:
+    def __init__(self, spec: PoolingSpec, head: torch.Tensor | None = None) -> None:
+        """`head`: a classifier's [num_labels, hidden] float32 rows (last-token pooling only)."""
+        if head is not None and spec.mode != "last":
+            raise ValueError(f"a classifying engine pools the last token, not {spec.mode}")
         self.mode = spec.mode
+        self.head = head
 
     def pool(self, hidden: torch.Tensor, states: list[PoolingRequest], query_lens: list[int],
              seq_lens: list[int]) -> tuple[list[int], list[bytes]]:
@@ -69,6 +75,8 @@ class Pooler:
                 rows = rows / torch.tensor([[seq_lens[i]] for i in done], dtype=torch.float32, device=rows.device)
         if not done:
             return [], []
+        if self.head is not None:
+            rows = rows @ self.head.T
         vectors = rows.cpu().numpy().astype("<f4", copy=False)
         return [states[i].req_id for i in done], [v.tobytes() for v in vectors]
 

@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import WSCloseCode, web
 
+from noria.frontend.bridge.anthropic_api import add_routes as add_anthropic_routes
+from noria.frontend.bridge.anthropic_api import anthropic_errors
 from noria.frontend.bridge.errors import error_response, internal_error
 from noria.frontend.bridge.gateway import Gateway
 from noria.frontend.bridge.limits import BridgeLimits, ClientBudgets
@@ -24,8 +26,10 @@ from noria.frontend.bridge.openai_api import (
 )
 from noria.frontend.bridge.openai_embeddings import handle_embeddings
 from noria.frontend.bridge.openai_schema import Health
+from noria.frontend.bridge.openai_score import handle_classify, handle_rerank, handle_score
 from noria.frontend.bridge.openai_tokenize import handle_detokenize, handle_tokenize
 from noria.frontend.bridge.playground import handle_playground
+from noria.frontend.bridge.responses_api import add_routes as add_responses_routes
 from noria.frontend.bridge.state import (
     API_KEY,
     BUDGETS,
@@ -51,7 +55,8 @@ def make_app(engine: str, api_key: str | None = None, max_per_client: int | None
     """`max_per_client`: sequences in flight per client address (None: no cap); `limits`, the
     bridge's other caps (its defaults when None); `return_tokens_as_token_ids`: logprob
     tokens spelled "token_id:ID" by default (vLLM's flag)."""
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=64 * 2**20)
+    # anthropic_errors outermost: /v1/messages answers every error in Anthropic's shape.
+    app = web.Application(middlewares=[anthropic_errors, _errors, _auth], client_max_size=64 * 2**20)
     app[API_KEY] = api_key or ""
     limits = limits or BridgeLimits()
     if max_per_client is not None:
@@ -83,6 +88,12 @@ def make_app(engine: str, api_key: str | None = None, max_per_client: int | None
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/embeddings", handle_embeddings)
+    app.router.add_post("/v1/score", handle_score)
+    app.router.add_post("/classify", handle_classify)  # vLLM's path, beside /v1
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # vLLM's three (Jina's, Cohere's v1 and v2)
+        app.router.add_post(path, handle_rerank)
+    add_anthropic_routes(app)
+    add_responses_routes(app)  # /v1/responses and /v1/responses/{id}[/cancel]
     app.router.add_get("/v1/stream", handle_stream)
     # vLLM serves these two beside /v1, not under it.
     app.router.add_post("/tokenize", handle_tokenize)
@@ -124,12 +135,13 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-_GUARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize"})
+_GUARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize", "/rerank", "/v2/rerank", "/classify"})
 
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """`--api-key` guards the API (/v1/..., /tokenize, /detokenize); health, metrics and the
+    """`--api-key` guards the API (/v1/..., /tokenize, /detokenize, /rerank, /v2/rerank, /classify);
+    health, metrics and the
     page itself stay open.
 
     Browsers cannot set headers on a websocket, so /v1/stream also takes `?api_key=`.
@@ -138,11 +150,14 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     if key and (request.path.startswith("/v1/") or request.path in _GUARDED_OUTSIDE_V1):
         given = request.headers.get("Authorization", "")
         given = given[7:] if given.startswith("Bearer ") else ""
+        if not given:  # Anthropic's clients send the key so
+            given = request.headers.get("x-api-key", "")
         if not given and request.path == "/v1/stream":
             given = request.query.get("api_key", "")
         if not hmac.compare_digest(given.encode(), key.encode()):
             why = "missing" if not given else "incorrect"
-            return error_response(401, f"{why} API key: send `Authorization: Bearer KEY`", "invalid_api_key")
+            return error_response(401, f"{why} API key: send `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
+                                  "invalid_api_key")
     return await handler(request)
 
 

@@ -232,12 +232,13 @@ class _Usage:
 
 class CompletionBuilder(_Usage):
     """`echo`: per prompt, the text put before its choices' completions (then with
-    `logprobs` the prompt's logprobs come first, not when streaming); `echo_only`
+    `logprobs` the prompt's logprobs come first, not when streaming), None where the
+    frontend spells it (a token-id prompt: its first delta's `prompt_text`); `echo_only`
     (max_tokens 0): the echo without the completion."""
 
     def __init__(self, rid: str, model: str, created: int, num_prompts: int, n: int,
                  *, logprobs: bool, stream: bool, include_usage: bool = False,
-                 echo: list[str] | None = None, echo_only: bool = False, token_ids: bool = False) -> None:
+                 echo: list[str | None] | None = None, echo_only: bool = False, token_ids: bool = False) -> None:
         """`token_ids`: logprob tokens spelled "token_id:ID" (vLLM's return_tokens_as_token_ids)."""
         self.rid, self.model, self.created = rid, model, created
         self.choices = _Choices(num_prompts, n, keep=not stream)
@@ -256,18 +257,20 @@ class CompletionBuilder(_Usage):
 
     def add(self, prompt: int, ev: Delta | Done) -> list[bytes]:
         if isinstance(ev, Delta):
+            if self.echo is not None and self.echo[prompt] is None and ev.prompt_text is not UNSET:
+                self.echo[prompt] = ev.prompt_text
             i, offsets = self.choices.add_delta(prompt, ev)
             if not self.stream:
                 return []
             echo = ""
             if self.echo is not None and i not in self.echoed:
                 self.echoed.add(i)
-                echo = self.echo[prompt]
+                echo = self._echo(prompt)
             if self.echo_only:
                 return [self._chunk([CompletionChoice(index=i, text=echo)])] if echo else []
             if not (echo or ev.text or ev.logprobs):
                 return []
-            base = len(self.echo[prompt]) if self.echo is not None else 0
+            base = len(self._echo(prompt))
             lp = (_completion_logprobs(ev.logprobs, [o + base for o in offsets], self.as_ids)
                   if self.want_logprobs and ev.logprobs else None)
             return [self._chunk([CompletionChoice(index=i, text=echo + ev.text, logprobs=lp)])]
@@ -280,6 +283,9 @@ class CompletionBuilder(_Usage):
     def end(self) -> list[bytes]:
         return [self._chunk([], self.choices.usage())] if self.include_usage else []
 
+    def _echo(self, prompt: int) -> str:
+        return (self.echo[prompt] or "") if self.echo is not None else ""
+
     def response(self) -> Completion:
         c = self.choices
         return Completion(id=self.rid, created=self.created, model=self.model, usage=c.usage(),
@@ -288,7 +294,7 @@ class CompletionBuilder(_Usage):
     def _choice(self, i: int) -> CompletionChoice:
         c = self.choices
         prompt = i // c.n
-        echo = "" if self.echo is None else self.echo[prompt]
+        echo = self._echo(prompt)
         text = "" if self.echo_only else "".join(c.texts[i])
         if not self.want_logprobs:
             return CompletionChoice(index=i, text=echo + text, finish_reason=c.finish[i])

@@ -19,6 +19,7 @@ import msgspec
 from aiohttp import web
 
 from noria.frontend.bridge.errors import BadRequest, from_noria
+from noria.frontend.bridge.gateway import Gateway
 from noria.frontend.bridge.openai_api import (
     LARGE_BODY,
     _error_response,
@@ -29,7 +30,7 @@ from noria.frontend.bridge.openai_api import (
 from noria.frontend.bridge.openai_requests import decode_body
 from noria.frontend.bridge.state import BUDGETS, GATEWAY
 from noria.frontend.inputs import Prompt, make_embed
-from noria.protocol.client import Embedding
+from noria.protocol.client import Embed, Embedding
 from noria.protocol.errors import NoriaError
 from noria.protocol.sampling import Int64
 
@@ -107,6 +108,22 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
     return vector
 
 
+async def run_embeds(gateway: Gateway, msgs: list[Embed], param_of: dict[str, str]) -> list[Embedding] | web.Response:
+    """Every `embed` of one HTTP request side by side, answers in order; the first error is the
+    answer (its `param` renamed to the client's field by `param_of`) and aborts the others."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            # Cancelling the handler (its client hung up) cancels these, which aborts them upstream.
+            tasks = [group.create_task(gateway.embed(m)) for m in msgs]
+    except ExceptionGroup as eg:
+        first = eg.exceptions[0]
+        if isinstance(first, NoriaError):
+            first.param = param_of.get(first.param or "", first.param)
+            return from_noria(first)
+        raise first from None
+    return [t.result() for t in tasks]
+
+
 async def handle_embeddings(request: web.Request) -> web.Response:
     app = request.app
     gateway, budgets = app[GATEWAY], app[BUDGETS]
@@ -133,19 +150,11 @@ async def handle_embeddings(request: web.Request) -> web.Response:
     try:
         msgs = [make_embed(gateway.new_id(), p, dimensions=req.dimensions, priority=req.priority,
                            cache_salt=req.cache_salt) for p in inputs]
-        try:
-            async with asyncio.TaskGroup() as group:
-                # Cancelling the handler (its client hung up) cancels these, which aborts them upstream.
-                tasks = [group.create_task(gateway.embed(m)) for m in msgs]
-        except ExceptionGroup as eg:
-            first = eg.exceptions[0]
-            if isinstance(first, NoriaError):
-                first.param = _PARAM_OF.get(first.param or "", first.param)
-                return from_noria(first)
-            raise first from None
-        outs: list[Embedding] = [t.result() for t in tasks]
+        outs = await run_embeds(gateway, msgs, _PARAM_OF)
     finally:
         budgets.give(who, cost)
+    if isinstance(outs, web.Response):
+        return outs
     tokens = sum(o.usage.prompt_tokens for o in outs)
     data = [EmbeddingData(index=i, embedding=encode(o.embedding, req.encoding_format)) for i, o in enumerate(outs)]
     return json_response(EmbeddingResponse(data=data, model=model,

@@ -121,8 +121,13 @@ def completion_generates(req: CompletionRequest, new_id: Callable[[], str]) -> l
         raise BadRequest(f"n ({params.n}) x prompts ({len(prompts)}) is {params.n * len(prompts)} samples, more "
                          f"than the {MAX_SAMPLES} one request may draw", "n")
     salt = _cache_salt(req)
-    return [_server_defaults(make_generate(new_id(), p, params, priority=req.priority, cache_salt=salt), req)
-            for p in prompts]
+    messages = [_server_defaults(make_generate(new_id(), p, params, priority=req.priority, cache_salt=salt), req)
+                for p in prompts]
+    if req.echo:
+        for msg in messages:
+            # A token-id prompt's text comes from the frontend, which has the tokenizer.
+            msg.return_prompt_text = msg.prompt_token_ids is not None
+    return messages
 
 
 def _server_defaults(msg: Generate, req: SamplingFields) -> Generate:
@@ -134,17 +139,15 @@ def _server_defaults(msg: Generate, req: SamplingFields) -> Generate:
     return msg
 
 
-def echo_prompts(req: CompletionRequest, prompts: list[str | list[int]]) -> list[str] | None:
-    """The texts `echo` puts before each completion (None without echo); raises for what
-    the bridge cannot echo."""
+def echo_prompts(req: CompletionRequest, prompts: list[str | list[int]]) -> list[str | None] | None:
+    """The texts `echo` puts before each completion (None without echo): a text prompt
+    itself; None for a token-id prompt, whose text the frontend sends with the first delta
+    (`return_prompt_text`). Raises for what the bridge cannot echo."""
     if not req.echo:
         return None
-    texts = [p for p in prompts if isinstance(p, str)]
-    if len(texts) != len(prompts):
-        raise BadRequest("echo needs text prompts (the bridge has no tokenizer to spell token ids)", "echo")
     if req.stream and req.logprobs is not None:
         raise BadRequest("echo with logprobs is not supported when streaming", "echo")
-    return texts
+    return [p if isinstance(p, str) else None for p in prompts]
 
 
 def prompts_of(prompt: str | list[Any]) -> list[str | list[int]]:

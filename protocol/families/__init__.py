@@ -33,6 +33,10 @@ def find_family(cfg: Mapping[str, Any]) -> Family | None:
     without that list, its `model_type`; None when noria does not implement it."""
     archs = cfg.get("architectures") or []
     if archs:
+        # A sequence-classification checkpoint is its family's decoder under a score head
+        # (protocol/score.py), as transformers builds `LlamaForSequenceClassification`.
+        archs = [a.removesuffix("ForSequenceClassification") + "ForCausalLM"
+                 if isinstance(a, str) and a.endswith("ForSequenceClassification") else a for a in archs]
         return next((FAMILIES[a] for a in archs if a in FAMILIES), None)
     model_type = cfg.get("model_type")
     return next((f for f in FAMILIES.values() if f.model_type == model_type), None)

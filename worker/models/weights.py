@@ -105,8 +105,9 @@ class WeightMap:
 
 
 def _ignored(name: str) -> bool:
-    # Old checkpoints store the rotary buffer (recomputed here); a tied model may still ship an lm_head.
-    return "rotary_emb.inv_freq" in name or name == "lm_head.weight"
+    # Old checkpoints store the rotary buffer (recomputed here); a tied model may still ship an lm_head;
+    # a sequence-classification checkpoint's head is the pooling runner's (worker/score_head.py).
+    return "rotary_emb.inv_freq" in name or name in ("lm_head.weight", "score.weight")
 
 
 class Part(NamedTuple):
