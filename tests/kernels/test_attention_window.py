@@ -269,7 +269,7 @@ def test_decode_split_plans_count_the_window() -> None:
     rec.launches.clear()
     ops.paged_attention_decode(*args16, split=True, partition_size=32, window=40, backend=rec)
     assert rec.launches[0]["grid"] == (2 + 1, 2)  # ceil(40 / 32) + ceil(7 / 32) work items
-    assert rec.launches[0]["args"][-2] == np.int32(40)
+    assert rec.launches[0]["args"][-4] == np.int32(40)  # window; then soft-cap, k_scale, v_scale
 
 
 def test_balanced_plan_with_window_runs(emu: Any) -> None:

@@ -166,8 +166,9 @@ def test_gqa_launch_arguments_and_shapes() -> None:
     assert decode["block"] == (128,)
     assert all(isinstance(a, np.generic) for a in decode["args"])
     assert decode["args"][11].dtype == np.float32  # scale
-    assert all(a.dtype == np.int32 for a in decode["args"][12:-1])  # ..., chunk, window
-    assert decode["args"][-1].dtype == np.float32  # soft-cap
+    assert all(a.dtype == np.int32 for a in decode["args"][12:-3])  # ..., chunk, window
+    assert all(a.dtype == np.float32 for a in decode["args"][-3:])  # soft-cap, k_scale, v_scale
+    assert [float(a) for a in decode["args"][-2:]] == [1.0, 1.0]  # a 16-bit cache: no scales
     assert merge["name"].startswith("paged_attention_decode_gqa_merge") and merge["grid"] == (4, 2)
     assert merge["shared_mem"] == 4 * 4
     rec.launches.clear()
