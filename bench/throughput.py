@@ -85,7 +85,7 @@ def workload(args: argparse.Namespace) -> Work:
 def run_one(name: str, args: argparse.Namespace, record: str, skip: int) -> dict:
     path = CHECKPOINTS[args.model]()
     work = workload(args)
-    flags = {"num_kv_blocks": args.num_kv_blocks, "dtype": args.dtype}
+    flags = {"num_kv_blocks": args.num_kv_blocks, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
     if name.startswith("hf-static-"):
         return run_hf_static(path, work, int(name.rsplit("-", 1)[1]))
     if name == "hf-cb":
@@ -97,7 +97,8 @@ def run_one(name: str, args: argparse.Namespace, record: str, skip: int) -> dict
         # with half the threads, plus two all-reduces per layer.
         return {**run_noria_llm(path, work, {**flags, "tensor_parallel_size": 2}, record), "system": name}
     if name in ("noria-serve", SERVE_16):
-        return run_noria_serve(path, work, ["--num-kv-blocks", str(args.num_kv_blocks), "--dtype", args.dtype],
+        return run_noria_serve(path, work, ["--num-kv-blocks", str(args.num_kv_blocks), "--dtype", args.dtype,
+                                            "--kv-cache-dtype", args.kv_cache_dtype],
                                record, llama_cpp.IN_FLIGHT if name == SERVE_16 else None)
     if name == "ceiling":
         return run_ceiling(path, record, flags, skip)
@@ -137,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=None, help="cap every request's output length")
     ap.add_argument("--dtype", default="auto",
                     help="noria's and vLLM's --dtype (auto: each one's default for the checkpoint)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                    help="noria's --kv-cache-dtype (fp8: one byte per cached value, a scale per layer)")
     ap.add_argument("--no-vllm-install", action="store_true",
                     help="skip the vLLM systems unless vLLM's venv is already made (else it is made on first use)")
     ap.add_argument("--no-llama-cpp-install", action="store_true",
@@ -251,7 +254,7 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> tuple[dict[str,
     from noria.bench.roofline_machine import measure_in_child
 
     child_argv = ["--num-requests", str(args.num_requests), "--num-kv-blocks", str(args.num_kv_blocks),
-                  "--model", args.model, "--dtype", args.dtype,
+                  "--model", args.model, "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype,
                   *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])]
     runs: dict[str, list[dict]] = {}
     machines: list = []

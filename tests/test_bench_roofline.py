@@ -161,7 +161,8 @@ def test_throughput_probes_the_machine_after_every_recorded_run(monkeypatch):
     monkeypatch.setattr(roofline_machine, "measure_in_child", probe)
     monkeypatch.setattr(throughput, "run_isolated", run_isolated)
     monkeypatch.setattr(ceiling, "read_steps", lambda path, skip=0: [([1], [2], 1, 0.01)])
-    args = argparse.Namespace(num_requests=2, num_kv_blocks=8, model="small", max_tokens=None, rounds=2, dtype="auto")
+    args = argparse.Namespace(num_requests=2, num_kv_blocks=8, model="small", max_tokens=None, rounds=2, dtype="auto",
+                              kv_cache_dtype="auto")
     runs, machines = throughput._run_rounds(args, ["noria-llm", "vllm-tuned", "ceiling"])
     assert events == ["probe", "noria-llm", "probe", "vllm-tuned", "ceiling", "probe",
                       "probe", "noria-llm", "probe", "vllm-tuned", "ceiling", "probe"]
