@@ -251,6 +251,11 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     # and why not the kernels for some or all layers ("" when nothing fell back); "" before a group.
     attention_backend: str = ""
     attention_reason: str = ""
+    # The cache's configuration, for routers that read it (vLLM's `cache_config_info` labels).
+    block_size: int = 0
+    num_cpu_blocks: int = 0  # swap space in blocks (0 without --preemption-mode swap)
+    kv_cache_dtype: str = ""
+    enable_prefix_caching: bool = True
 
 
 class GetStats(msgspec.Struct, kw_only=True, tag="get_stats", tag_field="type"):

@@ -58,7 +58,8 @@ class Scheduler(StepResults):
         self.by_priority = config.scheduling_policy == "priority"
         # A pooling engine's requests compute their prompt and end with its embedding.
         self.pooling = engine_pooling(config.model, config.runner, config.pooling)
-        self.stats = SchedulerStats()
+        self.stats = SchedulerStats(block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
+                                    enable_prefix_caching=config.enable_prefix_caching)
         self.requests: dict[int, Request] = {}
         self.waiting: list[tuple[tuple[int, int], int]] = []  # heap of (sort_key, req_id)
         self.running: list[Request] = []  # sorted by sort_key
@@ -86,6 +87,7 @@ class Scheduler(StepResults):
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, self.config.enable_prefix_caching,
                                  num_cpu_blocks if self.swap else 0)
         self.stats.num_kv_blocks = num_kv_blocks
+        self.stats.num_cpu_blocks = num_cpu_blocks if self.swap else 0
         # A pooling request needs no room for an output token.
         for req in [r for r in self.requests.values() if r.num_tokens >= self.max_model_len + r.pooling]:
             self._finish(req)

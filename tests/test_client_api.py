@@ -150,7 +150,8 @@ def test_hello_and_get_stats(raw):
                   "workers_live": bool, "worker_status": str, "worker_restarts": int,
                   "requests_requeued": int, "tokens_recomputed": int, "seconds_without_worker": float,
                   "plan_bytes": int, "result_bytes": int, "steps_planned_ahead": int, "tokens_discarded": int,
-                  "attention_backend": str, "attention_reason": str}
+                  "attention_backend": str, "attention_reason": str, "block_size": int, "num_cpu_blocks": int,
+                  "kv_cache_dtype": str, "enable_prefix_caching": bool}
     assert set(stats["stats"]) == set(documented)
     assert stats["stats"]["attention_backend"] in ("kernels", "torch")  # the live group's
     for name, kind in documented.items():

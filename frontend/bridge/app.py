@@ -30,6 +30,7 @@ from noria.frontend.bridge.openai_score import handle_classify, handle_rerank, h
 from noria.frontend.bridge.openai_tokenize import handle_detokenize, handle_tokenize
 from noria.frontend.bridge.playground import handle_playground
 from noria.frontend.bridge.responses_api import add_routes as add_responses_routes
+from noria.frontend.bridge.router_api import add_routes as add_router_routes
 from noria.frontend.bridge.state import (
     API_KEY,
     BUDGETS,
@@ -94,6 +95,7 @@ def make_app(engine: str, api_key: str | None = None, max_per_client: int | None
         app.router.add_post(path, handle_rerank)
     add_anthropic_routes(app)
     add_responses_routes(app)  # /v1/responses and /v1/responses/{id}[/cancel]
+    add_router_routes(app)  # /load, /get_load, /get_server_info, /v1/[chat/]completions/render
     app.router.add_get("/v1/stream", handle_stream)
     # vLLM serves these two beside /v1, not under it.
     app.router.add_post("/tokenize", handle_tokenize)
@@ -131,7 +133,11 @@ async def handle_metrics(request: web.Request) -> web.Response:
         stats = await asyncio.wait_for(client.stats(), STATS_TIMEOUT)
     except (NoriaError, TimeoutError):
         stats = None
-    metrics.engine.update(stats)
+    try:
+        model: str | None = (await request.app[GATEWAY].ready()).model
+    except NoriaError:
+        model = None  # the series keep the last name they had
+    metrics.update(stats, model)
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -87,6 +87,8 @@ class Gateway:
                         ended = True
                         m.e2e.observe(now - t0)
                         m.success.labels(out.finish_reason).inc()
+                        m.prompt_len.observe(out.usage.prompt_tokens)
+                        m.output_len.observe(out.usage.completion_tokens)
                     yield out
         except NoriaError as e:
             ended = True

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from noria.frontend.bridge.vllm_metrics import VllmCollector
 from noria.protocol.client import SchedulerStats, Stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -21,6 +22,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+# Tokens per request: 1, 2, 5, 10, ... 1,000,000 (vLLM's 1-2-5 series).
+_LENGTH_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 
 # (metric name, SchedulerStats field, help)
 _GAUGES = (
@@ -84,10 +87,16 @@ class BridgeMetrics:
         self.registry = CollectorRegistry()
         self.engine = EngineCollector()
         self.registry.register(self.engine)
+        self.vllm = VllmCollector()
+        self.registry.register(self.vllm)
         r = self.registry
         self.ttft = Histogram("noria_time_to_first_token_seconds", "Time from request to its first token.", buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("noria_inter_token_latency_seconds", "Time between consecutive tokens of a sample.", buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("noria_e2e_request_latency_seconds", "Time from request to its final message.", buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_len = Histogram("noria_request_prompt_tokens", "Prompt tokens of a finished request.",
+                                    buckets=_LENGTH_BUCKETS, registry=r)
+        self.output_len = Histogram("noria_request_generation_tokens", "Tokens a finished request generated "
+                                    "(all its samples).", buckets=_LENGTH_BUCKETS, registry=r)
         self.success = Counter("noria_request_success", "Requests that ended with done, by finish reason.", ["finish_reason"], registry=r)
         self.failure = Counter("noria_request_failure", "Requests that ended with an error, by error code.", ["code"], registry=r)
         self.slow_readers = Counter("noria_slow_reader_aborts", "Streams aborted because their client left more than "
@@ -96,6 +105,17 @@ class BridgeMetrics:
                                "were open.", registry=r)
         self.body_timeouts = Counter("noria_http_body_timeouts", "Requests answered 408: their body did not come "
                                      "within --http-body-timeout.", registry=r)
+
+        v = self.vllm
+        v.ttft, v.itl, v.e2e, v.prompt_len, v.output_len, v.success = (
+            self.ttft, self.itl, self.e2e, self.prompt_len, self.output_len, self.success)
+
+    def update(self, stats: Stats | None, model: str | None) -> None:
+        """The engine's latest stats (None: it did not answer) and the served model's name."""
+        self.engine.update(stats)
+        self.vllm.stats = self.engine.stats
+        if model:
+            self.vllm.model = model
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

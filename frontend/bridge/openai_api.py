@@ -71,7 +71,7 @@ async def handle_models(request: web.Request) -> web.Response:
         ready = await request.app[GATEWAY].ready()
     except NoriaError as e:
         return from_noria(e)
-    card = ModelCard(id=ready.model, created=request.app[STARTED], max_model_len=ready.max_model_len)
+    card = ModelCard(id=ready.model, created=request.app[STARTED], max_model_len=ready.max_model_len, root=ready.model)
     return json_response(ModelList(data=[card]))
 
 

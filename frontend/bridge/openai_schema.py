@@ -198,6 +198,10 @@ class ModelCard(msgspec.Struct, kw_only=True):
     max_model_len: int
     object: str = "model"
     owned_by: str = "noria"
+    # vLLM's lineage fields: `root` the checkpoint, `parent` the base model of an adapter
+    # (null: this is a base model; routers group engines by it).
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):
