@@ -77,10 +77,10 @@ def test_vllm_metrics_mirror_noria_numbers(served, oai):
     for vllm_name, noria_name in pairs.items():
         assert m[vllm_name + LABELS] == m[noria_name], vllm_name
     assert m["noria_generation_tokens_total"] == sum(u.completion_tokens for u in usages)
-    assert m[f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="demo"}}'] == \
+    assert m['vllm:request_success_total{engine="0",finished_reason="length",model_name="demo"}'] == \
         m['noria_request_success_total{finish_reason="length"}'] == 2
     # The histogram's buckets are cumulative and end with +Inf holding every observation.
-    assert m[f'vllm:e2e_request_latency_seconds_bucket{{engine="0",le="+Inf",model_name="demo"}}'] == 2
+    assert m['vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="demo"}'] == 2
 
     families = _families(served.http)
     (info,) = families["vllm:cache_config_info"].samples

@@ -1,0 +1,174 @@
+"""noria engines behind the router the field already runs: vllm-router (from the package index,
+unmodified) in front of three `noria serve` processes on loopback. Round-robin spreads requests
+evenly; cache-aware routing sends requests that share a prefix to the engine that holds it, which
+the engines' own prefix-cache counters show; power-of-two reads each engine's /get_load."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from noria.frontend.local_server import LocalServer, stop_child
+from noria.protocol.sockets import free_tcp_port
+from tests.procs import engine_idle, scrape_metrics, wait_metrics
+
+# In the test extras: the router's own console script, beside this interpreter.
+ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
+
+ENGINES = 3
+
+
+@pytest.fixture(scope="module")
+def engines(demo_path) -> Iterator[list[LocalServer]]:
+    servers = [LocalServer("--num-kv-blocks", "512", "--max-model-len", "1024") for _ in range(ENGINES)]
+    try:
+        for s in servers:
+            s.wait(http=True)
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@contextlib.contextmanager
+def router(engines: list[LocalServer], policy: str, *extra: str) -> Iterator[str]:
+    port = free_tcp_port()
+    argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning",
+            "--worker-urls", *[e.http for e in engines], *extra]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"vllm-router exited with {proc.returncode}"
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    break
+            assert time.monotonic() < deadline, "vllm-router did not come up"
+            time.sleep(0.2)  # poll interval; the deadline bounds the wait
+        yield url
+    finally:
+        stop_child(proc, signal.SIGINT, 30)
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 4) -> dict:
+    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    req = urllib.request.Request(f"{url}/v1/completions", data=msgspec.json.encode(body),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+        return msgspec.json.decode(r.read())
+
+
+def _served(engine: LocalServer) -> float:
+    """Requests the engine finished, as its vLLM-named counter says."""
+    m = scrape_metrics(engine.http)
+    return sum(v for k, v in m.items() if k.startswith("vllm:request_success_total"))
+
+
+def _short_served(engine: LocalServer) -> float:
+    """Requests the engine finished with at most 2 generated tokens (its length histogram)."""
+    m = scrape_metrics(engine.http)
+    return m['vllm:request_generation_tokens_bucket{engine="0",le="2.0",model_name="demo"}']
+
+
+def _hits(engine: LocalServer) -> float:
+    return scrape_metrics(engine.http)["noria_prefix_cache_hits_total"]
+
+
+def _idle(engines: list[LocalServer]) -> None:
+    for e in engines:
+        wait_metrics(e.http, engine_idle)
+
+
+def _prefix(rng: random.Random, words: int = 120) -> str:
+    vocab = ["river", "stone", "maple", "cloud", "amber", "north", "quiet", "lamp", "field", "copper", "harbor",
+             "violet", "engine", "paper", "winter", "garden"]
+    return " ".join(rng.choice(vocab) for _ in range(words))
+
+
+def test_round_robin_spreads_evenly(engines):
+    before = [_served(e) for e in engines]
+    with router(engines, "round_robin") as url:
+        for i in range(2 * ENGINES):
+            out = _complete(url, f"request number {i}")
+            assert out["choices"][0]["text"] and out["usage"]["completion_tokens"] == 4
+    _idle(engines)
+    assert [_served(e) - b for e, b in zip(engines, before, strict=True)] == [2] * ENGINES
+
+
+def test_cache_aware_routing_finds_cached_prefixes(engines):
+    """Three requests per shared prefix, one after another: round-robin sends each to another
+    engine (no engine sees a prefix twice: no hits), cache-aware to the engine that holds it."""
+    rng = random.Random(7)
+
+    def run(policy: str) -> tuple[float, int]:
+        prefixes = [_prefix(rng) for _ in range(4)]
+        before = sum(_hits(e) for e in engines)
+        with router(engines, policy) as url:
+            tokens = []
+            for p in prefixes:
+                for j in range(ENGINES):
+                    tokens.append(_complete(url, f"{p} question {j}:")["usage"]["prompt_tokens"])
+        _idle(engines)
+        return sum(_hits(e) for e in engines) - before, sum(tokens)
+
+    rr_hits, _ = run("round_robin")
+    ca_hits, ca_tokens = run("cache_aware")
+    assert rr_hits == 0
+    # Two of every three requests find their prefix (~120 words, most of the prompt) cached.
+    assert ca_hits > 0.5 * ca_tokens
+
+
+def _router_loads(url: str) -> dict[str, int]:
+    with urllib.request.urlopen(f"{url}/get_loads", timeout=10) as r:
+        return {w["worker"]: w["load"] for w in msgspec.json.decode(r.read())["workers"]}
+
+
+def test_power_of_two_reads_get_load(engines):
+    """power_of_two polls each engine's /get_load for `load`: while one engine is kept busy, the
+    router sees its load and sends the requests that follow to the others."""
+    busy, stop = engines[0], threading.Event()
+
+    def keep_busy() -> None:  # one long request in flight on `busy` until told to stop
+        while not stop.is_set():
+            body = {"model": "demo", "prompt": "count slowly", "max_tokens": 900, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            req = urllib.request.Request(f"{busy.http}/v1/completions", data=msgspec.json.encode(body),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as stream:
+                while not stop.is_set() and stream.readline():
+                    pass
+
+    thread = threading.Thread(target=keep_busy, daemon=True)
+    thread.start()
+    try:
+        with router(engines, "power_of_two") as url:
+            deadline = time.monotonic() + 120
+            while _router_loads(url).get(busy.http, 0) < 1:  # the router has polled the busy engine
+                assert time.monotonic() < deadline, _router_loads(url)
+                time.sleep(0.1)  # poll interval; the deadline bounds the wait
+            before = [_short_served(e) for e in engines]
+            for i in range(12):
+                _complete(url, f"small request {i}", max_tokens=2)
+            after = [_short_served(e) for e in engines]
+    finally:
+        stop.set()
+        thread.join(timeout=300)
+    served_by = [a - b for a, b in zip(after, before, strict=True)]
+    assert sum(served_by) == 12
+    # Blind, the busy engine would take a third (4); seeing its load, none, or one where a poll
+    # met the gap between two of its long requests.
+    assert served_by[0] <= 1, served_by
