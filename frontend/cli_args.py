@@ -91,6 +91,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                    help="config.json keys on top of the checkpoint's (vLLM's flag), for a pooling engine that "
                         "classifies: e.g. '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
                         "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
+    g.add_argument("--kv-events-config", type=_kv_events, default=None, metavar="JSON",
+                   help="publish prefix-cache changes (BlockStored, BlockRemoved, AllBlocksCleared) for KV-aware "
+                        "routers as vLLM does, with vLLM's keys: enable_kv_cache_events (false), publisher "
+                        "(zmq when enabled, or null), endpoint (tcp://*:5557), replay_endpoint (none), buffer_steps "
+                        "(10000), hwm (100000), max_queue_size (100000), topic (\"\"); e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"replay_endpoint\": \"tcp://*:5558\"}'")
     c = ap.add_argument_group("chat")
     c.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                    help="allow tool_choice \"auto\": the model decides whether to call a tool (needs --tool-call-parser)")
@@ -116,6 +122,15 @@ def _overrides(text: str) -> dict[str, Any]:
 
     try:
         return parse_overrides(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _kv_events(text: str) -> dict[str, Any]:
+    from noria.protocol.kv_events import parse_kv_events_config
+
+    try:
+        return parse_kv_events_config(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from noria.protocol.kv_events import KVEventsConfig
 from noria.protocol.pooling import PoolingType, Runner
 
 # Accepted spellings, as vLLM accepts them; the worker maps them to torch dtypes.
@@ -98,6 +99,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Sampling defaults for requests that leave them unset (frontend/generation_config.py): auto,
     # the checkpoint's generation_config.json; vllm and none, vLLM's defaults.
     generation_config: GenerationConfigMode = "auto"
+    # vLLM's --kv-events-config: the scheduler publishes prefix-cache changes for routers
+    # (protocol/kv_events.py, scheduler/kv_events.py).
+    kv_events_config: KVEventsConfig | None = None
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:

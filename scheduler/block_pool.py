@@ -10,6 +10,10 @@ if it holds what the asker's block would: the same tokens after the same content
 never reused; two blocks share one only when they were computed from equal tokens
 after equal content. The check costs a compare per hit, and with it even two
 requests whose keys collide can never read each other's blocks.
+
+With KV-cache events on (scheduler/kv_events.py), `events` is a list that gets one
+record per change to the set of keys in `cached`: `(key, parent_key, tokens)` when a
+key is registered, `key` alone when it leaves; None (the default) records nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class BlockPool:
         self.parent: list[bytes | int | None] = [None] * num_blocks
         self.tokens: list[bytes | None] = [None] * num_blocks
         self._last_content_id = 0
+        # Shared with the events publisher, which also puts None in it: "all blocks cleared".
+        self.events: list[tuple[bytes, bytes | None, bytes] | bytes | None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -82,10 +88,12 @@ class BlockPool:
                 if self.block_hash[block] is None:
                     self.free.move_to_end(block, last=False)
 
-    def cache(self, block: int, block_hash: bytes, parent: bytes | int | None, tokens: bytes) -> None:
+    def cache(self, block: int, block_hash: bytes, parent: bytes | int | None, tokens: bytes,
+              parent_hash: bytes | None = None) -> None:
         """Register a just-filled block, which holds `tokens` after `parent` (as in
         `lookup`), and give it its content id. An entry with the same content wins
-        (no dedup: block tables stay append-only) and lends the block its id."""
+        (no dedup: block tables stay append-only) and lends the block its id.
+        `parent_hash`: the key of the block before (None for a first block), for events."""
         if self.block_hash[block] is not None:
             return  # a prefix hit: registered, with its id, already
         if parent is None:  # after a private block: nobody can ask for this one either
@@ -109,6 +117,8 @@ class BlockPool:
         self.cached[block_hash] = block
         self.parent[block] = parent
         self.tokens[block] = tokens
+        if self.events is not None:
+            self.events.append((block_hash, parent_hash, tokens))
 
     def _uncache(self, block: int) -> None:
         h = self.block_hash[block]
@@ -117,6 +127,8 @@ class BlockPool:
             self.tokens[block] = self.parent[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.events is not None:
+                    self.events.append(h)
 
     def check(self) -> str | None:
         """Internal consistency: every block is owned xor free; cache map agrees."""

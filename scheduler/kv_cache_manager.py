@@ -158,7 +158,8 @@ class KVCacheManager:
                 pool = self.pool
                 if cached:
                     h = new_digest(req.block_hashes[-1] + packed).digest()
-                    pool.cache(block_ids[cached], h, pool.content_id[block_ids[cached - 1]], packed)
+                    pool.cache(block_ids[cached], h, pool.content_id[block_ids[cached - 1]], packed,
+                               req.block_hashes[-1])
                 else:
                     h = new_digest(req.hash_root + packed).digest()
                     pool.cache(block_ids[0], h, req.hash_root, packed)
@@ -183,7 +184,8 @@ class KVCacheManager:
             if i == len(hashes):
                 hashes.append(digest((hashes[i - 1] if i else req.hash_root) + packed).digest())
             # In order: the block before has its content id by now.
-            pool.cache(block, hashes[i], pool.content_id[block_ids[i - 1]] if i else req.hash_root, packed)
+            pool.cache(block, hashes[i], pool.content_id[block_ids[i - 1]] if i else req.hash_root, packed,
+                       hashes[i - 1] if i else None)
         req.num_cached_blocks = num_full
 
     def free(self, req: Request) -> None:

@@ -41,6 +41,7 @@ from noria.protocol.model_identity import model_facts, model_identity
 from noria.protocol.security import CurveServer
 from noria.protocol.sockets import MAX_ENGINE_MESSAGE, make_socket
 from noria.protocol.step import StepResult
+from noria.scheduler.kv_events import KVEventPublisher
 from noria.scheduler.scheduler import Scheduler
 from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
 
@@ -86,6 +87,12 @@ class SchedulerProcess:
         self.facts = model_facts(config.model)
         max_len = config.max_model_len or self.facts.max_model_len
         self.sched = Scheduler(config, 0, max_len)  # no KV until a worker group is live
+        ev = config.kv_events_config
+        self.kv_events = KVEventPublisher(self.ctx, ev, config.block_size) if ev and ev.publishes else None
+        if self.kv_events is not None:
+            if not config.enable_prefix_caching:
+                log.warning("KV-cache events are enabled but prefix caching is not: no block is published")
+            self.kv_events.attach(self.sched.kv)
         self.poller = zmq.Poller()
         self.poller.register(self.from_frontend, zmq.POLLIN)
         self.poller.register(self.router, zmq.POLLIN)
@@ -159,6 +166,7 @@ class SchedulerProcess:
 
     def _group_ready(self, ev: GroupReady) -> None:
         self.sched.install_kv(ev.num_kv_blocks, ev.num_cpu_blocks, ev.max_model_len)
+        self._attach_kv_events()
         self.attention = (ev.attention_backend, ev.attention_reason)
         self.groups_formed += 1
         if self.no_worker_since is not None:
@@ -181,6 +189,7 @@ class SchedulerProcess:
         self.in_flight.clear()
         requeued = len(self.sched.running) + len(self.sched.swapped)
         self.sched.reset_after_worker_loss()
+        self._attach_kv_events()
         if self.no_worker_since is None:
             self.no_worker_since = time.monotonic()
         log.warning("%d request(s) wait for recompute", requeued)  # the worker group logged why
@@ -199,6 +208,11 @@ class SchedulerProcess:
             log.error("no worker for %.0fs: %d waiting request(s) failed (%s)", now - since, n, self.group.status())
             self.stats_due = True
 
+    def _attach_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.attach(self.sched.kv)  # a new pool: the old one's blocks are all cleared
+            self.kv_events.flush()
+
     def _unavailable_message(self) -> str:
         return f"no worker has been serving for {self.link.worker_wait:g}s: {self.group.status()}"
 
@@ -215,6 +229,8 @@ class SchedulerProcess:
                 self.was_busy = False
                 return
             plan = sched.schedule()
+            if self.kv_events is not None:
+                self.kv_events.flush()  # one batch per step: the blocks it cached and evicted
             self.was_busy = True
             if not self.group.send_plan(plan):
                 return  # the group is lost: its event is handled next, in _handle_events
@@ -276,6 +292,8 @@ class SchedulerProcess:
         self.to_frontend.send(self.out_codec.encode(EngineDead(reason)))
 
     def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         for s in (self.from_frontend, self.to_frontend, self.router):
             s.close(linger=100)
         if self.curve is not None:
