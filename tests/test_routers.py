@@ -30,9 +30,18 @@ ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "
 ENGINES = 3
 
 
+def _events_flag(port: int) -> str:
+    return msgspec.json.encode({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}).decode()
+
+
 @pytest.fixture(scope="module")
 def engines(demo_path) -> Iterator[list[LocalServer]]:
-    servers = [LocalServer("--num-kv-blocks", "512", "--max-model-len", "1024") for _ in range(ENGINES)]
+    """Three engines, each publishing its KV-cache events on a port of its own (`.events`)."""
+    ports = [free_tcp_port() for _ in range(ENGINES)]
+    servers = [LocalServer("--num-kv-blocks", "512", "--max-model-len", "1024", "--kv-events-config", _events_flag(p))
+               for p in ports]
+    for server, port in zip(servers, ports, strict=True):
+        server.events = f"tcp://127.0.0.1:{port}"  # type: ignore[attr-defined]
     try:
         for s in servers:
             s.wait(http=True)
@@ -132,6 +141,32 @@ def test_cache_aware_routing_finds_cached_prefixes(engines):
     assert ca_hits > 0.5 * ca_tokens
 
 
+def test_kv_aware_routing_reads_the_engines_kv_events(engines):
+    """vllm-router's kv_aware policy indexes the blocks each engine publishes (BlockStored with
+    their token ids) and sends a request to the engine holding most of its prompt. Each prefix
+    is computed first on an engine of the test's choice, directly; the requests that share it,
+    sent through the router, find it there, whichever engine that is (blind, the router would
+    send them all to one engine and miss two prefixes in three)."""
+    rng = random.Random(11)
+    sources = [arg for e in engines for arg in ("--kv-event-source", f"{e.http}={e.events}")]
+    tries = 0
+    with router(engines, "kv_aware", *sources, "--kv-event-block-size", "16", "--kv-event-model", "demo") as url:
+        for k in range(2 * ENGINES):
+            owner, prefix = engines[k % ENGINES], _prefix(rng)
+            seeded = _complete(owner.http, f"{prefix} question 0:")["usage"]["prompt_tokens"]
+            before = [_hits(e) for e in engines]
+            # The router learns of the owner's blocks from its events, asynchronously: a
+            # request routed before they arrive may go elsewhere (and compute the prefix there
+            # too); within a few tries one must land on the owner, which then hits.
+            deadline = time.monotonic() + 60
+            while _hits(owner) - before[engines.index(owner)] < seeded // 2:
+                assert time.monotonic() < deadline, f"prefix {k} never routed to engine {k % ENGINES}"
+                _complete(url, f"{prefix} question {rng.random()}:")
+                _idle(engines)
+                tries += 1
+    # The events are out before the seeding request's answer (one batch per step): nearly every
+    # first try lands. Blind, a third would (about 18 tries in all), or only one engine's.
+    assert tries <= 2 * ENGINES + 2, tries
 def _router_loads(url: str) -> dict[str, int]:
     with urllib.request.urlopen(f"{url}/get_loads", timeout=10) as r:
         return {w["worker"]: w["load"] for w in msgspec.json.decode(r.read())["workers"]}
