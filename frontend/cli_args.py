@@ -60,6 +60,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan the next step while the worker runs this one")
     g.add_argument("--tensor-parallel-size", type=int, default=None)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="engines (a scheduler with its workers each) behind this server's one frontend, which "
+                        "sends each request to the engine that holds the longest prefix of its prompt unless that "
+                        "one is much busier (default 1); an engine that dies has its requests sent to the others")
+    g.add_argument("--data-parallel-rank", type=int, default=None,
+                   help="serve as this one rank of --data-parallel-size engines balanced from outside (a router "
+                        "addresses each rank); its KV-event ports are offset by the rank, as vLLM's")
     g.add_argument("--dtype", choices=_choices(Dtype), default=None,
                    help="auto (default): the checkpoint's on a GPU; on a CPU a bfloat16 checkpoint's where the CPU "
                         "computes bf16 natively, else float32 unless that would not fit in memory (the worker "

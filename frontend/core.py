@@ -102,6 +102,7 @@ class FrontendCore:
         # (code, message) that new requests get while the server is not taking any (draining,
         # or its restarting engine has been gone past --worker-wait); None: they are taken.
         self.refusing: tuple[str, str] | None = None
+        self.data_parallel_rank = 0  # --data-parallel-rank, for the stats (routers label by it)
 
     @property
     def num_open(self) -> int:
@@ -257,18 +258,25 @@ class FrontendCore:
         `output_token_ids`, so the sample goes on where it stopped (a sample that has output
         tokens has had its prompt logprobs). One engine request per client request.
         Returns how many samples."""
+        return self.resubmit(None)
+
+    def resubmit(self, rids: set[int] | None) -> int:
+        """`resubmit_all` for the open samples among `rids` only (None: all of them): those of an
+        engine that died while others serve (frontend/engine_group.py). Returns how many."""
         eos = self.processor.eos_ids
-        for req in self.by_key.values():
-            open_samples = [s for s in req.samples if s.rid in self.by_rid]
+        sent = 0
+        for req in list(self.by_key.values()):
+            open_samples = [s for s in req.samples if s.rid in self.by_rid and (rids is None or s.rid in rids)]
             if not open_samples:
                 continue
+            sent += len(open_samples)
             req.resumed = req.resumed or any(s.ids for s in open_samples)
             first, *rest = open_samples
             self.engine.add(EngineRequest(first.rid, req.prompt_ids, req.params, eos, req.priority, req.group,
                                           output_token_ids=first.ids, sample_index=first.index,
                                           more_samples=[EngineSample(s.rid, s.index, s.ids) for s in rest],
                                           cache_salt=req.cache_salt))
-        return len(self.by_rid)
+        return sent
 
     def _fail(self, req: _Request, code: str, message: str, param: str | None = None) -> None:
         open_rids = [s.rid for s in req.samples if s.finish_reason is None]

@@ -98,6 +98,10 @@ class EngineClient:
         self.restarting = True
         self.restarted_at = time.monotonic()
 
+    def sockets(self) -> list[zmq.Socket]:
+        """What the server loop polls for this engine's messages (a restart makes new ones)."""
+        return [self.pull]
+
     def on_ready(self, ready: EngineReady) -> None:
         self.ready = ready
         self.restarting = False

@@ -60,8 +60,10 @@ def stats(core: FrontendCore, status: tuple[str, str], restarts: int) -> Stats:
     # Before the scheduler's first report nothing says a worker serves: /health must not
     # answer 200 from defaults (a server with no worker did, for a moment after start).
     latest = core.stats or SchedulerStats(workers_live=False, worker_status="the scheduler has not reported yet")
+    member_stats = getattr(core.engine, "member_stats", None)  # an EngineGroup's engines
     return Stats(stats=latest, num_open_requests=core.num_open, status=status[0], reason=status[1],
-                 scheduler_restarts=restarts)
+                 scheduler_restarts=restarts, engines=member_stats() if member_stats is not None else [],
+                 data_parallel_rank=core.data_parallel_rank)
 
 
 def token_answer(processor: InputProcessor, msg: Tokenize | Detokenize) -> TokenAnswer:

@@ -235,7 +235,7 @@ class FrontendServer:
 
     def serve_forever(self) -> int:
         """Serve until drained (0) or until the engine dies for good (1)."""
-        poller, pull = zmq.Poller(), None
+        poller, pulls = zmq.Poller(), []
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.wake_r, zmq.POLLIN)
         while True:
@@ -244,11 +244,13 @@ class FrontendServer:
             if self.drain_deadline is not None and self._drained():
                 return 0
             engine = self.core.engine
-            if pull is not engine.pull:  # a restarted scheduler comes with fresh sockets
-                if pull is not None:
-                    poller.unregister(pull)
-                pull = engine.pull
-                poller.register(pull, zmq.POLLIN)
+            sockets = engine.sockets()
+            if sockets != pulls:  # a restarted scheduler comes with fresh sockets
+                for s in pulls:
+                    poller.unregister(s)
+                pulls = sockets
+                for s in pulls:
+                    poller.register(s, zmq.POLLIN)
             # A quarter second at most: a scheduler's exit or a drain deadline is noticed soon.
             events = dict(poller.poll(250))
             if self.router in events:

@@ -14,6 +14,7 @@ from noria.frontend.core import FrontendCore, Limits
 from noria.frontend.demo_model import resolve_model
 from noria.frontend.embeddings import Embedder
 from noria.frontend.engine_client import EngineClient
+from noria.frontend.engine_group import EngineGroup
 from noria.frontend.generation_config import describe as describe_generation_defaults
 from noria.frontend.generation_config import generation_defaults
 from noria.frontend.processor import InputLimits, InputProcessor, eos_token_ids, load_tokenizer
@@ -73,7 +74,16 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
         log.log(logging.WARNING if sampling_defaults else logging.INFO, "%s",
                 describe_generation_defaults(sampling_defaults, config.generation_config))
     chat_template = load_chat_template(config.chat_template)  # a path that cannot be read fails now
-    engine = EngineClient(config, link=link)
+    rank = config.data_parallel_rank
+    if rank is not None and rank >= config.data_parallel_size:
+        raise ValueError(f"--data-parallel-rank {rank} must be less than --data-parallel-size "
+                         f"{config.data_parallel_size}")
+    engine: EngineClient | EngineGroup
+    if config.data_parallel_size > 1 and config.data_parallel_rank is None:
+        engine = EngineGroup(config, config.data_parallel_size, link)
+        log.info("data parallel: %d engines behind this frontend", config.data_parallel_size)
+    else:
+        engine = EngineClient(config, link=link)
     ready = engine.ready
     if ready.num_kv_blocks:
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d", ready.num_kv_blocks, ready.block_size,
@@ -85,7 +95,11 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
                                trust_request_chat_template=config.trust_request_chat_template,
                                sampling_defaults=sampling_defaults)
     embedder = Embedder(pooling, spec.hidden_size, score) if pooling is not None else None
-    return FrontendCore(engine, processor, limits, embedder, chat)
+    core = FrontendCore(engine, processor, limits, embedder, chat)  # type: ignore[arg-type]
+    if isinstance(engine, EngineGroup):
+        engine.resubmit = core.resubmit
+    core.data_parallel_rank = rank or 0
+    return core
 
 
 def chat_config(config: EngineConfig) -> ChatConfig:

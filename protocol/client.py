@@ -270,6 +270,11 @@ class Stats(msgspec.Struct, kw_only=True, tag="stats", tag_field="type"):
     status: str = "ok"
     reason: str = ""
     scheduler_restarts: int = 0  # schedulers started again after one died
+    # With --data-parallel-size N: each engine's own stats, in rank order (`stats` is their sum);
+    # empty for one engine.
+    engines: list[SchedulerStats] = []
+    # This server's --data-parallel-rank (balanced from outside), else 0.
+    data_parallel_rank: int = 0
 
 
 class Tokenize(msgspec.Struct, kw_only=True, tag="tokenize", tag_field="type"):

@@ -72,6 +72,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False  # plan step N+1 while the worker runs step N (scheduler/process.py)
     tensor_parallel_size: AtLeastOne = 1
+    # vLLM's data parallelism: `data_parallel_size` engines (a scheduler and its workers each)
+    # behind one frontend, which routes each request (frontend/engine_group.py). With
+    # `data_parallel_rank` given, this server is that one rank of the size, balanced from outside
+    # (a router addresses each rank itself); within a group each engine gets its rank.
+    data_parallel_size: AtLeastOne = 1
+    data_parallel_rank: Annotated[int, Meta(ge=0)] | None = None
     num_threads: AtLeastOne | None = None  # torch intra-op threads in the worker
     # Decode steps replay CUDA graphs captured at start-up (worker/cuda_graphs.py); True: always eager.
     enforce_eager: bool = False

@@ -81,12 +81,27 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def offset_port(endpoint: str, rank: int) -> str:
+    """tcp://HOST:PORT -> tcp://HOST:(PORT + rank); other transports get the rank appended."""
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit():
+        return f"{head}:{int(port) + rank}"
+    return f"{endpoint}-{rank}"
+
+
 class KVEventPublisher:
     """Owns the pool's event list, the ZMQ sockets and the publisher thread."""
 
-    def __init__(self, ctx: zmq.Context, config: KVEventsConfig, block_size: int) -> None:
+    def __init__(self, ctx: zmq.Context, config: KVEventsConfig, block_size: int, rank: int = 0) -> None:
+        """`rank`: the engine's data-parallel rank, in every batch; each of its ports is the configured
+        one plus the rank (vLLM's offsets), so that the ranks of one host do not collide."""
+        if rank:
+            config = msgspec.structs.replace(
+                config, endpoint=offset_port(config.endpoint, rank),
+                replay_endpoint=offset_port(config.replay_endpoint, rank) if config.replay_endpoint else None)
         self.config = config
         self.block_size = block_size
+        self.rank = rank
         self.records: list[Record] = []
         self._pool: BlockPool | None = None
         self._queue: queue.Queue[tuple[float, list[Record]] | None] = queue.Queue(config.max_queue_size)
@@ -170,7 +185,7 @@ class KVEventPublisher:
             if item is None:
                 return
             ts, records = item
-            payload = encode(KVEventBatch(ts, to_events(records, self.block_size), 0))
+            payload = encode(KVEventBatch(ts, to_events(records, self.block_size), self.rank))
             seq_bytes = seq.to_bytes(8, "big")
             # Again only from a connected collector that does not keep up: dropped, as PUB drops
             # for a slow subscriber; either can catch up through the replay socket.

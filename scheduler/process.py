@@ -88,7 +88,8 @@ class SchedulerProcess:
         max_len = config.max_model_len or self.facts.max_model_len
         self.sched = Scheduler(config, 0, max_len)  # no KV until a worker group is live
         ev = config.kv_events_config
-        self.kv_events = KVEventPublisher(self.ctx, ev, config.block_size) if ev and ev.publishes else None
+        self.kv_events = (KVEventPublisher(self.ctx, ev, config.block_size, config.data_parallel_rank or 0)
+                          if ev and ev.publishes else None)
         if self.kv_events is not None:
             if not config.enable_prefix_caching:
                 log.warning("KV-cache events are enabled but prefix caching is not: no block is published")

@@ -88,7 +88,8 @@ async def handle_server_info(request: web.Request) -> web.Response:
         "model_path": ready.model, "served_model_name": ready.model, "max_model_len": ready.max_model_len,
         "vocab_size": ready.vocab_size, "block_size": s.block_size, "kv_cache_dtype": s.kv_cache_dtype or "auto",
         "num_gpu_blocks": s.num_kv_blocks, "num_cpu_blocks": s.num_cpu_blocks,
-        "enable_prefix_caching": s.enable_prefix_caching, "dp_size": 1, "status": stats.status,
+        "enable_prefix_caching": s.enable_prefix_caching, "dp_size": max(1, len(stats.engines)),
+        "dp_rank": stats.data_parallel_rank, "status": stats.status,
         "internal_states": [{**msgspec.to_builtins(s), "num_open_requests": stats.num_open_requests}],
     })
 

@@ -82,25 +82,37 @@ class VllmCollector(Collector):
         self.output_len: Histogram | None = None
         self.success: Counter | None = None
 
+    def engines(self) -> list[tuple[str, SchedulerStats]]:
+        """(engine label, stats) per engine: each of a data-parallel group's, else this server's
+        one, labelled with its --data-parallel-rank (0 alone), as vLLM labels its engines."""
+        if self.stats is None:
+            return [("0", SchedulerStats())]
+        if self.stats.engines:
+            return [(str(i), s) for i, s in enumerate(self.stats.engines)]
+        return [(str(self.stats.data_parallel_rank), self.stats.stats)]
+
     def collect(self) -> Iterator[Metric]:
-        labels = [self.model, "0"]
-        s = self.stats.stats if self.stats else SchedulerStats()
+        engines = self.engines()
         for name, field, doc in _GAUGES:
             g = GaugeMetricFamily(name, doc, labels=_LABELS)
-            g.add_metric(labels, float(getattr(s, field)))
+            for engine, s in engines:
+                g.add_metric([self.model, engine], float(getattr(s, field)))
             yield g
         for name, field, doc in _COUNTERS:
             c = CounterMetricFamily(name, doc, labels=_LABELS)
-            c.add_metric(labels, float(getattr(s, field)))
+            for engine, s in engines:
+                c.add_metric([self.model, engine], float(getattr(s, field)))
             yield c
         # An info metric as vLLM writes one: a gauge of 1 whose labels carry the configuration.
-        config = {"block_size": str(s.block_size), "cache_dtype": s.kv_cache_dtype or "auto",
-                  "num_gpu_blocks": str(s.num_kv_blocks), "num_cpu_blocks": str(s.num_cpu_blocks),
-                  "enable_prefix_caching": str(s.enable_prefix_caching), "engine": "0"}
+        keys = ["block_size", "cache_dtype", "num_gpu_blocks", "num_cpu_blocks", "enable_prefix_caching", "engine"]
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's cache configuration.",
-                                 labels=list(config))
-        info.add_metric(list(config.values()), 1.0)
+                                 labels=keys)
+        for engine, s in engines:
+            info.add_metric([str(s.block_size), s.kv_cache_dtype or "auto", str(s.num_kv_blocks),
+                             str(s.num_cpu_blocks), str(s.enable_prefix_caching), engine], 1.0)
         yield info
+        # The bridge's own measurements are the server's, not an engine's: its first engine's label.
+        labels = [self.model, engines[0][0]]
         # noria serves no LoRA adapters: none running or waiting, max_lora 0. The value is the
         # time of the reading, as vLLM's (a reader takes the newest series).
         lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
