@@ -172,6 +172,34 @@ def test_every_fp8_byte_widens_exactly(isa, d, monkeypatch):
         assert torch.equal(got[~nan], want[~nan])
 
 
+@pytest.mark.parametrize("d", [64, 35])  # the score's vector loop, and (35) its scalar tail
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_fp8_byte_scores_as_its_float32(isa, d, monkeypatch):
+    """Each of the 256 bytes as a K row, scored by a one-hot query (one lane of the vector loop, and the
+    last lane: for 35 the scalar tail) against a zero K row: the outputs, a softmax of the two scores
+    over V rows 0 and 1, are bit for bit those of the float32 kernel over the same values, K scale
+    and all (a power of two), so the widened K times the query scale is each byte's exact product;
+    NaN scores NaN."""
+    _kernel(isa, monkeypatch)
+    b = 256
+    k = torch.zeros(b, 2, 1, d, dtype=torch.uint8)
+    k[:, 1] = torch.arange(b, dtype=torch.int32).to(torch.uint8).view(b, 1, 1)
+    v = torch.zeros(b, 2, 1, d, dtype=torch.uint8)
+    v[:, 1] = 0x38  # 1.0
+    k_cache, v_cache = k.view(FP8), v.view(FP8)
+    q = torch.zeros(b, 2, d)
+    q[torch.arange(b), 0, torch.arange(b) % (d // 16 * 16)] = 0.01
+    q[:, 1, d - 1] = -0.3
+    tables, lens = torch.arange(b).view(b, 1), torch.full((b,), 2)
+    for k_scale in (1.0, 0.5):
+        got = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, d**-0.5, None, kv_scales=(k_scale, 1.0))
+        want = cpu_kernels.paged_decode(q, k_cache.float() * k_scale, v_cache.float(), tables, lens, d**-0.5, None)
+        nan = torch.isnan(want)
+        assert nan.any(dim=(1, 2)).sum() == 2 and torch.equal(torch.isnan(got), nan)  # 0x7f, 0xff
+        assert torch.equal(got[~nan], want[~nan])
+        assert want[~nan].unique().numel() > 200  # the scores are told apart
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch-gather"])
 def test_torch_backend_decodes_and_prefills_over_an_fp8_cache(native):
     """The torch backend with an fp8 cache: a step of decode rows and prompts (one after a cached

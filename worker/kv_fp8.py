@@ -60,9 +60,19 @@ def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+# Every byte's float32, exact (NaN for S.1111.111): dequantize's table on the CPU.
+_WIDE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+
+
 def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """What an fp8 cache's bytes x read as, in `dtype`: widened to float32 (exact), times the scale."""
-    return (x.float() * scale).to(dtype)
+    if x.device.type != "cpu":
+        return (x.float() * scale).to(dtype)
+    # torch widens fp8 one element at a time on the CPU (~3.4 ns each: 5 ms for a 2,048-token
+    # layer's K); looking each byte up in the 256 products of the same expression gives the same
+    # values 5x faster (the torch backend's prefill over an fp8 cache reads every cached row so).
+    table = (_WIDE * scale).to(dtype)
+    return table.index_select(0, x.view(torch.uint8).reshape(-1).int()).view(x.shape)
 
 
 def as_bytes(cache: torch.Tensor) -> torch.Tensor:

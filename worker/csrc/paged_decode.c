@@ -40,7 +40,8 @@
  * - fp8 (--kv-cache-dtype fp8, float8_e4m3fn) stores x / scale with one scale per layer for K and
  *   one for V; its widening, rounding and entry points are in paged_decode_fp8.h. The scales are
  *   applied outside the inner loops: K's folded into the query scale (q . (s k) = s (q . k)), V's
- *   into the final 1 / sum.
+ *   into the final 1 / sum. An fp8 byte widens through vcvtph2ps too, to its value / 2^8, and the
+ *   2^8 goes into the scaled queries and V's weights, exactly.
  *
  * q:           [B, H, D]                float32
  * k/v cache:   [NB, BS, KVH, D]         float32, bfloat16, float16 or fp8 e4m3 (bytes)
@@ -218,10 +219,19 @@ static inline uint16_t to_f16(float x) {
 }
 
 /* fp8 e4m3 elements: widened and rounded in paged_decode_fp8.h, which is included at the end of
- * this file with the fp8 entry points (they call paged_decode below). */
+ * this file with the fp8 entry points (they call paged_decode below). A widened element is its
+ * value / FP8_UNIT (a half's bits, converted in one instruction); attend() multiplies the queries
+ * and V's softmax weights by FP8_UNIT instead, exactly (see paged_decode_fp8.h). */
+#define FP8_UNIT 0x1p8f
+#if (VW == 16 && defined(__AVX512F__)) || (VW == 8 && defined(__F16C__))
+#define FP8_VCVT 1 /* vcvtph2ps widens fp8 */
+#else
+#define FP8_VCVT 0
+#endif
 static inline float fp8_widen_bits(uint8_t b);
 static inline vf fp8_widen_vec(const uint8_t *p);
 static inline uint8_t to_fp8(float x);
+static void to_fp8_row(uint8_t *dst, const float *row, int64_t n, float scale);
 
 /* Cache elements. Every caller passes elt as a constant into always_inline code, so each
  * element type gets its own loops with no test inside them. */
@@ -286,7 +296,16 @@ static inline __attribute__((always_inline)) float dot_qk(const float *q, const 
     }
     vf acc = {0};
     int64_t d = 0;
-    for (; d + VW <= D; d += VW) acc += *(const vfu *)(q + d) * kv_vec(k, d, elt);
+    if (elt == KV_FP8) {
+        /* -fassociative-math lets GCC rebalance the chain of a completely unrolled loop, and it
+         * unrolls one completely or not by the body's size: fp8's order is pinned instead, a
+         * row of up to 8 vectors unrolled (and rebalanced), a longer one summed in order, so that
+         * its scores do not move with how many instructions the widening takes. */
+#pragma GCC unroll 8
+        for (; d + VW <= D; d += VW) acc += *(const vfu *)(q + d) * kv_vec(k, d, elt);
+    } else {
+        for (; d + VW <= D; d += VW) acc += *(const vfu *)(q + d) * kv_vec(k, d, elt);
+    }
     for (int i = 0; i < VW; i++) dot += acc[i];
     for (; d < D; d++) dot += q[d] * kv_load(k, d, elt);
     return dot;
@@ -316,7 +335,15 @@ static inline __attribute__((always_inline)) void accumulate_v(
             for (int64_t i = 0; i < nv; i++) r[i] = *(const vfu *)(a + c + i * VW) * rescale[h];
             for (int64_t t = 0; t < n; t++) {
                 const float w = s[h][t];
-                for (int64_t i = 0; i < nv; i++) r[i] += w * kv_vec(vh, t * ts + c + i * VW, elt);
+                for (int64_t i = 0; i < nv; i++) {
+                    r[i] += w * kv_vec(vh, t * ts + c + i * VW, elt);
+#if FP8_VCVT
+                    /* fp8's V sums in token order: with the widening a few instructions, GCC
+                     * otherwise reassociates them (-fassociative-math) where D is not a constant,
+                     * and the outputs' rounding would depend on it. */
+                    if (elt == KV_FP8) __asm__("" : "+v"(r[i]));
+#endif
+                }
             }
             for (int64_t i = 0; i < nv; i++) *(vfu *)(a + c + i * VW) = r[i];
         }
@@ -334,6 +361,14 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t nh = nk * group, ts = p->token_stride;
     float qs[MAX_TASK_FLOATS], s[MAX_TASK_HEADS][TILE], rescale[MAX_TASK_HEADS];
     for (int64_t i = 0; i < nh * D; i++) qs[i] = q[i] * scale;
+    if (elt == KV_FP8) {
+        /* A pass of its own behind a barrier: -fassociative-math could otherwise fold the two
+         * multiplies into q * (scale * FP8_UNIT), rounded differently where q * scale is a float32
+         * subnormal. Rounded first, then times a power of two, qs is exactly FP8_UNIT times what
+         * the other types score with. */
+        __asm__ volatile("" : : "r"(qs) : "memory");
+        for (int64_t i = 0; i < nh * D; i++) qs[i] *= FP8_UNIT;
+    }
     memset(acc, 0, sizeof(float) * (size_t)(nh * D));
     for (int64_t h = 0; h < nh; h++) m[h] = -INFINITY, l[h] = 0.f;
     for (int64_t pos = lo; pos < hi;) {
@@ -373,8 +408,11 @@ static inline __attribute__((always_inline)) void attend(
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t t = 0; t < n; t++) {
-                s[h][t] = exp_neg(s[h][t] - mx);
-                sum += s[h][t];
+                const float e = exp_neg(s[h][t] - mx);
+                sum += e;
+                /* V's weight; fp8's times FP8_UNIT, exact: e is a float32 normal (exp_neg clamps
+                 * at -87, e^-87 > 2^-126), so each weighted V element is the same product. */
+                s[h][t] = elt == KV_FP8 ? e * FP8_UNIT : e;
             }
             l[h] = l[h] * corr + sum;
             m[h] = mx;
@@ -499,7 +537,7 @@ static void write_rows(void *cache, const float *rows, const int64_t *slots, int
         }
         if (elt == KV_FP8) {
             uint8_t *dst = (uint8_t *)cache + slots[i] * token_stride;
-            for (int64_t j = 0; j < token_stride; j++) dst[j] = to_fp8(row[j] / kv_scale);
+            to_fp8_row(dst, row, token_stride, kv_scale);
             continue;
         }
         uint16_t *dst = (uint16_t *)cache + slots[i] * token_stride;
