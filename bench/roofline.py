@@ -157,7 +157,7 @@ def _quantized(spec: ModelSpec) -> dict[str, Any]:
     parts = {"self_attn.q_proj": (spec.num_heads * d, h), "self_attn.k_proj": (spec.num_kv_heads * d, h),
              "self_attn.v_proj": (spec.num_kv_heads * d, h), "self_attn.o_proj": (h, spec.num_heads * d),
              "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter)}
-    total = weighted = int8 = 0.0
+    total = weighted = int8 = fp8_dot = 0.0
     for i in range(spec.num_layers):
         for name, (rows, cols) in parts.items():
             scheme = q.scheme_for(f"model.layers.{i}.{name}")
@@ -167,12 +167,22 @@ def _quantized(spec: ModelSpec) -> dict[str, Any]:
                 weighted += n * DTYPE_BYTES.get(spec.dtype or "float32", 4)
                 continue
             weighted += n * _scheme_bytes(scheme, cols)
-            # fp8 weights widen to float32 FMAs on a CPU (worker/gemm_fp8_kernels.py).
-            if scheme.kind != "fp8" and (scheme.act_int8 or (scheme.bits in (4, 8) and not switches.cpu_w4a16())):
+            # fp8 weights widen to bf16 for the bf16 dot on a CPU that has it, else to float32 FMAs
+            # (worker/gemm_fp8_kernels.py).
+            if scheme.kind == "fp8":
+                fp8_dot += n if _fp8_dot() else 0
+            elif scheme.act_int8 or (scheme.bits in (4, 8) and not switches.cpu_w4a16()):
                 int8 += n
     head = q.scheme_for("lm_head")
-    return {"layer_weight_bytes": weighted / total, "layer_compute": "int8" if int8 > total / 2 else "float32",
+    compute = "int8" if int8 > total / 2 else "bfloat16" if fp8_dot > total / 2 else "float32"
+    return {"layer_weight_bytes": weighted / total, "layer_compute": compute,
             "head_weight_bytes": 0.0 if head is None or spec.tie_word_embeddings else _scheme_bytes(head, h)}
+
+
+def _fp8_dot() -> bool:
+    from noria.worker import gemm_fp8_kernels
+
+    return gemm_fp8_kernels.usable() and gemm_fp8_kernels.layout() == "dot"
 
 
 def step_cost(shape: Shape, query_lens: list[int], seq_lens: list[int], num_sampled: int) -> tuple[int, int]:

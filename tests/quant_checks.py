@@ -1,4 +1,5 @@
-"""Checks of layers that round their activations to int8 (W8A8 per token, 4- and 8-bit weights per group).
+"""Checks of layers that round their activations: to int8 (W8A8 per token, 4- and 8-bit weights
+per group), or to bf16 (FP8 weights on the "dot" layout of worker/csrc/gemm_fp8.c).
 
 Chained through a model, such rounding cannot be compared with a reference to float32 rounding:
 a value the reference computes 1e-7 away from a rounding tie may round the other way, and the
@@ -44,7 +45,7 @@ def fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def dequantized(layer: QuantLinear) -> torch.Tensor:
-    """A native int8-activation kind's weight, float32 [N, K], from its packed copy."""
+    """A native kind's weight, float32 [N, K], from its packed copy."""
     packed = layer.op.packed
     if hasattr(packed, "dequantize"):
         return packed.dequantize()
@@ -57,13 +58,28 @@ def act_group(layer: QuantLinear) -> int:
     return 0 if layer.op.kind == "packed_w8a8" else layer.group
 
 
+def rounds_activations(layer: QuantLinear) -> bool:
+    """The layer's kernel rounds its inputs (to int8, or to bf16 for the fp8 dot layout)."""
+    if layer.op.kind == "native_fp8":
+        from noria.worker import gemm_fp8_kernels
+
+        return gemm_fp8_kernels.layout() == "dot"
+    return layer.op.kind in ("packed_w8a8", "packed_w4a8", "packed_w8a8g")
+
+
+def rounded(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """x as `layer`'s kernel rounds it, back in float."""
+    if layer.op.kind == "native_fp8":
+        return x.to(torch.bfloat16).to(x.dtype)
+    return fake_quant(x, act_group(layer))
+
+
 def check_layers_on_their_inputs(runner: ModelRunner, prompt: list[int]) -> int:
-    """Every int8-activation layer of `runner`'s model on the inputs a forward of `prompt` gives
-    it: its output against the float64 product of its dequantized weight and the rounded inputs.
-    Returns how many layers were checked."""
+    """Every layer of `runner`'s model that rounds its activations, on the inputs a forward of
+    `prompt` gives it: its output against the float64 product of its dequantized weight and the
+    rounded inputs. Returns how many layers were checked."""
     model, seen = runner.model, {}
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)
-              and m.op.kind in ("packed_w8a8", "packed_w4a8", "packed_w8a8g")]
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and rounds_activations(m)]
     ops = {m: m.op for m in layers}
     real_head = model.head
 
@@ -90,7 +106,7 @@ def check_layers_on_their_inputs(runner: ModelRunner, prompt: list[int]) -> int:
             m.op = op
     for m in layers:
         x = seen[m]
-        want = fake_quant(x, act_group(m)).double() @ dequantized(m).double().T
+        want = rounded(m, x).double() @ dequantized(m).double().T
         if m.bias is not None:
             want += m.bias.double()
         got = m.op(x, m.bias).double()

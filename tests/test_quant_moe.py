@@ -30,7 +30,7 @@ from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.models.quant_linear import QuantLinear
 from tests import awq_gptq_files as hand
 from tests.moe_quant_files import reference_logits, save_awq_gptq, save_compressed, save_fp8_blocks
-from tests.quant_checks import check_layers_on_their_inputs, prompt_logits
+from tests.quant_checks import check_layers_on_their_inputs, prompt_logits, rounds_activations
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the test checkpoints")
@@ -85,8 +85,21 @@ def test_compressed_tensors_experts_match_transformers(tmp_path, monkeypatch, ar
     # transformers' loader drops the zero points of experts it fuses: compressed-tensors' own
     # decompressor reads the asymmetric checkpoint instead (a float64 model of its weights).
     want = reference_logits(decompressed, PROMPT) if "asym" in scheme else _transformers(path)
-    torch.testing.assert_close(logits.double(), want.double(), rtol=0, atol=atol)
-    assert logits.argmax(-1).tolist() == want.argmax(-1).tolist()
+    _close_or_rounded(runner, logits, want, atol)
+
+
+def _close_or_rounded(runner: Any, logits: torch.Tensor, want: torch.Tensor, atol: float) -> None:
+    """Float activations: the reference's products, to float32 rounding. The fp8 "dot" layout
+    rounds each fp8 layer's input to bf16: every layer, experts included, checked on its own
+    inputs instead, and the logits near the float reference (tests/quant_checks.py says why a
+    chained comparison can be no tighter)."""
+    if not any(rounds_activations(m) for m in runner.model.modules() if isinstance(m, QuantLinear)):
+        torch.testing.assert_close(logits.double(), want.double(), rtol=0, atol=atol)
+        assert logits.argmax(-1).tolist() == want.argmax(-1).tolist()
+        return
+    assert check_layers_on_their_inputs(runner, _routed_everywhere(runner)) > 0
+    want = want.float()
+    assert (logits - want).abs().max() < 0.05 * want.abs().max()
 
 
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a16_g32"])
@@ -125,9 +138,7 @@ def test_fp8_blocks_as_fp8_qwen3_moe_ships_match_the_dequantized_model(tmp_path)
     assert kinds == {"native_fp8" if gemm_fp8_kernels.usable() else "torch_fp8-dynamic"}
     assert {m.group for b in _blocks(runner) for m in b.quantized.gate_up} == {128}
     assert runner.spec.quantization.describe == "fp8 FP8-dynamic g128"
-    want = reference_logits(plain, PROMPT)
-    torch.testing.assert_close(logits.double(), want, rtol=0, atol=5e-5)
-    assert logits.argmax(-1).tolist() == want.argmax(-1).tolist()
+    _close_or_rounded(runner, logits, reference_logits(plain, PROMPT), 5e-5)
 
 
 @pytest.mark.parametrize(("arch", "variant"), [("mixtral", hand.Variant("awq", group=32)),

@@ -1,6 +1,7 @@
 """The FP8 weight GEMMs: the native CPU kernel (worker/gemm_fp8_kernels.py) on every build, and
 the `_scaled_mm` kind (worker/models/quant_fp8.py, the GPU's; torch's CPU computes the same
-row-wise recipe), each against float64 products of the dequantized weights."""
+row-wise recipe), each against float64 products of the dequantized weights (and, for the native
+kernel's "dot" layout, of x rounded to bf16 as that layout rounds it)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from noria.protocol import switches
 from noria.protocol.quant_config import WeightScheme
 from noria.worker import gemm_fp8_kernels, gemm_quant_kernels
 from noria.worker.gemm_fp8_kernels import PackedFp8Weight, gemm_fp8
@@ -40,23 +42,33 @@ def _weights(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch
     return q, torch.rand(n, k // group, generator=g) * 0.01 + 1e-4
 
 
-def _want(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _want(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int, bias: torch.Tensor | None,
+          rounded: bool = False) -> torch.Tensor:
+    """float64 x @ (q * scale).T (+ bias); `rounded`: x rounded to bf16 first (to nearest even)."""
     w = q.double() * scale.double().repeat_interleave(group, dim=1)
-    y = x.double() @ w.T
+    y = (x.to(torch.bfloat16) if rounded else x).double() @ w.T
     return y if bias is None else y + bias.double()
 
 
 def _check(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel of the loaded build against float64 on the x its layout multiplies."""
+    dot = gemm_fp8_kernels.layout() == "dot"
     got = gemm_fp8(x, PackedFp8Weight(q, scale, group), bias)
-    want = _want(x, q, scale, group, bias)
+    want = _want(x, q, scale, group, bias, rounded=dot)
     # float32 sums of K products: a few units of float32 rounding of the largest partial sums.
     bound = 4e-7 * x.shape[1] ** 0.5 * float((x.abs().double() @ (q.double().abs() * scale.double().repeat_interleave(
         group, dim=1)).T).max() + 1)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=bound)
+    if dot and x.shape[1] > 1:
+        # The kernel multiplies bf16 x, not float32 x: its summation error is far below what
+        # rounding x moves the result by.
+        exact = _want(x, q, scale, group, bias)
+        assert (got.double() - want).norm() < 1e-2 * (exact - want).norm()
     return got
 
 
-SHAPES = [(37, 259, None), (70, 130, None), (45, 384, 128), (33, 256, 128), (128, 512, 128)]
+# (N, K, group): an odd K (the dot layout pads its last pair), groups of odd length inside K.
+SHAPES = [(37, 259, None), (70, 130, None), (45, 384, 128), (33, 256, 128), (128, 512, 128), (40, 90, 45)]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 100])
@@ -73,7 +85,7 @@ def test_native_fp8_matches_float64(rows: int, n: int, k: int, group: int | None
 
 def test_every_byte_widens_exactly() -> None:
     # One-hot rows of x pick single weights: y = float32(w * scale), one rounding, for all 254
-    # finite e4m3 values (the subnormals too).
+    # finite e4m3 values (the subnormals too), widened to float32 or to bf16 by the layout.
     raw = torch.arange(256, dtype=torch.uint8)
     raw = raw[(raw & 0x7F) != 0x7F]
     q = raw.view(torch.float8_e4m3fn).reshape(1, -1).repeat(3, 1)
@@ -83,7 +95,22 @@ def test_every_byte_widens_exactly() -> None:
     assert torch.equal(got, (q.float() * scale).T)
 
 
+def test_the_dot_layout_rounds_activations_as_torch_does() -> None:
+    """x's ties go to even, a NaN stays NaN, infinities and the largest finite values survive."""
+    if gemm_fp8_kernels.layout() != "dot":
+        pytest.skip("this build widens to float32 (no AVX512_BF16 and AVX512_VBMI)")
+    values = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-9), 3.0e38, -3.3e38, float("inf"), 1e-40, float("nan"), 0.1]
+    x = torch.tensor(values).reshape(-1, 1)
+    got = gemm_fp8(x, PackedFp8Weight(torch.ones(1, 1).to(torch.float8_e4m3fn), torch.ones(1, 1), 1), None)[:, 0]
+    want = x[:, 0].to(torch.bfloat16).float()
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ~want.isnan() & (want.abs() >= 2.0**-126)  # vdpbf16ps flushes subnormals to zero
+    assert torch.equal(got[keep], want[keep])
+
+
 def test_thread_counts_and_batches_give_identical_bits() -> None:
+    # 40 rows: 7 row tiles per panel (the dot layout widens each panel once, into scratch); a row
+    # alone widens in registers. The same bits either way.
     q, scale = _weights(200, 384, 128, 0)
     w = PackedFp8Weight(q, scale, 128)
     x = torch.randn(40, 384)
@@ -119,9 +146,11 @@ def test_unpack_round_trip_and_refusals() -> None:
         gemm_fp8(torch.randn(2, 255), w, None)
 
 
-# Builds of the same source: (-march, the path it takes, what the CPU needs to run it).
+# Builds of the same source: (-march, the path it takes, what the CPU needs to run it). x86-64-v4 is
+# AVX-512 without AVX512_BF16: the widening layout on 16-float vectors.
 BUILDS = [
     pytest.param((None, None, None), id="native"),
+    pytest.param(("-march=x86-64-v4", "avx512", "avx512f"), id="avx512"),
     pytest.param(("-march=x86-64-v3", "avx2", "avx2"), id="avx2"),
     pytest.param(("-march=x86-64", "portable", None), id="portable"),
 ]
@@ -162,16 +191,25 @@ def _outputs() -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("build", BUILDS, indirect=True)
-def test_every_build_against_float64_and_the_native_bits(build: str) -> None:
-    # Every product exact, one fused multiply-add per step on every path: the same bits.
+def test_every_build_against_float64_and_the_widening_bits(build: str) -> None:
+    # Widening: every product exact, one fused multiply-add per step on every path, so every
+    # widening build gives the portable C's bits. The dot layout rounds x (checked against float64
+    # on the rounded x in _outputs) and has a layout id of its own.
     assert gemm_fp8_kernels.isa() == build
+    layout, layout_id = gemm_fp8_kernels.layout(), int(gemm_fp8_kernels._dll().gemm_fp8_layout())
+    assert layout == "dot" or layout_id >> 16 == 0
     got = _outputs()
+    if layout == "dot":
+        assert layout_id >> 16 == 1 and build == "avx512"
+        return
     gemm_fp8_kernels.load.cache_clear()
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(gemm_fp8_kernels, "_FLAGS", ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"])
-        native = _outputs()
+        m.setattr(gemm_fp8_kernels, "_FLAGS", ["-O3", "-march=x86-64" if X86 else "-march=native", "-fopenmp",
+                                               "-shared", "-fPIC"])
+        assert gemm_fp8_kernels.layout() == "widen"
+        portable = _outputs()
     gemm_fp8_kernels.load.cache_clear()
-    for a, b in zip(got, native, strict=True):
+    for a, b in zip(got, portable, strict=True):
         assert torch.equal(a, b)
 
 
@@ -244,9 +282,13 @@ def test_a_descriptor_that_does_not_fit_is_refused_loudly(case: str) -> None:
 
 
 def test_the_native_build_takes_the_cpus_widest_path() -> None:
+    if switches.cpu_march() != "native":
+        pytest.skip("NORIA_CPU_MARCH builds another host's instruction set")
     flags = _cpu_flags()
     want = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "f16c", "fma"} <= flags else "portable"
     assert gemm_fp8_kernels.isa() == want
+    dot = {"avx512f", "avx512_bf16", "avx512vbmi"} <= flags
+    assert gemm_fp8_kernels.layout() == ("dot" if dot else "widen")
 
 
 def _layer(q: torch.Tensor, scale: torch.Tensor, group: int | None, act: str,

@@ -74,6 +74,8 @@ def cpu_checks(report: Report, max_tokens: int) -> None:
 
 BF16_GEMM_KINDS = {"amx": "AMX-BF16 tiles on bf16-rounded activations", "dot": "vdpbf16ps on bf16-rounded activations",
                    "widen": "bf16 weights widened to float32"}
+FP8_GEMM_KINDS = {"dot": "e4m3 widened to bf16, vdpbf16ps on bf16-rounded activations",
+                  "widen": "e4m3 widened to float32"}
 
 
 def cpu_kernel_report() -> tuple[list[str], str]:
@@ -110,8 +112,13 @@ def _quant_gemms() -> str:
 
     if not gemm_quant_kernels.usable():
         return "none (not built): quantized layers on torch's operators"
-    return (f"int8 W8A8 on the {gemm_quant_kernels.isa()} path, activations quantized per token; "
+    line = (f"int8 W8A8 on the {gemm_quant_kernels.isa()} path, activations quantized per token; "
             "4/8-bit weight-only widened to float32 in registers")
+    from noria.worker import gemm_fp8_kernels
+
+    if gemm_fp8_kernels.usable():
+        line += f"; fp8 {gemm_fp8_kernels.layout()} ({FP8_GEMM_KINDS[gemm_fp8_kernels.layout()]})"
+    return line
 
 
 def _cpu_kernels(report: Report) -> str:

@@ -3,17 +3,23 @@
 x and y are float32; the weights stay one byte each, in panels packed once at load, with a float32
 scale per output row and group of input features (one group: per-channel or per-tensor scales; a
 block-scaled checkpoint's 128 x 128 blocks as groups of 128 with each block's scale on its rows).
-Each byte is widened to float32 in registers (exactly, through half precision: the C file says
-how), so y is x times the dequantized weights with the sums in a fixed order:
+Each byte is widened exactly in registers (the C file says how), in one of two layouts, `layout()`:
 
-    per group g: part = sum over its k in order of x * w (fused multiply-adds), then
-    total = part * scale_g + total over the groups in order (fused), y = total + bias,
+- "dot" where the build has AVX512_BF16 and AVX512_VBMI: the bytes widened to bf16, x rounded to
+  bf16 (nearest even) once per call, vdpbf16ps multiplying pairs of k at twice the float32 FMA's
+  rate, float32 sums: per group g, part = sum over its (k, k + 1) pairs in order of the pair's
+  two products;
+- "widen" elsewhere: the bytes widened to float32, x float32: per group g, part = sum over its k
+  in order of x * w (fused multiply-adds), the same bits on every widening build (AVX-512, AVX2,
+  portable C);
 
-the same bits on every build (AVX-512, AVX2, portable C), thread count and batch.
+then on both total = part * scale_g + total over the groups in order (fused), y = total + bias.
+No output depends on the thread count or on the batch's other rows.
 
-The activations stay float32: a checkpoint's activation scheme (dynamic per token, or a static
-`input_scale`) is what the GPU's `_scaled_mm` kind computes; here the reference is transformers'
-dequantized model, which multiplies float activations by the dequantized weights too.
+A checkpoint's activation scheme (dynamic per token, or a static `input_scale`) is what the GPU's
+`_scaled_mm` kind computes; here the reference is transformers' dequantized model, which multiplies
+float activations by the dequantized weights: "widen" computes that, "dot" that on bf16-rounded
+activations (still finer than the e4m3 ones the checkpoint was calibrated for).
 
 Built like worker/gemm_quant_kernels.py (same flags, same switches: worker/cpu_ops.py's gemm family,
 NORIA_CPU_MARCH for another host's instruction set), called through ctypes; `load()` returns None
@@ -40,8 +46,14 @@ _SRC = Path(__file__).parent / "csrc" / "gemm_fp8.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _I64, _INT, _VP = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _ISAS = {2: "avx512", 1: "avx2", 0: "portable"}
-# The widened bytes are w * 2^-8 (half precision's exponent bias): the scales carry the 2^8.
+# The widened bytes are w * 2^-8 (half precision's exponent bias; the dot layout's tables follow): the
+# scales carry the 2^8.
 _WIDEN = 256.0
+# Where the dot layout's 64-byte pair-row keeps its bytes: byte 16L + 8v + i holds 16-bit element
+# 8L + i of vector v (the C's vpunpck{l,h}bw interleave), element e of vector v being (feature
+# 16v + e // 2, k parity e % 2), i.e. byte 32v + e of the pair-row in (feature, parity) order.
+_PAIR_SRC = torch.tensor([32 * v + 8 * lane + i for lane in range(4) for v in range(2) for i in range(8)])
+_PAIR_DST = torch.argsort(_PAIR_SRC)
 
 
 @cache
@@ -52,6 +64,7 @@ def load() -> ctypes.CDLL | None:
     if dll is None:
         return None
     dll.gemm_fp8_isa.argtypes, dll.gemm_fp8_isa.restype = [], _INT
+    dll.gemm_fp8_dot_built.argtypes, dll.gemm_fp8_dot_built.restype = [], _INT
     dll.gemm_fp8_nr.argtypes, dll.gemm_fp8_nr.restype = [], _I64
     dll.gemm_fp8_layout.argtypes, dll.gemm_fp8_layout.restype = [], ctypes.c_int32
     dll.gemm_fp8.argtypes = [_VP, _I64, _VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, _I64, _INT]
@@ -68,6 +81,11 @@ def isa() -> str:
     return _ISAS[int(_dll().gemm_fp8_isa())]
 
 
+def layout() -> str:
+    """The build's layout: "dot" (vdpbf16ps on bf16-rounded activations) or "widen" (float32)."""
+    return "dot" if _dll().gemm_fp8_dot_built() else "widen"
+
+
 def _dll() -> ctypes.CDLL:
     dll = load()
     assert dll is not None, "the native fp8 GEMM is not built (see usable())"
@@ -75,11 +93,13 @@ def _dll() -> ctypes.CDLL:
 
 
 class PackedFp8Weight:
-    """e4m3fn weights [N, K] with float32 scales [N, K / group], in the kernel's panels: bytes
-    [P, K, NR] (features padded to P * NR with zeros) and scales [P, K / group, NR] times 256."""
+    """e4m3fn weights [N, K] with float32 scales [N, K / group], in the kernel's panels (features
+    padded to P * NR with zeros): bytes [P, K, NR] k-major ("widen"), or [P, K', NR] ("dot"): each
+    group padded to even length (K' = K / group * 2 * ceil(group / 2)), each pair of k a 2 * NR-byte
+    pair-row in `_PAIR_SRC`'s order; scales [P, K / group, NR] times 256."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, group: int) -> None:
-        self._dll = dll = _dll()  # the build that packed it computes with it (NR is the build's)
+        self._dll = dll = _dll()  # the build that packed it computes with it (NR and the layout are the build's)
         if q.dtype != torch.float8_e4m3fn or q.dim() != 2:
             raise ValueError(f"fp8 weights must be float8_e4m3fn [N, K], not {q.dtype} {tuple(q.shape)}")
         self.n, self.k = q.shape
@@ -96,8 +116,9 @@ class PackedFp8Weight:
         if not bool(torch.isfinite(s * _WIDEN).all()):
             raise ValueError("fp8 weight scales must be finite (and below 2^119)")
         self.group, self.out_features, self.in_features = group, self.n, self.k
-        nr = int(dll.gemm_fp8_nr())
-        p = -(-self.n // nr)
+        self.kind = "dot" if dll.gemm_fp8_dot_built() else "widen"
+        self._nr = nr = int(dll.gemm_fp8_nr())
+        self._p = p = -(-self.n // nr)
 
         def features_last(t: torch.Tensor) -> torch.Tensor:
             """[N, C] -> [P, C, NR] (features padded to P * NR with zeros)."""
@@ -105,7 +126,7 @@ class PackedFp8Weight:
             padded[: self.n] = t
             return padded.view(p, nr, -1).transpose(1, 2).contiguous()
 
-        self.data = features_last(raw)
+        self.data = self._pairs(raw) if self.kind == "dot" else features_last(raw)
         self.scale = features_last(s * _WIDEN)
         self.nbytes = self.data.numel() + 4 * self.scale.numel()
         kernel = ctypes.cast(dll.gemm_fp8, _VP).value or 0
@@ -114,14 +135,28 @@ class PackedFp8Weight:
                                                 int(dll.gemm_fp8_layout()))
         self.desc_ptr: int | None = None if self.desc is None else ctypes.addressof(self.desc)
 
+    def _pairs(self, raw: torch.Tensor) -> torch.Tensor:
+        """[N, K] bytes -> the dot layout's [P, K', NR]."""
+        p, nr, groups, half = self._p, self._nr, self.k // self.group, -(-self.group // 2)
+        padded = torch.zeros(p * nr, groups, 2 * half, dtype=torch.uint8)
+        padded[: self.n, :, : self.group] = raw.view(self.n, groups, self.group)
+        rows = padded.view(p, nr, groups * half, 2).permute(0, 2, 1, 3).reshape(p, groups * half, 2 * nr)
+        return rows[..., _PAIR_SRC].reshape(p, 2 * groups * half, nr).contiguous()
+
     def _features_first(self, t: torch.Tensor) -> torch.Tensor:
         """[P, C, NR] -> [N, C]."""
         return t.transpose(1, 2).reshape(-1, t.shape[1])[: self.n]
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q float8_e4m3fn [N, K], scale float32 [N, K / group]) back from the panels."""
-        q = self._features_first(self.data).contiguous().view(torch.float8_e4m3fn)
-        return q, self._features_first(self.scale) / _WIDEN
+        if self.kind == "dot":
+            p, nr, groups = self._p, self._nr, self.k // self.group
+            rows = self.data.view(p, -1, 2 * nr)[..., _PAIR_DST]  # pair-rows in (feature, parity) order
+            q = rows.view(p, -1, nr, 2).permute(0, 2, 1, 3).reshape(p * nr, groups, -1)
+            q = q[: self.n, :, : self.group].reshape(self.n, self.k)
+        else:
+            q = self._features_first(self.data)
+        return q.contiguous().view(torch.float8_e4m3fn), self._features_first(self.scale) / _WIDEN
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: w * scale per group, rounded once."""

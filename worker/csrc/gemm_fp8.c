@@ -1,35 +1,63 @@
 /* Float32 y = x @ W^T (+ bias) over FP8 (e4m3fn) weights, for the CPU linear layers of
- * FP8 checkpoints: the weights stay one byte each and are widened to float32 in registers
- * as the K loop meets them; x stays float32 (activation scales of the checkpoint are not
- * applied: the CPU computes with float activations, as transformers' dequantized reference
- * does). Read gemm_f32.c and gemm_quant.c first: the blocking is theirs (W packed once at
- * load into panels of NR output features, k-major, so an MR x NR tile of accumulators stays
- * in registers for the whole K loop; near-equal row tiles; threads split whole panels, or
- * rows, never K, so no output depends on the thread count or on the batch's other rows).
+ * FP8 checkpoints: the weights stay one byte each and are widened in registers as the K loop
+ * meets them (activation scales of the checkpoint are not applied: the CPU computes with float
+ * or bf16 activations, finer than the e4m3 ones the checkpoint was calibrated for). Read
+ * gemm_f32.c and gemm_quant.c first: the blocking is theirs (W packed once at load into panels
+ * of NR output features, k-major, so an MR x NR tile of accumulators stays in registers for the
+ * whole K loop; near-equal row tiles; threads split whole panels, or rows, never K, so no output
+ * depends on the thread count or on the batch's other rows).
  *
- * Widening: an e4m3 byte b (sign, 4 exponent bits of bias 7, 3 mantissa bits) is exactly the
- * half-precision number with bits ((b & 0x80) << 8) | ((b & 0x7f) << 7) times 2^8, normals and
- * subnormals alike (half's exponent field is one bit wider, bias 15: 2^(15 - 7) apart, and a
- * subnormal e4m3 m * 2^-9 is the subnormal half m * 2^-17). In registers: sign-extend the
- * bytes to 16 bits (vpmovsxbw), shift left by 7, keep the sign and the seven value bits
- * (and 0xBF80: the sign extension's ones above them go), then vcvtph2ps to float32, exact
- * (every half is a normal float32). No float32 subnormals appear, so no microcode assists.
- * The 2^8 is folded into the scales at pack time (exact: a power of two). The bytes 0x7f and
- * 0xff (NaN in e4m3fn) would widen to +-480: the Python side refuses weights holding them.
+ * Two layouts (compile time, the build's -march: worker/native_build.py builds with
+ * -march=native, NORIA_CPU_MARCH builds another host's):
+ *
+ * - "dot" (AVX512_BF16 with AVX512_VBMI: Zen 4 and later, Sapphire Rapids and later): the bytes
+ *   widen to bf16 and vdpbf16ps multiplies them with x rounded to bf16, a pair of k per 32-bit
+ *   lane, 32 products per instruction against an FMA's 16. Once the weights are a quarter of
+ *   float32's bytes, a step of 16 rows or more is bound by that arithmetic, not by the bytes.
+ *   Every e4m3 value is a bf16 value (3 mantissa bits of bf16's 7; the exponents, subnormal
+ *   e4m3 included, are normal bf16 exponents), so the widening is exact: two 128-byte tables
+ *   (the bf16's low and high bytes by the byte's seven magnitude bits) looked up 64 bytes at a
+ *   time by vpermt2b, the sign or-ed into the high byte, and the two halves interleaved by
+ *   vpunpck{l,h}bw into two vectors of 16 (k, k + 1) pairs. A panel's pair-row holds its 64
+ *   bytes in the order that interleave wants (PackedFp8Weight's pack says which byte is where).
+ *   The tables hold w * 2^-8 (exact and normal in bf16), so the scales are the widening
+ *   layout's. x is rounded to bf16 (nearest even, gemm_bf16.c's rule) once per call, each row
+ *   on its own, into a per-thread scratch.
+ *   Without VBMI (Cooper Lake) there is no one-instruction 128-byte lookup: "widen" there.
+ *
+ * - "widen" (every other build): x stays float32 and each byte is widened to float32. An e4m3
+ *   byte b (sign, 4 exponent bits of bias 7, 3 mantissa bits) is exactly the half-precision
+ *   number with bits ((b & 0x80) << 8) | ((b & 0x7f) << 7) times 2^8, normals and subnormals
+ *   alike (half's exponent field is one bit wider, bias 15: 2^(15 - 7) apart, and a subnormal
+ *   e4m3 m * 2^-9 is the subnormal half m * 2^-17). In registers: sign-extend the bytes to 16
+ *   bits (vpmovsxbw), shift left by 7, keep the sign and the seven value bits (and 0xBF80: the
+ *   sign extension's ones above them go), then vcvtph2ps to float32, exact (every half is a
+ *   normal float32). No float32 subnormals appear, so no microcode assists. Paths: AVX-512F (16
+ *   floats per vector, 6-row tiles), AVX2 with F16C and FMA (8 floats, 4-row tiles), portable C
+ *   (a 256-entry table).
+ *
+ * On both, the 2^8 is folded into the scales at pack time (exact: a power of two). The bytes 0x7f
+ * and 0xff (NaN in e4m3fn) would widen to +-480: the Python side refuses weights holding them.
  *
  * The sums, per output (row m, feature n), with w' = the widened value (w * 2^-8) and
  * s' = 256 * the float32 scale of (n, group g):
- *     part_g = sum over k of group g, in order, of x[m, k] * w'[n, k]   (fmaf each, from 0)
- *     tot    = fmaf(part_g, s'_g, tot) over g in order, from 0;  y = tot + bias[n]
- * One group (per-channel or per-tensor scales) is group = K. Every product is exact before
- * its one rounding, each step is one fused multiply-add on every path (vfmadd on AVX-512 and
- * AVX2, libm's fmaf in the portable C), so every build gives the same bits.
+ *   widen: part_g = sum over k of group g, in order, of x[m, k] * w'[n, k]   (fmaf each, from 0)
+ *   dot:   part_g = sum over the pairs (k, k + 1) of group g, in order, of bf16(x[m, k]) * w'[n, k]
+ *          + bf16(x[m, k + 1]) * w'[n, k + 1]   (one vdpbf16ps each, from 0; a group of odd
+ *          length ends in a pair padded with zeros)
+ *   both:  tot = fmaf(part_g, s'_g, tot) over g in order, from 0;  y = tot + bias[n]
+ * One group (per-channel or per-tensor scales) is group = K. Every product is exact. Widen: each
+ * step is one fused multiply-add on every path (vfmadd on AVX-512 and AVX2, libm's fmaf in the
+ * portable C), so every widening build gives the same bits. Dot: the two products of a pair are
+ * added to the sum by one instruction, with that instruction's roundings (Intel defines the odd
+ * k's product added first, then the even's, each rounded to nearest even) and with subnormal
+ * inputs and results flushed to zero; so its bits are the same for any thread count and batch
+ * on one CPU, but they are not the widening builds' (x rounded, k summed in pairs).
  *
- * Paths (compile time, the build's -march: worker/native_build.py builds with -march=native,
- * NORIA_CPU_MARCH builds another host's): AVX-512F (16 floats per vector, 6-row tiles), AVX2
- * with F16C and FMA (8 floats, 4-row tiles), portable C (a 256-entry table). Panels:
- * [ceil(N / NR), K, NR] bytes (NR = 2 vectors), the tail panel padded with zero bytes (0.0);
- * scales [ceil(N / NR), K / group, NR] float32.
+ * Panels: widen [ceil(N / NR), K, NR] bytes; dot [ceil(N / NR), K / group, ceil(group / 2), NR, 2]
+ * bytes, each pair-row's 2 * NR bytes permuted as above; NR = 2 vectors, the tail panel padded
+ * with zero bytes (0.0). Scales [ceil(N / NR), K / group, NR] float32. gemm_fp8_layout() tells the
+ * two apart.
  *
  * The native decoder driver (decoder_f32.c) reaches gemm_fp8 through gemm_quant.c's descriptor
  * dispatcher: a packed weight's GemmQuantDesc of kind fp8 holds this function's address.
@@ -38,12 +66,20 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define F8_DOT 1
+#else
+#define F8_DOT 0
 #endif
 
 #if defined(__AVX512F__)
@@ -121,9 +157,10 @@ static inline vf widen(const uint8_t *p) {
 #define MB 64 /* rows per block: a block of x stays in L2 while the panels pass */
 
 int gemm_fp8_isa(void) { return F8_PATH; }
+int gemm_fp8_dot_built(void) { return F8_DOT; }
 int64_t gemm_fp8_nr(void) { return NR; }
 /* What a packed weight's descriptor records of the build that packed it (gemm_quant.c's GemmQuantDesc.layout). */
-int32_t gemm_fp8_layout(void) { return (int32_t)(F8_PATH << 8 | NR); }
+int32_t gemm_fp8_layout(void) { return (int32_t)(F8_DOT << 16 | F8_PATH << 8 | NR); }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -175,6 +212,7 @@ static inline __attribute__((always_inline)) void f8_tile(const float *restrict 
     }
 }
 
+#if !F8_DOT
 /* Rows [0, M) against panels [p0, p1), in blocks of MB rows, each block's row tiles of near-equal height. */
 static void f8_range(const float *x, int64_t ldx, const uint8_t *packed, const float *scale, const float *bias,
                      float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t group, int64_t p0, int64_t p1) {
@@ -206,13 +244,179 @@ static void f8_range(const float *x, int64_t ldx, const uint8_t *packed, const f
         }
     }
 }
+#endif
 
-/* packed: [ceil(N / NR), K, NR] e4m3 bytes; scale: [ceil(N / NR), K / group, NR] float32, 256 times the
- * checkpoint's (finite padding); group divides K. */
+#if F8_DOT
+#define PAIR_ROW (2 * NR) /* bytes of a dot panel's pair-row: NR features x (k, k + 1) */
+
+/* The bf16 bits of |w| * 2^-8 by the byte's seven magnitude bits, low and high bytes apart
+ * (vpermt2b's 128-byte table is two vectors), made on first use. */
+static uint8_t f8_lo[128] __attribute__((aligned(64))), f8_hi[128] __attribute__((aligned(64)));
+static int f8_bf16_ready;
+static void f8_bf16_init(void) {
+    for (int b = 0; b < 128; b++) {
+        const int e = b >> 3, m = b & 7;
+        const float mag = e ? ldexpf(1.0f + m / 8.0f, e - 7 - 8) : ldexpf((float)m / 8.0f, -6 - 8);
+        uint32_t u;
+        memcpy(&u, &mag, sizeof u); /* the low 16 bits are 0: |w| * 2^-8 is a bf16 value */
+        f8_lo[b] = (uint8_t)(u >> 16), f8_hi[b] = (uint8_t)(u >> 24);
+    }
+    __atomic_store_n(&f8_bf16_ready, 1, __ATOMIC_RELEASE);
+}
+
+typedef struct {
+    __m512i lo0, lo1, hi0, hi1;
+} F8Tables;
+
+static inline __attribute__((always_inline)) F8Tables f8_tables(void) {
+    return (F8Tables){_mm512_load_si512(f8_lo), _mm512_load_si512(f8_lo + 64), _mm512_load_si512(f8_hi),
+                      _mm512_load_si512(f8_hi + 64)};
+}
+
+/* One pair-row (64 bytes) as two vectors of bf16 (k, k + 1) pairs, features 0-15 and 16-31.
+ * vpunpcklbw interleaves bytes 0-7 of each 16-byte lane, vpunpckhbw bytes 8-15: the packing put
+ * 16-bit element 8L + i of the first vector at byte 16L + i, of the second at 16L + 8 + i. */
+static inline __attribute__((always_inline)) void widen_pairs(const uint8_t *p, const F8Tables *t, __m512bh *w0,
+                                                              __m512bh *w1) {
+    const __m512i b = _mm512_loadu_si512(p);
+    const __m512i lo = _mm512_permutex2var_epi8(t->lo0, b, t->lo1);
+    /* hi | (b & 0x80): the sign */
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi0, b, t->hi1), b,
+                                                 _mm512_set1_epi8((char)0x80), 0xF8);
+    *w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+    *w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+}
+
+/* H rows of x2 (bf16 pairs, ldx2 per row) against one panel: the dot sums of the top of the file,
+ * gp pairs per group, G groups. Each tile widens the panel's bytes again: widening a panel once
+ * into scratch for all its tiles measured no clear gain on Zen 4 at K = 768 (the lookups overlap
+ * the vdpbf16ps) and a quarter slower at K = 2048, where the bf16 panel (K * NR * 2 bytes)
+ * outgrows L1. */
+static inline __attribute__((always_inline)) void f8_tile_dot(const uint32_t *restrict x2, int64_t ldx2,
+                                                              const uint8_t *restrict panel,
+                                                              const float *restrict scale,
+                                                              const float *restrict bias, float *restrict y,
+                                                              int64_t ldy, int64_t ncols, int64_t G, int64_t gp,
+                                                              const int H) {
+    const F8Tables t = f8_tables();
+    float tot[MR][NR];
+    for (int r = 0; r < H; r++) memset(tot[r], 0, sizeof tot[r]);
+    for (int64_t g = 0; g < G; g++) {
+        __m512 acc[MR][2];
+        for (int r = 0; r < H; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int64_t k2 = g * gp; k2 < (g + 1) * gp; k2++) {
+            __m512bh w0, w1;
+            widen_pairs(panel + k2 * PAIR_ROW, &t, &w0, &w1);
+            for (int r = 0; r < H; r++) {
+                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)x2[r * ldx2 + k2]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+            }
+        }
+        const float *s = scale + g * NR;
+        const vf s0 = vload(s), s1 = vload(s + VL);
+        for (int r = 0; r < H; r++) {
+            vstore(tot[r], vfma(acc[r][0], s0, vload(tot[r])));
+            vstore(tot[r] + VL, vfma(acc[r][1], s1, vload(tot[r] + VL)));
+        }
+    }
+    for (int r = 0; r < H; r++) {
+        float *yr = y + r * ldy;
+        if (bias == NULL) {
+            memcpy(yr, tot[r], sizeof(float) * (size_t)ncols);
+        } else {
+            for (int64_t c = 0; c < ncols; c++) yr[c] = tot[r][c] + bias[c];
+        }
+    }
+}
+
+/* A thread's scratch, grown as needed (gemm_fp8 has gemm_f32's signature, with no scratch argument
+ * and no way to fail). */
+typedef struct {
+    void *p;
+    size_t size;
+} Scratch;
+
+static void *scratch_for(Scratch *s, size_t bytes, const char *what) {
+    if (bytes > s->size) {
+        free(s->p);
+        s->p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (s->p == NULL) {
+            fprintf(stderr, "gemm_fp8: out of memory for %zu bytes of %s\n", bytes, what);
+            abort();
+        }
+        s->size = bytes;
+    }
+    return s->p;
+}
+
+static _Thread_local Scratch rounded;
+
+/* f8_range over the dot layout: x2 holds the rounded rows, G * gp pairs each. */
+static void f8_range_dot(const uint32_t *x2, const uint8_t *packed, const float *scale, const float *bias, float *y,
+                         int64_t ldy, int64_t M, int64_t N, int64_t G, int64_t gp, int64_t p0, int64_t p1) {
+    const int64_t K2 = G * gp;
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t rows = min64(M - m0, MB);
+        const int64_t tiles = (rows + MR - 1) / MR, base = rows / tiles, taller = rows % tiles;
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t n0 = p * NR, ncols = min64(N - n0, NR);
+            const uint8_t *panel = packed + p * K2 * PAIR_ROW;
+            const float *s = scale + p * G * NR, *b = bias == NULL ? NULL : bias + n0;
+            for (int64_t t = 0, m = m0; t < tiles; m += base + (t < taller), t++) {
+                const int64_t h = base + (t < taller);
+                const uint32_t *xm = x2 + m * K2;
+                float *ym = y + m * ldy + n0;
+#define F8_DOT_TILE(H) f8_tile_dot(xm, K2, panel, s, b, ym, ldy, ncols, G, gp, H)
+                switch (h) {
+                    case 6: F8_DOT_TILE(6); break;
+                    case 5: F8_DOT_TILE(5); break;
+                    case 4: F8_DOT_TILE(4); break;
+                    case 3: F8_DOT_TILE(3); break;
+                    case 2: F8_DOT_TILE(2); break;
+                    default: F8_DOT_TILE(1); break;
+                }
+#undef F8_DOT_TILE
+            }
+        }
+    }
+}
+
+/* float32 -> bf16 bits, rounded to nearest even; a NaN stays a (quiet) NaN: gemm_bf16.c's rule, torch's. */
+static inline uint32_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* x's rows [m0, m1) as bf16 pairs, group by group (gp pairs each, k even in the low half), a group of
+ * odd length ending in a pair padded with 0. */
+static void round_rows(const float *x, int64_t ldx, uint32_t *x2, int64_t G, int64_t group, int64_t gp, int64_t m0,
+                       int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+        for (int64_t g = 0; g < G; g++) {
+            const float *src = x + m * ldx + g * group;
+            uint32_t *dst = x2 + (m * G + g) * gp;
+            for (int64_t k = 0; k + 1 < group; k += 2) dst[k / 2] = to_bf16(src[k]) | to_bf16(src[k + 1]) << 16;
+            if (group % 2) dst[gp - 1] = to_bf16(src[group - 1]);
+        }
+    }
+}
+#endif
+
+/* packed: the build's layout (top of the file) of e4m3 bytes; scale: [ceil(N / NR), K / group, NR] float32,
+ * 256 times the checkpoint's (finite padding); group divides K. */
 void gemm_fp8(const float *x, int64_t ldx, const uint8_t *packed, const float *scale, const float *bias, float *y,
               int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t group, int num_threads) {
 #if F8_PATH == 0
     if (!__atomic_load_n(&f8_table_ready, __ATOMIC_ACQUIRE)) f8_table_init(); /* idempotent: same values */
+#endif
+#if F8_DOT
+    if (!__atomic_load_n(&f8_bf16_ready, __ATOMIC_ACQUIRE)) f8_bf16_init(); /* idempotent: same values */
+    const int64_t G = K / group, gp = (group + 1) / 2;
+    /* The calling thread's buffer; the team fills it (each thread its share of rows), then reads it. */
+    uint32_t *x2 = scratch_for(&rounded, sizeof(uint32_t) * (size_t)(M * G * gp), "rounded activations");
 #endif
     const int64_t panels = (N + NR - 1) / NR;
     /* Threads over whole panels; over rows where there are fewer panels than threads. */
@@ -225,6 +429,18 @@ void gemm_fp8(const float *x, int64_t ldx, const uint8_t *packed, const float *s
 #ifdef _OPENMP
         nth = omp_get_num_threads();
 #endif
+#if F8_DOT
+        thread_share(M, &lo, &hi);
+        round_rows(x, ldx, x2, G, group, gp, lo, hi);
+#pragma omp barrier
+        if (panels >= nth) {
+            thread_share(panels, &lo, &hi);
+            f8_range_dot(x2, packed, scale, bias, y, ldy, M, N, G, gp, lo, hi);
+        } else {
+            thread_share(M, &lo, &hi);
+            f8_range_dot(x2 + lo * G * gp, packed, scale, bias, y + lo * ldy, ldy, hi - lo, N, G, gp, 0, panels);
+        }
+#else
         if (panels >= nth) {
             thread_share(panels, &lo, &hi);
             f8_range(x, ldx, packed, scale, bias, y, ldy, M, N, K, group, lo, hi);
@@ -232,5 +448,6 @@ void gemm_fp8(const float *x, int64_t ldx, const uint8_t *packed, const float *s
             thread_share(M, &lo, &hi);
             f8_range(x + lo * ldx, ldx, packed, scale, bias, y + lo * ldy, ldy, hi - lo, N, K, group, 0, panels);
         }
+#endif
     }
 }

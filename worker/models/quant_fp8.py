@@ -13,9 +13,10 @@ Online fp8 (--quantization fp8): the layer holds the checkpoint's float weight w
 values with one scale per output row, max |w| / 448, at pack time; the float copy goes then.
 
 The kinds, chosen once at load (`choose`):
-- CPU: the native GEMM of worker/gemm_fp8_kernels.py (e4m3 widened to float32 in registers,
-  float32 activations), else the torch reference (TorchQuantOp: F.linear over the dequantized
-  weight). Both multiply float activations, as transformers' dequantized reference does.
+- CPU: the native GEMM of worker/gemm_fp8_kernels.py (e4m3 widened in registers: to bf16 for
+  vdpbf16ps on activations rounded to bf16 where built with AVX512_BF16, its "dot" layout, else to
+  float32 on float32 activations), else the torch reference (TorchQuantOp: F.linear over the
+  dequantized weight, float activations, as transformers' dequantized reference).
 - CUDA, compute capability 8.9 and later, where the checkpoint quantizes activations:
   `ScaledMmFp8`, torch._scaled_mm on the tensor cores with the activations rounded to e4m3,
   per token (dynamic: scale max |x| / 448) or by the static input_scale; block-scaled layers

@@ -144,5 +144,5 @@ def describe(model: torch.nn.Module, quant: str) -> str:
     if "native_fp8" in kinds:
         from noria.worker import gemm_fp8_kernels
 
-        isa += f" (fp8: {gemm_fp8_kernels.isa()})"
+        isa += f" (fp8: {gemm_fp8_kernels.isa()}, {gemm_fp8_kernels.layout()})"
     return f"quantized weights: {quant}; kinds: " + ", ".join(f"{k} x {n}" for k, n in sorted(kinds.items())) + isa
