@@ -43,6 +43,9 @@ TINY = {
               "--out", "out/soak"], "every stream equal to its final text: True; ok: True"),
     # Probe and checkpoint only: the engine phases are tests/test_bench_gpu.py's.
     "gpu": (["--tiny", "--phases", "probe,checkpoint", "--out", "out/gpu"], "% of roofline"),
+    "routing": (["--configs", "dp2,ca2", "--conversations", "2", "--turns", "2", "--system-prompts", "1",
+                 "--system-words", "40", "--max-tokens", "2", "--num-kv-blocks", "128", "--out", "out/routing"],
+                "prefix hit rate"),
     "structured": (["--model", "demo", "--num-requests", "2", "--rounds", "1", "--sizes", "2", "--repeats", "2",
                     "--num-kv-blocks", "64"], "constrained / unconstrained tok/s"),
 }
