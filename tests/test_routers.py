@@ -6,6 +6,7 @@ the engines' own prefix-cache counters show; power-of-two reads each engine's /g
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +24,7 @@ import pytest
 
 from noria.frontend.local_server import LocalServer, stop_child
 from noria.protocol.sockets import free_tcp_port
-from tests.procs import engine_idle, scrape_metrics, wait_metrics
+from tests.procs import children_of, engine_idle, scrape_metrics, wait_gone, wait_metrics
 
 # In the test extras: the router's own console script, beside this interpreter.
 ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
@@ -72,8 +74,8 @@ def router(engines: list[LocalServer], policy: str, *extra: str) -> Iterator[str
         stop_child(proc, signal.SIGINT, 30)
 
 
-def _complete(url: str, prompt: str, max_tokens: int = 4) -> dict:
-    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+def _complete(url: str, prompt: str, max_tokens: int = 4, **extra: object) -> dict:
+    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
     req = urllib.request.Request(f"{url}/v1/completions", data=msgspec.json.encode(body),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -207,3 +209,55 @@ def test_power_of_two_reads_get_load(engines):
     # Blind, the busy engine would take a third (4); seeing its load, none, or one where a poll
     # met the gap between two of its long requests.
     assert served_by[0] <= 1, served_by
+
+
+def test_an_engine_killed_under_load_loses_nothing_where_the_router_retries(demo_path):
+    """Two engines behind round-robin with retries; one is killed (its whole process group) while
+    requests run on it. vllm-router answers those in-flight requests 500 (it does not send again a
+    request whose answer had begun: `--data-parallel-size` behind one frontend is what loses none
+    of them, tests/test_data_parallel.py); the requests on the survivor finish, and every request
+    after the kill is answered in full: the router retries the dead engine's refusals on the
+    survivor."""
+    pair = [LocalServer("--num-kv-blocks", "256", "--max-model-len", "1024") for _ in range(2)]
+    try:
+        for s in pair:
+            s.wait(http=True)
+        victim, survivor = pair
+        with router(pair, "round_robin", "--retry-max-retries", "3") as url:
+            results: list[dict | BaseException] = []
+
+            def one(i: int) -> None:
+                try:
+                    results.append(_complete(url, f"a request under load {i}", max_tokens=900, ignore_eos=True))
+                except urllib.error.HTTPError as e:
+                    results.append(e)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 120
+            while msgspec.json.decode(urllib.request.urlopen(f"{victim.http}/get_load", timeout=10).read())["load"] < 1:
+                assert time.monotonic() < deadline, "no request reached the victim"
+                time.sleep(0.05)  # poll interval; the deadline bounds the wait
+            # The whole server dies at once, as a host that goes away: the frontend and every child
+            # (they run in sessions of their own, so each is killed by name).
+            killed = [victim.proc.pid, *children_of(victim.proc.pid)]
+            for pid in killed:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            for t in threads:
+                t.join(timeout=300)
+            done = [r for r in results if isinstance(r, dict)]
+            lost = [r for r in results if isinstance(r, urllib.error.HTTPError)]
+            assert len(done) + len(lost) == 6 and all(e.code == 500 for e in lost)
+            assert 1 <= len(lost) <= 3 and all(r["usage"]["completion_tokens"] == 900 for r in done)
+            before = _served(survivor)
+            after_kill = [_complete(url, f"after the kill {i}", max_tokens=8, ignore_eos=True) for i in range(6)]
+        assert all(r["usage"]["completion_tokens"] == 8 for r in after_kill)
+        assert _served(survivor) - before == 6  # the dead engine's turns went to the survivor
+        victim.proc.wait(timeout=60)
+        assert wait_gone(killed) == []  # nothing of the killed server is left behind
+    finally:
+        for s in pair:
+            if s.proc.poll() is None:
+                s.stop()
