@@ -31,6 +31,7 @@ FOLDERS = ("protocol", "frontend", "scheduler", "worker", "kernels", "bench")
 DATA_GLOBS = (
     "frontend/static/*.html",
     "worker/csrc/*.c",
+    "worker/csrc/*.h",  # included by the .c files (paged_decode_fp8.h)
     "kernels/csrc/*.cu",
     "kernels/csrc/*.cuh",
     "kernels/emu/include/**/*.h",

@@ -213,26 +213,8 @@ static inline __attribute__((always_inline)) void tile_widening(
     store_tile(acc0, acc1, b0, b1, y, ldy, ncols, mr);
 }
 
-/* A thread's scratch, grown as needed: the signatures are gemm_f32's (the native
- * decoder stack calls any of them through one pointer), which have no scratch
- * argument and no way to fail. */
-typedef struct {
-    void *p;
-    size_t size;
-} Scratch;
-
-static void *scratch_for(Scratch *s, size_t bytes, const char *what) {
-    if (bytes > s->size) {
-        free(s->p);
-        s->p = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (s->p == NULL) {
-            fprintf(stderr, "gemm_bf16: out of memory for %zu bytes of %s\n", bytes, what);
-            abort();
-        }
-        s->size = bytes;
-    }
-    return s->p;
-}
+#define SCRATCH_OWNER "gemm_bf16"
+#include "thread_scratch.h"
 
 static _Thread_local Scratch widened;
 

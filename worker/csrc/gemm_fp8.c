@@ -330,25 +330,8 @@ static inline __attribute__((always_inline)) void f8_tile_dot(const uint32_t *re
     }
 }
 
-/* A thread's scratch, grown as needed (gemm_fp8 has gemm_f32's signature, with no scratch argument
- * and no way to fail). */
-typedef struct {
-    void *p;
-    size_t size;
-} Scratch;
-
-static void *scratch_for(Scratch *s, size_t bytes, const char *what) {
-    if (bytes > s->size) {
-        free(s->p);
-        s->p = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (s->p == NULL) {
-            fprintf(stderr, "gemm_fp8: out of memory for %zu bytes of %s\n", bytes, what);
-            abort();
-        }
-        s->size = bytes;
-    }
-    return s->p;
-}
+#define SCRATCH_OWNER "gemm_fp8"
+#include "thread_scratch.h"
 
 static _Thread_local Scratch rounded;
 

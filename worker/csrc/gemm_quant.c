@@ -104,24 +104,8 @@
 
 /* ---------------------------------------------------------------- shared */
 
-/* A thread's scratch, grown as needed. */
-typedef struct {
-    void *p;
-    size_t size;
-} Scratch;
-
-static void *scratch_for(Scratch *s, size_t bytes, const char *what) {
-    if (bytes > s->size) {
-        free(s->p);
-        s->p = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (s->p == NULL) {
-            fprintf(stderr, "gemm_quant: out of memory for %zu bytes of %s\n", bytes, what);
-            abort();
-        }
-        s->size = bytes;
-    }
-    return s->p;
-}
+#define SCRATCH_OWNER "gemm_quant"
+#include "thread_scratch.h"
 
 /* The calling thread's share [*lo, *hi) of n items, inside a parallel region (all of them outside). */
 static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
