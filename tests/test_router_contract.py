@@ -56,7 +56,11 @@ def _families(http: str) -> dict[str, object]:
 def test_vllm_metrics_mirror_noria_numbers(served, oai):
     prompts = ["one two three", "the quick brown fox jumps over the lazy dog " * 4]
     usages = [oai.completions.create(model="demo", prompt=p, max_tokens=5, temperature=0).usage for p in prompts]
-    m = wait_metrics(served.http, lambda m: engine_idle(m) and m.get(f"vllm:request_prompt_tokens_count{LABELS}") == 2)
+    generated = sum(u.completion_tokens for u in usages)
+    # A scrape answers with the engine's last published stats (and asks for fresh ones): wait until
+    # they count both requests, and the bridge has observed both.
+    m = wait_metrics(served.http, lambda m: engine_idle(m) and m["noria_generation_tokens_total"] == generated
+                     and m.get(f"vllm:request_prompt_tokens_count{LABELS}") == 2)
     assert m[f"vllm:request_prompt_tokens_count{LABELS}"] == 2
     assert m[f"vllm:request_prompt_tokens_sum{LABELS}"] == sum(u.prompt_tokens for u in usages)
     assert m[f"vllm:request_generation_tokens_sum{LABELS}"] == sum(u.completion_tokens for u in usages)

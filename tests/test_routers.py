@@ -1,6 +1,6 @@
-"""noria engines behind the router the field already runs: vllm-router (from the package index,
-unmodified) in front of three `noria serve` processes on loopback. Round-robin spreads requests
-evenly; cache-aware routing sends requests that share a prefix to the engine that holds it, which
+"""noria engines behind the routers the field already runs: vllm-router and SGLang's model gateway
+(sglang-router), from the package index, unmodified, in front of three `noria serve` processes on
+loopback. Round-robin spreads requests evenly; cache-aware routing sends requests that share a prefix to the engine that holds it, which
 the engines' own prefix-cache counters show; power-of-two reads each engine's /get_load."""
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from tests.procs import children_of, engine_idle, scrape_metrics, wait_gone, wai
 
 # In the test extras: the router's own console script, beside this interpreter.
 ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
+# SGLang's model gateway (`sglang-router launch`, in the test extras too): the same CLI for these flags.
+SGLANG = [shutil.which("sglang-router", path=str(Path(sys.executable).parent)) or "sglang-router", "launch"]
+ROUTERS = {"vllm-router": [ROUTER], "sglang-router": SGLANG}
 
 ENGINES = 3
 
@@ -54,20 +57,20 @@ def engines(demo_path) -> Iterator[list[LocalServer]]:
 
 
 @contextlib.contextmanager
-def router(engines: list[LocalServer], policy: str, *extra: str) -> Iterator[str]:
+def router(engines: list[LocalServer], policy: str, *extra: str, which: str = "vllm-router") -> Iterator[str]:
     port = free_tcp_port()
-    argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning",
-            "--worker-urls", *[e.http for e in engines], *extra]
+    argv = [*ROUTERS[which], "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level",
+            "warning" if which == "vllm-router" else "warn", "--worker-urls", *[e.http for e in engines], *extra]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert proc.poll() is None, f"vllm-router exited with {proc.returncode}"
+            assert proc.poll() is None, f"{which} exited with {proc.returncode}"
             with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
                 if r.status == 200:
                     break
-            assert time.monotonic() < deadline, "vllm-router did not come up"
+            assert time.monotonic() < deadline, f"{which} did not come up"
             time.sleep(0.2)  # poll interval; the deadline bounds the wait
         yield url
     finally:
@@ -110,9 +113,10 @@ def _prefix(rng: random.Random, words: int = 120) -> str:
     return " ".join(rng.choice(vocab) for _ in range(words))
 
 
-def test_round_robin_spreads_evenly(engines):
+@pytest.mark.parametrize("which", ROUTERS)
+def test_round_robin_spreads_evenly(engines, which):
     before = [_served(e) for e in engines]
-    with router(engines, "round_robin") as url:
+    with router(engines, "round_robin", which=which) as url:
         for i in range(2 * ENGINES):
             out = _complete(url, f"request number {i}")
             assert out["choices"][0]["text"] and out["usage"]["completion_tokens"] == 4
@@ -120,15 +124,16 @@ def test_round_robin_spreads_evenly(engines):
     assert [_served(e) - b for e, b in zip(engines, before, strict=True)] == [2] * ENGINES
 
 
-def test_cache_aware_routing_finds_cached_prefixes(engines):
+@pytest.mark.parametrize("which", ROUTERS)
+def test_cache_aware_routing_finds_cached_prefixes(engines, which):
     """Three requests per shared prefix, one after another: round-robin sends each to another
     engine (no engine sees a prefix twice: no hits), cache-aware to the engine that holds it."""
-    rng = random.Random(7)
+    rng = random.Random(f"7 {which}")  # prefixes no earlier run left in the engines' caches
 
     def run(policy: str) -> tuple[float, int]:
         prefixes = [_prefix(rng) for _ in range(4)]
         before = sum(_hits(e) for e in engines)
-        with router(engines, policy) as url:
+        with router(engines, policy, which=which) as url:
             tokens = []
             for p in prefixes:
                 for j in range(ENGINES):

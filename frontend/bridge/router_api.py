@@ -3,8 +3,9 @@
 - `GET /load` (vLLM's): `{"server_load": N}`, the requests open in the engine's frontend.
 - `GET /get_load` (what vllm-router's and SGLang's power-of-two policies poll): `{"load": N, ...}`
   with N the engine's running plus waiting requests, and SGLang's per-rank fields beside it.
-- `GET /get_server_info` (SGLang's, read by routers for the engine's shape): the served model, its
-  length, the cache's configuration and the engine's current state.
+- `GET /get_server_info` and `/server_info` (SGLang's, read by routers for the engine's shape): the
+  served model, its length, the cache's configuration and the engine's current state;
+  `/get_model_info` and `/model_info`: the model's name, length and vocabulary.
 - `POST /v1/completions/render` and `POST /v1/chat/completions/render` (vLLM's): the token ids a
   request's prompt(s) become, for routers that tokenize to pick an engine by its cached prefixes
   (llm-d's precise prefix-cache scorer). The body is read and checked as the generating endpoint
@@ -42,7 +43,11 @@ _INPUT_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, BadRequest, Noria
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/load", handle_load)
     app.router.add_get("/get_load", handle_get_load)
-    app.router.add_get("/get_server_info", handle_server_info)
+    # SGLang's routers ask /server_info and /model_info first, then the older /get_* names.
+    for path in ("/get_server_info", "/server_info"):
+        app.router.add_get(path, handle_server_info)
+    for path in ("/get_model_info", "/model_info"):
+        app.router.add_get(path, handle_model_info)
     app.router.add_post("/v1/completions/render", handle_completions_render)
     app.router.add_post("/v1/chat/completions/render", handle_chat_render)
 
@@ -92,6 +97,15 @@ async def handle_server_info(request: web.Request) -> web.Response:
         "dp_rank": stats.data_parallel_rank, "status": stats.status,
         "internal_states": [{**msgspec.to_builtins(s), "num_open_requests": stats.num_open_requests}],
     })
+
+
+async def handle_model_info(request: web.Request) -> web.Response:
+    try:
+        ready = await request.app[GATEWAY].ready()
+    except NoriaError as e:
+        return _error_response(e)
+    return web.json_response({"model_path": ready.model, "tokenizer_path": ready.model,
+                              "max_model_len": ready.max_model_len, "vocab_size": ready.vocab_size})
 
 
 def _sampling(msg: Generate) -> dict[str, Any]:
