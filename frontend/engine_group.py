@@ -41,6 +41,7 @@ from noria.protocol.engine import (
     EngineRequest,
     SchedulerToFrontend,
 )
+from noria.protocol.sockets import offset_port
 
 log = logging.getLogger("noria.frontend")
 
@@ -100,7 +101,7 @@ def member_config(config: EngineConfig, rank: int, link: WorkerLinkConfig | None
     fifth of one engine's rate (`noria bench routing`)."""
     config = msgspec.structs.replace(config, data_parallel_rank=rank)
     if link is not None and link.worker_listen:
-        link = msgspec.structs.replace(link, worker_listen=offset_port(link.worker_listen, rank))
+        link = msgspec.structs.replace(link, worker_listen=_rank_port(link.worker_listen, rank))
     elif config.num_threads is None and config.device != "cuda":
         if cpus is None:
             cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -109,13 +110,13 @@ def member_config(config: EngineConfig, rank: int, link: WorkerLinkConfig | None
     return config, link
 
 
-def offset_port(address: str, rank: int) -> str:
-    """tcp://HOST:PORT -> tcp://HOST:(PORT + rank); another address is refused (one per engine)."""
-    head, sep, port = address.rpartition(":")
-    if not (address.startswith("tcp://") and sep and port.isdigit()):
+def _rank_port(address: str, rank: int) -> str:
+    """The worker link of engine `rank`; an address without a port to offset is refused."""
+    offset = offset_port(address, rank)
+    if offset is None:
         raise ValueError(f"{address!r}: with --data-parallel-size each engine needs a port of its own, so the "
                          "address must be tcp://HOST:PORT (engine r takes PORT + r)")
-    return f"{head}:{int(port) + rank}"
+    return offset
 
 
 class EngineGroup:
@@ -148,6 +149,7 @@ class EngineGroup:
         self.whole_restart = False  # the supervisor restarts the whole group
         self.startup_timeout = config.startup_timeout
         self._checked = 0.0
+        self._polled: tuple[list[zmq.Socket], zmq.Poller] | None = None
 
     # ---- what FrontendCore and the loops call -------------------------------------------
 
@@ -198,10 +200,7 @@ class EngineGroup:
     def recv(self, timeout_ms: int) -> list[SchedulerToFrontend]:
         """Every member's messages: outputs (stats summed over the group), and the group's own
         EngineReady / EngineDead only when the whole group comes up or goes down."""
-        poller = zmq.Poller()
-        for m in self.members:
-            poller.register(m.client.pull, zmq.POLLIN)
-        if not poller.poll(timeout_ms):
+        if not self._poller().poll(timeout_ms):
             self._check_members()
             return []
         out: list[SchedulerToFrontend] = []
@@ -220,6 +219,16 @@ class EngineGroup:
                     self._lost(m, msg.reason, out)
         self._check_members(out)
         return out
+
+    def _poller(self) -> zmq.Poller:
+        """One poller over the members' sockets, made again only when a restart replaced one."""
+        sockets = self.sockets()
+        if self._polled is None or self._polled[0] != sockets:
+            poller = zmq.Poller()
+            for s in sockets:
+                poller.register(s, zmq.POLLIN)
+            self._polled = (sockets, poller)
+        return self._polled[1]
 
     def dead(self) -> str | None:
         """Why the group cannot serve: every engine is down for good (None while one serves or

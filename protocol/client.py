@@ -64,10 +64,13 @@ class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
     # `echo` of a token-id prompt needs it, and only the frontend has the tokenizer to spell it.
     return_prompt_text: bool = False
 
+    def own_sampling(self) -> dict[str, Any]:
+        """The sampling fields the request set itself (an unset one is the server's default)."""
+        return {f: v for f in SamplingParams.__struct_fields__ if (v := getattr(self, f)) is not UNSET}
+
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's parameters; a field it left unset takes `defaults`' value, else vLLM's."""
-        fields = {f: v for f in SamplingParams.__struct_fields__ if (v := getattr(self, f)) is not UNSET}
-        return SamplingParams(**{**(defaults or {}), **fields})
+        return SamplingParams(**{**(defaults or {}), **self.own_sampling()})
 
 
 # The sampling knobs a `Generate` may leave to the server's defaults (`max_tokens`, with a rule

@@ -69,3 +69,12 @@ def drain_router(sock: zmq.Socket, limit: int) -> Iterator[tuple[bytes, bytes]]:
             return
         if len(frames) >= 2:
             yield frames[0], frames[1]
+
+
+def offset_port(address: str, offset: int) -> str | None:
+    """tcp://HOST:PORT as tcp://HOST:(PORT + offset) (the port a data-parallel rank takes, as vLLM
+    offsets them); None for an address of another form."""
+    head, sep, port = address.rpartition(":")
+    if address.startswith("tcp://") and sep and port.isdigit():
+        return f"{head}:{int(port) + offset}"
+    return None

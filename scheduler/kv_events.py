@@ -34,7 +34,7 @@ from noria.protocol.kv_events import (
     KVEventsConfig,
     external_hash,
 )
-from noria.protocol.sockets import make_socket
+from noria.protocol.sockets import make_socket, offset_port
 from noria.scheduler.block_pool import BlockPool
 from noria.scheduler.kv_cache_manager import KVCacheManager
 
@@ -81,12 +81,9 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-def offset_port(endpoint: str, rank: int) -> str:
-    """tcp://HOST:PORT -> tcp://HOST:(PORT + rank); other transports get the rank appended."""
-    head, sep, port = endpoint.rpartition(":")
-    if endpoint.startswith("tcp://") and sep and port.isdigit():
-        return f"{head}:{int(port) + rank}"
-    return f"{endpoint}-{rank}"
+def _rank_endpoint(endpoint: str, rank: int) -> str:
+    """Engine `rank`'s endpoint: the port plus the rank, other transports' names with the rank appended."""
+    return offset_port(endpoint, rank) or f"{endpoint}-{rank}"
 
 
 class KVEventPublisher:
@@ -97,8 +94,8 @@ class KVEventPublisher:
         one plus the rank (vLLM's offsets), so that the ranks of one host do not collide."""
         if rank:
             config = msgspec.structs.replace(
-                config, endpoint=offset_port(config.endpoint, rank),
-                replay_endpoint=offset_port(config.replay_endpoint, rank) if config.replay_endpoint else None)
+                config, endpoint=_rank_endpoint(config.endpoint, rank),
+                replay_endpoint=_rank_endpoint(config.replay_endpoint, rank) if config.replay_endpoint else None)
         self.config = config
         self.block_size = block_size
         self.rank = rank

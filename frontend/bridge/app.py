@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
 import logging
@@ -47,7 +46,6 @@ from noria.protocol.errors import NoriaError
 
 log = logging.getLogger("noria.bridge")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-STATS_TIMEOUT = 2.0
 
 
 def make_app(engine: str, api_key: str | None = None, max_per_client: int | None = None,
@@ -110,7 +108,7 @@ async def handle_health(request: web.Request) -> web.Response:
     address = gateway.client.address
     try:
         ready = await gateway.ready()
-        stats = await asyncio.wait_for(gateway.client.stats(), STATS_TIMEOUT)
+        stats = await gateway.stats()
     except NoriaError as e:
         return json_response(Health(status="unavailable", engine=address, reason=f"{e.code}: {e.message}"), status=503)
     except TimeoutError:
@@ -128,9 +126,9 @@ async def handle_health(request: web.Request) -> web.Response:
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
-    metrics, client = request.app[METRICS], request.app[GATEWAY].client
+    metrics = request.app[METRICS]
     try:
-        stats = await asyncio.wait_for(client.stats(), STATS_TIMEOUT)
+        stats = await request.app[GATEWAY].stats()
     except (NoriaError, TimeoutError):
         stats = None
     try:

@@ -13,7 +13,7 @@ from contextlib import aclosing
 
 from noria.frontend.bridge.metrics import BridgeMetrics
 from noria.frontend.client import ENGINE_UNREACHABLE, AsyncClient
-from noria.protocol.client import Delta, Done, Embed, Embedding, Generate, Ready
+from noria.protocol.client import Delta, Done, Embed, Embedding, Generate, Ready, Stats
 from noria.protocol.errors import NoriaError
 
 
@@ -38,6 +38,10 @@ class Gateway:
             return await asyncio.wait_for(self.client.hello(), timeout)
         except TimeoutError:
             raise NoriaError(ENGINE_UNREACHABLE, f"no answer from {self.client.address} within {timeout}s") from None
+
+    async def stats(self, timeout: float = 2.0) -> Stats:
+        """The engine's latest stats; TimeoutError when it does not answer within `timeout`."""
+        return await asyncio.wait_for(self.client.stats(), timeout)
 
     async def embed(self, msg: Embed) -> Embedding:
         """One `embed` upstream, timed and counted as a request (finish reason "stop"); cancelled,

@@ -14,12 +14,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import msgspec
 from aiohttp import web
-from msgspec import UnsetType
 
 from noria.frontend.bridge.errors import BadRequest
 from noria.frontend.bridge.openai_api import (
@@ -34,9 +32,7 @@ from noria.frontend.bridge.openai_schema import ChatRequest, CompletionRequest
 from noria.frontend.bridge.state import GATEWAY
 from noria.protocol.client import Generate, SchedulerStats, Stats, Tokenize, Tokenized
 from noria.protocol.errors import NoriaError
-from noria.protocol.sampling import SamplingParams
 
-STATS_TIMEOUT = 2.0
 _INPUT_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, BadRequest, NoriaError)
 
 
@@ -54,7 +50,7 @@ def add_routes(app: web.Application) -> None:
 
 async def _stats(request: web.Request) -> Stats | web.Response:
     try:
-        return await asyncio.wait_for(request.app[GATEWAY].client.stats(), STATS_TIMEOUT)
+        return await request.app[GATEWAY].stats()
     except (NoriaError, TimeoutError):
         return web.json_response({"error": "the engine did not answer"}, status=503)
 
@@ -108,12 +104,6 @@ async def handle_model_info(request: web.Request) -> web.Response:
                               "max_model_len": ready.max_model_len, "vocab_size": ready.vocab_size})
 
 
-def _sampling(msg: Generate) -> dict[str, Any]:
-    """The request's own sampling fields (one it left out is the server's default, applied later)."""
-    return msgspec.to_builtins({f: v for f in SamplingParams.__struct_fields__
-                                if not isinstance(v := getattr(msg, f), UnsetType)})
-
-
 async def _token_ids(request: web.Request, msg: Generate) -> list[int]:
     """The prompt of `msg` as the frontend tokenizes it for generation (Processor.tokenize)."""
     if msg.prompt_token_ids is not None:
@@ -140,7 +130,7 @@ async def _render(request: web.Request, kind: type[Any], to_messages: Any, prefi
         rendered = []
         for msg in messages:
             rendered.append({"request_id": f"{prefix}-{msg.request_id}", "token_ids": await _token_ids(request, msg),
-                             "sampling_params": _sampling(msg), "model": model, "stream": bool(req.stream),
+                             "sampling_params": msgspec.to_builtins(msg.own_sampling()), "model": model, "stream": bool(req.stream),
                              "cache_salt": msg.cache_salt, "priority": msg.priority})
     except _INPUT_ERRORS as e:  # what the generating endpoint would answer
         return _error_response(e)
