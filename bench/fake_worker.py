@@ -9,7 +9,7 @@ not depend on how the scheduler batched, chunked, cached or preempted.
 
 from __future__ import annotations
 
-from noria.protocol.step import StepPlan, StepResult
+from noria.protocol.step import KVPull, KVPulled, StepPlan, StepResult
 
 
 def next_token(tokens: list[int], vocab: int) -> int:
@@ -24,6 +24,16 @@ class FakeWorker:
         self.cpu: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.reqs: dict[int, dict] = {}
         self.forced: dict[int, list[int]] = {}  # req_id -> tokens to emit instead of the model's
+        # Prefill/decode disaggregation: a producer's holds (transfer id -> blocks), and the
+        # producers a consumer reaches, by endpoint (a missing one is a producer that is gone).
+        self.holds: dict[int, list[int]] = {}
+        self.peers: dict[str, FakeWorker] = {}
+        self.endpoint = f"tcp://fake-{id(self)}:1"
+        # A pull ends (its blocks written, its outcome reported) this many steps after the step
+        # that names it, as the real worker's pull thread lets steps go on meanwhile.
+        self.pull_delay = 0
+        self.pending: list[tuple[int, KVPull]] = []
+        self.steps = 0
 
     def _check_prefix(self, rid: int, upto: int) -> None:
         st = self.reqs[rid]
@@ -34,7 +44,20 @@ class FakeWorker:
             want = (st["tokens"][pos], pos)
             assert got == want, f"req {rid} pos {pos}: block {block} holds {got}, expected {want}"
 
+    def _pull(self, pull: KVPull) -> KVPulled:
+        """Copy the held blocks as the real worker does; fail as it does when they are not held."""
+        producer = self.peers.get(pull.endpoints[0])
+        held = producer.holds.get(pull.transfer_id) if producer is not None else None
+        if held is None or not set(pull.remote_block_ids) <= set(held):
+            return KVPulled(pull.req_id, False, 0, 0.0, "not held")
+        for remote, local in zip(pull.remote_block_ids, pull.local_block_ids, strict=True):
+            assert producer is not None
+            self.kv[local] = list(producer.kv[remote])
+        return KVPulled(pull.req_id, True, len(pull.local_block_ids), 0.0)
+
     def execute(self, plan: StepPlan) -> StepResult:
+        for tid in plan.kv_release:
+            self.holds.pop(tid, None)
         for rid in plan.finished_req_ids:
             del self.reqs[rid]
         for nr in plan.new_requests:
@@ -43,13 +66,19 @@ class FakeWorker:
             max_tokens = plan.params[nr.params].max_tokens
             last = nr.num_prompt_tokens + max_tokens - 1 if max_tokens else None
             self.reqs[nr.req_id] = {"tokens": list(nr.token_ids), "blocks": list(nr.block_ids),
-                                    "computed": nr.num_computed_tokens, "last": last}
+                                    "computed": nr.num_computed_tokens, "last": last,
+                                    "export": nr.kv_export_id, "prompt": nr.num_prompt_tokens}
         for cr in plan.cached_requests:
             self.reqs[cr.req_id]["blocks"].extend(cr.new_block_ids)
         for dev, cpu in plan.swap_out:
             self.cpu[cpu] = list(self.kv[dev])
         for dev, cpu in plan.swap_in:
             self.kv[dev] = list(self.cpu[cpu])
+        self.steps += 1
+        self.pending += [(self.steps + self.pull_delay, p) for p in plan.kv_pulls]
+        due = [p for at, p in self.pending if at <= self.steps]
+        self.pending = [(at, p) for at, p in self.pending if at > self.steps]
+        pulled = [self._pull(p) for p in due]
         bs = self.block_size
         # Like every layer of the real worker: write the whole step's KV, then attend.
         for rid, n in plan.scheduled:
@@ -72,4 +101,6 @@ class FakeWorker:
                 st["tokens"].append(tok)
                 out_ids.append(rid)
                 out_toks.append(tok)
-        return StepResult(plan.step_id, out_ids, out_toks, epoch=plan.epoch)
+                if st["export"]:
+                    self.holds[st["export"]] = st["blocks"][: -(-st["prompt"] // self.block_size)]
+        return StepResult(plan.step_id, out_ids, out_toks, epoch=plan.epoch, kv_pulled=pulled)

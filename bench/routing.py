@@ -81,12 +81,19 @@ def _metric(http: str, name: str) -> float:
 
 @contextlib.contextmanager
 def _router(engines: list[LocalServer], policy: str) -> Iterator[str]:
+    with vllm_router(["--policy", policy, "--worker-urls", *[e.http for e in engines]]) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def vllm_router(args: list[str]) -> Iterator[str]:
+    """vllm-router with `args` on a free port (and a free port for its own metrics); its URL."""
     exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
     if exe is None:
         raise SystemExit("vllm-router is not installed: pip install 'noria[bench]' (or vllm-router)")
     port = free_tcp_port()
-    proc = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level",
-                             "warning", "--worker-urls", *[e.http for e in engines]], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                             "--prometheus-port", str(free_tcp_port()), *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

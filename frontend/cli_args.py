@@ -104,6 +104,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                         "(zmq when enabled, or null), endpoint (tcp://*:5557), replay_endpoint (none), buffer_steps "
                         "(10000), hwm (100000), max_queue_size (100000), topic (\"\"); e.g. "
                         "'{\"enable_kv_cache_events\": true, \"replay_endpoint\": \"tcp://*:5558\"}'")
+    g.add_argument("--kv-transfer-config", type=_kv_transfer, default=None, metavar="JSON",
+                   help="prefill/decode disaggregation with vLLM's keys: kv_connector (\"NoriaConnector\"), kv_role "
+                        "(kv_producer: computes prompts and keeps their blocks for a decode engine; kv_consumer: pulls "
+                        "them; kv_both), kv_ip and kv_port (the producer's side channel, 127.0.0.1:14579), "
+                        "kv_load_failure_policy (recompute, or fail), kv_connector_extra_config "
+                        "({\"abort_request_timeout\": 480, \"transfer_timeout\": 30}); e.g. "
+                        "'{\"kv_connector\": \"NoriaConnector\", \"kv_role\": \"kv_producer\"}'")
     c = ap.add_argument_group("chat")
     c.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                    help="allow tool_choice \"auto\": the model decides whether to call a tool (needs --tool-call-parser)")
@@ -138,6 +145,15 @@ def _kv_events(text: str) -> dict[str, Any]:
 
     try:
         return parse_kv_events_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _kv_transfer(text: str) -> dict[str, Any]:
+    from noria.protocol.kv_transfer import parse_kv_transfer_config
+
+    try:
+        return parse_kv_transfer_config(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import msgspec
 
@@ -36,6 +37,7 @@ from noria.protocol.client import (
 )
 from noria.protocol.engine import EngineOutputs, EngineRequest, EngineSample
 from noria.protocol.errors import ErrorCode, NoriaError
+from noria.protocol.kv_transfer import KVTransferParams, as_json, read_params
 from noria.protocol.sampling import EngineSamplingParams
 
 Sink = Callable[[Delta | Done | Error | Embedding], None]
@@ -46,7 +48,7 @@ _GRAMMAR = "structured_output does not compile: "
 class _Request:
     __slots__ = ("key", "client", "started", "request_id", "sink", "prompt_ids", "samples", "open",
                  "num_cached_tokens", "params", "priority", "group", "resumed", "cache_salt", "embed",
-                 "grammar_param")
+                 "grammar_param", "kv_params", "kv_answer")
 
     def __init__(self, key: Hashable, client: Hashable, request_id: str, sink: Sink, prompt_ids: list[int],
                  params: EngineSamplingParams, priority: int, group: int | None,
@@ -70,6 +72,10 @@ class _Request:
         # The field to blame when its grammar does not compile: `tools` where the grammar is
         # tool_choice's, made from the tools' parameters (the client sent no grammar itself).
         self.grammar_param: str | None = None
+        # Prefill/decode disaggregation: what the request asked (sent again on a resubmission),
+        # and a producer's answer for the client.
+        self.kv_params: KVTransferParams | None = None
+        self.kv_answer: dict[str, Any] | None = None
 
 
 class Limits(msgspec.Struct, frozen=True):
@@ -139,6 +145,7 @@ class FrontendCore:
         req = _Request(key, client, msg.request_id, sink, prompt_ids, prepared.engine_params, msg.priority, group,
                        msg.cache_salt)
         req.embed = prepared.embed
+        req.kv_params = read_params(getattr(msg, "kv_transfer_params", None))  # checked by `prepare`
         if prepared.chat is not None and prepared.chat.structured is not None:
             req.grammar_param = "tools"
         tok, eos = self.processor.tokenizer, self.processor.eos_ids
@@ -149,7 +156,7 @@ class FrontendCore:
         self.engine.add(EngineRequest(first, prompt_ids, prepared.engine_params, self.processor.eos_ids,
                                       msg.priority, group,
                                       more_samples=[EngineSample(first + i, i) for i in range(1, params.n)],
-                                      cache_salt=msg.cache_salt))
+                                      cache_salt=msg.cache_salt, kv_transfer_params=req.kv_params))
         req.open = params.n
         self.by_key[key] = req
         self.num_queued += 1
@@ -211,6 +218,8 @@ class FrontendCore:
             if u.embedding is not None:
                 self._embedded(req, s, u.embedding, u.num_cached_tokens)
                 continue
+            if u.kv_transfer_params is not None:
+                req.kv_answer = as_json(u.kv_transfer_params)
             if s.index == 0 and not req.resumed:
                 # The prompt counts once, as sample 0 found it: the other samples'
                 # hits on sample 0's blocks are no cached tokens for the client.
@@ -275,7 +284,7 @@ class FrontendCore:
             self.engine.add(EngineRequest(first.rid, req.prompt_ids, req.params, eos, req.priority, req.group,
                                           output_token_ids=first.ids, sample_index=first.index,
                                           more_samples=[EngineSample(s.rid, s.index, s.ids) for s in rest],
-                                          cache_salt=req.cache_salt))
+                                          cache_salt=req.cache_salt, kv_transfer_params=req.kv_params))
         return sent
 
     def _fail(self, req: _Request, code: str, message: str, param: str | None = None) -> None:
@@ -305,4 +314,7 @@ class FrontendCore:
 
     @staticmethod
     def _done(req: _Request) -> Done:
-        return done_message(req.request_id, req.prompt_ids, req.samples, req.num_cached_tokens)
+        done = done_message(req.request_id, req.prompt_ids, req.samples, req.num_cached_tokens)
+        if req.kv_answer is not None:
+            done.kv_transfer_params = req.kv_answer
+        return done

@@ -22,6 +22,7 @@ from noria.protocol.client import (
 )
 from noria.protocol.config import SchedulingPolicy
 from noria.protocol.errors import ErrorCode, NoriaError, ParamError
+from noria.protocol.kv_transfer import read_params
 from noria.protocol.sampling import (
     MAX_ENGINE_PARAMS_BYTES,
     EngineSamplingParams,
@@ -120,6 +121,10 @@ class InputProcessor:
         salt_problem = cache_salt_problem(msg.cache_salt)
         if salt_problem:
             raise ParamError("cache_salt", salt_problem)
+        try:
+            read_params(msg.kv_transfer_params)
+        except ValueError as e:
+            raise ParamError("kv_transfer_params", str(e)) from None
         params = msg.sampling_params(self.sampling_defaults)
         check_sampling(params, self.vocab_size)
         ids = self.tokenize(msg)

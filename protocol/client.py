@@ -53,6 +53,9 @@ class Generate(SamplingParams, kw_only=True, tag="generate", tag_field="type"):
     # Requests with different salts (or a salt and none) never share prefix-cache blocks:
     # one tenant cannot learn from timing what another's prompts began with (vLLM's field).
     cache_salt: str | None = None
+    # Prefill/decode disaggregation, as vLLM's NIXL connector spells it (protocol/kv_transfer.py):
+    # {"do_remote_decode": true} to a producer; the producer's answer's params to a consumer.
+    kv_transfer_params: dict[str, Any] | None = None
     # OpenAI's tool calling, with `messages` only (frontend/tools.py checks them): the tools as
     # OpenAI writes them ({"type": "function", "function": {"name", "parameters", ...}}),
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; None: "auto"
@@ -197,6 +200,8 @@ class Done(msgspec.Struct, kw_only=True, tag="done", tag_field="type"):
     # Each sample's stop string that ended it (None: it ended otherwise), when one did; left out
     # otherwise. Anthropic's `stop_sequence` (vLLM's `stop_reason`).
     stop_strings: list[str | None] | UnsetType = UNSET
+    # A producer's answer (prefill/decode disaggregation): where the prompt's blocks wait.
+    kv_transfer_params: dict[str, Any] | UnsetType = UNSET
 
 
 class Error(msgspec.Struct, kw_only=True, tag="error", tag_field="type", omit_defaults=True):
@@ -259,6 +264,19 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_cpu_blocks: int = 0  # swap space in blocks (0 without --preemption-mode swap)
     kv_cache_dtype: str = ""
     enable_prefix_caching: bool = True
+    # Prefill/decode disaggregation (--kv-transfer-config). A producer: transfers whose blocks
+    # it holds for a consumer now, and those that ended released by the consumer or expired. A
+    # consumer: pulls that brought every block and those that failed (the prompt was then
+    # computed here, or the request failed), the bytes and prompt tokens pulled, and the time
+    # the pulls took in all.
+    kv_transfers_held: int = 0
+    kv_transfers_released: int = 0
+    kv_transfers_expired: int = 0
+    kv_pulls_ok: int = 0
+    kv_pulls_failed: int = 0
+    kv_pull_bytes: int = 0
+    kv_pull_tokens: int = 0
+    kv_pull_seconds: float = 0.0
 
 
 class GetStats(msgspec.Struct, kw_only=True, tag="get_stats", tag_field="type"):

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from noria.protocol.kv_events import KVEventsConfig
+from noria.protocol.kv_transfer import KVTransferConfig
 from noria.protocol.pooling import PoolingType, Runner
 
 # Accepted spellings, as vLLM accepts them; the worker maps them to torch dtypes.
@@ -108,6 +109,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # vLLM's --kv-events-config: the scheduler publishes prefix-cache changes for routers
     # (protocol/kv_events.py, scheduler/kv_events.py).
     kv_events_config: KVEventsConfig | None = None
+    # vLLM's --kv-transfer-config: this engine computes prompts for others (kv_producer), pulls
+    # the blocks of prompts computed elsewhere (kv_consumer), or both (protocol/kv_transfer.py).
+    kv_transfer_config: KVTransferConfig | None = None
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from noria.protocol.client import Logprob, SchedulerStats
+from noria.protocol.kv_transfer import KVTransferParams
 from noria.protocol.sampling import EngineSamplingParams
 
 
@@ -47,6 +48,10 @@ class EngineRequest(msgspec.Struct, array_like=True, gc=False, tag="req"):
     # Mixed into the key of the first prompt block: requests with different salts (or a
     # salt and none) never share prefix-cache blocks (the client's `cache_salt`).
     cache_salt: str | None = None
+    # Prefill/decode disaggregation (protocol/kv_transfer.py): compute the prompt for another
+    # engine and keep its blocks (do_remote_decode), or pull its blocks from the producer that
+    # computed it (do_remote_prefill). One sample only.
+    kv_transfer_params: KVTransferParams | None = None
 
     def samples(self) -> list[EngineSample]:
         """Every sample this message carries, the first one included."""
@@ -86,6 +91,8 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):
     # A pooling engine's one update for a request: its pooled hidden state (little-endian
     # float32, not normalized), with finish_reason "stop" and no token.
     embedding: bytes | None = None
+    # A producer's last update: where the consumer finds the prompt's blocks.
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class EngineOutputs(msgspec.Struct, array_like=True, gc=False, tag="out"):

@@ -15,6 +15,7 @@ class ErrorCode:
     SHUTTING_DOWN = "shutting_down"  # the server is draining (SIGTERM): no new requests; at the drain timeout, the rest
     TIMEOUT = "timeout"  # client-side: no answer in time
     ENGINE_UNREACHABLE = "engine_unreachable"  # client-side: connection lost or server silent
+    KV_TRANSFER_FAILED = "kv_transfer_failed"  # a pull of a prompt's KV failed under kv_load_failure_policy "fail"
     INTERNAL = "internal_error"
 
 

@@ -114,6 +114,8 @@ def apply_curve_client(sock: zmq.Socket, folder: str | Path) -> None:
     folder = Path(folder)
     server_public, _ = _load(folder / f"{SERVER_NAME}.key", secret=False)
     pairs = sorted(p for p in folder.glob("*.key_secret") if p.name != f"{SERVER_NAME}.key_secret")
+    if len(pairs) > 1:  # a server's folder also holds its bridge's own pair, which is no worker's
+        pairs = [p for p in pairs if p.name != f"{BRIDGE_NAME}.key_secret"]
     if len(pairs) != 1:
         found = ", ".join(p.name for p in pairs) or "none"
         raise KeyFolderError(f"{folder} must hold exactly one worker key pair besides the scheduler's (found: {found})")

@@ -30,16 +30,20 @@ def make_socket(
     limit. Sockets that face untrusted peers set both. `setup` runs before the bind or
     connect (CURVE keys and socket monitors must be in place by then)."""
     sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, hwm if send_hwm is None else send_hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
-    if setup is not None:
-        setup(sock)
-    if bind:
-        sock.bind(address)
-    else:
-        sock.connect(address)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm if send_hwm is None else send_hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
+        if setup is not None:
+            setup(sock)
+        if bind:
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except BaseException:
+        sock.close(linger=0)  # a socket left open would keep its context from terminating
+        raise
     return sock
 
 

@@ -35,6 +35,9 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     num_prompt_tokens: int
     eos_token_ids: list[int] = []
     sample_index: int = 0
+    # A producer's request (prefill/decode disaggregation): once its prompt is computed, the
+    # worker holds its prompt blocks under this id for consumers to read (0: none).
+    kv_export_id: int = 0
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -58,6 +61,27 @@ class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
     data: bytes
 
 
+class KVPull(msgspec.Struct, array_like=True, gc=False):
+    """Blocks a consumer's worker rank r reads from `endpoints[r]` (the producer's rank r)
+    into its own: `remote_block_ids[i]` lands in `local_block_ids[i]`."""
+
+    req_id: int
+    transfer_id: int
+    endpoints: list[str]
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+
+
+class KVPulled(msgspec.Struct, array_like=True, gc=False):
+    """How a `KVPull` went, on every rank: `ok` only if each rank got all its blocks."""
+
+    req_id: int
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
 class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     """One iteration.
 
@@ -66,7 +90,11 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     Before the forward pass the worker does, in this order: `swap_out`
     (device_block, cpu_block), then `swap_in` (device_block, cpu_block). The
     scheduler never swaps in during a step that swapped out, so no block freed
-    by one of them is reused by the other within the step.
+    by one of them is reused by the other within the step. First of all the worker lets go
+    of the transfers in `kv_release` (their blocks may be reused from this step on), and it
+    queues `kv_pulls` to run beside the steps (worker/kv_pull_queue.py): each one's outcome
+    comes in the first result after it ends (`StepResult.kv_pulled`), and until then the
+    scheduler gives its blocks to no one else.
     """
 
     step_id: int
@@ -80,6 +108,8 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     grammar: GrammarBitmask | None = None  # masks for this step's constrained samples
     # The sampling parameters of this plan's new requests, each once (samples share one).
     params: list[EngineSamplingParams] = []
+    kv_pulls: list[KVPull] = []
+    kv_release: list[int] = []  # transfer ids (NewRequestData.kv_export_id) whose blocks are freed
 
 
 class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
@@ -100,3 +130,4 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     # float32 bytes, `pooled[i]` for `pooled_req_ids[i]`.
     pooled_req_ids: list[int] = []
     pooled: list[bytes] = []
+    kv_pulled: list[KVPulled] = []  # the pulls that ended (on every rank) since the last result

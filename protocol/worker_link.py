@@ -62,6 +62,7 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False, tag="ready"):
     max_model_len: int
     attention_backend: str = ""
     attention_reason: str = ""
+    kv_endpoint: str = ""  # where this rank serves held KV blocks to consumers (a producer's); "" none
 
 
 class WorkerFailed(msgspec.Struct, array_like=True, gc=False, tag="failed"):

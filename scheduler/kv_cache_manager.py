@@ -110,12 +110,13 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None, cache: bool = True
     ) -> list[int] | None:
         """Give `req` blocks for `num_new_tokens` more tokens (after any prefix hit).
 
         Returns the block ids appended to the table, or None when it does not
-        fit (then nothing changed).
+        fit (then nothing changed). `cache` False: the new blocks are not keyed for prefix
+        hits yet (their KV is pulled from another engine: `cache_full_blocks` once it is in).
         """
         hits = computed_blocks or []
         total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
@@ -127,7 +128,7 @@ class KVCacheManager:
         self.pool.touch(hits)
         added = hits + (self.pool.allocate(need) or []) if need else list(hits)
         req.block_ids.extend(added)
-        if req.hash_root is not None:
+        if req.hash_root is not None and cache:
             self._cache_full_blocks(req, min(total, req.num_tokens) // self.block_size)
         return added
 
@@ -168,6 +169,10 @@ class KVCacheManager:
             elif full > cached:
                 self._cache_full_blocks(req, full)
         return added
+
+    def cache_full_blocks(self, req: Request, num_full: int) -> None:
+        """Key the request's first `num_full` blocks for prefix hits (those not keyed yet)."""
+        self._cache_full_blocks(req, num_full)
 
     def _cache_full_blocks(self, req: Request, num_full: int) -> None:
         # Registered when planned: every layer writes the step's KV before it

@@ -50,7 +50,7 @@ class PlanBuilder:
             self.new_requests.append(
                 NewRequestData(
                     req.req_id, list(req.token_ids), list(req.block_ids), c, index,
-                    req.num_prompt_tokens, shared.worker_eos, req.sample_index,
+                    req.num_prompt_tokens, shared.worker_eos, req.sample_index, req.kv_export,
                 )
             )
             req.in_worker = True

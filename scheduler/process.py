@@ -38,10 +38,11 @@ from noria.protocol.engine import (
 )
 from noria.protocol.errors import ErrorCode
 from noria.protocol.model_identity import model_facts, model_identity
-from noria.protocol.security import CurveServer
+from noria.protocol.security import CurveServer, check_exposure
 from noria.protocol.sockets import MAX_ENGINE_MESSAGE, make_socket
 from noria.protocol.step import StepResult
 from noria.scheduler.kv_events import KVEventPublisher
+from noria.scheduler.kv_side_channel import SideChannel
 from noria.scheduler.scheduler import Scheduler
 from noria.scheduler.worker_group import GroupLost, GroupReady, WorkerGroup
 
@@ -97,6 +98,16 @@ class SchedulerProcess:
         self.poller = zmq.Poller()
         self.poller.register(self.from_frontend, zmq.POLLIN)
         self.poller.register(self.router, zmq.POLLIN)
+        tc = config.kv_transfer_config
+        self.side: SideChannel | None = None
+        if tc is not None:  # prefill/decode disaggregation (scheduler/kv_transfer.py)
+            if tc.produces:
+                check_exposure(f"tcp://{tc.kv_ip}:{tc.kv_port}", link.curve_keys, link.insecure,
+                               "KV transfer links (--kv-transfer-config kv_ip)")
+            self.side = SideChannel(self.ctx, tc, config.data_parallel_rank or 0, self.curve, link.curve_keys)
+            self.sched.side_channel = self.side.address
+            if self.side.server is not None:
+                self.poller.register(self.side.server, zmq.POLLIN)
         self.grammar_fd = self.sched.grammars.wake_fd  # structured output: a grammar has compiled
         self.poller.register(self.grammar_fd, zmq.POLLIN)
         self.running = True
@@ -141,6 +152,8 @@ class SchedulerProcess:
             self._drain_frontend()
         if self.grammar_fd in events:
             self.sched.grammars_ready()
+        if self.side is not None and self.side.server in events:
+            self.sched.release_transfers(self.side.receive())
         # Bounded, so the frontend is never starved; read even without an event, so that the
         # ranks count as heard up to now (what arrived while this thread was busy is no silence).
         self.group.receive(ROUTER_BATCH)
@@ -169,6 +182,8 @@ class SchedulerProcess:
         self.sched.install_kv(ev.num_kv_blocks, ev.num_cpu_blocks, ev.max_model_len)
         self._attach_kv_events()
         self.attention = (ev.attention_backend, ev.attention_reason)
+        # A producer answers with its ranks' block servers (all of them, or it cannot export).
+        self.sched.kv_endpoints = list(ev.kv_endpoints) if all(ev.kv_endpoints) else []
         self.groups_formed += 1
         if self.no_worker_since is not None:
             self.no_worker_total += time.monotonic() - self.no_worker_since
@@ -198,6 +213,8 @@ class SchedulerProcess:
     def _tick(self) -> None:
         self.group.tick()
         self._handle_events()
+        if self.sched.held:
+            self.sched.expire_transfers()
         now = time.monotonic()
         if not self.ready_sent and now - self.started > self.config.startup_timeout:
             raise StartupFailed(f"no worker group became ready in {self.config.startup_timeout:g}s: "
@@ -271,6 +288,10 @@ class SchedulerProcess:
         self.stats_due = True
 
     def _publish(self) -> None:
+        if self.side is not None:
+            releases = self.sched.take_releases()
+            if releases:
+                self.side.send(releases)
         updates = self.sched.take_updates()
         now = time.monotonic()
         due = self.stats_due or ((updates or self.sched.has_work()) and now - self.last_stats > STATS_INTERVAL)
@@ -295,6 +316,8 @@ class SchedulerProcess:
     def close(self) -> None:
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.side is not None:
+            self.side.close()
         for s in (self.from_frontend, self.to_frontend, self.router):
             s.close(linger=100)
         if self.curve is not None:

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from noria.protocol.engine import EngineRequest, EngineSample
+from noria.protocol.kv_transfer import KVTransferParams
 from noria.protocol.sampling import EngineSamplingParams
 from noria.scheduler.structured_output import advance
 
@@ -46,6 +47,7 @@ class Status(enum.IntEnum):
     SWAPPED = 2
     FINISHED = 3
     WAITING_GRAMMAR = 4  # waits for its structured-output grammar to compile
+    PULLING = 5  # holds blocks its prompt's KV is pulled into from a producer (scheduler/kv_transfer.py)
 
 
 class Request:
@@ -61,6 +63,7 @@ class Request:
         "arrival_seq",
         "max_tokens", "block_ids", "block_hashes", "num_cached_blocks", "in_worker",
         "swapped_blocks", "num_preemptions", "sort_key", "hash_root", "grammar_wait", "pooling", "pools_every_position",
+        "kv_remote", "kv_export",
     )
 
     def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: bytes | None,
@@ -111,6 +114,10 @@ class Request:
         # pooling, which reads hidden states before the last (see `needs_all_positions`).
         self.pooling = False
         self.pools_every_position = False
+        # Prefill/decode disaggregation (scheduler/kv_transfer.py): where a consumer's prompt KV
+        # waits to be pulled, and a producer's transfer id (0: none).
+        self.kv_remote: KVTransferParams | None = None
+        self.kv_export = 0
 
     def set_decode_limit(self, max_model_len: int) -> None:
         """Where the hot paths stop for this request (`Scheduler.schedule`, `update_from_result`):

@@ -11,7 +11,8 @@ from __future__ import annotations
 from noria.protocol.client import Logprob, SchedulerStats
 from noria.protocol.engine import RequestUpdate
 from noria.protocol.errors import ErrorCode
-from noria.protocol.step import StepResult
+from noria.protocol.kv_transfer import KVTransferParams
+from noria.protocol.step import KVPulled, StepResult
 from noria.scheduler.request import Request, Status
 
 
@@ -26,6 +27,12 @@ class StepResults:
     max_model_len: int
 
     def _finish(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def _export(self, req: Request) -> KVTransferParams | None:
+        raise NotImplementedError
+
+    def _pulls_done(self, outcomes: list[KVPulled]) -> None:
         raise NotImplementedError
 
     def update_from_result(self, result: StepResult) -> None:
@@ -49,6 +56,8 @@ class StepResults:
         self.stats.generation_tokens += len(tokens) - (self.stats.tokens_discarded - discarded_before)
         if result.pooled_req_ids or result.pooled:
             finished |= self._apply_pooled(result)
+        if result.kv_pulled:
+            self._pulls_done(result.kv_pulled)
         if finished:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
             self.swapped = [r for r in self.swapped if r.status is Status.SWAPPED]
@@ -100,8 +109,10 @@ class StepResults:
         """The update for a token already appended to `req`; True if it ended the request."""
         reason = req.stop_reason(tok, self.max_model_len)
         err = (ErrorCode.INTERNAL, f"token {tok} breaks the grammar") if reason == "error" else (None, None)
+        # A producer's request keeps its blocks for the consumer its answer names.
+        kv_params = self._export(req) if req.kv_export and reason in ("stop", "length") else None
         self.updates.append(RequestUpdate(req.req_id, [tok], reason, None if lp is None else [lp], *err,
-                                          req.num_cached_tokens, prompt_lps))
+                                          req.num_cached_tokens, prompt_lps, kv_transfer_params=kv_params))
         if reason is None:
             return False
         self._finish(req)

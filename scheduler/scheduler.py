@@ -36,6 +36,7 @@ from noria.protocol.step import StepPlan
 from noria.scheduler.admission import refusal
 from noria.scheduler.block_check import check_blocks
 from noria.scheduler.kv_cache_manager import KVCacheManager
+from noria.scheduler.kv_transfer import Disaggregation
 from noria.scheduler.plan_builder import PlanBuilder
 from noria.scheduler.request import Request, SharedParams, Status
 from noria.scheduler.results import StepResults
@@ -44,7 +45,7 @@ from noria.scheduler.structured_output import StructuredOutputManager, resume
 _NO_BLOCKS: list[int] = []
 
 
-class Scheduler(StepResults):
+class Scheduler(Disaggregation, StepResults):
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, num_cpu_blocks: int = 0) -> None:
         """`num_kv_blocks` 0: no worker group yet (requests queue until `install_kv`)."""
         self.grammars = StructuredOutputManager(config.tokenizer or config.model, config.model)  # free until used
@@ -69,6 +70,7 @@ class Scheduler(StepResults):
         self._swap_out: list[tuple[int, int]] = []
         self._arrivals = 0
         self.step_id = 0
+        self._init_transfers()
         self.install_kv(num_kv_blocks, num_cpu_blocks)
 
     # ---- worker groups ---------------------------------------------------
@@ -101,7 +103,7 @@ class Scheduler(StepResults):
         their priority/arrival order; the KV pool, prefix cache and swap area are dropped, and
         with them the advance of the step in flight (its result is never applied, so no token
         is emitted twice or skipped). Capacity stays as it was until the next group's."""
-        for req in self.running + self.swapped:
+        for req in self.running + self.swapped + self._transfers_after_worker_loss():
             self.stats.requests_requeued += 1
             self.stats.tokens_recomputed += req.num_computed_tokens
             req.num_preemptions += 1  # so that re-admission does not count its prompt twice
@@ -134,6 +136,10 @@ class Scheduler(StepResults):
         shared = SharedParams(msg)
         max_tokens = msg.params.max_tokens or self.max_model_len - len(msg.prompt_token_ids)
         hash_root = self.kv.hash_root(msg.sample_group, msg.cache_salt)
+        if msg.kv_transfer_params is not None and msg.more_samples:
+            for sample in msg.samples():
+                self.reject(sample.req_id, ErrorCode.INVALID_REQUEST, "kv_transfer_params take one sample (n = 1)")
+            return
         for sample in msg.samples():
             self._add_sample(msg, sample, shared, max_tokens, hash_root)
 
@@ -150,6 +156,7 @@ class Scheduler(StepResults):
         if self.pooling is not None:
             req.pooling, req.pools_every_position = True, self.pooling.every_position
         req.set_decode_limit(self.max_model_len)
+        self._transfer_of(msg, req)
         self._arrivals += 1
         self.requests[rid] = req
         self.stats.prompt_tokens += req.num_prompt_tokens
@@ -212,7 +219,9 @@ class Scheduler(StepResults):
     # ---- planning --------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.swapped or self._worker_drop)
+        # Pulls in flight are heard of only in step results: steps go on while any is.
+        return bool(self.running or self.waiting or self.swapped or self._worker_drop or self._kv_pulls
+                    or self.pulled or self.pulling or self.orphans)
 
     def schedule(self) -> StepPlan:
         budget = self.token_budget
@@ -254,6 +263,7 @@ class Scheduler(StepResults):
                     break
             plan.add(req, num_new, added)
             budget -= num_new
+        budget = self._join_pulled(budget, plan)
 
         swap_in: list[tuple[int, int]] = []
         # Never swap in during a step that swapped out: a CPU or device block
@@ -309,6 +319,12 @@ class Scheduler(StepResults):
             if not plan.has_room_for_params(req, PLAN_PARAMS_BYTES):
                 break  # its parameters go with the next plan: no plan grows too large to send in time
             hits = self.kv.get_computed_blocks(req)
+            if req.kv_remote is not None:  # its prompt's KV waits at a producer
+                boarded = self._admit_remote(req, hits)
+                if boarded is False:
+                    break
+                if boarded:
+                    continue
             num_computed = len(hits) * self.block_size
             num_new = req.num_tokens - num_computed
             if not self.chunked_prefill and num_new > budget:
@@ -334,9 +350,10 @@ class Scheduler(StepResults):
         drop, self._worker_drop = self._worker_drop, []
         swap_out, self._swap_out = self._swap_out, []
         masked = plan.masked
+        pulls, release = self._take_transfer_plan()
         return StepPlan(self.step_id, plan.scheduled, plan.new_requests, plan.cached, drop, swap_out=swap_out,
                         swap_in=swap_in, grammar=self.grammars.fill_bitmask(masked) if masked else None,
-                        params=plan.params)
+                        params=plan.params, kv_pulls=pulls, kv_release=release)
 
     # ---- state changes ---------------------------------------------------
 
@@ -346,6 +363,7 @@ class Scheduler(StepResults):
         self.stats.num_preemptions += 1
         req.num_preemptions += 1
         self._forget_in_worker(req)
+        self._forget_export(req)
         pairs = self.kv.swap_out(req) if self.swap and req.block_ids and not req.needs_all_positions else None
         if pairs is not None:
             self._swap_out.extend(pairs)
@@ -360,6 +378,7 @@ class Scheduler(StepResults):
 
     def _finish(self, req: Request) -> None:
         # The caller drops finished requests from `running` / `swapped` in one pass.
+        self._drop_transfer_state(req)
         req.status = Status.FINISHED
         self.kv.free(req)
         self.kv.free_swapped(req)
@@ -384,10 +403,11 @@ class Scheduler(StepResults):
         s.num_waiting = len(self.requests) - s.num_running - s.num_swapped
         s.num_free_blocks = self.kv.num_free_blocks
         s.kv_cache_usage = self.kv.usage()
+        s.kv_transfers_held = len(self.held)
         return s
 
     def check_blocks(self) -> str | None:
-        return check_blocks(self.kv, self.requests.values())
+        return check_blocks(self.kv, self.requests.values(), self.held_block_lists())
 
 
 _sort_key = attrgetter("sort_key")  # (priority, arrival)

@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -76,6 +76,7 @@ class GroupReady:
     vocab_size: int
     attention_backend: str = ""  # rank 0's (WorkerReady)
     attention_reason: str = ""
+    kv_endpoints: list[str] = field(default_factory=list)  # by rank: where a producer's ranks serve KV blocks
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,8 @@ class WorkerGroup:
         first = min(rs, key=lambda r: r.rank)
         ready = GroupReady(self.epoch, min(r.num_kv_blocks for r in rs), min(r.num_cpu_blocks for r in rs),
                            min(r.max_model_len for r in rs), rs[0].vocab_size, first.attention_backend,
-                           first.attention_reason)
+                           first.attention_reason,
+                           [r.kv_endpoint for r in sorted(rs, key=lambda r: r.rank)] if any(r.kv_endpoint for r in rs) else [])
         log.info("worker group of epoch %d is live: %d KV blocks", self.epoch, ready.num_kv_blocks)
         self.events.append(ready)
 

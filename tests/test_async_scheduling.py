@@ -97,6 +97,22 @@ def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tu
     ids=["default", "recompute", "swap"],
 )
 def test_outputs_are_identical_with_and_without_async_scheduling(demo_path, flags):
+    # Whether a stop lands while the next step is planned, and whether a request is preempted,
+    # depends on how the requests' arrivals interleave with the steps: every run must give the
+    # same outputs, and the paths in question must be taken in one of a few runs.
+    for _ in range(3):
+        stats = _same_outputs(flags)
+        exercised = stats[True].tokens_discarded > 0  # the stops left wasted slots behind
+        if "preemption_mode" in flags:
+            exercised &= all(st.num_preemptions > 0 for st in stats.values())
+        if flags.get("preemption_mode") == "swap":
+            exercised &= all(st.num_swap_outs > 0 for st in stats.values())
+        if exercised:
+            return
+    raise AssertionError(f"three runs never preempted / discarded as the flags ask: {stats}")
+
+
+def _same_outputs(flags: dict) -> dict:
     results, stats = {}, {}
     for ahead in (False, True):
         with LLM("demo", async_scheduling=ahead, **flags) as llm:
@@ -120,8 +136,4 @@ def test_outputs_are_identical_with_and_without_async_scheduling(demo_path, flag
     for ahead, st in stats.items():
         assert st.blocks_consistent and st.num_free_blocks == st.num_kv_blocks and st.num_running == 0
         assert (st.steps_planned_ahead > 0) == ahead, st
-        if "preemption_mode" in flags:
-            assert st.num_preemptions > 0
-        if flags.get("preemption_mode") == "swap":
-            assert st.num_swap_outs > 0
-    assert stats[True].tokens_discarded > 0  # the stops above left wasted slots behind
+    return stats

@@ -46,6 +46,9 @@ TINY = {
     "routing": (["--configs", "dp2,ca2", "--conversations", "2", "--turns", "2", "--system-prompts", "1",
                  "--system-words", "40", "--max-tokens", "2", "--num-kv-blocks", "128", "--out", "out/routing"],
                 "prefix hit rate"),
+    "pd": (["--streams", "1", "--decode-tokens", "4", "--long", "1", "--long-words", "40", "--long-tokens", "2",
+            "--interval", "0.1", "--num-kv-blocks", "128", "--max-model-len", "1024", "--out", "out/pd"],
+           "stream ITL p50/p90/p99/max ms"),
     "structured": (["--model", "demo", "--num-requests", "2", "--rounds", "1", "--sizes", "2", "--repeats", "2",
                     "--num-kv-blocks", "64"], "constrained / unconstrained tok/s"),
 }

@@ -30,7 +30,14 @@ from noria.protocol.model_shapes import sharded_shapes, tensor_parallel_error
 from noria.protocol.pooling import engine_pooling
 from noria.protocol.quant_fp8 import online_quant
 from noria.protocol.sampling import EngineSamplingParams
-from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
+from noria.protocol.step import (
+    CachedRequestData,
+    KVPull,
+    KVPulled,
+    NewRequestData,
+    StepPlan,
+    StepResult,
+)
 from noria.worker import native_stack
 from noria.worker.attention import AttentionBackend
 from noria.worker.attention_select import attention_layers, select_attention_backend
@@ -57,6 +64,9 @@ from noria.worker.kv_cache import (
     num_swap_blocks,
 )
 from noria.worker.kv_fp8 import apply_scales, cache_dtype
+from noria.worker.kv_pull import KVPuller
+from noria.worker.kv_pull_queue import PullQueue
+from noria.worker.kv_server import KVBlockServer
 from noria.worker.loader import checkpoint_float32_bytes, load_model, load_spec
 from noria.worker.memory_profile import profile_memory
 from noria.worker.models import quant_kinds
@@ -69,6 +79,9 @@ from noria.worker.score_head import engine_head
 from noria.worker.step_inputs import Batch, RequestState, build_batch, request_state
 
 log = logging.getLogger("noria.worker")
+# How long a step with nothing but pulls to wait for waits for one to end: the scheduler plans
+# such steps only to hear of its pulls, and would otherwise plan them back to back.
+PULL_POLL_SECONDS = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +117,11 @@ class ModelRunner:
         self.requests: dict[int, RequestState] = {}
         # Who wants to know each step's shape and time (e.g. bench/step_log.py); none by default.
         self.step_observers: list[StepObserver] = []
+        # Prefill/decode disaggregation (`start_kv_transfer`): a producer's block server, a
+        # consumer's puller.
+        self.kv_server: KVBlockServer | None = None
+        self.kv_pulls: PullQueue | None = None
+        self._refused_pulls: list[KVPulled] = []
         self._set_up_process()
         self._load_model()
         self._set_lengths()
@@ -240,8 +258,27 @@ class ModelRunner:
 
     # -- public -----------------------------------------------------------------
 
+    def start_kv_transfer(self, host: str, curve_folder: str | None) -> str:
+        """Serve held blocks on `host` (a producer) and pull blocks (a consumer), as the engine's
+        --kv-transfer-config says; where this rank serves ("" if it does not)."""
+        tc = self.config.kv_transfer_config
+        if tc is None:
+            return ""
+        if tc.produces and self.kv_server is None:
+            self.kv_server = KVBlockServer(self.kv_cache, host, curve_folder)
+        if tc.consumes and self.kv_pulls is None:
+            opts = tc.kv_connector_extra_config
+            self.kv_pulls = PullQueue(KVPuller(self.kv_cache, self.rank, opts.transfer_timeout, opts.chunk_bytes,
+                                               curve_folder))
+        return self.kv_server.endpoint if self.kv_server is not None else ""
+
     def close(self) -> None:
         """Leave the process group (every rank calls this at shutdown)."""
+        if self.kv_server is not None:
+            self.kv_server.close()
+        if self.kv_pulls is not None:
+            self.kv_pulls.close()
+        self.kv_server, self.kv_pulls = None, None
         if self.tp.size > 1:
             destroy_tensor_parallel()
 
@@ -249,6 +286,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. Raises (KeyError/ValueError with the step and request
         named) on a plan that does not fit the worker's state."""
+        if plan.kv_release and self.kv_server is not None:
+            self.kv_server.release(plan.kv_release)
         for req_id in plan.finished_req_ids:
             self._drop(req_id)
         for new in plan.new_requests:
@@ -258,8 +297,10 @@ class ModelRunner:
         # The order the protocol fixes (see StepPlan).
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
+        if plan.kv_pulls:
+            self._submit_pulls(plan.kv_pulls)
         if not plan.scheduled:
-            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
+            return self._with_pulls(StepResult(step_id=plan.step_id, req_ids=[], token_ids=[]), idle=True)
 
         batch = self._prepare(plan)
         t_model = time.perf_counter()
@@ -285,21 +326,60 @@ class ModelRunner:
             if self.pooler is not None:
                 meta = batch.meta
                 ids, vectors = self.pooler.pool(hidden, batch.states, meta.query_lens_host, meta.seq_lens_host)
-            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[], pooled_req_ids=ids, pooled=vectors)
+            return self._with_pulls(StepResult(step_id=plan.step_id, req_ids=[], token_ids=[], pooled_req_ids=ids,
+                                               pooled=vectors))
         if not batch.sample_requests:
-            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
+            return self._with_pulls(StepResult(step_id=plan.step_id, req_ids=[], token_ids=[]))
         if plan.grammar is not None and logits is not None:  # structured output (rank 0 has the logits)
             apply_grammar_bitmask(logits, plan.grammar, [r.req_id for r in batch.sample_requests])
         tokens, logprobs = self._sample(logits, batch.sample_requests)
         for state, token in zip(batch.sample_requests, tokens, strict=True):
             state.token_ids.append(token)
-        return StepResult(
+            if state.kv_export and self.kv_server is not None:  # the prompt's blocks as they are now
+                num_blocks = -(-state.num_prompt_tokens // self.block_size)
+                self.kv_server.hold(state.kv_export, self.block_tables.ids[state.row][:num_blocks])
+        return self._with_pulls(StepResult(
             step_id=plan.step_id,
             req_ids=[r.req_id for r in batch.sample_requests],
             token_ids=tokens,
             logprobs=logprobs,
             prompt_logprobs=take_complete(batch.sample_requests),
-        )
+        ))
+
+    # -- KV pulls (prefill/decode disaggregation) --------------------------------
+
+    def _submit_pulls(self, pulls: list[KVPull]) -> None:
+        if self.kv_pulls is None:  # a plan the engine's role does not allow: each fails at once
+            self._refused_pulls += [KVPulled(p.req_id, False, error="this engine pulls no KV (its "
+                                             "--kv-transfer-config role is kv_producer)") for p in pulls]
+        else:
+            self.kv_pulls.submit(pulls)
+
+    def _with_pulls(self, result: StepResult, idle: bool = False) -> StepResult:
+        """`result` with the pulls that have ended on every rank since the last step. A step
+        with nothing else to do (`idle`) waits a little for one, so that a scheduler waiting only
+        for pulls does not spin."""
+        result.kv_pulled, self._refused_pulls = self._refused_pulls, []
+        q = self.kv_pulls
+        if q is None or not q.outstanding:
+            return result
+        if idle:
+            q.wait_any(PULL_POLL_SECONDS)
+        state = q.snapshot()
+        ended = [(rid, o) for rid, o in state if o is not None]
+        if self.tp.size > 1:  # ended everywhere, whole only if whole everywhere
+            votes = torch.tensor([[int(o is not None), int(o is not None and not o.ok), o.nbytes if o else 0]
+                                  for _, o in state], dtype=torch.long, device=self.device)
+            self.tp.all_reduce(votes)
+            ended = []
+            for (rid, o), (done, failed, nbytes) in zip(state, votes.tolist(), strict=True):
+                if done == self.tp.size:
+                    assert o is not None
+                    error = o.error or ("another rank's shard did not arrive" if failed else None)
+                    ended.append((rid, KVPulled(rid, failed == 0, nbytes, o.seconds, error)))
+        q.forget([rid for rid, _ in ended])
+        result.kv_pulled += [o for _, o in ended if o is not None]
+        return result
 
     def _sample(self, logits: torch.Tensor | None, requests: list[RequestState]
                 ) -> tuple[list[int], list[Logprob | None] | None]:
@@ -349,6 +429,8 @@ class ModelRunner:
             row=self.block_tables.add(new.block_ids),
             sampling=sampling,
             prompt_logprobs=tracker,
+            kv_export=new.kv_export_id,
+            num_prompt_tokens=new.num_prompt_tokens,
         )
 
     def _update(self, cached: CachedRequestData, step_id: int) -> None:

@@ -29,6 +29,7 @@ import msgspec
 from noria.protocol import switches
 from noria.protocol.config import EngineConfig
 from noria.protocol.model_identity import ModelIdentity, identity_difference, model_identity
+from noria.protocol.security import is_loopback
 from noria.protocol.step import StepPlan
 from noria.protocol.worker_link import (
     Disband,
@@ -41,7 +42,7 @@ from noria.protocol.worker_link import (
 from noria.worker import cpu_ops
 from noria.worker.errors import WorkerFatal
 from noria.worker.link import LinkDown, WorkerLink
-from noria.worker.registration import hello, use_route_for_gloo
+from noria.worker.registration import address_towards, hello, use_route_for_gloo
 
 log = logging.getLogger("noria.worker")
 
@@ -133,8 +134,17 @@ class WorkerSession:
                 cpu_ops.log_once()
         r = self.runner
         choice = r.attention_choice
+        kv_endpoint = r.start_kv_transfer(self._kv_host(config), self.opts.curve_keys)
         self.link.send(WorkerReady(welcome.epoch, self.opts.rank, r.num_kv_blocks, r.num_cpu_blocks, r.vocab_size,
-                                   r.max_model_len, choice.name, choice.reason))
+                                   r.max_model_len, choice.name, choice.reason, kv_endpoint))
+
+    def _kv_host(self, config: EngineConfig) -> str:
+        """Where this rank serves KV blocks: the engine's kv_ip on the scheduler's host, else this
+        host's address on the route to the scheduler (consumers reach the producer's hosts)."""
+        tc = config.kv_transfer_config
+        if tc is None or is_loopback(self.opts.connect):
+            return tc.kv_ip if tc is not None else "127.0.0.1"
+        return address_towards(self.opts.connect)
 
     def _serve(self, epoch: int) -> str | None:
         """Run the epoch's plans; why it ended (None: shut down)."""
@@ -162,8 +172,12 @@ class WorkerSession:
         if self.runner.tp.size > 1:
             self._close_runner()  # its torch.distributed group is gone with the other ranks
             return
+        if self.runner.kv_pulls is not None:
+            self.runner.kv_pulls.cancel_all()  # its pulls' blocks belong to the next group
         # The plan that finishes every request the runner knows, and does nothing else.
         self.runner.execute(StepPlan(0, [], finished_req_ids=list(self.runner.requests)))
+        if self.runner.kv_server is not None:
+            self.runner.kv_server.clear()  # the scheduler's holds went with the group
 
     def _close_runner(self) -> None:
         if self.runner is not None:

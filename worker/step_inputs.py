@@ -35,6 +35,9 @@ class RequestState:
     # A pooling engine's carry-over between a prompt's chunks (worker/pooling.py).
     pooled: torch.Tensor | None = None
     num_pooled: int = 0
+    # A producer's request: its transfer id, held with the prompt's blocks each time it samples.
+    kv_export: int = 0
+    num_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)

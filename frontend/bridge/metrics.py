@@ -35,6 +35,7 @@ _GAUGES = (
     ("noria_kv_cache_free_blocks", "num_free_blocks", "Device KV cache blocks not owned by a request."),
     ("noria_workers_live", "workers_live", "1 while a worker group serves the engine."),
     ("noria_seconds_without_worker", "seconds_without_worker", "Seconds in all without a live worker group."),
+    ("noria_kv_transfers_held", "kv_transfers_held", "Prompts whose KV blocks a producer holds for a consumer."),
 )
 _COUNTERS = (
     ("noria_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -48,6 +49,13 @@ _COUNTERS = (
     ("noria_worker_restarts", "worker_restarts", "Worker groups formed again after a loss."),
     ("noria_requests_requeued", "requests_requeued", "Running or swapped requests re-queued by a worker loss."),
     ("noria_tokens_recomputed", "tokens_recomputed", "Computed tokens whose KV a worker loss threw away."),
+    ("noria_kv_transfers_released", "kv_transfers_released", "Held transfers a consumer released (producer)."),
+    ("noria_kv_transfers_expired", "kv_transfers_expired", "Held transfers freed at their timeout (producer)."),
+    ("noria_kv_pulls_ok", "kv_pulls_ok", "Prompts whose KV was pulled whole from a producer (consumer)."),
+    ("noria_kv_pulls_failed", "kv_pulls_failed", "Pulls that failed: the prompt was computed here or failed."),
+    ("noria_kv_pull_bytes", "kv_pull_bytes", "KV bytes pulled from producers (consumer)."),
+    ("noria_kv_pull_tokens", "kv_pull_tokens", "Prompt tokens whose KV was pulled instead of computed."),
+    ("noria_kv_pull_seconds", "kv_pull_seconds", "Seconds the workers spent pulling KV blocks."),
 )
 
 

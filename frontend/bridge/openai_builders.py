@@ -10,9 +10,10 @@ has no tokenizer): a token that holds part of a character is "bytes:\\xNN...", a
 from __future__ import annotations
 
 import codecs
+from typing import Any
 
 import msgspec
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from noria.frontend.bridge.openai_schema import (
     ChatChoice,
@@ -120,6 +121,7 @@ class _Choices:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.open_prompts = num_prompts
+        self.kv_transfer_params: dict[str, Any] | UnsetType = UNSET  # a producer's answer
 
     def add_delta(self, prompt: int, d: Delta) -> tuple[int, list[int]]:
         """Record a delta; returns (choice index, where each of its logprobs' tokens starts
@@ -149,6 +151,7 @@ class _Choices:
         self.prompt_tokens += done.usage.prompt_tokens
         self.completion_tokens += done.usage.completion_tokens
         self.cached_tokens += done.usage.cached_tokens
+        self.kv_transfer_params = done.kv_transfer_params
         first = prompt * self.n
         if self.keep:
             self.prompt_ids[prompt] = done.prompt_token_ids or []
@@ -289,7 +292,8 @@ class CompletionBuilder(_Usage):
     def response(self) -> Completion:
         c = self.choices
         return Completion(id=self.rid, created=self.created, model=self.model, usage=c.usage(),
-                          choices=[self._choice(i) for i in range(len(c.texts))])
+                          choices=[self._choice(i) for i in range(len(c.texts))],
+                          kv_transfer_params=c.kv_transfer_params)
 
     def _choice(self, i: int) -> CompletionChoice:
         c = self.choices
@@ -361,6 +365,7 @@ class ChatBuilder(_Usage):
                 )
                 for i in range(len(c.texts))
             ],
+            kv_transfer_params=c.kv_transfer_params,
         )
 
 

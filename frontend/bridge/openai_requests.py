@@ -121,6 +121,8 @@ def completion_generates(req: CompletionRequest, new_id: Callable[[], str]) -> l
         raise BadRequest(f"n ({params.n}) x prompts ({len(prompts)}) is {params.n * len(prompts)} samples, more "
                          f"than the {MAX_SAMPLES} one request may draw", "n")
     salt = _cache_salt(req)
+    if req.kv_transfer_params is not None and len(prompts) > 1:
+        raise BadRequest("kv_transfer_params go with one prompt", "kv_transfer_params")
     messages = [_server_defaults(make_generate(new_id(), p, params, priority=req.priority, cache_salt=salt), req)
                 for p in prompts]
     if req.echo:
@@ -132,7 +134,9 @@ def completion_generates(req: CompletionRequest, new_id: Callable[[], str]) -> l
 
 def _server_defaults(msg: Generate, req: SamplingFields) -> Generate:
     """The sampling fields the body left out go upstream unset: the server's defaults fill them
-    (--generation-config), as vLLM's server does; vLLM's stood in only for the check above."""
+    (--generation-config), as vLLM's server does; vLLM's stood in only for the check above.
+    The request's kv_transfer_params go with it."""
+    msg.kv_transfer_params = req.kv_transfer_params
     for name in GENERATION_DEFAULT_FIELDS:
         if getattr(req, name) is None:
             setattr(msg, name, msgspec.UNSET)

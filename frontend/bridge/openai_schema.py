@@ -51,6 +51,8 @@ class SamplingFields(StructuredFields, kw_only=True):  # response_format, guided
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None  # vLLM's: different salts never share prefix-cache blocks
+    # vLLM's prefill/decode disaggregation (protocol/kv_transfer.py), one prompt only.
+    kv_transfer_params: dict[str, Any] | None = None
     # vLLM's: logprob tokens spelled "token_id:ID" instead of their text (a client that cannot
     # take the text, or wants the ids).
     return_tokens_as_token_ids: bool | None = None
@@ -120,6 +122,7 @@ class Completion(msgspec.Struct, kw_only=True):
     choices: list[CompletionChoice]
     object: str = "text_completion"
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | UnsetType = UNSET  # a producer's answer
 
 
 # ---- /v1/chat/completions -----------------------------------------------
@@ -164,6 +167,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: UsageInfo
     object: str = "chat.completion"
+    kv_transfer_params: dict[str, Any] | UnsetType = UNSET  # a producer's answer
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
