@@ -9,7 +9,8 @@ conversations at once. The same requests run against each configuration, each on
   rrN      N `noria serve` behind vllm-router, round-robin;
   caN      N `noria serve` behind vllm-router, cache-aware (its approximate radix tree over text).
 Engines on this host split its cores (each rrN / caN server gets --num-threads cores / N, as a
-dpN group gives its engines).
+dpN group gives its engines). `--across-namespaces` puts each server on a "host" of its own, a
+network namespace the router reaches over a veth (bench/hosts.py; configs read NAME@hosts).
 
 Reported: TTFT p50/p99, end-to-end p50/p99, requests/s and output tokens/s over the run, and the
 prefix-cache hit rate summed over the engines (their own counters, before and after). On one
@@ -35,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from noria.bench.hosts import separate_hosts
 from noria.bench.plots import pyplot
 from noria.bench.serving import summary
 from noria.bench.serving_http import _tokens_in
@@ -135,14 +137,27 @@ async def drive(url: str, convs: list[list[str]], max_tokens: int) -> list[dict]
         return [r for rs in await asyncio.gather(*(conversation(c) for c in convs)) for r in rs]
 
 
-def run_config(name: str, model: Path, convs: list[list[str]], max_tokens: int, flags: list[str]) -> dict:
+def run_config(name: str, model: Path, convs: list[list[str]], max_tokens: int, flags: list[str],
+               across: bool = False) -> dict:
+    """One configuration on fresh servers; `across`: each server on a host of its own (bench/hosts.py)."""
     kind, n = name.rstrip("0123456789"), int(name[len(name.rstrip("0123456789")):] or 1)
     engine_flags = ["--model", str(model), *flags]
     if kind == "dp":
         engine_flags += ["--data-parallel-size", str(n)]
     if kind in ("rr", "ca"):  # the servers share this host's cores, as a dp group's engines do
         engine_flags += ["--num-threads", str(max(1, _cpus() // n))]
-    engines = [LocalServer(*engine_flags) for _ in range(1 if kind in ("one", "dp") else n)]
+    count = 1 if kind in ("one", "dp") else n
+    with contextlib.ExitStack() as hosts:
+        if across:
+            h = hosts.enter_context(separate_hosts(count))
+            engines: list[Any] = [h.serve(i, engine_flags) for i in range(count)]
+        else:
+            engines = [LocalServer(*engine_flags) for _ in range(count)]
+        row = _measure(kind, engines, convs, max_tokens)
+    return {"config": name + ("@hosts" if across else ""), **row}
+
+
+def _measure(kind: str, engines: list[Any], convs: list[list[str]], max_tokens: int) -> dict:
     try:
         for e in engines:
             e.wait(timeout=300, http=True)
@@ -165,16 +180,16 @@ def run_config(name: str, model: Path, convs: list[list[str]], max_tokens: int, 
     ttft = [r["times"][0] - r["sent"] for r in results if r["times"]]
     e2e = [r["times"][-1] - r["sent"] for r in results if r["times"]]
     tokens = sum(len(r["times"]) for r in results)
-    return {"config": name, "requests": len(results), "ttft_ms": summary(ttft), "e2e_ms": summary(e2e),
+    return {"requests": len(results), "ttft_ms": summary(ttft), "e2e_ms": summary(e2e),
             "req_s": len(results) / span, "out_tok_s": tokens / span, "hit_rate": hits / queries if queries else 0.0}
 
 
 def _print(rows: list[dict]) -> None:
     f = lambda d: f"{d['p50']:.0f}/{d['p99']:.0f}"  # noqa: E731
-    print(f"\n{'config':<8} {'requests':>8} {'TTFT p50/p99 ms':>16} {'E2E p50/p99 ms':>16} {'req/s':>7} "
+    print(f"\n{'config':<12} {'requests':>8} {'TTFT p50/p99 ms':>16} {'E2E p50/p99 ms':>16} {'req/s':>7} "
           f"{'out tok/s':>9} {'prefix hit rate':>15}")
     for r in rows:
-        print(f"{r['config']:<8} {r['requests']:>8} {f(r['ttft_ms']):>16} {f(r['e2e_ms']):>16} {r['req_s']:>7.2f} "
+        print(f"{r['config']:<12} {r['requests']:>8} {f(r['ttft_ms']):>16} {f(r['e2e_ms']):>16} {r['req_s']:>7.2f} "
               f"{r['out_tok_s']:>9.1f} {r['hit_rate']:>15.1%}")
 
 
@@ -205,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--num-kv-blocks", type=int, default=2048)
     ap.add_argument("--model", choices=sorted(CHECKPOINTS), default="serving")
+    ap.add_argument("--across-namespaces", action="store_true",
+                    help="each server on a host of its own: a network namespace reached over a veth (needs root)")
     ap.add_argument("--out", default="bench/results/routing")
     args = ap.parse_args(argv)
     model = serving_checkpoint() if args.model == "serving" else CHECKPOINTS[args.model]()
@@ -215,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         if name.rstrip("0123456789") not in ("one", "dp", "rr", "ca"):
             raise SystemExit(f"unknown config {name!r}: one, dpN, rrN or caN")
         print(f"running {name} ...", flush=True)
-        rows.append(run_config(name, model, convs, args.max_tokens, flags))
+        rows.append(run_config(name, model, convs, args.max_tokens, flags, args.across_namespaces))
     _print(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import signal
-import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,10 +16,10 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from noria.frontend.local_server import LocalServer, stop_child
+from noria.frontend.local_server import LocalServer
 from noria.protocol.sockets import free_tcp_port
 from tests.procs import engine_idle, scrape_metrics, wait_metrics
-from tests.test_routers import ROUTER
+from tests.test_routers import router_with
 
 FLAGS = ("--num-kv-blocks", "256", "--max-model-len", "1024", "--seed", "0")
 BLOCK = 16  # the default block size
@@ -51,26 +48,8 @@ def trio(demo_path) -> Iterator[tuple[LocalServer, LocalServer, LocalServer]]:
             s.stop()
 
 
-@contextlib.contextmanager
-def pd_router(prefill: LocalServer, decode: LocalServer) -> Iterator[str]:
-    port = free_tcp_port()
-    proc = subprocess.Popen([ROUTER, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                             "--prometheus-port", str(free_tcp_port()), "--vllm-pd-disaggregation", "--prefill", prefill.http,
-                             "--decode", decode.http],
-                            stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"vllm-router exited with {proc.returncode}"
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-            assert time.monotonic() < deadline, "vllm-router did not come up"
-            time.sleep(0.2)  # poll interval; the deadline bounds the wait
-        yield url
-    finally:
-        stop_child(proc, signal.SIGINT, 30)
+def pd_router(prefill: LocalServer, decode: LocalServer) -> contextlib.AbstractContextManager[str]:
+    return router_with(["--vllm-pd-disaggregation", "--prefill", prefill.http, "--decode", decode.http])
 
 
 def _post(url: str, path: str, body: dict) -> dict:

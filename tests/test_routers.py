@@ -58,9 +58,18 @@ def engines(demo_path) -> Iterator[list[LocalServer]]:
 
 @contextlib.contextmanager
 def router(engines: list[LocalServer], policy: str, *extra: str, which: str = "vllm-router") -> Iterator[str]:
+    with router_with(["--policy", policy, "--worker-urls", *[e.http for e in engines], *extra], which) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def router_with(args: list[str], which: str = "vllm-router") -> Iterator[str]:
+    """The router with `args` on a free port; its URL once it answers /v1/models."""
     port = free_tcp_port()
-    argv = [*ROUTERS[which], "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level",
-            "warning" if which == "vllm-router" else "warn", "--worker-urls", *[e.http for e in engines], *extra]
+    argv = [*ROUTERS[which], "--host", "127.0.0.1", "--port", str(port), "--log-level",
+            "warning" if which == "vllm-router" else "warn", *args]
+    if which == "vllm-router":
+        argv += ["--prometheus-port", str(free_tcp_port())]  # its own metrics, off the shared default port
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
