@@ -26,7 +26,7 @@ PORT = 8000  # every host is a fresh namespace: the same ports are free in each
 ZMQ_PORT = 5555
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def ip_command(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
@@ -88,14 +88,14 @@ def separate_hosts(n: int) -> Iterator[Hosts]:
     try:
         for i, (ns, here) in enumerate(zip(hosts.namespaces, links, strict=True)):
             there = f"{here}b"
-            _ip("netns", "add", ns)
-            _ip("link", "add", here, "type", "veth", "peer", "name", there)
-            _ip("link", "set", there, "netns", ns)
-            _ip("addr", "add", f"10.79.{base + i}.1/24", "dev", here)
-            _ip("link", "set", here, "up")
-            _ip("netns", "exec", ns, "ip", "addr", "add", f"{hosts.addrs[i]}/24", "dev", there)
-            _ip("netns", "exec", ns, "ip", "link", "set", there, "up")
-            _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            ip_command("netns", "add", ns)
+            ip_command("link", "add", here, "type", "veth", "peer", "name", there)
+            ip_command("link", "set", there, "netns", ns)
+            ip_command("addr", "add", f"10.79.{base + i}.1/24", "dev", here)
+            ip_command("link", "set", here, "up")
+            ip_command("netns", "exec", ns, "ip", "addr", "add", f"{hosts.addrs[i]}/24", "dev", there)
+            ip_command("netns", "exec", ns, "ip", "link", "set", there, "up")
+            ip_command("netns", "exec", ns, "ip", "link", "set", "lo", "up")
         yield hosts
     finally:
         for server in hosts.servers:
@@ -103,6 +103,6 @@ def separate_hosts(n: int) -> Iterator[Hosts]:
                 server.proc.kill()
                 server.proc.wait()
         for here in links:
-            _ip("link", "del", here, check=False)  # also removes the peer inside its namespace
+            ip_command("link", "del", here, check=False)  # also removes the peer inside its namespace
         for ns in hosts.namespaces:
-            _ip("netns", "del", ns, check=False)
+            ip_command("netns", "del", ns, check=False)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from noria.bench.plots import pyplot
+from noria.bench.plots import pyplot, save_rows
 from noria.bench.routing import WORDS, _cpus, _metric, _post, vllm_router
 from noria.bench.serving import summary
 from noria.bench.serving_http import _tokens_in
@@ -171,11 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running {name} ...", flush=True)
         rows.append(run_config(name, model, short, long, args))
     _print(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pd.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    plot(rows, out / "pd.png")
-    print(f"\nwrote {out / 'pd.json'}")
+    save_rows(args.out, "pd", args, rows, plot)
     return 0
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -16,3 +19,12 @@ def pyplot() -> Any | None:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_rows(out: str, name: str, args: Any, rows: list[dict], plot: Callable[[list[dict], Path], None]) -> None:
+    """A benchmark's rows as OUT/NAME.json (with its arguments) and its plot as OUT/NAME.png."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    plot(rows, folder / f"{name}.png")
+    print(f"\nwrote {folder / f'{name}.json'}")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from noria.bench.hosts import separate_hosts
-from noria.bench.plots import pyplot
+from noria.bench.plots import pyplot, save_rows
 from noria.bench.serving import summary
 from noria.bench.serving_http import _tokens_in
 from noria.bench.workloads import CHECKPOINTS, serving_checkpoint
@@ -234,11 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running {name} ...", flush=True)
         rows.append(run_config(name, model, convs, args.max_tokens, flags, args.across_namespaces))
     _print(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "routing.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    plot(rows, out / "routing.png")
-    print(f"\nwrote {out / 'routing.json'}")
+    save_rows(args.out, "routing", args, rows, plot)
     return 0
 
 

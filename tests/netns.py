@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from noria.bench.hosts import ip_command
+from noria.bench.hosts import unavailable as hosts_unavailable
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+_ip = ip_command
 
 
 def unavailable() -> str | None:
     """Why namespaces cannot be made here, or None when they can."""
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
-    if os.geteuid() != 0:
-        return "making network namespaces needs root"
+    why = hosts_unavailable()
+    if why is not None:
+        return why
     probe = f"noria-probe-{os.getpid()}"
     r = _ip("netns", "add", probe, check=False)
     if r.returncode != 0:
