@@ -109,7 +109,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                         "(kv_producer: computes prompts and keeps their blocks for a decode engine; kv_consumer: pulls "
                         "them; kv_both), kv_ip and kv_port (the producer's side channel, 127.0.0.1:14579), "
                         "kv_load_failure_policy (recompute, or fail), kv_connector_extra_config "
-                        "({\"abort_request_timeout\": 480, \"transfer_timeout\": 30}); e.g. "
+                        "({\"abort_request_timeout\": 480, \"transfer_timeout\": 30, \"producers\": [hosts a consumer "
+                        "pulls from; default any]}); e.g. "
                         "'{\"kv_connector\": \"NoriaConnector\", \"kv_role\": \"kv_producer\"}'")
     c = ap.add_argument_group("chat")
     c.add_argument("--enable-auto-tool-choice", action="store_true", default=None,

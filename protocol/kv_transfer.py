@@ -43,6 +43,10 @@ class TransferOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     transfer_timeout: Annotated[float, Meta(gt=0)] = 30.0
     # Largest piece of one pull (bytes): the rest comes in more messages.
     chunk_bytes: Annotated[int, Meta(ge=1 << 16)] = 64 << 20
+    # The hosts a consumer pulls from and releases to, as `remote_host` and `remote_endpoints`
+    # name them (the params come in requests: without a list, a client may name any host);
+    # params naming another host are ignored and the prompt is computed here. None: any host.
+    producers: list[str] | None = None
 
 
 class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -137,13 +141,20 @@ def as_json(params: KVTransferParams) -> dict[str, Any]:
 _PARAM_FIELDS = [f.name for f in msgspec.structs.fields(KVTransferParams)]
 
 
-def pullable(params: KVTransferParams) -> str | None:
-    """Why a consumer cannot pull what `params` name, or None when it can try."""
+def pullable(params: KVTransferParams, producers: list[str] | None = None) -> str | None:
+    """Why a consumer cannot pull what `params` name (from `producers` only, if given), or None
+    when it can try."""
     if not params.remote_endpoints or params.remote_transfer_id is None or params.remote_block_ids is None:
         return "the params name no noria producer (remote_endpoints, remote_transfer_id, remote_block_ids)"
     bad = [e for e in params.remote_endpoints if not _ENDPOINT.fullmatch(e)]
     if bad:
         return f"remote_endpoints must be tcp://HOST:PORT, not {bad[0]!r}"
+    if producers is not None:
+        hosts = {e[len("tcp://"):].rsplit(":", 1)[0].strip("[]") for e in params.remote_endpoints}
+        hosts.add(params.remote_host or "")
+        strangers = sorted(h for h in hosts if h not in producers)
+        if strangers:
+            return f"{strangers[0]!r} is not among kv_connector_extra_config's producers"
     return None
 
 

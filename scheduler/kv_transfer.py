@@ -93,11 +93,12 @@ class Disaggregation:
         params, tc = msg.kv_transfer_params, self.transfer
         if params is None or tc is None:
             return
+        producers = tc.kv_connector_extra_config.producers
         if params.do_remote_decode and tc.produces:
             req.kv_export = secrets.randbits(62) + 1
-        elif params.do_remote_prefill and tc.consumes and pullable(params) is None:
+        elif params.do_remote_prefill and tc.consumes and pullable(params, producers) is None:
             req.kv_remote = params
-        elif params.do_remote_prefill:
+        elif params.do_remote_prefill and (producers is None or params.remote_host in producers):
             self._release_remote(params)
 
     def _release_remote(self, params: KVTransferParams) -> None:

@@ -259,3 +259,22 @@ def test_blocks_of_a_request_aborted_mid_pull_wait_for_the_pull_to_end():
     done: dict = {}
     drain(c, cw, outs, done)  # the fake worker fails if a late pull overwrites request 6's KV
     assert outs[6] == reference(other, 4) and all_free(c) and not c.orphans
+
+
+def test_a_consumer_with_a_producer_list_pulls_from_those_hosts_only():
+    p, pw = engine("kv_producer")
+    fake_host = pw.endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    prompt = list(range(30))
+    for producers, pulls in (([fake_host, "127.0.0.1"], 1), (["10.0.0.9"], 0)):
+        c, cw = engine("kv_consumer", kv_connector_extra_config={"producers": producers})
+        cw.peers[pw.endpoint] = pw
+        params = prefill(p, pw, 1, prompt)
+        c.add_request(request(5, prompt, 4, params))
+        outs: dict = {}
+        done: dict = {}
+        drain(c, cw, outs, done)
+        assert outs[5] == reference(prompt, 4) and all_free(c)
+        assert c.stats.kv_pulls_ok == pulls and c.stats.kv_pulls_failed == 0
+        # a stranger's params are not even released: that would be a connection to it
+        assert c.take_releases() == ([("127.0.0.1", 1, params.remote_transfer_id)] if pulls else [])
+        p.release_transfers([params.remote_transfer_id])
