@@ -35,17 +35,17 @@ from noria.protocol.pooling import engine_pooling
 from noria.protocol.step import StepPlan
 from noria.scheduler.admission import refusal
 from noria.scheduler.block_check import check_blocks
-from noria.scheduler.kv_cache_manager import KVCacheManager
 from noria.scheduler.kv_transfer import Disaggregation
 from noria.scheduler.plan_builder import PlanBuilder
 from noria.scheduler.request import Request, SharedParams, Status
 from noria.scheduler.results import StepResults
 from noria.scheduler.structured_output import StructuredOutputManager, resume
+from noria.scheduler.worker_groups import WorkerGroups
 
 _NO_BLOCKS: list[int] = []
 
 
-class Scheduler(Disaggregation, StepResults):
+class Scheduler(WorkerGroups, Disaggregation, StepResults):
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, num_cpu_blocks: int = 0) -> None:
         """`num_kv_blocks` 0: no worker group yet (requests queue until `install_kv`)."""
         self.grammars = StructuredOutputManager(config.tokenizer or config.model, config.model)  # free until used
@@ -72,60 +72,6 @@ class Scheduler(Disaggregation, StepResults):
         self.step_id = 0
         self._init_transfers()
         self.install_kv(num_kv_blocks, num_cpu_blocks)
-
-    # ---- worker groups ---------------------------------------------------
-
-    def install_kv(self, num_kv_blocks: int, num_cpu_blocks: int, max_model_len: int | None = None) -> None:
-        """A fresh, empty KV pool of a worker group's size (nothing may hold blocks: a new
-        group starts after `reset_after_worker_loss`). Waiting requests that the new
-        capacity cannot hold end with `prompt_too_long`."""
-        self.model_len = max_model_len or self.model_len
-        # No request can outgrow the whole cache, or it would preempt itself forever.
-        bound = num_kv_blocks * self.block_size if num_kv_blocks else self.model_len
-        self.max_model_len = min(self.model_len, bound)
-        self.token_budget = self.config.resolved_max_num_batched_tokens(self.max_model_len)
-        for req in self.requests.values():
-            req.set_decode_limit(self.max_model_len)
-        self.kv = KVCacheManager(num_kv_blocks, self.block_size, self.config.enable_prefix_caching,
-                                 num_cpu_blocks if self.swap else 0)
-        self.stats.num_kv_blocks = num_kv_blocks
-        self.stats.num_cpu_blocks = num_cpu_blocks if self.swap else 0
-        # A pooling request needs no room for an output token.
-        for req in [r for r in self.requests.values() if r.num_tokens >= self.max_model_len + r.pooling]:
-            self._finish(req)
-            self.reject(req.req_id, ErrorCode.PROMPT_TOO_LONG,
-                         f"{req.num_tokens} tokens do not fit the new worker group's KV cache "
-                         f"({self.max_model_len} tokens at most)")
-
-    def reset_after_worker_loss(self) -> None:
-        """The worker group is gone with every KV block it held. Running and swapped requests
-        wait again for recompute, keeping every token they have (their outputs included), in
-        their priority/arrival order; the KV pool, prefix cache and swap area are dropped, and
-        with them the advance of the step in flight (its result is never applied, so no token
-        is emitted twice or skipped). Capacity stays as it was until the next group's."""
-        for req in self.running + self.swapped + self._transfers_after_worker_loss():
-            self.stats.requests_requeued += 1
-            self.stats.tokens_recomputed += req.num_computed_tokens
-            req.num_preemptions += 1  # so that re-admission does not count its prompt twice
-            req.status = Status.WAITING
-            heapq.heappush(self.waiting, (req.sort_key, req.req_id))
-        for req in self.requests.values():
-            req.num_computed_tokens = 0
-            req.block_ids, req.num_cached_blocks, req.swapped_blocks = [], 0, []
-            req.in_worker = False
-            req.num_worker_tokens = len(req.token_ids)  # the tokens on their way are lost with the group
-        self.running, self.swapped = [], []
-        self._worker_drop, self._swap_out = [], []
-        self.install_kv(self.kv.pool.num_blocks, self.kv.num_cpu_blocks)
-
-    def fail_all(self, code: str, message: str) -> int:
-        """End every request with an error (no worker came back in time); how many ended."""
-        reqs = list(self.requests.values())
-        for req in reqs:
-            self._finish(req)
-            self.reject(req.req_id, code, message)
-        self.running, self.swapped, self.waiting = [], [], []
-        return len(reqs)
 
     # ---- input -----------------------------------------------------------
 

@@ -32,8 +32,6 @@ from noria.protocol.quant_fp8 import online_quant
 from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.step import (
     CachedRequestData,
-    KVPull,
-    KVPulled,
     NewRequestData,
     StepPlan,
     StepResult,
@@ -64,9 +62,6 @@ from noria.worker.kv_cache import (
     num_swap_blocks,
 )
 from noria.worker.kv_fp8 import apply_scales, cache_dtype
-from noria.worker.kv_pull import KVPuller
-from noria.worker.kv_pull_queue import PullQueue
-from noria.worker.kv_server import KVBlockServer
 from noria.worker.loader import checkpoint_float32_bytes, load_model, load_spec
 from noria.worker.memory_profile import profile_memory
 from noria.worker.models import quant_kinds
@@ -74,14 +69,12 @@ from noria.worker.models.ops import choose_ops
 from noria.worker.models.parallel import destroy_tensor_parallel, init_tensor_parallel
 from noria.worker.pooling import Pooler
 from noria.worker.prompt_logprobs import PromptLogprobs, collect, take_complete
+from noria.worker.rank_transfers import RankTransfers
 from noria.worker.sampler import Sampler, SamplingState
 from noria.worker.score_head import engine_head
 from noria.worker.step_inputs import Batch, RequestState, build_batch, request_state
 
 log = logging.getLogger("noria.worker")
-# How long a step with nothing but pulls to wait for waits for one to end: the scheduler plans
-# such steps only to hear of its pulls, and would otherwise plan them back to back.
-PULL_POLL_SECONDS = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,11 +110,6 @@ class ModelRunner:
         self.requests: dict[int, RequestState] = {}
         # Who wants to know each step's shape and time (e.g. bench/step_log.py); none by default.
         self.step_observers: list[StepObserver] = []
-        # Prefill/decode disaggregation (`start_kv_transfer`): a producer's block server, a
-        # consumer's puller.
-        self.kv_server: KVBlockServer | None = None
-        self.kv_pulls: PullQueue | None = None
-        self._refused_pulls: list[KVPulled] = []
         self._set_up_process()
         self._load_model()
         self._set_lengths()
@@ -157,6 +145,7 @@ class ModelRunner:
         if problem:
             raise ValueError(f"cannot shard {config.model}: {problem}")
         self.tp = init_tensor_parallel(rank, tp_size, dist_init_method, self.device, config.startup_timeout)
+        self.transfers = RankTransfers(config, rank, self.tp, self.device)  # started by the WorkerSession
         choice = choose_dtype(config.dtype, self.device, s.dtype, lambda: checkpoint_float32_bytes(config.model))
         choice = same_on_every_rank(choice, self.device, self.tp)
         self.dtype, self.weight_dtype = cpu_precision(choice.dtype, self.device)
@@ -258,36 +247,24 @@ class ModelRunner:
 
     # -- public -----------------------------------------------------------------
 
-    def start_kv_transfer(self, host: str, curve_folder: str | None) -> str:
-        """Serve held blocks on `host` (a producer) and pull blocks (a consumer), as the engine's
-        --kv-transfer-config says; where this rank serves ("" if it does not)."""
-        tc = self.config.kv_transfer_config
-        if tc is None:
-            return ""
-        if tc.produces and self.kv_server is None:
-            self.kv_server = KVBlockServer(self.kv_cache, host, curve_folder)
-        if tc.consumes and self.kv_pulls is None:
-            opts = tc.kv_connector_extra_config
-            self.kv_pulls = PullQueue(KVPuller(self.kv_cache, self.rank, opts.transfer_timeout, opts.chunk_bytes,
-                                               curve_folder))
-        return self.kv_server.endpoint if self.kv_server is not None else ""
-
     def close(self) -> None:
         """Leave the process group (every rank calls this at shutdown)."""
-        if self.kv_server is not None:
-            self.kv_server.close()
-        if self.kv_pulls is not None:
-            self.kv_pulls.close()
-        self.kv_server, self.kv_pulls = None, None
+        self.transfers.close()
         if self.tp.size > 1:
             destroy_tensor_parallel()
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step. Raises (KeyError/ValueError with the step and request
-        named) on a plan that does not fit the worker's state."""
-        if plan.kv_release and self.kv_server is not None:
-            self.kv_server.release(plan.kv_release)
+        """Run one step, with the KV pulls that ended meanwhile (a step with nothing else to do
+        waits a little for one). Raises (KeyError/ValueError with the step and request named)
+        on a plan that does not fit the worker's state."""
+        result = self._step(plan)
+        result.kv_pulled = self.transfers.ended(idle=not plan.scheduled)
+        return result
+
+    @torch.inference_mode()
+    def _step(self, plan: StepPlan) -> StepResult:
+        if plan.kv_release:
+            self.transfers.release(plan.kv_release)
         for req_id in plan.finished_req_ids:
             self._drop(req_id)
         for new in plan.new_requests:
@@ -298,9 +275,9 @@ class ModelRunner:
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
         if plan.kv_pulls:
-            self._submit_pulls(plan.kv_pulls)
+            self.transfers.submit(plan.kv_pulls)
         if not plan.scheduled:
-            return self._with_pulls(StepResult(step_id=plan.step_id, req_ids=[], token_ids=[]), idle=True)
+            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
 
         batch = self._prepare(plan)
         t_model = time.perf_counter()
@@ -326,60 +303,24 @@ class ModelRunner:
             if self.pooler is not None:
                 meta = batch.meta
                 ids, vectors = self.pooler.pool(hidden, batch.states, meta.query_lens_host, meta.seq_lens_host)
-            return self._with_pulls(StepResult(step_id=plan.step_id, req_ids=[], token_ids=[], pooled_req_ids=ids,
-                                               pooled=vectors))
+            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[], pooled_req_ids=ids, pooled=vectors)
         if not batch.sample_requests:
-            return self._with_pulls(StepResult(step_id=plan.step_id, req_ids=[], token_ids=[]))
+            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
         if plan.grammar is not None and logits is not None:  # structured output (rank 0 has the logits)
             apply_grammar_bitmask(logits, plan.grammar, [r.req_id for r in batch.sample_requests])
         tokens, logprobs = self._sample(logits, batch.sample_requests)
         for state, token in zip(batch.sample_requests, tokens, strict=True):
             state.token_ids.append(token)
-            if state.kv_export and self.kv_server is not None:  # the prompt's blocks as they are now
+            if state.kv_export:  # a producer's request: the prompt's blocks as they are now
                 num_blocks = -(-state.num_prompt_tokens // self.block_size)
-                self.kv_server.hold(state.kv_export, self.block_tables.ids[state.row][:num_blocks])
-        return self._with_pulls(StepResult(
+                self.transfers.hold(state.kv_export, self.block_tables.ids[state.row][:num_blocks])
+        return StepResult(
             step_id=plan.step_id,
             req_ids=[r.req_id for r in batch.sample_requests],
             token_ids=tokens,
             logprobs=logprobs,
             prompt_logprobs=take_complete(batch.sample_requests),
-        ))
-
-    # -- KV pulls (prefill/decode disaggregation) --------------------------------
-
-    def _submit_pulls(self, pulls: list[KVPull]) -> None:
-        if self.kv_pulls is None:  # a plan the engine's role does not allow: each fails at once
-            self._refused_pulls += [KVPulled(p.req_id, False, error="this engine pulls no KV (its "
-                                             "--kv-transfer-config role is kv_producer)") for p in pulls]
-        else:
-            self.kv_pulls.submit(pulls)
-
-    def _with_pulls(self, result: StepResult, idle: bool = False) -> StepResult:
-        """`result` with the pulls that have ended on every rank since the last step. A step
-        with nothing else to do (`idle`) waits a little for one, so that a scheduler waiting only
-        for pulls does not spin."""
-        result.kv_pulled, self._refused_pulls = self._refused_pulls, []
-        q = self.kv_pulls
-        if q is None or not q.outstanding:
-            return result
-        if idle:
-            q.wait_any(PULL_POLL_SECONDS)
-        state = q.snapshot()
-        ended = [(rid, o) for rid, o in state if o is not None]
-        if self.tp.size > 1:  # ended everywhere, whole only if whole everywhere
-            votes = torch.tensor([[int(o is not None), int(o is not None and not o.ok), o.nbytes if o else 0]
-                                  for _, o in state], dtype=torch.long, device=self.device)
-            self.tp.all_reduce(votes)
-            ended = []
-            for (rid, o), (done, failed, nbytes) in zip(state, votes.tolist(), strict=True):
-                if done == self.tp.size:
-                    assert o is not None
-                    error = o.error or ("another rank's shard did not arrive" if failed else None)
-                    ended.append((rid, KVPulled(rid, failed == 0, nbytes, o.seconds, error)))
-        q.forget([rid for rid, _ in ended])
-        result.kv_pulled += [o for _, o in ended if o is not None]
-        return result
+        )
 
     def _sample(self, logits: torch.Tensor | None, requests: list[RequestState]
                 ) -> tuple[list[int], list[Logprob | None] | None]:

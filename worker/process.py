@@ -134,7 +134,7 @@ class WorkerSession:
                 cpu_ops.log_once()
         r = self.runner
         choice = r.attention_choice
-        kv_endpoint = r.start_kv_transfer(self._kv_host(config), self.opts.curve_keys)
+        kv_endpoint = r.transfers.start(r.kv_cache, self._kv_host(config), self.opts.curve_keys)
         self.link.send(WorkerReady(welcome.epoch, self.opts.rank, r.num_kv_blocks, r.num_cpu_blocks, r.vocab_size,
                                    r.max_model_len, choice.name, choice.reason, kv_endpoint))
 
@@ -172,12 +172,9 @@ class WorkerSession:
         if self.runner.tp.size > 1:
             self._close_runner()  # its torch.distributed group is gone with the other ranks
             return
-        if self.runner.kv_pulls is not None:
-            self.runner.kv_pulls.cancel_all()  # its pulls' blocks belong to the next group
+        self.runner.transfers.forget()  # its pulls and holds went with the group
         # The plan that finishes every request the runner knows, and does nothing else.
         self.runner.execute(StepPlan(0, [], finished_req_ids=list(self.runner.requests)))
-        if self.runner.kv_server is not None:
-            self.runner.kv_server.clear()  # the scheduler's holds went with the group
 
     def _close_runner(self) -> None:
         if self.runner is not None:
