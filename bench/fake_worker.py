@@ -12,14 +12,18 @@ from __future__ import annotations
 from noria.protocol.step import KVPull, KVPulled, StepPlan, StepResult
 
 
-def next_token(tokens: list[int], vocab: int) -> int:
-    return hash(tuple(tokens)) % vocab
+def next_token(tokens: list[int], vocab: int, window: int | None = None) -> int:
+    """The model: a hash of the whole sequence, or (`window`) of its last `window` tokens only,
+    whose outputs soon repeat (what speculation's n-gram lookup finds)."""
+    return hash(tuple(tokens[-window:] if window else tokens)) % vocab
 
 
 class FakeWorker:
-    def __init__(self, num_blocks: int, block_size: int, vocab: int = 1000, num_cpu_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, vocab: int = 1000, num_cpu_blocks: int = 0,
+                 window: int | None = None) -> None:
         self.block_size = block_size
         self.vocab = vocab
+        self.window = window  # next_token's
         self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.cpu: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.reqs: dict[int, dict] = {}
@@ -80,6 +84,12 @@ class FakeWorker:
         self.pending = [(at, p) for at, p in self.pending if at > self.steps]
         pulled = [self._pull(p) for p in due]
         bs = self.block_size
+        drafted: dict[int, int] = {}
+        for draft in plan.drafts:  # speculative decoding: the row is the last token and the draft
+            st = self.reqs[draft.req_id]
+            assert st["computed"] == len(st["tokens"]) - 1, f"req {draft.req_id}: a draft on a non-decode"
+            st["tokens"].extend(draft.token_ids)
+            drafted[draft.req_id] = len(draft.token_ids)
         # Like every layer of the real worker: write the whole step's KV, then attend.
         for rid, n in plan.scheduled:
             st = self.reqs[rid]
@@ -96,11 +106,20 @@ class FakeWorker:
             st["computed"] += n
             self._check_prefix(rid, st["computed"])
             if st["computed"] == len(st["tokens"]):
-                forced = self.forced.get(rid)
-                tok = forced.pop(0) if forced else next_token(st["tokens"], self.vocab)
-                st["tokens"].append(tok)
-                out_ids.append(rid)
-                out_toks.append(tok)
+                k = drafted.get(rid, 0)
+                base = st["tokens"][:len(st["tokens"]) - k]
+                draft = st["tokens"][len(base):]
+                kept: list[int] = []
+                for j in range(k + 1):  # the model's token at each drafted position, up to the first miss
+                    forced = self.forced.get(rid)
+                    tok = forced.pop(0) if forced else next_token(base + kept, self.vocab, self.window)
+                    kept.append(tok)
+                    if j == k or tok != draft[j]:
+                        break
+                st["tokens"] = base + kept
+                st["computed"] = len(st["tokens"]) - 1 if k else st["computed"]
+                out_ids += [rid] * len(kept)
+                out_toks += kept
                 if st["export"]:
                     self.holds[st["export"]] = st["blocks"][: -(-st["prompt"] // self.block_size)]
         return StepResult(plan.step_id, out_ids, out_toks, epoch=plan.epoch, kv_pulled=pulled)

@@ -112,6 +112,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                         "({\"abort_request_timeout\": 480, \"transfer_timeout\": 30, \"producers\": [hosts a consumer "
                         "pulls from; default any]}); e.g. "
                         "'{\"kv_connector\": \"NoriaConnector\", \"kv_role\": \"kv_producer\"}'")
+    g.add_argument("--speculative-config", type=_speculative, default=None, metavar="JSON",
+                   help="speculative decoding with vLLM's keys: method (ngram: prompt lookup), num_speculative_tokens "
+                        "(tokens proposed per step), prompt_lookup_min and prompt_lookup_max (the n-gram sizes looked "
+                        "up, default 5), disable_by_batch_size (no speculation with more requests running); e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
     c = ap.add_argument_group("chat")
     c.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                    help="allow tool_choice \"auto\": the model decides whether to call a tool (needs --tool-call-parser)")
@@ -155,6 +160,15 @@ def _kv_transfer(text: str) -> dict[str, Any]:
 
     try:
         return parse_kv_transfer_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _speculative(text: str) -> dict[str, Any]:
+    from noria.protocol.speculative import parse_speculative_config
+
+    try:
+        return parse_speculative_config(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

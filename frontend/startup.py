@@ -20,12 +20,14 @@ from noria.frontend.generation_config import generation_defaults
 from noria.frontend.processor import InputLimits, InputProcessor, eos_token_ids, load_tokenizer
 from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig, WorkerLinkConfig
+from noria.protocol.errors import ParamError
 from noria.protocol.model_identity import context_error, spec_facts
 from noria.protocol.model_shapes import check_tensor_parallel
 from noria.protocol.model_spec import ModelSpec
 from noria.protocol.pooling import engine_pooling
 from noria.protocol.quant_fp8 import online_quant
 from noria.protocol.score import engine_score
+from noria.protocol.speculative import parse_speculative_config
 from noria.protocol.validation import convert
 
 log = logging.getLogger("noria")
@@ -38,7 +40,16 @@ def make_config(model: str | os.PathLike[str] = "demo", **flags: Any) -> EngineC
     unknown = sorted(set(flags) - known)
     if unknown:
         raise TypeError(f"unknown engine flag(s): {', '.join(unknown)}")
+    if isinstance(flags.get("speculative_config"), dict):  # vLLM's defaults filled in, its odd keys dropped
+        flags["speculative_config"] = _speculative(flags["speculative_config"])
     return convert({"model": os.fspath(model), **{k: v for k, v in flags.items() if v is not None}}, EngineConfig)
+
+
+def _speculative(value: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return parse_speculative_config(value)
+    except ValueError as e:
+        raise ParamError("speculative_config", str(e)) from None
 
 
 def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limits: Limits | None = None,
@@ -51,7 +62,7 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
     online_quant(spec, config.quantization)  # --quantization fp8 of a quantized checkpoint: one sentence too
     check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
     _check_length(spec, config.max_model_len)
-    config = msgspec.structs.replace(config, model=model_path)
+    config = _speculation(msgspec.structs.replace(config, model=model_path))
     # Resolved once here (a bad sentence-transformers file fails now, in one sentence), so that
     # the scheduler and every worker pool the same way.
     pooling = engine_pooling(model_path, config.runner, config.pooling)
@@ -100,6 +111,20 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
         engine.resubmit = core.resubmit
     core.data_parallel_rank = rank or 0
     return core
+
+
+def _speculation(config: EngineConfig) -> EngineConfig:
+    """Speculation plans each step from the last one's result: it turns async scheduling off."""
+    spec = config.speculative_config
+    if spec is None:
+        return config
+    if config.runner != "generate":
+        raise ValueError("--speculative-config speeds up generation: a pooling engine (--runner pooling) "
+                         "generates nothing")
+    if config.async_scheduling:
+        log.warning("--async-scheduling is off: speculative decoding plans each step from the last one's result")
+        config = msgspec.structs.replace(config, async_scheduling=False)
+    return config  # the scheduler says what speculation is on
 
 
 def chat_config(config: EngineConfig) -> ChatConfig:

@@ -16,7 +16,7 @@ from noria.worker import cli as worker_cli
 # The benchmarks users run, as `noria bench NAME` (each is noria.bench.NAME, with a `main(argv)`);
 # bench/'s other modules are their helpers. Named here so that the parser needs no import of bench.
 BENCHMARKS = ("generate", "scheduler", "serving", "throughput", "fuzz", "disconnects", "overload", "failover",
-              "kernels", "soak", "structured", "gpu", "routing", "pd")
+              "kernels", "soak", "structured", "gpu", "routing", "pd", "spec")
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -277,6 +277,13 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     kv_pull_bytes: int = 0
     kv_pull_tokens: int = 0
     kv_pull_seconds: float = 0.0
+    # Speculative decoding (--speculative-config): drafts verified, their tokens, the draft tokens
+    # accepted, and per draft position how many drafts had it accepted (vLLM's spec_decode
+    # counters).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class GetStats(msgspec.Struct, kw_only=True, tag="get_stats", tag_field="type"):

@@ -10,6 +10,7 @@ from msgspec import Meta
 from noria.protocol.kv_events import KVEventsConfig
 from noria.protocol.kv_transfer import KVTransferConfig
 from noria.protocol.pooling import PoolingType, Runner
+from noria.protocol.speculative import SpeculativeConfig
 
 # Accepted spellings, as vLLM accepts them; the worker maps them to torch dtypes.
 Dtype = Literal["auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"]
@@ -112,6 +113,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # vLLM's --kv-transfer-config: this engine computes prompts for others (kv_producer), pulls
     # the blocks of prompts computed elsewhere (kv_consumer), or both (protocol/kv_transfer.py).
     kv_transfer_config: KVTransferConfig | None = None
+    # vLLM's --speculative-config: the scheduler proposes tokens, the worker verifies them in one
+    # pass (protocol/speculative.py); None: one token per request per step.
+    speculative_config: SpeculativeConfig | None = None
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:

@@ -20,11 +20,12 @@ only needs them to be consistent within one engine's stream, and to chain by par
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
+
+from noria.protocol.validation import json_flag
 
 # The medium vLLM names for the engine's own KV cache, on every device (its CPU backend too);
 # a consumer reads it as the tier, and "CPU" means an offloaded copy, which noria has none of:
@@ -61,12 +62,7 @@ _FIELDS = msgspec.structs.fields(KVEventsConfig)
 
 def parse_kv_events_config(text: str) -> dict[str, Any]:
     """`--kv-events-config JSON`, checked; ValueError says in one sentence what is wrong."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"--kv-events-config is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--kv-events-config must be a JSON object of vLLM's KVEventsConfig keys")
+    value = json_flag(text, "--kv-events-config", "vLLM's KVEventsConfig keys")
     known = [f.name for f in _FIELDS]
     for key in value:
         if key not in known:

@@ -22,12 +22,13 @@ request ("fail"); it never yields an answer from blocks it did not get whole.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
+
+from noria.protocol.validation import json_flag
 
 CONNECTOR = "NoriaConnector"
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -81,12 +82,7 @@ _FIELDS = [f.name for f in msgspec.structs.fields(KVTransferConfig)]
 
 def parse_kv_transfer_config(text: str) -> dict[str, Any]:
     """`--kv-transfer-config JSON`, checked; ValueError says in one sentence what is wrong."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"--kv-transfer-config is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--kv-transfer-config must be a JSON object of vLLM's KVTransferConfig keys")
+    value = json_flag(text, "--kv-transfer-config", "vLLM's KVTransferConfig keys")
     for key in value:
         if key not in _FIELDS:
             raise ValueError(f"--kv-transfer-config has no key {key!r}; it takes {', '.join(_FIELDS)}")

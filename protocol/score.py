@@ -23,6 +23,7 @@ from typing import Any, Literal
 import msgspec
 
 from noria.protocol.model_spec import read_config
+from noria.protocol.validation import json_flag
 
 Activation = Literal["sigmoid", "softmax", "identity"]
 _METHODS = ("from_2_way_softmax", "no_post_processing")
@@ -62,13 +63,7 @@ def is_classifier(config: Mapping[str, Any]) -> bool:
 
 def parse_overrides(text: str) -> dict[str, Any]:
     """`--hf-overrides`: a JSON object of config.json keys (vLLM's flag)."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"--hf-overrides is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--hf-overrides must be a JSON object of config.json keys")
-    return value
+    return json_flag(text, "--hf-overrides", "config.json keys")
 
 
 def score_spec(model_path: str | Path, overrides: Mapping[str, Any] | None = None,

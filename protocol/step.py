@@ -16,6 +16,7 @@ import msgspec
 
 from noria.protocol.client import Logprob
 from noria.protocol.sampling import EngineSamplingParams
+from noria.protocol.speculative import Draft
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -110,11 +111,16 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     params: list[EngineSamplingParams] = []
     kv_pulls: list[KVPull] = []
     kv_release: list[int] = []  # transfer ids (NewRequestData.kv_export_id) whose blocks are freed
+    # Speculative decoding: the tokens proposed for some of this step's decodes (a request's
+    # scheduled count is then 1 + its draft's length), verified in this step's forward pass.
+    drafts: list[Draft] = []
 
 
 class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     """Sampled token ids for the requests that sampled this step, in plan order (or, from a
-    pooling engine, the pooled vectors of the requests whose prompt the step completed)."""
+    pooling engine, the pooled vectors of the requests whose prompt the step completed). A request
+    whose draft was verified appears once per token it keeps, consecutively, in output order: its
+    accepted draft tokens, then the token sampled after them (`logprobs` likewise)."""
 
     step_id: int
     req_ids: list[int]

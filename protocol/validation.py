@@ -8,6 +8,7 @@ found by converting one field at a time against the Struct's own field types.
 from __future__ import annotations
 
 import functools
+import json
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -85,3 +86,16 @@ def convert(raw: Mapping[str, Any], cls: type[S], code: str = ErrorCode.INVALID_
         return msgspec.convert(raw, cls)
     except msgspec.ValidationError as e:
         raise field_error(cls, raw, code) or ParamError(None, str(e), code) from None
+
+
+def json_flag(value: object, flag: str, what: str) -> dict[str, Any]:
+    """A flag's JSON object (text from the command line, or the dict a Python caller passed);
+    ValueError says in one sentence what is wrong."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{flag} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object of {what}")
+    return value

@@ -14,12 +14,14 @@ from typing import Any
 
 from noria.protocol.client import SchedulerStats
 from noria.protocol.sampling import EngineSamplingParams
+from noria.protocol.speculative import Draft
 from noria.protocol.step import CachedRequestData, NewRequestData
 from noria.scheduler.request import Request
 
 
 class PlanBuilder:
-    __slots__ = ("scheduled", "new_requests", "cached", "masked", "stats", "params", "params_index", "params_bytes")
+    __slots__ = ("scheduled", "new_requests", "cached", "masked", "stats", "params", "params_index", "params_bytes",
+                 "drafts")
 
     def __init__(self, stats: SchedulerStats) -> None:
         self.scheduled: list[tuple[int, int]] = []
@@ -30,6 +32,7 @@ class PlanBuilder:
         self.params: list[EngineSamplingParams] = []
         self.params_index: dict[int, int] = {}  # id() of a SharedParams -> its entry in `params`
         self.params_bytes = 0  # encoded size of `params`
+        self.drafts: list[Draft] = []
 
     def has_room_for_params(self, req: Request, budget: int) -> bool:
         """Whether `req` may start in this plan without its parameters taking the plan past
@@ -64,3 +67,14 @@ class PlanBuilder:
             req.num_worker_tokens = c + 1
             if req.matcher is not None and req.grammar_wait is None:  # (not while it reasons)
                 self.masked.append((req.req_id, req.matcher))  # its mask goes with this step
+
+    def add_draft(self, req: Request, draft: list[int], added: list[int]) -> None:
+        """Schedule a decode of `req` (already in the worker) with `draft` after its last token;
+        it counts every drafted token as on its way until the result says which it keeps."""
+        if added:
+            self.cached.append(CachedRequestData(req.req_id, added))
+        n = 1 + len(draft)
+        req.num_computed_tokens += n
+        req.num_worker_tokens = req.num_computed_tokens + 1
+        self.scheduled.append((req.req_id, n))
+        self.drafts.append(Draft(req.req_id, draft))

@@ -114,7 +114,10 @@ class SchedulerProcess:
         self.stats_due = True
         self.last_stats = 0.0
         self.in_flight: deque[int] = deque()  # step ids sent to the live group, results not yet applied
-        self.max_in_flight = 2 if config.async_scheduling else 1
+        self.max_in_flight = 2 if config.async_scheduling and self.sched.spec is None else 1
+        self.sent: tuple[int, float] | None = None  # speculation: (step id, when sent)
+        if config.speculative_config is not None:
+            log.info("%s", config.speculative_config.describe())
         self.was_busy = False
         self.started = time.monotonic()
         # Local workers start with the engine: its READY waits for them and carries their KV
@@ -168,6 +171,8 @@ class SchedulerProcess:
                 if self.in_flight and ev.step_id == self.in_flight[0]:  # the worker runs plans in order
                     self.in_flight.popleft()
                     self.sched.update_from_result(ev)
+                    if self.sent is not None and self.sent[0] == ev.step_id:  # speculation: does drafting pay
+                        self.sched.observe_step(ev.step_id, time.monotonic() - self.sent[1], len(ev.token_ids))
                     self._maybe_step()  # the next plan before the next result is taken
                 continue
             status_changed = True
@@ -253,6 +258,8 @@ class SchedulerProcess:
             if not self.group.send_plan(plan):
                 return  # the group is lost: its event is handled next, in _handle_events
             sched.stats.steps_planned_ahead += bool(self.in_flight)
+            if sched.spec is not None and not self.in_flight:
+                self.sent = (plan.step_id, time.monotonic())
             self.in_flight.append(plan.step_id)
 
     def _drain_frontend(self) -> None:

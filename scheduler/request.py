@@ -10,6 +10,7 @@ import msgspec
 from noria.protocol.engine import EngineRequest, EngineSample
 from noria.protocol.kv_transfer import KVTransferParams
 from noria.protocol.sampling import EngineSamplingParams
+from noria.scheduler.ngram import NgramIndex
 from noria.scheduler.structured_output import advance
 
 _SETS: dict[frozenset[int], frozenset[int]] = {}
@@ -63,7 +64,7 @@ class Request:
         "arrival_seq",
         "max_tokens", "block_ids", "block_hashes", "num_cached_blocks", "in_worker",
         "swapped_blocks", "num_preemptions", "sort_key", "hash_root", "grammar_wait", "pooling", "pools_every_position",
-        "kv_remote", "kv_export",
+        "kv_remote", "kv_export", "ngram", "spec_k", "spec_skip", "spec_misses",
     )
 
     def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: bytes | None,
@@ -118,6 +119,12 @@ class Request:
         # waits to be pulled, and a producer's transfer id (0: none).
         self.kv_remote: KVTransferParams | None = None
         self.kv_export = 0
+        # Speculative decoding (scheduler/speculation.py): its proposer (None: never drafted), its
+        # draft length now, lookups to sit out, and drafts rejected outright in a row.
+        self.ngram: NgramIndex | None = None
+        self.spec_k = 0
+        self.spec_skip = 0
+        self.spec_misses = 0
 
     def set_decode_limit(self, max_model_len: int) -> None:
         """Where the hot paths stop for this request (`Scheduler.schedule`, `update_from_result`):

@@ -8,6 +8,8 @@ gets none, so a step planned ahead never delivers a token too many.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from noria.protocol.client import Logprob, SchedulerStats
 from noria.protocol.engine import RequestUpdate
 from noria.protocol.errors import ErrorCode
@@ -25,6 +27,8 @@ class StepResults:
     updates: list[RequestUpdate]  # pending messages for the frontend
     stats: SchedulerStats
     max_model_len: int
+    _verifying: list[tuple[Request, int]]  # scheduler/speculation.py's
+    _verified: Callable[[StepResult], None]
 
     def _finish(self, req: Request) -> None:
         raise NotImplementedError
@@ -54,6 +58,8 @@ class StepResults:
                 finished |= self._emit(req, tok, None if logprobs is None else logprobs[j],
                                        None if prompt_logprobs is None else prompt_logprobs[j])
         self.stats.generation_tokens += len(tokens) - (self.stats.tokens_discarded - discarded_before)
+        if self._verifying:
+            self._verified(result)
         if result.pooled_req_ids or result.pooled:
             finished |= self._apply_pooled(result)
         if result.kv_pulled:

@@ -39,13 +39,14 @@ from noria.scheduler.kv_transfer import Disaggregation
 from noria.scheduler.plan_builder import PlanBuilder
 from noria.scheduler.request import Request, SharedParams, Status
 from noria.scheduler.results import StepResults
+from noria.scheduler.speculation import Speculation
 from noria.scheduler.structured_output import StructuredOutputManager, resume
 from noria.scheduler.worker_groups import WorkerGroups
 
 _NO_BLOCKS: list[int] = []
 
 
-class Scheduler(WorkerGroups, Disaggregation, StepResults):
+class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int, num_cpu_blocks: int = 0) -> None:
         """`num_kv_blocks` 0: no worker group yet (requests queue until `install_kv`)."""
         self.grammars = StructuredOutputManager(config.tokenizer or config.model, config.model)  # free until used
@@ -71,6 +72,7 @@ class Scheduler(WorkerGroups, Disaggregation, StepResults):
         self._arrivals = 0
         self.step_id = 0
         self._init_transfers()
+        self._init_speculation()
         self.install_kv(num_kv_blocks, num_cpu_blocks)
 
     # ---- input -----------------------------------------------------------
@@ -103,6 +105,7 @@ class Scheduler(WorkerGroups, Disaggregation, StepResults):
             req.pooling, req.pools_every_position = True, self.pooling.every_position
         req.set_decode_limit(self.max_model_len)
         self._transfer_of(msg, req)
+        self._speculates(req)
         self._arrivals += 1
         self.requests[rid] = req
         self.stats.prompt_tokens += req.num_prompt_tokens
@@ -177,6 +180,7 @@ class Scheduler(WorkerGroups, Disaggregation, StepResults):
         preempted = False
         bs = self.block_size
         kv = self.kv
+        drafts = self._step_drafts(budget)  # speculative decoding: {} when off
         # A for loop may pop victims off the end: the iterator re-reads the length.
         for req in running:
             if budget <= 0:
@@ -185,6 +189,9 @@ class Scheduler(WorkerGroups, Disaggregation, StepResults):
             k = req.num_worker_tokens
             num_new = k - c
             if num_new == 1:
+                if drafts and req.req_id in drafts and self._plan_draft(req, drafts[req.req_id], budget, plan):
+                    budget -= req.num_computed_tokens - c
+                    continue
                 if c % bs and k < req.decode_limit:
                     # Hot path: a plain decode that starts no block. A block it fills is
                     # keyed for prefix hits when the next one starts (`append_slot`): a
@@ -297,9 +304,11 @@ class Scheduler(WorkerGroups, Disaggregation, StepResults):
         swap_out, self._swap_out = self._swap_out, []
         masked = plan.masked
         pulls, release = self._take_transfer_plan()
-        return StepPlan(self.step_id, plan.scheduled, plan.new_requests, plan.cached, drop, swap_out=swap_out,
+        step = StepPlan(self.step_id, plan.scheduled, plan.new_requests, plan.cached, drop, swap_out=swap_out,
                         swap_in=swap_in, grammar=self.grammars.fill_bitmask(masked) if masked else None,
-                        params=plan.params, kv_pulls=pulls, kv_release=release)
+                        params=plan.params, kv_pulls=pulls, kv_release=release, drafts=plan.drafts)
+        self._time_step(step)
+        return step
 
     # ---- state changes ---------------------------------------------------
 

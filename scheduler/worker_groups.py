@@ -32,6 +32,7 @@ class WorkerGroups:
     _worker_drop: list[int]
     _swap_out: list[tuple[int, int]]
     _transfers_after_worker_loss: Callable[[], list[Request]]  # scheduler/kv_transfer.py's
+    _forget_drafts: Callable[[], None]  # scheduler/speculation.py's
 
     def _finish(self, req: Request) -> None:
         raise NotImplementedError
@@ -80,6 +81,7 @@ class WorkerGroups:
             req.num_worker_tokens = len(req.token_ids)  # the tokens on their way are lost with the group
         self.running, self.swapped = [], []
         self._worker_drop, self._swap_out = [], []
+        self._forget_drafts()
         self.install_kv(self.kv.pool.num_blocks, self.kv.num_cpu_blocks)
 
     def fail_all(self, code: str, message: str) -> int:

@@ -153,7 +153,8 @@ def test_hello_and_get_stats(raw):
                   "attention_backend": str, "attention_reason": str, "block_size": int, "num_cpu_blocks": int,
                   "kv_cache_dtype": str, "enable_prefix_caching": bool, "kv_transfers_held": int,
                   "kv_transfers_released": int, "kv_transfers_expired": int, "kv_pulls_ok": int, "kv_pulls_failed": int,
-                  "kv_pull_bytes": int, "kv_pull_tokens": int, "kv_pull_seconds": float}
+                  "kv_pull_bytes": int, "kv_pull_tokens": int, "kv_pull_seconds": float, "spec_drafts": int,
+                  "spec_draft_tokens": int, "spec_accepted_tokens": int, "spec_accepted_per_pos": list}
     assert set(stats["stats"]) == set(documented)
     assert stats["stats"]["attention_backend"] in ("kernels", "torch")  # the live group's
     for name, kind in documented.items():

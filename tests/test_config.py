@@ -72,6 +72,8 @@ def test_children_reject_a_bad_config_when_decoding_it():
         (["serve", "--dtype", "f8"], "--dtype"),
         (["generate", "x", "--device", "tpu"], "--device"),
         (["serve", "--api-key", "a", "--api-key-file", "b"], "--api-key-file"),
+        (["serve", "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
+         "--speculative-config"),
     ],
 )
 def test_the_cli_rejects_bad_choices_before_starting_anything(argv, flag, capsys):

@@ -10,7 +10,11 @@ block that holds exactly the tokens hashed, outputs equal the brute-force
 model's, and every request ends exactly once; when all requests end, every
 block is free. With async scheduling drawn on, each step is planned before the
 previous step's result is applied (as the scheduler process does): the worker
-runs the plans in order, and outputs must still equal the model's token for token.
+runs the plans in order, and outputs must still equal the model's token for token. With
+speculative decoding drawn on (n-gram drafts of 1-4 tokens, sync scheduling), the model is drawn
+to depend on the last one or two tokens only, so that its outputs repeat and drafts are accepted
+in whole or in part: outputs stay the model's, and every cached block still holds exactly the
+tokens its key covers (no rejected draft token is ever keyed).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from noria.bench.fake_worker import FakeWorker, next_token
 from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest, EngineSample
 from noria.protocol.sampling import EngineSamplingParams
+from noria.protocol.speculative import SpeculativeConfig
 from noria.scheduler.scheduler import Scheduler
 
 VOCAB = 40
@@ -54,16 +59,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         cpu_blocks=st.integers(0, 24),
         caching=st.booleans(),
         ahead=st.booleans(),
+        spec=st.sampled_from([None, None, 1, 2, 4]),
+        window=st.sampled_from([1, 2, None]),
+        row_cost=st.sampled_from([0.0, 0.0, 0.2, 1.0]),
     )
-    def setup(self, num_blocks, budget, max_seqs, swap, cpu_blocks, caching, ahead):
+    def setup(self, num_blocks, budget, max_seqs, swap, cpu_blocks, caching, ahead, spec, window, row_cost):
         kvm.new_digest = _recording_new_digest
+        self.window = window if spec else None
         cfg = EngineConfig(
             block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
             preemption_mode="swap" if swap else "recompute", enable_prefix_caching=caching,
             scheduling_policy="priority",  # the arrivals draw priorities: let them order the queues
+            async_scheduling=ahead and not spec,
+            speculative_config=SpeculativeConfig(num_speculative_tokens=spec, prompt_lookup_min=1,
+                                                 prompt_lookup_max=3) if spec else None,
         )
         self.s = Scheduler(cfg, num_blocks, 10_000, cpu_blocks)
-        self.w = FakeWorker(num_blocks, BS, vocab=VOCAB, num_cpu_blocks=cpu_blocks)
+        self.w = FakeWorker(num_blocks, BS, vocab=VOCAB, num_cpu_blocks=cpu_blocks, window=self.window)
         self.sizes = (num_blocks, cpu_blocks)
         self.next_id = 0
         self.prompts: dict[int, list[int]] = {}
@@ -72,7 +84,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.max_tokens: dict[int, int] = {}
         self.group: dict[int, int] = {}  # req_id -> its client request's first engine id
         self.shared = False
-        self.ahead = ahead  # async scheduling
+        self.ahead = ahead and not spec  # async scheduling
+        # What a step of n tokens costs, as the scheduler process measures it (speculation reads
+        # it): 1 + row_cost * n, flat (rows are free) to compute-bound.
+        self.row_cost = row_cost
         self.in_flight = None  # the result of the step planned before the last one (ahead only)
 
     def teardown(self):
@@ -86,6 +101,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             caching = "caching on" if self.s.kv.enable_prefix_caching else "caching off"
             event(f"samples shared a block, {caching}" if self.shared else "no sample sharing")
             event("async scheduling" if self.ahead else "sync scheduling")
+            if self.s.spec is not None:
+                event("drafts accepted" if st_.spec_accepted_tokens else "no draft accepted")
+                event("a draft rejected" if st_.spec_accepted_tokens < st_.spec_draft_tokens else "none rejected")
 
     def _busy(self):
         return self.s.has_work() or self.in_flight is not None
@@ -97,6 +115,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.s.has_work():
             plan = self.s.schedule()
             result = self.w.execute(plan)
+            n = sum(k for _, k in plan.scheduled)
+            self.s.observe_step(plan.step_id, 1.0 + self.row_cost * n, len(result.token_ids))
         if self.ahead:
             result, self.in_flight = self.in_flight, result
         if result is not None:
@@ -156,7 +176,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         result is never applied); a new one of the same size takes over."""
         self.s.reset_after_worker_loss()
         self.in_flight = None
-        self.w = FakeWorker(self.sizes[0], BS, vocab=VOCAB, num_cpu_blocks=self.sizes[1])
+        self.w = FakeWorker(self.sizes[0], BS, vocab=VOCAB, num_cpu_blocks=self.sizes[1], window=self.window)
         event("worker lost")
         self._collect()
 
@@ -221,7 +241,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for rid, out in self.outputs.items():
             toks = list(self.prompts[rid])
             for t in out:
-                assert t == next_token(toks, VOCAB), f"request {rid} output differs from the model"
+                assert t == next_token(toks, VOCAB, self.window), f"request {rid} output differs from the model"
                 toks.append(t)
 
 

@@ -72,6 +72,7 @@ from noria.worker.prompt_logprobs import PromptLogprobs, collect, take_complete
 from noria.worker.rank_transfers import RankTransfers
 from noria.worker.sampler import Sampler, SamplingState
 from noria.worker.score_head import engine_head
+from noria.worker.spec_decode import take_drafts, verify
 from noria.worker.step_inputs import Batch, RequestState, build_batch, request_state
 
 log = logging.getLogger("noria.worker")
@@ -279,7 +280,8 @@ class ModelRunner:
         if not plan.scheduled:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
 
-        batch = self._prepare(plan)
+        drafted = take_drafts(plan, self.requests, self.vocab_size) if plan.drafts else None
+        batch = self._prepare(plan, drafted)
         t_model = time.perf_counter()
         if batch.graph_size is not None and self.graphs is not None:
             hidden = self.graphs.replay(batch.graph_size, len(batch.states))
@@ -306,32 +308,31 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[], pooled_req_ids=ids, pooled=vectors)
         if not batch.sample_requests:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
-        if plan.grammar is not None and logits is not None:  # structured output (rank 0 has the logits)
-            apply_grammar_bitmask(logits, plan.grammar, [r.req_id for r in batch.sample_requests])
-        tokens, logprobs = self._sample(logits, batch.sample_requests)
-        for state, token in zip(batch.sample_requests, tokens, strict=True):
-            state.token_ids.append(token)
-            if state.kv_export:  # a producer's request: the prompt's blocks as they are now
-                num_blocks = -(-state.num_prompt_tokens // self.block_size)
-                self.transfers.hold(state.kv_export, self.block_tables.ids[state.row][:num_blocks])
-        return StepResult(
-            step_id=plan.step_id,
-            req_ids=[r.req_id for r in batch.sample_requests],
-            token_ids=tokens,
-            logprobs=logprobs,
-            prompt_logprobs=take_complete(batch.sample_requests),
-        )
+        if drafted:  # speculative decoding: every drafted position sampled, the accepted run kept
+            result = verify(plan, logits, batch.sample_requests, drafted, self._sample_rows)
+        else:
+            result = self._sample(plan, logits, batch.sample_requests)
+        self.transfers.hold_exports(batch.sample_requests, self.block_tables.ids, self.block_size)
+        return result
 
-    def _sample(self, logits: torch.Tensor | None, requests: list[RequestState]
-                ) -> tuple[list[int], list[Logprob | None] | None]:
-        """Rank 0 samples; with several ranks it broadcasts the ids to the others."""
+    def _sample(self, plan: StepPlan, logits: torch.Tensor | None, requests: list[RequestState]) -> StepResult:
+        if plan.grammar is not None and logits is not None:  # structured output (rank 0 has the logits)
+            apply_grammar_bitmask(logits, plan.grammar, [r.req_id for r in requests])
+        tokens, logprobs = self._sample_rows(logits, [r.sampling for r in requests], record=True)
+        for state, token in zip(requests, tokens, strict=True):
+            state.token_ids.append(token)
+        return StepResult(step_id=plan.step_id, req_ids=[r.req_id for r in requests], token_ids=tokens,
+                          logprobs=logprobs, prompt_logprobs=take_complete(requests))
+
+    def _sample_rows(self, logits: torch.Tensor | None, states: list[SamplingState | None], record: bool = False
+                     ) -> tuple[list[int], list[Logprob | None] | None]:
+        """Rank 0 samples a row per state; with several ranks it broadcasts the ids to the others."""
         logprobs = None
         if self.sampler is not None:
             assert logits is not None
-            states = cast(list[SamplingState], [r.sampling for r in requests])  # set wherever a sampler is
-            tokens, logprobs = self.sampler.sample(logits, states)
+            tokens, logprobs = self.sampler.sample(logits, cast(list[SamplingState], states), record)
         else:
-            tokens = [0] * len(requests)
+            tokens = [0] * len(states)
         if self.tp.size > 1:
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             tokens = self.tp.broadcast_from_first(ids).tolist()
@@ -390,9 +391,9 @@ class ModelRunner:
 
     # -- batch construction -----------------------------------------------------
 
-    def _prepare(self, plan: StepPlan) -> Batch:
+    def _prepare(self, plan: StepPlan, drafted: dict[int, int] | None = None) -> Batch:
         """The step's batch (worker/step_inputs.py), read from the runner's state as it is now:
         the profiling pass swaps in its own KV cache and block tables."""
         return build_batch(plan, self.requests, self.block_tables, self.decode_buffers, self.graphs,
                            self.attention, block_size=self.block_size, null_block=self.kv_cache.null_block,
-                           device=self.device)
+                           device=self.device, drafted=drafted)

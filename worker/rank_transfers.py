@@ -13,6 +13,7 @@ from noria.worker.kv_pull import KVPuller
 from noria.worker.kv_pull_queue import PullQueue
 from noria.worker.kv_server import KVBlockServer
 from noria.worker.models.parallel import TensorParallel
+from noria.worker.step_inputs import RequestState
 
 # How long a step with nothing but pulls to wait for waits for one to end: the scheduler plans
 # such steps only to hear of its pulls, and would otherwise plan them back to back.
@@ -49,6 +50,12 @@ class RankTransfers:
     def hold(self, transfer_id: int, block_ids: list[int]) -> None:
         if self.server is not None:
             self.server.hold(transfer_id, block_ids)
+
+    def hold_exports(self, sampled: list[RequestState], tables: list[list[int]], block_size: int) -> None:
+        """Hold the prompt blocks, as they are now, of the producer's requests that sampled."""
+        for state in sampled:
+            if state.kv_export:
+                self.hold(state.kv_export, tables[state.row][:-(-state.num_prompt_tokens // block_size)])
 
     def submit(self, pulls: list[KVPull]) -> None:
         if self.pulls is None:  # a plan the engine's role does not allow: each fails at once

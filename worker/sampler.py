@@ -96,12 +96,13 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def sample(
-        self, logits: torch.Tensor, states: list[SamplingState]
+        self, logits: torch.Tensor, states: list[SamplingState], record: bool = True
     ) -> tuple[list[int], list[Logprob | None] | None]:
         """logits: [B, V] float32, one row per state (may be modified in place).
 
         Returns the sampled ids and, if any row asked for logprobs, one entry per row.
-        Each state's output count is advanced.
+        Each state's output count is advanced, unless `record` is False (speculative decoding
+        records only the tokens it keeps: worker/spec_decode.py).
         """
         logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         raw_logprobs = None
@@ -114,8 +115,9 @@ class Sampler:
         else:
             tokens = self._sample_general(logits, states)
         token_list = self._to_host(tokens)
-        for state, token in zip(states, token_list, strict=True):
-            state.record(token)
+        if record:
+            for state, token in zip(states, token_list, strict=True):
+                state.record(token)
         if raw_logprobs is None:
             return token_list, None
         return token_list, self._logprobs(raw_logprobs, logprob_rows, tokens, token_list, states)

@@ -105,15 +105,18 @@ def scheduled_rows(plan: StepPlan, requests: dict[int, RequestState], tables: Bl
     return ScheduledRows(states, input_ids, query_lens, context_lens, seq_lens, [0, *accumulate(query_lens)])
 
 
-def sample_rows(rows: ScheduledRows) -> tuple[list[RequestState], list[int]]:
+def sample_rows(rows: ScheduledRows, drafted: dict[int, int] | None = None) -> tuple[list[RequestState], list[int]]:
     """The requests whose computed tokens catch up with their known tokens this step, and the
-    flat index of each one's last token (whose logits it samples from)."""
+    flat index of each one's last token (whose logits it samples from); a drafted request's
+    (`drafted`: its draft's length k) last k + 1 tokens, each sampled (worker/spec_decode.py)."""
     requests: list[RequestState] = []
     index: list[int] = []
     for i, state in enumerate(rows.states):
         if rows.seq_lens[i] == len(state.token_ids):
             requests.append(state)
-            index.append(rows.query_start[i + 1] - 1)
+            end = rows.query_start[i + 1]
+            k = drafted.get(state.req_id, 0) if drafted else 0
+            index.extend(range(end - 1 - k, end))
     return requests, index
 
 
@@ -140,12 +143,14 @@ def decode_slots(states: list[RequestState], context_lens: list[int], tables: Bl
 
 def build_batch(plan: StepPlan, requests: dict[int, RequestState], tables: BlockTables,
                 buffers: DecodeBuffers, graphs: DecodeGraphs | None, attention: AttentionBackend, *,
-                block_size: int, null_block: int, device: torch.device) -> Batch:
+                block_size: int, null_block: int, device: torch.device, drafted: dict[int, int] | None = None
+                ) -> Batch:
     """The batch of `plan` over the runner's request states and block tables; `graphs` (None:
-    every step eager) decides whether a decode step is padded to a graph's bucket."""
+    every step eager) decides whether a decode step is padded to a graph's bucket; `drafted`:
+    the draft lengths of the requests whose drafts the step verifies."""
     rows = scheduled_rows(plan, requests, tables, block_size)
     num_seqs = len(rows.states)
-    sampled, sample_index = sample_rows(rows)
+    sampled, sample_index = sample_rows(rows, drafted)
     spans = prompt_spans(rows)
     staged = (rows.decode_only and num_seqs <= buffers.max_rows
               and max(rows.context_lens) < buffers.max_cols * block_size)

@@ -56,6 +56,9 @@ _COUNTERS = (
     ("noria_kv_pull_bytes", "kv_pull_bytes", "KV bytes pulled from producers (consumer)."),
     ("noria_kv_pull_tokens", "kv_pull_tokens", "Prompt tokens whose KV was pulled instead of computed."),
     ("noria_kv_pull_seconds", "kv_pull_seconds", "Seconds the workers spent pulling KV blocks."),
+    ("noria_spec_decode_drafts", "spec_drafts", "Drafts verified (speculative decoding)."),
+    ("noria_spec_decode_draft_tokens", "spec_draft_tokens", "Draft tokens verified."),
+    ("noria_spec_decode_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted."),
 )
 
 

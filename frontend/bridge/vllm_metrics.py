@@ -41,6 +41,9 @@ _COUNTERS = (
     ("vllm:num_preemptions", "num_preemptions", "Cumulative number of preemptions from the engine."),
     ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in queried tokens."),
     ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in cached tokens."),
+    ("vllm:spec_decode_num_drafts", "spec_drafts", "Number of spec decoding drafts."),
+    ("vllm:spec_decode_num_draft_tokens", "spec_draft_tokens", "Number of draft tokens."),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Number of accepted tokens."),
 )
 
 
@@ -103,6 +106,12 @@ class VllmCollector(Collector):
             for engine, s in engines:
                 c.add_metric([self.model, engine], float(getattr(s, field)))
             yield c
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=[*_LABELS, "position"])
+        for engine, s in engines:
+            for pos, count in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([self.model, engine, str(pos)], float(count))
+        yield per_pos
         # An info metric as vLLM writes one: a gauge of 1 whose labels carry the configuration.
         keys = ["block_size", "cache_dtype", "num_gpu_blocks", "num_cpu_blocks", "enable_prefix_caching", "engine"]
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's cache configuration.",

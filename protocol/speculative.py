@@ -1,0 +1,92 @@
+"""Speculative decoding: `--speculative-config` with vLLM's keys, and what a plan carries of it.
+
+A proposer guesses the next k tokens of a request; the worker computes the request's last token
+and the k guesses in one forward pass (a decode row of k + 1 tokens) and samples every one of
+those k + 1 positions as it would have sampled it alone. The output is the sampled tokens up to
+and including the first that differs from its guess: a guess is kept only where the target
+itself sampled it, so the output distribution is the target's (for a proposer whose guesses are
+fixed tokens, sampling from the target and comparing is the rejection-sampling rule), greedy
+output equals speculation off token for token, and a seeded request draws each position's noise
+from its output index (worker/sampler.py), so its tokens equal speculation off too.
+
+Built: `ngram` (prompt lookup over the request's own prompt and output). `suffix`,
+`draft_model`, `eagle3` and `mtp` are vLLM's names too and are refused in one sentence.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from noria.protocol.validation import json_flag
+
+Method = Literal["ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp"]
+BUILT: tuple[str, ...] = ("ngram",)
+# vLLM leaves the n-gram window to the user; both ends default to this when neither is given.
+DEFAULT_LOOKUP = 5
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's SpeculativeConfig keys that mean something here; `parse_speculative_config` also
+    accepts (and ignores) the ones that only tune vLLM's own drafters."""
+
+    method: Method = "ngram"
+    num_speculative_tokens: Annotated[int, Meta(ge=1, le=32)]
+    model: str | None = None  # a draft model or heads (not built yet)
+    prompt_lookup_min: Annotated[int, Meta(ge=1)] = DEFAULT_LOOKUP
+    prompt_lookup_max: Annotated[int, Meta(ge=1)] = DEFAULT_LOOKUP
+    # No speculation in a step that runs more requests than this (None: any number).
+    disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = None
+
+    def describe(self) -> str:
+        """The start-up line's words for it."""
+        return (f"speculative decoding: {self.method}, {self.num_speculative_tokens} tokens, n-grams of "
+                f"{self.prompt_lookup_min}-{self.prompt_lookup_max}"
+                + (f", off above {self.disable_by_batch_size} running" if self.disable_by_batch_size else ""))
+
+
+# vLLM's keys that tune its drafters only: accepted so that a vLLM command line starts here.
+_IGNORED = ("draft_tensor_parallel_size", "quantization", "max_model_len", "revision", "code_revision",
+            "enforce_eager", "disable_padded_drafter_batch", "speculative_token_tree", "parallel_drafting",
+            "disable_logprobs", "target_model_config", "target_parallel_config")
+_FIELDS = [f.name for f in msgspec.structs.fields(SpeculativeConfig)]
+
+
+def parse_speculative_config(value: str | dict[str, Any]) -> dict[str, Any]:
+    """`--speculative-config JSON` (or `LLM(speculative_config={...})`), checked and with vLLM's
+    defaults filled in; ValueError says in one sentence what is wrong."""
+    value = {k: v for k, v in json_flag(value, "--speculative-config", "vLLM's SpeculativeConfig keys").items()
+             if k not in _IGNORED}
+    for key in value:
+        if key not in _FIELDS:
+            raise ValueError(f"--speculative-config has no key {key!r}; it takes {', '.join(_FIELDS)}")
+    method = value.get("method")
+    if method is None and value.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
+        value["method"], value["model"] = "ngram", None
+    method = value.setdefault("method", "ngram")
+    if method not in BUILT:
+        raise ValueError(f"--speculative-config method {method!r} is not built in noria yet; it speculates "
+                         f"with {', '.join(BUILT)}")
+    if "num_speculative_tokens" not in value:
+        raise ValueError("--speculative-config needs num_speculative_tokens (how many tokens to propose)")
+    lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    value["prompt_lookup_min"] = lo if lo is not None else hi if hi is not None else DEFAULT_LOOKUP
+    value["prompt_lookup_max"] = hi if hi is not None else value["prompt_lookup_min"]
+    try:
+        config = msgspec.convert(value, SpeculativeConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"--speculative-config: {e}") from None
+    if config.prompt_lookup_min > config.prompt_lookup_max:
+        raise ValueError(f"--speculative-config prompt_lookup_min {config.prompt_lookup_min} is above "
+                         f"prompt_lookup_max {config.prompt_lookup_max}")
+    return value
+
+
+class Draft(msgspec.Struct, array_like=True, gc=False):
+    """Tokens proposed for a request in this step: its scheduled row is its last known token and
+    these, `len(token_ids) + 1` tokens, and the worker samples at every one of those positions."""
+
+    req_id: int
+    token_ids: list[int]

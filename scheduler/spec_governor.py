@@ -1,0 +1,76 @@
+"""Whether a step drafts: where, by what the engine has measured, drafting pays.
+
+Verifying a draft token costs a row of the forward pass. While a step is bound by reading the
+weights (a few rows on a CPU, hundreds on a GPU) that row is nearly free; once the step is bound
+by arithmetic it costs as much as any other row, and a draft token kept half the time then
+halves what its row delivers. Where the line falls depends on the device, the model and the
+contexts, so it is measured, not modelled. The scheduler process times each decode-only step
+from its plan to its result. A plain step of B decodes teaches what B decodes cost (a moving
+average per B); a drafted step of B decodes is compared with that cost: its tokens per second
+over the plain step's B / seconds at the same B, a gain whose moving average is kept per class
+of batch size (powers of two). A class drafts while its gain is at least `MARGIN`; every
+`EXPLORE`-th step of a drafting class does not, and every 4 * `EXPLORE`-th step of another
+drafts, so both figures stay current (longer contexts, other requests). A size measures its
+plain steps first; a class without a gain of its own takes the nearest class's.
+"""
+
+from __future__ import annotations
+
+EXPLORE = 16  # every this many steps of a class, the choice its figures do not favour
+EMA = 0.2  # weight of a new step in a figure
+# Drafting must beat not drafting by this much: steps timed on a busy host are noisy, and a
+# choice that flips on noise pays for the worse one; where drafting pays, it pays far more.
+MARGIN = 1.05
+
+
+def size_class(num_decodes: int) -> int:
+    """1, 2, 3-4, 5-8, ...: the power of two at or above the number of decodes."""
+    return 1 << (max(1, num_decodes) - 1).bit_length()
+
+
+class DraftSwitch:
+    def __init__(self) -> None:
+        self.plain: dict[int, float] = {}  # decodes -> seconds of a plain decode-only step
+        self.gain: dict[int, float] = {}  # class -> drafted tokens/s over plain tokens/s, same size
+        self.steps: dict[int, int] = {}  # class -> steps decided
+
+    def plain_seconds(self, num_decodes: int) -> float | None:
+        """What a plain step of `num_decodes` costs: its own figure, else the nearest size's."""
+        if num_decodes in self.plain:
+            return self.plain[num_decodes]
+        if not self.plain:
+            return None
+        return self.plain[min(self.plain, key=lambda b: abs(b - num_decodes))]
+
+    def choose(self, num_decodes: int) -> bool:
+        """Whether a step with `num_decodes` decodes drafts."""
+        c = size_class(num_decodes)
+        n = self.steps[c] = self.steps.get(c, 0) + 1
+        if num_decodes not in self.plain and not any(size_class(b) == c for b in self.plain):
+            return False
+        gain = self.gain.get(c)
+        if gain is None:  # the nearest class's figure, if any, until this class has its own
+            if not self.gain:
+                return True
+            gain = self.gain[min(self.gain, key=lambda k: abs(k.bit_length() - c.bit_length()))]
+            if gain >= MARGIN:
+                return True
+        drafts = gain >= MARGIN
+        # Drafted steps that do not pay are the costly ones to try: tried less often.
+        return drafts != (n % (EXPLORE if drafts else 4 * EXPLORE) == 0)
+
+    def observe(self, num_decodes: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step of `num_decodes` decodes delivered `tokens` in `seconds`."""
+        if seconds <= 0:
+            return
+        if not drafted:
+            old = self.plain.get(num_decodes)
+            self.plain[num_decodes] = seconds if old is None else old + EMA * (seconds - old)
+            return
+        plain = self.plain_seconds(num_decodes)
+        if plain is None:
+            return
+        c = size_class(num_decodes)
+        gain = (tokens / seconds) / (num_decodes / plain)
+        old = self.gain.get(c)
+        self.gain[c] = gain if old is None else old + EMA * (gain - old)

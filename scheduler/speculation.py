@@ -1,0 +1,154 @@
+"""Speculative decoding in the scheduler (protocol/speculative.py): which decodes carry a draft,
+and what a verified step does to their requests.
+
+A drafted decode schedules 1 + k tokens (its last token and the draft) and takes blocks for all
+of them, under the same token budget as every other row; its request then counts
+`num_computed_tokens` past its known tokens until the result says how many it keeps (one more
+than the accepted draft tokens), which rolls it back to them. Only known tokens are ever keyed
+for prefix hits (`KVCacheManager` digests `token_ids`, which never hold a draft), so no cached
+block holds an unaccepted token; blocks taken for rejected positions stay the request's, the
+next tokens' room. A draft never preempts: without blocks for it the request decodes as usual.
+
+Who is drafted: a request with no grammar (its mask covers one position) and no export (a
+producer computes prompts); none while more than `disable_by_batch_size` requests run. Each
+request adapts its draft length to what it accepts: a full acceptance keeps or lengthens it, a
+partial one shortens it to the accepted length plus one, and a draft rejected outright sets it
+to one and skips the request's next 1, 2, 4, ... 16 lookups (reset by the next acceptance), so a
+request whose text does not repeat costs little more than no speculation. And a step drafts at
+all only where drafting has delivered more tokens per second than not drafting, for steps of its
+batch size on this engine (scheduler/spec_governor.py): where verifying rows is not nearly free
+(a large batch on a CPU), speculation turns itself off.
+"""
+
+from __future__ import annotations
+
+from noria.protocol.client import SchedulerStats
+from noria.protocol.config import EngineConfig
+from noria.protocol.speculative import SpeculativeConfig
+from noria.protocol.step import StepPlan, StepResult
+from noria.scheduler.kv_cache_manager import KVCacheManager
+from noria.scheduler.ngram import NgramIndex
+from noria.scheduler.plan_builder import PlanBuilder
+from noria.scheduler.request import Request, Status
+from noria.scheduler.spec_governor import DraftSwitch
+
+MAX_SKIP = 16  # lookups a request sits out after a rejected draft, at most
+
+
+class Speculation:
+    """The speculation half of `Scheduler` (scheduler/scheduler.py), which owns these attributes."""
+
+    config: EngineConfig
+    stats: SchedulerStats
+    running: list[Request]
+    max_model_len: int
+    kv: KVCacheManager
+
+    def _init_speculation(self) -> None:
+        sc = self.config.speculative_config
+        # It needs every step's result before the next plan (startup turns async scheduling off).
+        self.spec: SpeculativeConfig | None = sc if sc is not None and not self.config.async_scheduling else None
+        self._verifying: list[tuple[Request, int]] = []  # (request, draft length) of the plan in flight
+        self.switch = DraftSwitch()
+        self._timed: tuple[int, int, bool] | None = None  # (step id, decodes, drafted) of a decode-only step
+
+    def _speculates(self, req: Request) -> None:
+        """Give a new request its proposer, if it may be drafted."""
+        spec = self.spec
+        if spec is not None and req.matcher is None and not req.kv_export and not req.pooling \
+                and req.params.structured_output is None:
+            req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            req.spec_k = spec.num_speculative_tokens
+
+    def observe_step(self, step_id: int, seconds: float, tokens: int) -> None:
+        """Step `step_id` delivered `tokens` tokens `seconds` after it was planned."""
+        timed = self._timed
+        if timed is not None and timed[0] == step_id:
+            self.switch.observe(timed[1], timed[2], tokens, seconds)
+
+    def _time_step(self, plan: StepPlan) -> None:
+        """Which decode-only steps teach the switch (a prompt's chunk would swamp the figure)."""
+        if self.spec is None:
+            return
+        drafted = sum(len(d.token_ids) for d in plan.drafts)
+        decodes = len(plan.scheduled)
+        only = not plan.new_requests and sum(n for _, n in plan.scheduled) == decodes + drafted
+        self._timed = (plan.step_id, decodes, bool(drafted)) if only and decodes else None
+
+    def _step_drafts(self, budget: int) -> dict[int, list[int]]:
+        """This step's drafts by request id: each running decode's proposal, if the step drafts
+        ({} when it does not)."""
+        spec = self.spec
+        if spec is None or (spec.disable_by_batch_size is not None
+                            and len(self.running) > spec.disable_by_batch_size):
+            return {}
+        decodes = [req for req in self.running if req.num_worker_tokens - req.num_computed_tokens == 1]
+        if not decodes or not self.switch.choose(len(decodes)):
+            return {}
+        drafts = {}
+        for req in decodes:
+            draft = self._draft(req, budget)
+            if draft:
+                drafts[req.req_id] = draft
+        return drafts
+
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """The proposal for a decode of `req` within `budget` tokens ([]: none)."""
+        index = req.ngram
+        if index is None or not req.in_worker:
+            return []
+        if req.spec_skip:
+            req.spec_skip -= 1
+            return []
+        tokens = req.token_ids
+        # Never past the last token it may produce: the step may keep every draft token and one more.
+        k = min(req.spec_k, budget - 1, min(req.length_cap, self.max_model_len) - len(tokens) - 1)
+        return index.propose(tokens, k) if k > 0 else []
+
+    def _plan_draft(self, req: Request, draft: list[int], budget: int, plan: PlanBuilder) -> bool:
+        """Plan a decode of `req` with `draft` (cut to the budget left), if it gets blocks for it."""
+        draft = draft[:budget - 1]
+        if not draft:
+            return False
+        added = self.kv.allocate_slots(req, 1 + len(draft))
+        if added is None:
+            return False
+        plan.add_draft(req, draft, added)
+        self._verifying.append((req, len(draft)))
+        return True
+
+    def _verified(self, result: StepResult) -> None:
+        """The plan's drafted requests after their result: rolled back to the tokens they keep,
+        their draft lengths adapted, the acceptance counted."""
+        verifying, self._verifying = self._verifying, []
+        kept: dict[int, int] = {}
+        for rid in result.req_ids:
+            kept[rid] = kept.get(rid, 0) + 1
+        stats, max_k = self.stats, self.spec.num_speculative_tokens if self.spec else 1
+        per_pos = stats.spec_accepted_per_pos
+        if len(per_pos) < max_k:
+            per_pos.extend([0] * (max_k - len(per_pos)))
+        for req, k in verifying:
+            accepted = max(0, min(k, kept.get(req.req_id, 0) - 1))
+            stats.spec_drafts += 1
+            stats.spec_draft_tokens += k
+            stats.spec_accepted_tokens += accepted
+            for i in range(accepted):
+                per_pos[i] += 1
+            if req.status is not Status.RUNNING:
+                continue  # it ended with this step (its blocks are free already)
+            n = len(req.token_ids)
+            req.num_computed_tokens = n - 1
+            req.num_worker_tokens = n
+            if accepted == k:
+                req.spec_k, req.spec_misses = min(max_k, k + 1), 0
+            elif accepted:
+                req.spec_k, req.spec_misses = accepted + 1, 0
+            else:
+                req.spec_k = 1
+                req.spec_skip = min(MAX_SKIP, 1 << req.spec_misses)
+                req.spec_misses += 1
+
+    def _forget_drafts(self) -> None:
+        """The step in flight is lost with its worker group: nothing of it is verified."""
+        self._verifying = []

@@ -1,0 +1,91 @@
+"""The scheduler's side of speculative decoding against the brute-force worker (bench/fake_worker.py),
+whose model here looks at the last token only, so its outputs soon repeat and n-gram drafts are
+kept (every step takes as long: drafting pays): who is drafted, how far, and what a draft may
+never do (preempt, or reach past max_tokens).
+The random interleavings are the state machine's (tests/test_scheduler_state_machine.py)."""
+
+from __future__ import annotations
+
+from noria.bench.fake_worker import FakeWorker, next_token
+from noria.protocol.config import EngineConfig
+from noria.protocol.engine import EngineRequest
+from noria.protocol.sampling import EngineSamplingParams
+from noria.protocol.speculative import SpeculativeConfig
+from noria.protocol.structured import StructuredOutput
+from noria.scheduler.scheduler import Scheduler
+
+VOCAB = 6
+BS = 4
+
+
+def _engine(num_blocks: int = 64, **spec) -> tuple[Scheduler, FakeWorker]:
+    config = EngineConfig(block_size=BS, speculative_config=SpeculativeConfig(
+        num_speculative_tokens=spec.pop("k", 3), prompt_lookup_min=1, prompt_lookup_max=2, **spec))
+    return Scheduler(config, num_blocks, 1000), FakeWorker(num_blocks, BS, vocab=VOCAB, window=1)
+
+
+def _drain(s: Scheduler, w: FakeWorker) -> tuple[dict[int, list[int]], list]:
+    out: dict[int, list[int]] = {}
+    plans = []
+    while s.has_work():
+        plan = s.schedule()
+        plans.append(plan)
+        result = w.execute(plan)
+        s.update_from_result(result)
+        s.observe_step(plan.step_id, 1.0, len(result.token_ids))  # rows cost nothing: drafting pays
+        for u in s.take_updates():
+            out.setdefault(u.req_id, []).extend(u.new_token_ids)
+    assert s.check_blocks() is None and s.kv.num_free_blocks == s.kv.pool.num_blocks
+    return out, plans
+
+
+def _model(prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(next_token(tokens, VOCAB, 1))
+    return tokens[len(prompt):]
+
+
+def test_drafts_are_kept_and_outputs_are_the_models() -> None:
+    s, w = _engine()
+    prompts = {1: [1, 2, 3, 1, 2, 3], 2: [4, 5, 4, 5, 4], 3: [2]}
+    for rid, p in prompts.items():
+        s.add_request(EngineRequest(rid, p, EngineSamplingParams(max_tokens=23, ignore_eos=True), []))
+    out, plans = _drain(s, w)
+    assert out == {rid: _model(p, 23) for rid, p in prompts.items()}
+    assert any(plan.drafts for plan in plans)
+    assert 0 < s.stats.spec_accepted_tokens <= s.stats.spec_draft_tokens
+    assert len(plans) < 23  # some steps kept several tokens per request
+    for plan in plans:  # a draft never reaches past max_tokens (the fake worker checks it too)
+        drafted = {d.req_id: len(d.token_ids) for d in plan.drafts}
+        assert all(n == 1 + drafted[rid] for rid, n in plan.scheduled if rid in drafted)
+        assert all(0 < k <= 3 for k in drafted.values())
+
+
+def test_no_draft_above_disable_by_batch_size() -> None:
+    s, w = _engine(disable_by_batch_size=1)
+    for rid in (1, 2):
+        s.add_request(EngineRequest(rid, [1, 2, 1, 2], EngineSamplingParams(max_tokens=12, ignore_eos=True), []))
+    out, plans = _drain(s, w)
+    assert all(len(o) == 12 for o in out.values())
+    # Both run until they end together: no step drafts while two run.
+    assert not any(plan.drafts for plan in plans) and s.stats.spec_drafts == 0
+
+
+def test_a_draft_never_preempts() -> None:
+    """Two requests whose tokens fill the cache exactly: a draft that needs a block no one has
+    free is not planned (the request decodes its one token), and nothing is preempted."""
+    s, w = _engine(num_blocks=4, k=4)
+    for rid in (1, 2):  # 3 prompt tokens and 6 outputs: 8 tokens computed, 2 blocks each
+        s.add_request(EngineRequest(rid, [1, 2, 1], EngineSamplingParams(max_tokens=6, ignore_eos=True), []))
+    out, plans = _drain(s, w)
+    assert out == {rid: _model([1, 2, 1], 6) for rid in (1, 2)}
+    assert s.stats.spec_drafts > 0 and s.stats.num_preemptions == 0
+    assert any(not plan.drafts and all(n == 1 for _, n in plan.scheduled) for plan in plans[1:])
+
+
+def test_constrained_requests_are_not_drafted() -> None:
+    s, w = _engine()
+    p = EngineSamplingParams(max_tokens=6, ignore_eos=True, structured_output=StructuredOutput(regex="[0-9a-z ]*"))
+    s.add_request(EngineRequest(1, [1, 2, 1, 2], p, []))
+    assert s.requests[1].ngram is None
