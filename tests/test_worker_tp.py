@@ -64,9 +64,9 @@ def _drive(runner: ModelRunner, vocab_size: int) -> tuple[dict[int, list[int]], 
     if runner.sampler is not None:
         sample = runner.sampler.sample
 
-        def spy(step_logits: torch.Tensor, states: list[Any]) -> Any:
+        def spy(step_logits: torch.Tensor, states: list[Any], record: bool = True) -> Any:
             logits.append(step_logits.clone())
-            return sample(step_logits, states)
+            return sample(step_logits, states, record)
 
         runner.sampler.sample = spy  # type: ignore[method-assign]
     driver = Driver(runner, token_budget=32)
