@@ -44,6 +44,7 @@ from noria.scheduler.structured_output import StructuredOutputManager, resume
 from noria.scheduler.worker_groups import WorkerGroups
 
 _NO_BLOCKS: list[int] = []
+_NO_DRAFTS: dict[int, list[int]] = {}  # shared, never mutated: "no step drafts"
 
 
 class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
@@ -180,7 +181,7 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
         preempted = False
         bs = self.block_size
         kv = self.kv
-        drafts = self._step_drafts(budget)  # speculative decoding: {} when off
+        drafts = self._step_drafts(budget) if self.spec is not None else _NO_DRAFTS  # speculative decoding
         # A for loop may pop victims off the end: the iterator re-reads the length.
         for req in running:
             if budget <= 0:
@@ -307,7 +308,8 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
         step = StepPlan(self.step_id, plan.scheduled, plan.new_requests, plan.cached, drop, swap_out=swap_out,
                         swap_in=swap_in, grammar=self.grammars.fill_bitmask(masked) if masked else None,
                         params=plan.params, kv_pulls=pulls, kv_release=release, drafts=plan.drafts)
-        self._time_step(step)
+        if self.spec is not None:
+            self._time_step(step)
         return step
 
     # ---- state changes ---------------------------------------------------

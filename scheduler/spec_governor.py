@@ -31,6 +31,7 @@ def size_class(num_decodes: int) -> int:
 class DraftSwitch:
     def __init__(self) -> None:
         self.plain: dict[int, float] = {}  # decodes -> seconds of a plain decode-only step
+        self.plain_classes: set[int] = set()  # the classes of the sizes in `plain`
         self.gain: dict[int, float] = {}  # class -> drafted tokens/s over plain tokens/s, same size
         self.steps: dict[int, int] = {}  # class -> steps decided
 
@@ -46,7 +47,7 @@ class DraftSwitch:
         """Whether a step with `num_decodes` decodes drafts."""
         c = size_class(num_decodes)
         n = self.steps[c] = self.steps.get(c, 0) + 1
-        if num_decodes not in self.plain and not any(size_class(b) == c for b in self.plain):
+        if c not in self.plain_classes:
             return False
         gain = self.gain.get(c)
         if gain is None:  # the nearest class's figure, if any, until this class has its own
@@ -66,6 +67,7 @@ class DraftSwitch:
         if not drafted:
             old = self.plain.get(num_decodes)
             self.plain[num_decodes] = seconds if old is None else old + EMA * (seconds - old)
+            self.plain_classes.add(size_class(num_decodes))
             return
         plain = self.plain_seconds(num_decodes)
         if plain is None:

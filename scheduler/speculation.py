@@ -68,8 +68,6 @@ class Speculation:
 
     def _time_step(self, plan: StepPlan) -> None:
         """Which decode-only steps teach the switch (a prompt's chunk would swamp the figure)."""
-        if self.spec is None:
-            return
         drafted = sum(len(d.token_ids) for d in plan.drafts)
         decodes = len(plan.scheduled)
         only = not plan.new_requests and sum(n for _, n in plan.scheduled) == decodes + drafted
@@ -79,8 +77,8 @@ class Speculation:
         """This step's drafts by request id: each running decode's proposal, if the step drafts
         ({} when it does not)."""
         spec = self.spec
-        if spec is None or (spec.disable_by_batch_size is not None
-                            and len(self.running) > spec.disable_by_batch_size):
+        assert spec is not None
+        if spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size:
             return {}
         decodes = [req for req in self.running if req.num_worker_tokens - req.num_computed_tokens == 1]
         if not decodes or not self.switch.choose(len(decodes)):
