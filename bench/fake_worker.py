@@ -88,6 +88,12 @@ class FakeWorker:
         for draft in plan.drafts:  # speculative decoding: the row is the last token and the draft
             st = self.reqs[draft.req_id]
             assert st["computed"] == len(st["tokens"]) - 1, f"req {draft.req_id}: a draft on a non-decode"
+            assert bool(draft.propose) != bool(draft.token_ids), f"req {draft.req_id}: a draft of neither kind"
+            if draft.propose:  # the worker's draft model: the model's tokens, every third one wrong
+                for _ in range(draft.propose):
+                    seq = st["tokens"] + draft.token_ids
+                    tok = next_token(seq, self.vocab, self.window)
+                    draft.token_ids.append(tok if hash(tuple(seq)) % 3 else (tok + 1) % self.vocab)
             st["tokens"].extend(draft.token_ids)
             drafted[draft.req_id] = len(draft.token_ids)
         # Like every layer of the real worker: write the whole step's KV, then attend.

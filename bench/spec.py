@@ -1,7 +1,11 @@
 """`noria bench spec`: speculative decoding against none, in one job, rounds interleaved.
 
-Per configuration (`off`, and n-gram prompt lookup with k tokens, `ngram-k`), `LLM.generate` on
-the "small" Llama in the dtype given (bf16 by default, as checkpoints ship):
+Per configuration (`off`; n-gram prompt lookup with k tokens, `ngram-k`; suffix decoding proposing
+up to k, `suffix-k`; a draft model proposing
+k tokens: the target itself, `self-k`, or its first L layers, `headL-k`), `LLM.generate` on
+the "small" Llama (or, `--inert-after L`, the same model with its layers from L on adding
+nothing, which its L-layer head drafts perfectly: bench/spec_models.py) in the dtype given (bf16
+by default, as checkpoints ship):
 
 - `itl_b1`: one request alone (W1's first prompts, greedy, EOS ignored): ms per output token of
   its decode, (time for 1 + T tokens - time for 1 token) / T, median over the prompts;
@@ -27,17 +31,28 @@ from pathlib import Path
 from typing import Any
 
 from noria.bench.plots import pyplot, save_rows
+from noria.bench.spec_models import head_checkpoint, inert_checkpoint
 from noria.bench.workloads import CHECKPOINTS, w1
 
 
-def _config(name: str, lookup: tuple[int, int]) -> dict[str, Any] | None:
+def _config(name: str, lookup: tuple[int, int], model: Path | None = None) -> dict[str, Any] | None:
+    """`off`, `ngram-K`, `suffix-K`, `self-K` (the target drafts for itself) or `headL-K` (a draft
+    of the target's first L layers, bench/spec_models.py); `model` None only checks the name."""
     if name == "off":
         return None
-    method, k = name.rsplit("-", 1)
-    if method != "ngram":
-        raise SystemExit(f"unknown config {name!r}: off or ngram-K")
-    return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": lookup[0],
-            "prompt_lookup_max": lookup[1]}
+    method, _, k = name.rpartition("-")
+    if not k.isdigit() or not (method in ("ngram", "suffix", "self")
+                               or method.startswith("head") and method[4:].isdigit()):
+        raise SystemExit(f"unknown config {name!r}: off, ngram-K, suffix-K, self-K or headL-K")
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": lookup[0],
+                "prompt_lookup_max": lookup[1]}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": int(k)}
+    draft = model
+    if model is not None and method != "self":
+        draft = head_checkpoint(model, int(method[4:]))
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": int(k)}
 
 
 def _counters(llm: Any) -> tuple[int, int, int, list[int]]:
@@ -73,7 +88,7 @@ def run_config(name: str, model: Path, args: argparse.Namespace) -> dict[str, An
     greedy = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
     sampled = [SamplingParams(max_tokens=m, temperature=1.0, seed=i, ignore_eos=True)
                for i, (_, m) in enumerate(work)]
-    spec = _config(name, args.lookup)
+    spec = _config(name, args.lookup, model)
     row: dict[str, Any] = {"config": name}
     with LLM(str(model), dtype=args.dtype, speculative_config=spec, num_kv_blocks=args.num_kv_blocks) as llm:
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
@@ -137,7 +152,12 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="noria bench spec", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default="off,ngram-2,ngram-4", help="comma-separated: off, ngram-K")
+    ap.add_argument("--configs", default="off,ngram-2,ngram-4",
+                    help="comma-separated: off, ngram-K, suffix-K, self-K (the target as its own draft), headL-K "
+                         "(a draft of the target's first L layers)")
+    ap.add_argument("--inert-after", type=int, default=None, metavar="L",
+                    help="the target with its layers from L on adding nothing (bench/spec_models.py), so that "
+                         "headL-K drafts it with every proposal right")
     ap.add_argument("--rounds", type=int, default=2, help="each configuration this many times, interleaved")
     ap.add_argument("--lookup", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1, 3),
                     help="prompt_lookup_min,prompt_lookup_max")
@@ -151,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/spec")
     args = ap.parse_args(argv)
     model = CHECKPOINTS[args.model]()
+    if args.inert_after is not None:
+        model = inert_checkpoint(model, args.inert_after)
     names = args.configs.split(",")
     for name in names:
         _config(name, args.lookup)

@@ -21,13 +21,13 @@ from noria.frontend.processor import InputLimits, InputProcessor, eos_token_ids,
 from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig, WorkerLinkConfig
 from noria.protocol.errors import ParamError
-from noria.protocol.model_identity import context_error, spec_facts
+from noria.protocol.model_identity import context_error, model_facts, spec_facts
 from noria.protocol.model_shapes import check_tensor_parallel
 from noria.protocol.model_spec import ModelSpec
 from noria.protocol.pooling import engine_pooling
 from noria.protocol.quant_fp8 import online_quant
 from noria.protocol.score import engine_score
-from noria.protocol.speculative import parse_speculative_config
+from noria.protocol.speculative import SpeculativeConfig, parse_speculative_config
 from noria.protocol.validation import convert
 
 log = logging.getLogger("noria")
@@ -62,7 +62,7 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
     online_quant(spec, config.quantization)  # --quantization fp8 of a quantized checkpoint: one sentence too
     check_tensor_parallel(model_path, config.tensor_parallel_size)  # before any process starts
     _check_length(spec, config.max_model_len)
-    config = _speculation(msgspec.structs.replace(config, model=model_path))
+    config = _speculation(msgspec.structs.replace(config, model=model_path), spec)
     # Resolved once here (a bad sentence-transformers file fails now, in one sentence), so that
     # the scheduler and every worker pool the same way.
     pooling = engine_pooling(model_path, config.runner, config.pooling)
@@ -113,8 +113,9 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
     return core
 
 
-def _speculation(config: EngineConfig) -> EngineConfig:
-    """Speculation plans each step from the last one's result: it turns async scheduling off."""
+def _speculation(config: EngineConfig, target: ModelSpec) -> EngineConfig:
+    """Speculation plans each step from the last one's result: it turns async scheduling off. A
+    draft model is checked here, in one sentence, and named by its folder from then on."""
     spec = config.speculative_config
     if spec is None:
         return config
@@ -124,7 +125,29 @@ def _speculation(config: EngineConfig) -> EngineConfig:
     if config.async_scheduling:
         log.warning("--async-scheduling is off: speculative decoding plans each step from the last one's result")
         config = msgspec.structs.replace(config, async_scheduling=False)
+    if spec.method == "draft_model":
+        config = msgspec.structs.replace(config, speculative_config=_draft_model(config, spec, target))
     return config  # the scheduler says what speculation is on
+
+
+def _draft_model(config: EngineConfig, spec: SpeculativeConfig, target: ModelSpec) -> SpeculativeConfig:
+    """The draft model's folder and context (its own `max_model_len` at most): a request is not
+    drafted past it."""
+    assert spec.model is not None
+    transfer = config.kv_transfer_config
+    if transfer is not None and transfer.kv_role != "kv_producer":
+        raise ValueError("--speculative-config draft_model cannot draft over KV blocks pulled from another "
+                         "instance (they hold no draft KV): drop it, or --kv-transfer-config's consumer role")
+    folder = resolve_model(spec.model)
+    draft = check_checkpoint(folder, weights=config.load_format != "dummy")
+    if draft.vocab_size > target.vocab_size:
+        raise ValueError(f"--speculative-config draft model {spec.model} has {draft.vocab_size} tokens, more "
+                         f"than the target's {target.vocab_size}: a draft needs the target's tokenizer")
+    if draft.num_experts:
+        raise ValueError(f"--speculative-config draft model {spec.model} is a mixture of experts; "
+                         "noria drafts with dense models")
+    length = min(spec.max_model_len or model_facts(folder).max_model_len, model_facts(folder).max_model_len)
+    return msgspec.structs.replace(spec, model=folder, max_model_len=length)
 
 
 def chat_config(config: EngineConfig) -> ChatConfig:

@@ -9,8 +9,11 @@ fixed tokens, sampling from the target and comparing is the rejection-sampling r
 output equals speculation off token for token, and a seeded request draws each position's noise
 from its output index (worker/sampler.py), so its tokens equal speculation off too.
 
-Built: `ngram` (prompt lookup over the request's own prompt and output). `suffix`,
-`draft_model`, `eagle3` and `mtp` are vLLM's names too and are refused in one sentence.
+Built: `ngram` (prompt lookup over the request's own prompt and output: the scheduler proposes),
+`suffix` (suffix trees over the prompt and the tenant's responses: scheduler/suffix_decoding.py)
+and `draft_model` (a smaller checkpoint with the target's tokenizer, run greedily by the worker
+over its own KV cache in the same blocks: worker/draft_model.py). `eagle`, `eagle3` and `mtp`
+are vLLM's names too and are refused in one sentence.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from msgspec import Meta
 from noria.protocol.validation import json_flag
 
 Method = Literal["ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp"]
-BUILT: tuple[str, ...] = ("ngram",)
+BUILT: tuple[str, ...] = ("ngram", "suffix", "draft_model")
 # vLLM leaves the n-gram window to the user; both ends default to this when neither is given.
 DEFAULT_LOOKUP = 5
+SUFFIX_DEPTH = 24  # vLLM's suffix_decoding_max_tree_depth
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -34,21 +38,33 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
     method: Method = "ngram"
     num_speculative_tokens: Annotated[int, Meta(ge=1, le=32)]
-    model: str | None = None  # a draft model or heads (not built yet)
+    model: str | None = None  # draft_model: the draft checkpoint (a local folder, or `demo`)
+    # The draft model's context (its checkpoint's at most): no request is drafted past it.
+    max_model_len: Annotated[int, Meta(ge=1)] | None = None
     prompt_lookup_min: Annotated[int, Meta(ge=1)] = DEFAULT_LOOKUP
     prompt_lookup_max: Annotated[int, Meta(ge=1)] = DEFAULT_LOOKUP
     # No speculation in a step that runs more requests than this (None: any number).
     disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = None
+    # suffix: the trees' depth (the longest match, and num_speculative_tokens' default), the
+    # responses kept once their requests end, the proposal's length at most this times the
+    # match's, and the least probability of a proposed run (vLLM's defaults).
+    suffix_decoding_max_tree_depth: Annotated[int, Meta(ge=1, le=64)] = SUFFIX_DEPTH
+    suffix_decoding_max_cached_requests: Annotated[int, Meta(ge=0)] = 10000
+    suffix_decoding_max_spec_factor: Annotated[float, Meta(ge=0)] = 1.0
+    suffix_decoding_min_token_prob: Annotated[float, Meta(ge=0, le=1)] = 0.1
 
     def describe(self) -> str:
         """The start-up line's words for it."""
-        return (f"speculative decoding: {self.method}, {self.num_speculative_tokens} tokens, n-grams of "
-                f"{self.prompt_lookup_min}-{self.prompt_lookup_max}"
+        source = {"draft_model": f"draft model {self.model}",
+                  "suffix": f"suffix trees of depth {self.suffix_decoding_max_tree_depth}, "
+                            f"{self.suffix_decoding_max_cached_requests} responses kept"
+                  }.get(self.method, f"n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max}")
+        return (f"speculative decoding: {self.method}, {self.num_speculative_tokens} tokens, {source}"
                 + (f", off above {self.disable_by_batch_size} running" if self.disable_by_batch_size else ""))
 
 
 # vLLM's keys that tune its drafters only: accepted so that a vLLM command line starts here.
-_IGNORED = ("draft_tensor_parallel_size", "quantization", "max_model_len", "revision", "code_revision",
+_IGNORED = ("draft_tensor_parallel_size", "quantization", "revision", "code_revision",
             "enforce_eager", "disable_padded_drafter_batch", "speculative_token_tree", "parallel_drafting",
             "disable_logprobs", "target_model_config", "target_parallel_config")
 _FIELDS = [f.name for f in msgspec.structs.fields(SpeculativeConfig)]
@@ -65,10 +81,16 @@ def parse_speculative_config(value: str | dict[str, Any]) -> dict[str, Any]:
     method = value.get("method")
     if method is None and value.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
         value["method"], value["model"] = "ngram", None
+    elif method is None and value.get("model"):  # vLLM infers a draft model from a model alone
+        value["method"] = "draft_model"
     method = value.setdefault("method", "ngram")
     if method not in BUILT:
         raise ValueError(f"--speculative-config method {method!r} is not built in noria yet; it speculates "
                          f"with {', '.join(BUILT)}")
+    if method == "draft_model" and not value.get("model"):
+        raise ValueError("--speculative-config method 'draft_model' needs model (the draft checkpoint's folder)")
+    if method == "suffix":  # vLLM's default: as many as the trees are deep
+        value.setdefault("num_speculative_tokens", min(32, value.get("suffix_decoding_max_tree_depth", SUFFIX_DEPTH)))
     if "num_speculative_tokens" not in value:
         raise ValueError("--speculative-config needs num_speculative_tokens (how many tokens to propose)")
     lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
@@ -86,7 +108,15 @@ def parse_speculative_config(value: str | dict[str, Any]) -> dict[str, Any]:
 
 class Draft(msgspec.Struct, array_like=True, gc=False):
     """Tokens proposed for a request in this step: its scheduled row is its last known token and
-    these, `len(token_ids) + 1` tokens, and the worker samples at every one of those positions."""
+    these, `len(token_ids) + 1` tokens, and the worker samples at every one of those positions.
+    With a draft model the scheduler names only how many (`propose`, `token_ids` empty) and the
+    worker's draft model proposes them at the start of the step."""
 
     req_id: int
     token_ids: list[int]
+    propose: int = 0
+
+    @property
+    def length(self) -> int:
+        """The draft's tokens, however they are proposed."""
+        return self.propose or len(self.token_ids)

@@ -114,6 +114,9 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     # Speculative decoding: the tokens proposed for some of this step's decodes (a request's
     # scheduled count is then 1 + its draft's length), verified in this step's forward pass.
     drafts: list[Draft] = []
+    # A draft model follows the target over this step's prompt tokens (computes their draft KV
+    # now, not at the request's first draft): set while steps of this batch's size draft.
+    draft_prompts: bool = False
 
 
 class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):

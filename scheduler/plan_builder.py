@@ -68,13 +68,14 @@ class PlanBuilder:
             if req.matcher is not None and req.grammar_wait is None:  # (not while it reasons)
                 self.masked.append((req.req_id, req.matcher))  # its mask goes with this step
 
-    def add_draft(self, req: Request, draft: list[int], added: list[int]) -> None:
-        """Schedule a decode of `req` (already in the worker) with `draft` after its last token;
-        it counts every drafted token as on its way until the result says which it keeps."""
+    def add_draft(self, req: Request, draft: list[int] | int, added: list[int]) -> None:
+        """Schedule a decode of `req` (already in the worker) with `draft` after its last token
+        (an int: the worker's draft model proposes that many); it counts every drafted token as
+        on its way until the result says which it keeps."""
         if added:
             self.cached.append(CachedRequestData(req.req_id, added))
-        n = 1 + len(draft)
+        n = 1 + (draft if isinstance(draft, int) else len(draft))
         req.num_computed_tokens += n
         req.num_worker_tokens = req.num_computed_tokens + 1
         self.scheduled.append((req.req_id, n))
-        self.drafts.append(Draft(req.req_id, draft))
+        self.drafts.append(Draft(req.req_id, [], draft) if isinstance(draft, int) else Draft(req.req_id, draft))

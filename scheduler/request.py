@@ -12,6 +12,7 @@ from noria.protocol.kv_transfer import KVTransferParams
 from noria.protocol.sampling import EngineSamplingParams
 from noria.scheduler.ngram import NgramIndex
 from noria.scheduler.structured_output import advance
+from noria.scheduler.suffix_decoding import SuffixProposer
 
 _SETS: dict[frozenset[int], frozenset[int]] = {}
 
@@ -121,7 +122,7 @@ class Request:
         self.kv_export = 0
         # Speculative decoding (scheduler/speculation.py): its proposer (None: never drafted), its
         # draft length now, lookups to sit out, and drafts rejected outright in a row.
-        self.ngram: NgramIndex | None = None
+        self.ngram: NgramIndex | SuffixProposer | None = None
         self.spec_k = 0
         self.spec_skip = 0
         self.spec_misses = 0

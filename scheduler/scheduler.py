@@ -44,7 +44,7 @@ from noria.scheduler.structured_output import StructuredOutputManager, resume
 from noria.scheduler.worker_groups import WorkerGroups
 
 _NO_BLOCKS: list[int] = []
-_NO_DRAFTS: dict[int, list[int]] = {}  # shared, never mutated: "no step drafts"
+_NO_DRAFTS: dict[int, list[int] | int] = {}  # shared, never mutated: "no step drafts"
 
 
 class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
@@ -106,7 +106,7 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
             req.pooling, req.pools_every_position = True, self.pooling.every_position
         req.set_decode_limit(self.max_model_len)
         self._transfer_of(msg, req)
-        self._speculates(req)
+        self._speculates(req, msg.cache_salt)
         self._arrivals += 1
         self.requests[rid] = req
         self.stats.prompt_tokens += req.num_prompt_tokens
@@ -307,7 +307,8 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
         pulls, release = self._take_transfer_plan()
         step = StepPlan(self.step_id, plan.scheduled, plan.new_requests, plan.cached, drop, swap_out=swap_out,
                         swap_in=swap_in, grammar=self.grammars.fill_bitmask(masked) if masked else None,
-                        params=plan.params, kv_pulls=pulls, kv_release=release, drafts=plan.drafts)
+                        params=plan.params, kv_pulls=pulls, kv_release=release, drafts=plan.drafts,
+                        draft_prompts=self.spec is not None and self._drafts_prompts())
         if self.spec is not None:
             self._time_step(step)
         return step
@@ -337,6 +338,8 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
         # The caller drops finished requests from `running` / `swapped` in one pass.
         self._drop_transfer_state(req)
         req.status = Status.FINISHED
+        if req.ngram is not None:
+            self._spec_finish(req)
         self.kv.free(req)
         self.kv.free_swapped(req)
         self._forget_in_worker(req)

@@ -8,10 +8,13 @@ contexts, so it is measured, not modelled. The scheduler process times each deco
 from its plan to its result. A plain step of B decodes teaches what B decodes cost (a moving
 average per B); a drafted step of B decodes is compared with that cost: its tokens per second
 over the plain step's B / seconds at the same B, a gain whose moving average is kept per class
-of batch size (powers of two). A class drafts while its gain is at least `MARGIN`; every
+of batch size (powers of two). A class drafts until `TRUSTED` drafted steps have measured it,
+then while its gain is at least `MARGIN`; every
 `EXPLORE`-th step of a drafting class does not, and every 4 * `EXPLORE`-th step of another
 drafts, so both figures stay current (longer contexts, other requests). A size measures its
-plain steps first; a class without a gain of its own takes the nearest class's.
+plain steps first; a class without a gain of its own takes the nearest class's. (With a draft
+model, a try drafts one request only: the draft has not followed the others' tokens while its
+class did not draft, and computing them all would cost what the try is meant to avoid.)
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ EMA = 0.2  # weight of a new step in a figure
 # Drafting must beat not drafting by this much: steps timed on a busy host are noisy, and a
 # choice that flips on noise pays for the worse one; where drafting pays, it pays far more.
 MARGIN = 1.05
+# A class's own gain decides once this many drafted steps have measured it (it drafts until
+# then): one step's proposals may all miss where most would not.
+TRUSTED = 4
 
 
 def size_class(num_decodes: int) -> int:
@@ -33,7 +39,9 @@ class DraftSwitch:
         self.plain: dict[int, float] = {}  # decodes -> seconds of a plain decode-only step
         self.plain_classes: set[int] = set()  # the classes of the sizes in `plain`
         self.gain: dict[int, float] = {}  # class -> drafted tokens/s over plain tokens/s, same size
+        self.samples: dict[int, int] = {}  # class -> drafted steps measured
         self.steps: dict[int, int] = {}  # class -> steps decided
+        self.trying = False  # the last choice drafts where drafting has not paid: a try
 
     def plain_seconds(self, num_decodes: int) -> float | None:
         """What a plain step of `num_decodes` costs: its own figure, else the nearest size's."""
@@ -43,13 +51,24 @@ class DraftSwitch:
             return None
         return self.plain[min(self.plain, key=lambda b: abs(b - num_decodes))]
 
+    def drafting(self, num_decodes: int) -> bool:
+        """Whether steps of `num_decodes` decodes draft, by the figures so far (none: yes)."""
+        c = size_class(num_decodes)
+        gain = self.gain.get(c)
+        if gain is None and self.gain:
+            gain = self.gain[min(self.gain, key=lambda k: abs(k.bit_length() - c.bit_length()))]
+        return gain is None or gain >= MARGIN
+
     def choose(self, num_decodes: int) -> bool:
         """Whether a step with `num_decodes` decodes drafts."""
         c = size_class(num_decodes)
         n = self.steps[c] = self.steps.get(c, 0) + 1
+        self.trying = False
         if c not in self.plain_classes:
             return False
         gain = self.gain.get(c)
+        if gain is not None and self.samples[c] < TRUSTED:
+            return True
         if gain is None:  # the nearest class's figure, if any, until this class has its own
             if not self.gain:
                 return True
@@ -58,6 +77,7 @@ class DraftSwitch:
                 return True
         drafts = gain >= MARGIN
         # Drafted steps that do not pay are the costly ones to try: tried less often.
+        self.trying = not drafts and n % (4 * EXPLORE) == 0
         return drafts != (n % (EXPLORE if drafts else 4 * EXPLORE) == 0)
 
     def observe(self, num_decodes: int, drafted: bool, tokens: int, seconds: float) -> None:
@@ -76,3 +96,4 @@ class DraftSwitch:
         gain = (tokens / seconds) / (num_decodes / plain)
         old = self.gain.get(c)
         self.gain[c] = gain if old is None else old + EMA * (gain - old)
+        self.samples[c] = self.samples.get(c, 0) + 1

@@ -31,6 +31,7 @@ from noria.scheduler.ngram import NgramIndex
 from noria.scheduler.plan_builder import PlanBuilder
 from noria.scheduler.request import Request, Status
 from noria.scheduler.spec_governor import DraftSwitch
+from noria.scheduler.suffix_decoding import SuffixCache, SuffixProposer
 
 MAX_SKIP = 16  # lookups a request sits out after a rejected draft, at most
 
@@ -50,15 +51,24 @@ class Speculation:
         self.spec: SpeculativeConfig | None = sc if sc is not None and not self.config.async_scheduling else None
         self._verifying: list[tuple[Request, int]] = []  # (request, draft length) of the plan in flight
         self.switch = DraftSwitch()
+        self.suffixes = SuffixCache(sc) if sc is not None and sc.method == "suffix" else None  # type: ignore[arg-type]
         self._timed: tuple[int, int, bool] | None = None  # (step id, decodes, drafted) of a decode-only step
 
-    def _speculates(self, req: Request) -> None:
-        """Give a new request its proposer, if it may be drafted."""
+    def _speculates(self, req: Request, tenant: str | None) -> None:
+        """Give a new request its proposer, if it may be drafted (`tenant`: its cache salt)."""
         spec = self.spec
         if spec is not None and req.matcher is None and not req.kv_export and not req.pooling \
                 and req.params.structured_output is None:
-            req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if spec.method == "ngram":
+                req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            elif spec.method == "suffix":
+                req.ngram = SuffixProposer(self.suffixes, req.req_id, tenant, req.num_prompt_tokens)
             req.spec_k = spec.num_speculative_tokens
+
+    def _spec_finish(self, req: Request) -> None:
+        """A request ends: suffix decoding keeps its response for its tenant's next requests."""
+        if isinstance(req.ngram, SuffixProposer):
+            req.ngram.finish(req.token_ids)
 
     def observe_step(self, step_id: int, seconds: float, tokens: int) -> None:
         """Step `step_id` delivered `tokens` tokens `seconds` after it was planned."""
@@ -68,14 +78,20 @@ class Speculation:
 
     def _time_step(self, plan: StepPlan) -> None:
         """Which decode-only steps teach the switch (a prompt's chunk would swamp the figure)."""
-        drafted = sum(len(d.token_ids) for d in plan.drafts)
+        drafted = sum(d.length for d in plan.drafts)
         decodes = len(plan.scheduled)
         only = not plan.new_requests and sum(n for _, n in plan.scheduled) == decodes + drafted
         self._timed = (plan.step_id, decodes, bool(drafted)) if only and decodes else None
 
-    def _step_drafts(self, budget: int) -> dict[int, list[int]]:
-        """This step's drafts by request id: each running decode's proposal, if the step drafts
-        ({} when it does not)."""
+    def _drafts_prompts(self) -> bool:
+        """Whether a draft model follows this step's prompts: while a batch this size drafts (a
+        request never drafted then never costs the draft its prompt)."""
+        assert self.spec is not None
+        return self.spec.method == "draft_model" and self.switch.drafting(len(self.running))
+
+    def _step_drafts(self, budget: int) -> dict[int, list[int] | int]:
+        """This step's drafts by request id: each running decode's proposal (a draft model's: how
+        many tokens it proposes), if the step drafts ({} when it does not)."""
         spec = self.spec
         assert spec is not None
         if spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size:
@@ -83,6 +99,8 @@ class Speculation:
         decodes = [req for req in self.running if req.num_worker_tokens - req.num_computed_tokens == 1]
         if not decodes or not self.switch.choose(len(decodes)):
             return {}
+        if self.switch.trying and spec.method == "draft_model":
+            decodes = decodes[:1]  # the draft has not followed the others (scheduler/spec_governor.py)
         drafts = {}
         for req in decodes:
             draft = self._draft(req, budget)
@@ -90,10 +108,9 @@ class Speculation:
                 drafts[req.req_id] = draft
         return drafts
 
-    def _draft(self, req: Request, budget: int) -> list[int]:
-        """The proposal for a decode of `req` within `budget` tokens ([]: none)."""
-        index = req.ngram
-        if index is None or not req.in_worker:
+    def _draft(self, req: Request, budget: int) -> list[int] | int:
+        """The proposal for a decode of `req` within `budget` tokens ([] or 0: none)."""
+        if not req.spec_k or not req.in_worker:
             return []
         if req.spec_skip:
             req.spec_skip -= 1
@@ -101,18 +118,23 @@ class Speculation:
         tokens = req.token_ids
         # Never past the last token it may produce: the step may keep every draft token and one more.
         k = min(req.spec_k, budget - 1, min(req.length_cap, self.max_model_len) - len(tokens) - 1)
-        return index.propose(tokens, k) if k > 0 else []
+        if req.ngram is not None:
+            return req.ngram.propose(tokens, k) if k > 0 else []
+        assert self.spec is not None
+        # The draft model writes its KV up to the last draft token's position, within its own context.
+        return max(0, min(k, (self.spec.max_model_len or self.max_model_len) - len(tokens) + 1))
 
-    def _plan_draft(self, req: Request, draft: list[int], budget: int, plan: PlanBuilder) -> bool:
+    def _plan_draft(self, req: Request, draft: list[int] | int, budget: int, plan: PlanBuilder) -> bool:
         """Plan a decode of `req` with `draft` (cut to the budget left), if it gets blocks for it."""
-        draft = draft[:budget - 1]
-        if not draft:
+        draft = draft[:budget - 1] if isinstance(draft, list) else min(draft, budget - 1)
+        k = len(draft) if isinstance(draft, list) else draft
+        if k <= 0:
             return False
-        added = self.kv.allocate_slots(req, 1 + len(draft))
+        added = self.kv.allocate_slots(req, 1 + k)
         if added is None:
             return False
         plan.add_draft(req, draft, added)
-        self._verifying.append((req, len(draft)))
+        self._verifying.append((req, k))
         return True
 
     def _verified(self, result: StepResult) -> None:
@@ -138,12 +160,13 @@ class Speculation:
             n = len(req.token_ids)
             req.num_computed_tokens = n - 1
             req.num_worker_tokens = n
-            if accepted == k:
-                req.spec_k, req.spec_misses = min(max_k, k + 1), 0
-            elif accepted:
-                req.spec_k, req.spec_misses = accepted + 1, 0
+            if accepted:
+                req.spec_misses = 0
+                if not isinstance(req.ngram, SuffixProposer):  # (its lengths follow its own confidence)
+                    req.spec_k = min(max_k, k + 1) if accepted == k else accepted + 1
             else:
-                req.spec_k = 1
+                if not isinstance(req.ngram, SuffixProposer):
+                    req.spec_k = 1
                 req.spec_skip = min(MAX_SKIP, 1 << req.spec_misses)
                 req.spec_misses += 1
 

@@ -11,8 +11,8 @@ model's, and every request ends exactly once; when all requests end, every
 block is free. With async scheduling drawn on, each step is planned before the
 previous step's result is applied (as the scheduler process does): the worker
 runs the plans in order, and outputs must still equal the model's token for token. With
-speculative decoding drawn on (n-gram drafts of 1-4 tokens, sync scheduling), the model is drawn
-to depend on the last one or two tokens only, so that its outputs repeat and drafts are accepted
+speculative decoding drawn on (drafts of 1-4 tokens, n-gram, suffix or a draft model's whose
+context is shorter than the target's, sync scheduling), the model is drawn to depend on the last one or two tokens only, so that its outputs repeat and drafts are accepted
 in whole or in part: outputs stay the model's, and every cached block still holds exactly the
 tokens its key covers (no rejected draft token is ever keyed).
 """
@@ -60,10 +60,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         ahead=st.booleans(),
         spec=st.sampled_from([None, None, 1, 2, 4]),
+        method=st.sampled_from(["ngram", "suffix", "draft_model"]),
         window=st.sampled_from([1, 2, None]),
         row_cost=st.sampled_from([0.0, 0.0, 0.2, 1.0]),
     )
-    def setup(self, num_blocks, budget, max_seqs, swap, cpu_blocks, caching, ahead, spec, window, row_cost):
+    def setup(self, num_blocks, budget, max_seqs, swap, cpu_blocks, caching, ahead, spec, method, window, row_cost):
         kvm.new_digest = _recording_new_digest
         self.window = window if spec else None
         cfg = EngineConfig(
@@ -71,9 +72,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             preemption_mode="swap" if swap else "recompute", enable_prefix_caching=caching,
             scheduling_policy="priority",  # the arrivals draw priorities: let them order the queues
             async_scheduling=ahead and not spec,
-            speculative_config=SpeculativeConfig(num_speculative_tokens=spec, prompt_lookup_min=1,
-                                                 prompt_lookup_max=3) if spec else None,
+            speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=spec, prompt_lookup_min=1,
+                                                 prompt_lookup_max=3, model="draft", max_model_len=24)
+            if spec else None,
         )
+        event(f"speculation by {method}" if spec else "no speculation")
         self.s = Scheduler(cfg, num_blocks, 10_000, cpu_blocks)
         self.w = FakeWorker(num_blocks, BS, vocab=VOCAB, num_cpu_blocks=cpu_blocks, window=self.window)
         self.sizes = (num_blocks, cpu_blocks)

@@ -1,4 +1,5 @@
-"""Speculative decoding through the whole engine (real processes), `speculative_config` n-gram.
+"""Speculative decoding through the whole engine (real processes), `speculative_config` n-gram
+and suffix (a draft model: tests/test_spec_draft_model.py).
 
 Lossless by construction: with speculation on, every output equals speculation off token for
 token, greedy and seeded alike (a seeded request's noise follows its output index), across
@@ -26,6 +27,7 @@ from tests.test_engine_parity import _hf_greedy, _with_tokenizer
 from tests.tiny_models import make_checkpoint
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
 
 
 def _mix(stops: tuple[str, int] | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -58,15 +60,16 @@ def _mix(stops: tuple[str, int] | None = None) -> tuple[list[list[int]], list[Sa
     return prompts, params
 
 
+@pytest.mark.parametrize("method", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
 @pytest.mark.parametrize(
     "flags",
     [{}, {"num_kv_blocks": 20, "preemption_mode": "recompute"},
      {"num_kv_blocks": 20, "preemption_mode": "swap", "swap_space": 0.01}],
     ids=["default", "recompute", "swap"],
 )
-def test_outputs_equal_speculation_off(demo_path, flags):
+def test_outputs_equal_speculation_off(demo_path, flags, method):
     results, stats = {}, {}
-    for spec in (None, NGRAM):
+    for spec in (None, method):
         with LLM("demo", speculative_config=spec, max_num_seqs=8, **flags) as llm:
             prompts, params = _mix()
             if spec is None:  # stops that end generation inside what a draft would cover

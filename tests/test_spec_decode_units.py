@@ -24,7 +24,7 @@ from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.speculative import Draft, SpeculativeConfig, parse_speculative_config
 from noria.protocol.step import StepPlan
 from noria.scheduler.ngram import NgramIndex
-from noria.scheduler.spec_governor import EXPLORE, DraftSwitch, size_class
+from noria.scheduler.spec_governor import EXPLORE, TRUSTED, DraftSwitch, size_class
 from noria.worker.sampler import Sampler, SamplingState
 from noria.worker.spec_decode import DraftRowState, take_drafts, verify
 from noria.worker.step_inputs import RequestState
@@ -47,12 +47,18 @@ def test_config_takes_vllms_keys_and_defaults() -> None:
                                                      "disable_by_batch_size": 8})
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1,
                                                           prompt_lookup_max=3, disable_by_batch_size=8)
+    # A model alone means a draft model, as in vLLM; its context is vLLM's max_model_len key.
+    draft = parse_speculative_config({"model": "/ckpt/draft", "num_speculative_tokens": 3, "max_model_len": 512})
+    assert (draft["method"], draft["model"], draft["max_model_len"]) == ("draft_model", "/ckpt/draft", 512)
+    described = SpeculativeConfig(method="draft_model", model="/d", num_speculative_tokens=3).describe()
+    assert described == "speculative decoding: draft_model, 3 tokens, draft model /d"
 
 
 @pytest.mark.parametrize(("value", "says"), [
     ("{", "is not JSON"),
     ("[1]", "JSON object"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "not built in noria yet"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "not built in noria yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
     ({"method": "eagle3", "num_speculative_tokens": 2}, "not built in noria yet"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"num_speculative_tokens": 2, "lookahead": 3}, "has no key 'lookahead'"),
@@ -246,13 +252,17 @@ def test_a_class_drafts_where_drafting_delivered_more_and_explores_the_other() -
     assert switch.choose(4) is True  # then a drafted one (3 and 4 decodes: one class)
     switch.observe(4, True, 9, 0.012)  # 750 tokens/s against 4 / 10 ms = 400 plain (3's figure)
     assert switch.gain[4] == pytest.approx(750 / 400)
+    for _ in range(TRUSTED - 1):  # one step decides nothing: the class is measured a few times
+        assert switch.choose(4) is True
+        switch.observe(4, True, 9, 0.012)
     choices = [switch.choose(4) for _ in range(3 * EXPLORE)]
-    assert choices.count(False) == 3 and choices[EXPLORE - 3] is False  # every EXPLORE-th step of the class
+    assert choices.count(False) == 3 and choices[EXPLORE - 2 - TRUSTED] is False  # every EXPLORE-th step of the class
     # Larger batches are their own class: there, drafting costs more than it brings.
     assert switch.choose(32) is False
     switch.observe(32, False, 32, 0.035)
-    assert switch.choose(32) is True  # the nearest class drafts: so does this one, until it knows
-    switch.observe(32, True, 40, 0.060)
+    for _ in range(TRUSTED):  # the nearest class drafts: so does this one, until it knows
+        assert switch.choose(32) is True
+        switch.observe(32, True, 40, 0.060)
     assert switch.gain[32] < 1
     assert [switch.choose(32) for _ in range(4 * EXPLORE)].count(True) == 1  # a costly try, seldom
     # A class with no figure of its own takes the nearest one's: 64 does not draft.

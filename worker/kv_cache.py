@@ -43,11 +43,14 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # A draft model's cache, in the same block ids (worker/draft_model.py): sized with the target's.
+    draft_bytes_per_block: int = 0
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem \
+            + self.draft_bytes_per_block
 
 
 class DeviceMemory(Protocol):

@@ -30,12 +30,7 @@ from noria.protocol.model_shapes import sharded_shapes, tensor_parallel_error
 from noria.protocol.pooling import engine_pooling
 from noria.protocol.quant_fp8 import online_quant
 from noria.protocol.sampling import EngineSamplingParams
-from noria.protocol.step import (
-    CachedRequestData,
-    NewRequestData,
-    StepPlan,
-    StepResult,
-)
+from noria.protocol.step import CachedRequestData, NewRequestData, StepPlan, StepResult
 from noria.worker import native_stack
 from noria.worker.attention import AttentionBackend
 from noria.worker.attention_select import attention_layers, select_attention_backend
@@ -50,6 +45,7 @@ from noria.worker.cuda_graphs import (
     planned_graphs,
 )
 from noria.worker.device import choose_dtype, cpu_precision, resolve_device, same_on_every_rank
+from noria.worker.draft_model import DraftModel, propose_drafts
 from noria.worker.grammar_mask import apply_grammar_bitmask
 from noria.worker.kv_cache import (
     GraphShapes,
@@ -73,7 +69,13 @@ from noria.worker.rank_transfers import RankTransfers
 from noria.worker.sampler import Sampler, SamplingState
 from noria.worker.score_head import engine_head
 from noria.worker.spec_decode import take_drafts, verify
-from noria.worker.step_inputs import Batch, RequestState, build_batch, request_state
+from noria.worker.step_inputs import (
+    Batch,
+    RequestState,
+    build_batch,
+    check_new_request,
+    request_state,
+)
 
 log = logging.getLogger("noria.worker")
 
@@ -95,12 +97,9 @@ StepObserver = Callable[[StepStats], None]
 
 
 class ModelRunner:
-    """Owns the model, the KV cache and every request's worker-side state.
-
-    Attributes the process loop reports in WorkerReady: `num_kv_blocks` (device
-    blocks the scheduler may hand out), `num_cpu_blocks` (swap area),
-    `vocab_size`, `max_model_len`, `block_size`.
-    """
+    """Owns the model, the KV cache and every request's worker-side state. Attributes the process
+    loop reports in WorkerReady: `num_kv_blocks` (device blocks the scheduler may hand out),
+    `num_cpu_blocks` (swap area), `vocab_size`, `max_model_len`, `block_size`."""
 
     def __init__(self, config: EngineConfig, rank: int = 0, dist_init_method: str | None = None) -> None:
         """`dist_init_method` (e.g. tcp://127.0.0.1:PORT) is the torch.distributed
@@ -163,6 +162,7 @@ class ModelRunner:
             log.info("%s", scales_line)
         if s.quantization is not None and self.tp.first:
             log.info("%s", quant_kinds.describe(self.model, s.quantization.describe))
+        self.drafter = DraftModel.load(config, self.device, self.dtype, self.weight_dtype, self.kv_dtype, self.tp)
 
     def _set_lengths(self) -> None:
         """Vocabulary, block size and context length, as the scheduler is told them."""
@@ -218,7 +218,7 @@ class ModelRunner:
         config = self.config
         # Each rank caches only its own KV heads.
         layout = KVLayout(self.spec.num_layers, self.block_size, self.model.shapes.num_kv_heads,
-                          self.spec.head_dim, self.kv_dtype)
+                          self.spec.head_dim, self.kv_dtype, self.drafter.layout.bytes_per_block if self.drafter else 0)
         memory = profile_memory(self, layout) if needs_profile(config, self.device) else None
         self.num_kv_blocks = num_device_blocks(config, layout, self.max_model_len, memory, graph_shapes)
         self.num_cpu_blocks = num_swap_blocks(config, layout)
@@ -228,6 +228,8 @@ class ModelRunner:
         self.kv_cache.block_copier = getattr(self.attention, "copy_blocks", None)
         max_blocks = -(-self.max_model_len // self.block_size)
         self.block_tables = BlockTables(max_blocks, self.kv_cache.null_block)
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_kv_blocks, self.num_cpu_blocks, self.block_tables)
         if self.tp.first:
             log.info(capacity_line(self.num_kv_blocks, self.block_size, self.max_model_len, self.kv_dtype))
 
@@ -275,11 +277,15 @@ class ModelRunner:
         # The order the protocol fixes (see StepPlan).
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
+        if self.drafter is not None:
+            self.drafter.swap(plan.swap_out, plan.swap_in)
         if plan.kv_pulls:
             self.transfers.submit(plan.kv_pulls)
         if not plan.scheduled:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
 
+        if plan.drafts:  # a draft model's proposals first
+            propose_drafts(plan, self.drafter, self.requests, self.tp, self.device)
         drafted = take_drafts(plan, self.requests, self.vocab_size) if plan.drafts else None
         batch = self._prepare(plan, drafted)
         t_model = time.perf_counter()
@@ -290,6 +296,8 @@ class ModelRunner:
         # Advanced only once the forward pass has written the KV.
         for state, seq_len in zip(batch.states, batch.meta.seq_lens_host, strict=True):
             state.num_computed_tokens = seq_len
+        if self.drafter is not None and plan.draft_prompts:
+            self.drafter.follow_prompts(batch.states, drafted)
         # Every rank takes part (the logits are gathered); only rank 0 gets them.
         sampling = bool(batch.sample_requests) and self.pooling is None
         logits = self.model.compute_logits(hidden[batch.sample_token_index]) if sampling else None
@@ -343,23 +351,9 @@ class ModelRunner:
     def _add(self, new: NewRequestData, plan_params: list[EngineSamplingParams]) -> None:
         # A request seen before (e.g. preempted and resumed) is rebuilt from scratch.
         self._drop(new.req_id)
-        what = f"request {new.req_id}"
-        if not new.token_ids:
-            raise ValueError(f"{what}: no token ids")
-        if not 0 <= new.params < len(plan_params):
-            raise ValueError(f"{what}: params entry {new.params} outside the plan's {len(plan_params)}")
-        params = plan_params[new.params]
-        if not 0 <= new.num_computed_tokens <= len(new.token_ids):
-            raise ValueError(f"{what}: num_computed_tokens {new.num_computed_tokens} outside "
-                             f"[0, {len(new.token_ids)}]")
-        bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{what}: token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
-        if self.pooling is not None and self.pooling.every_position and new.num_computed_tokens:
-            raise ValueError(f"{what}: {self.pooling.mode} pooling needs every position computed here, but "
-                             f"{new.num_computed_tokens} come computed")
+        params = check_new_request(new, plan_params, self.vocab_size, self.pooling)
         tracker = PromptLogprobs.for_request(new, params)
-        self.kv_cache.check_blocks(new.block_ids, what)
+        self.kv_cache.check_blocks(new.block_ids, f"request {new.req_id}")
         sampling = None
         if self.sampler is not None:
             sampling = SamplingState(params, new.token_ids, new.num_prompt_tokens, new.eos_token_ids,
@@ -374,16 +368,22 @@ class ModelRunner:
             kv_export=new.kv_export_id,
             num_prompt_tokens=new.num_prompt_tokens,
         )
+        if self.drafter is not None:
+            self.drafter.added(self.requests[new.req_id], new.block_ids)
 
     def _update(self, cached: CachedRequestData, step_id: int) -> None:
         state = self._get(cached.req_id, step_id)
         what = f"step {step_id} request {cached.req_id}"
         self.kv_cache.check_blocks(cached.new_block_ids, what)
         self.block_tables.append(state.row, cached.new_block_ids)
+        if self.drafter is not None:
+            self.drafter.fresh(cached.new_block_ids)
 
     def _drop(self, req_id: int) -> None:
         state = self.requests.pop(req_id, None)
         if state is not None:
+            if self.drafter is not None:
+                self.drafter.mark(state)
             self.block_tables.free(state.row)
 
     def _get(self, req_id: int, step_id: int) -> RequestState:

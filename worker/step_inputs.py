@@ -16,7 +16,9 @@ from itertools import accumulate
 
 import torch
 
-from noria.protocol.step import StepPlan
+from noria.protocol.pooling import PoolingSpec
+from noria.protocol.sampling import EngineSamplingParams
+from noria.protocol.step import NewRequestData, StepPlan
 from noria.worker.attention import AttentionBackend, AttentionMetadata
 from noria.worker.block_table import BlockTables
 from noria.worker.cuda_graphs import DecodeBuffers, DecodeGraphs, DecodeInputs, pad_decode
@@ -38,6 +40,8 @@ class RequestState:
     # A producer's request: its transfer id, held with the prompt's blocks each time it samples.
     kv_export: int = 0
     num_prompt_tokens: int = 0
+    # The tokens a draft model has computed (worker/draft_model.py): at most num_computed_tokens count.
+    draft_len: int = 0
 
 
 @dataclass(slots=True)
@@ -75,6 +79,27 @@ def request_state(requests: dict[int, RequestState], req_id: int, step_id: int) 
     if state is None:
         raise KeyError(f"step {step_id} refers to request {req_id}, which the worker does not know")
     return state
+
+
+def check_new_request(new: NewRequestData, plan_params: list[EngineSamplingParams], vocab_size: int,
+                      pooling: PoolingSpec | None) -> EngineSamplingParams:
+    """A new request's sampling parameters, once its data fits this worker (ValueError: what
+    does not, a plan's bug)."""
+    what = f"request {new.req_id}"
+    if not new.token_ids:
+        raise ValueError(f"{what}: no token ids")
+    if not 0 <= new.params < len(plan_params):
+        raise ValueError(f"{what}: params entry {new.params} outside the plan's {len(plan_params)}")
+    if not 0 <= new.num_computed_tokens <= len(new.token_ids):
+        raise ValueError(f"{what}: num_computed_tokens {new.num_computed_tokens} outside "
+                         f"[0, {len(new.token_ids)}]")
+    bad = [t for t in new.token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what}: token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}")
+    if pooling is not None and pooling.every_position and new.num_computed_tokens:
+        raise ValueError(f"{what}: {pooling.mode} pooling needs every position computed here, but "
+                         f"{new.num_computed_tokens} come computed")
+    return plan_params[new.params]
 
 
 def scheduled_rows(plan: StepPlan, requests: dict[int, RequestState], tables: BlockTables,
@@ -158,7 +183,7 @@ def build_batch(plan: StepPlan, requests: dict[int, RequestState], tables: Block
     if staged:
         input_ids, meta, size = _staged_decode(rows, tables, buffers, graphs, block_size, null_block)
     else:
-        input_ids, meta = _fresh_tensors(rows, tables, block_size, device)
+        input_ids, meta = fresh_tensors(rows, tables, block_size, device)
     if size is None:
         attention.prepare(meta)
     if staged and len(sampled) == num_seqs:
@@ -197,7 +222,7 @@ def _staged_decode(rows: ScheduledRows, tables: BlockTables, buffers: DecodeBuff
     return views.input_ids[:num_seqs], meta, size
 
 
-def _fresh_tensors(rows: ScheduledRows, tables: BlockTables, block_size: int, device: torch.device
+def fresh_tensors(rows: ScheduledRows, tables: BlockTables, block_size: int, device: torch.device
                    ) -> tuple[torch.Tensor, AttentionMetadata]:
     """Any step's input ids and metadata in tensors of its own."""
     bs, states = block_size, rows.states

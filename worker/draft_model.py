@@ -1,0 +1,200 @@
+"""The draft model of `--speculative-config '{"method": "draft_model", "model": ...}'`: a second,
+smaller checkpoint with the target's tokenizer, which proposes each drafted request's next
+tokens at the start of the step that verifies them (worker/spec_decode.py verifies).
+
+Its KV cache is its own tensor (its layers, heads and head size), addressed by the same block
+ids as the target's: the scheduler's block accounting is unchanged, a block's bytes are the
+two caches' together (`KVLayout.draft_bytes_per_block`, so a fixed KV memory holds fewer
+blocks), and swaps move both. A request's `draft_len` says how many of its tokens the draft
+has computed. The draft follows the target over prompts while batches of the size running
+draft (`StepPlan.draft_prompts`: the chunk's step runs the draft over the prompt tokens since
+`draft_len`), and over generated tokens only when it drafts: its next
+proposal first runs it over the tokens since (one or two after a drafted step, more after
+steps that did not draft). So a decode step that does not draft costs what it costs with
+speculation off, and the scheduler's switch (scheduler/spec_governor.py) sees what drafting
+costs without a prompt's prefill in it.
+
+A prefix-cache hit gives a new request blocks whose target KV is computed, but whose draft KV
+is only where the draft followed whoever computed them: `full` holds the blocks whose every
+slot's draft KV is that of the tokens there (marked when a request that computed them is done
+with, or after its prompt), and a block given out to be written, or swapped in, leaves it. A
+new request's `draft_len` is its leading blocks in `full`; the draft computes the rest of a
+cached prefix itself, writing into its own blocks only.
+
+Proposing k tokens for a request whose last known token is at position n - 1 runs the draft k
+times: first over every token it has not computed up to and including that last one, then over
+each proposal in turn, each time taking the argmax (greedy proposals: verification samples the
+target and keeps a proposal only where the target chose it, the rejection rule for a draft
+whose distribution is one token). Every request of the step drafts in the same k batched
+passes (a request with a shorter draft drops out of the later ones). The KV the draft wrote
+for proposals the target rejected lies past the request's computed tokens: `draft_len` is
+always read as at most `num_computed_tokens`, and the next pass writes over it.
+
+One draft per engine, on the first tensor-parallel rank, unsharded (TP 1): it broadcasts the
+proposals to the other ranks, which verify their shards of the target over them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from noria.protocol.config import EngineConfig
+from noria.protocol.step import StepPlan
+from noria.worker.attention_select import attention_layers, select_attention_backend
+from noria.worker.block_table import BlockTables
+from noria.worker.kv_cache import KVCache, KVLayout
+from noria.worker.kv_fp8 import apply_scales
+from noria.worker.loader import load_model, load_spec
+from noria.worker.models.ops import choose_ops
+from noria.worker.models.parallel import TensorParallel
+from noria.worker.step_inputs import RequestState, ScheduledRows, fresh_tensors, request_state
+
+log = logging.getLogger("noria.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Tokens `[start, start + len(input_ids))` of a request, run through the draft in one row."""
+
+    state: RequestState
+    start: int
+    input_ids: list[int]
+
+
+class DraftModel:
+    """The draft checkpoint, its attention backend and (once allocated) its KV cache."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 weight_dtype: torch.dtype | None, kv_dtype: torch.dtype) -> None:
+        spec_config = config.speculative_config
+        assert spec_config is not None and spec_config.model is not None
+        self.path = spec_config.model
+        self.device, self.block_size = device, config.block_size
+        self.spec = spec = load_spec(self.path, spec_config.max_model_len)
+        self.model = load_model(self.path, spec, device, dtype, TensorParallel(), weight_dtype, config.load_format,
+                                config.seed)
+        apply_scales((layer.self_attn for layer in self.model.layers), kv_dtype)
+        choice = select_attention_backend(device, attention_layers(self.model), dtype, self.block_size,
+                                          choice=config.attention_backend, kv_dtype=kv_dtype)
+        self.attention = choice.backend
+        self.model.use_ops(choose_ops(spec.activation, device, dtype, self.attention, self.block_size))
+        self.layout = KVLayout(spec.num_layers, self.block_size, self.model.shapes.num_kv_heads, spec.head_dim,
+                               kv_dtype)
+        self.cache: KVCache | None = None
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.tables: BlockTables
+        self.full: set[int] = set()
+        log.info("draft model %s: %d layers, %d KV bytes per block beside the target's", self.path,
+                 spec.num_layers, self.layout.bytes_per_block)
+
+    @classmethod
+    def load(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None,
+             kv_dtype: torch.dtype, tp: TensorParallel) -> DraftModel | None:
+        """The engine's draft model on its first rank (None: no draft model, or another rank)."""
+        sc = config.speculative_config
+        if sc is None or sc.method != "draft_model" or not tp.first:
+            return None
+        return cls(config, device, dtype, weight_dtype, kv_dtype)
+
+    def allocate(self, num_blocks: int, num_cpu_blocks: int, tables: BlockTables) -> None:
+        """Its KV cache, as many blocks as the target's, indexed by the target's block tables."""
+        self.cache = KVCache(self.layout, num_blocks, num_cpu_blocks, self.device)
+        self.cache.block_copier = getattr(self.attention, "copy_blocks", None)
+        self.layers = [self.cache.layer(i) for i in range(self.layout.num_layers)]
+        self.tables = tables
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """The same block moves as the target's."""
+        if self.cache is not None:
+            self.cache.swap_out(swap_out)
+            self.cache.swap_in(swap_in)
+            self.full.difference_update(dev for dev, _ in swap_in)
+
+    def added(self, state: RequestState, block_ids: list[int]) -> None:
+        """A request new to the worker, with `block_ids`: its draft KV is that of its leading
+        cached blocks in `full`; its other blocks are to be written."""
+        bs, hits = self.block_size, state.num_computed_tokens // self.block_size
+        valid = next((i for i, b in enumerate(block_ids[:hits]) if b not in self.full), hits)
+        state.draft_len = valid * bs
+        self.full.difference_update(block_ids[hits:])
+
+    def fresh(self, block_ids: list[int]) -> None:
+        """Blocks appended to a request: to be written."""
+        self.full.difference_update(block_ids)
+
+    def mark(self, state: RequestState) -> None:
+        """The request's blocks whose every slot holds the draft KV of its tokens."""
+        done = min(state.draft_len, state.num_computed_tokens) // self.block_size
+        self.full.update(self.tables.ids[state.row][:done])
+
+    def propose(self, wanted: list[tuple[RequestState, int]]) -> list[list[int]]:
+        """k greedy proposals for each (request, k), in order."""
+        proposals: list[list[int]] = [[] for _ in wanted]
+        live = list(range(len(wanted)))
+        spans = []
+        for state, _ in wanted:
+            start = min(state.draft_len, state.num_computed_tokens)
+            spans.append(Span(state, start, state.token_ids[start:]))
+        for step in range(max(k for _, k in wanted)):
+            for i, span, token in zip(live, spans, self._run(spans, logits=True), strict=True):
+                proposals[i].append(token)
+                span.state.draft_len = span.start + len(span.input_ids)
+            live = [i for i in live if wanted[i][1] > step + 1]
+            spans = [Span(wanted[i][0], wanted[i][0].draft_len, [proposals[i][-1]]) for i in live]
+        return proposals
+
+    def follow_prompts(self, states: list[RequestState], drafted: dict[int, int] | None) -> None:
+        """The draft's KV of the prompt tokens the target computed this step (`states` after its
+        forward pass), so that a request's first draft does not compute its whole prompt: that
+        step would look to the switch as if drafting cost a prefill."""
+        if self.cache is None:  # the profiling pass, before the cache exists
+            return
+        spans = []
+        for state in states:
+            start = min(state.draft_len, state.num_computed_tokens)
+            if start < state.num_prompt_tokens and start < state.num_computed_tokens \
+                    and not (drafted and state.req_id in drafted):
+                spans.append(Span(state, start, state.token_ids[start:state.num_computed_tokens]))
+                state.draft_len = state.num_computed_tokens
+        if spans:
+            self._run(spans, logits=False)
+            for span in spans:
+                self.mark(span.state)
+
+    def _run(self, spans: list[Span], logits: bool) -> list[int]:
+        """One forward pass of the draft over `spans`; the argmax at each span's last token."""
+        q_lens = [len(s.input_ids) for s in spans]
+        rows = ScheduledRows([s.state for s in spans], [t for s in spans for t in s.input_ids], q_lens,
+                             [s.start for s in spans], [s.start + n for s, n in zip(spans, q_lens, strict=True)],
+                             [0, *accumulate(q_lens)])
+        input_ids, meta = fresh_tensors(rows, self.tables, self.block_size, self.device)
+        self.attention.prepare(meta)
+        hidden = self.model(input_ids, meta.positions, meta, self.attention, self.layers)
+        if not logits:
+            return []
+        last = torch.tensor(rows.query_start[1:], dtype=torch.long, device=self.device) - 1
+        scores = self.model.compute_logits(hidden[last])
+        assert scores is not None
+        return scores.argmax(dim=-1).tolist()
+
+
+def propose_drafts(plan: StepPlan, draft: DraftModel | None, requests: dict[int, RequestState],
+                   tp: TensorParallel, device: torch.device) -> None:
+    """Fill the token ids of the plan's drafts that the worker proposes (`Draft.propose`): the
+    draft model's on the first rank, broadcast to the others."""
+    wanted = [d for d in plan.drafts if d.propose]
+    if not wanted:
+        return
+    if draft is not None:
+        states = [(request_state(requests, d.req_id, plan.step_id), d.propose) for d in wanted]
+        for d, tokens in zip(wanted, draft.propose(states), strict=True):
+            d.token_ids = tokens
+    if tp.size > 1:
+        flat = [t for d in wanted for t in d.token_ids] if draft is not None else [0] * sum(d.propose for d in wanted)
+        ids = tp.broadcast_from_first(torch.tensor(flat, dtype=torch.long, device=device)).tolist()
+        for d, end in zip(wanted, accumulate(d.propose for d in wanted), strict=True):
+            d.token_ids = ids[end - d.propose:end]
