@@ -55,7 +55,8 @@ class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
 
     Row r is for `req_ids[r]`: ceil(vocab_size / 32) little-endian int32 words, and
     bit t % 32 of word t // 32 set means token t is allowed. Only the requests that
-    sample in this step and have a grammar get a row.
+    sample in this step and have a grammar get a row; a drafted one (speculative decoding)
+    gets one per position it samples, consecutive, in order (its id repeated).
     """
 
     req_ids: list[int]
@@ -114,9 +115,6 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     # Speculative decoding: the tokens proposed for some of this step's decodes (a request's
     # scheduled count is then 1 + its draft's length), verified in this step's forward pass.
     drafts: list[Draft] = []
-    # A draft model follows the target over this step's prompt tokens (computes their draft KV
-    # now, not at the request's first draft): set while steps of this batch's size draft.
-    draft_prompts: bool = False
 
 
 class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):

@@ -68,7 +68,7 @@ class PlanBuilder:
             if req.matcher is not None and req.grammar_wait is None:  # (not while it reasons)
                 self.masked.append((req.req_id, req.matcher))  # its mask goes with this step
 
-    def add_draft(self, req: Request, draft: list[int] | int, added: list[int]) -> None:
+    def add_draft(self, req: Request, draft: list[int] | int, added: list[int], masks: list[Any] = ()) -> None:
         """Schedule a decode of `req` (already in the worker) with `draft` after its last token
         (an int: the worker's draft model proposes that many); it counts every drafted token as
         on its way until the result says which it keeps."""
@@ -79,3 +79,5 @@ class PlanBuilder:
         req.num_worker_tokens = req.num_computed_tokens + 1
         self.scheduled.append((req.req_id, n))
         self.drafts.append(Draft(req.req_id, [], draft) if isinstance(draft, int) else Draft(req.req_id, draft))
+        if masks:  # a constrained request: a mask for each of its k + 1 positions, in order
+            self.masked += [(req.req_id, m) for m in masks]

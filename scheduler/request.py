@@ -65,7 +65,7 @@ class Request:
         "arrival_seq",
         "max_tokens", "block_ids", "block_hashes", "num_cached_blocks", "in_worker",
         "swapped_blocks", "num_preemptions", "sort_key", "hash_root", "grammar_wait", "pooling", "pools_every_position",
-        "kv_remote", "kv_export", "ngram", "spec_k", "spec_skip", "spec_misses",
+        "kv_remote", "kv_export", "ngram", "spec_k", "spec_skip", "spec_misses", "spec_last",
     )
 
     def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: bytes | None,
@@ -121,11 +121,13 @@ class Request:
         self.kv_remote: KVTransferParams | None = None
         self.kv_export = 0
         # Speculative decoding (scheduler/speculation.py): its proposer (None: never drafted), its
-        # draft length now, lookups to sit out, and drafts rejected outright in a row.
+        # draft length now, lookups to sit out, drafts rejected outright in a row, and the step
+        # that last drafted it.
         self.ngram: NgramIndex | SuffixProposer | None = None
         self.spec_k = 0
         self.spec_skip = 0
         self.spec_misses = 0
+        self.spec_last = -1  # the step that last drafted it
 
     def set_decode_limit(self, max_model_len: int) -> None:
         """Where the hot paths stop for this request (`Scheduler.schedule`, `update_from_result`):

@@ -307,8 +307,7 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
         pulls, release = self._take_transfer_plan()
         step = StepPlan(self.step_id, plan.scheduled, plan.new_requests, plan.cached, drop, swap_out=swap_out,
                         swap_in=swap_in, grammar=self.grammars.fill_bitmask(masked) if masked else None,
-                        params=plan.params, kv_pulls=pulls, kv_release=release, drafts=plan.drafts,
-                        draft_prompts=self.spec is not None and self._drafts_prompts())
+                        params=plan.params, kv_pulls=pulls, kv_release=release, drafts=plan.drafts)
         if self.spec is not None:
             self._time_step(step)
         return step

@@ -8,13 +8,15 @@ contexts, so it is measured, not modelled. The scheduler process times each deco
 from its plan to its result. A plain step of B decodes teaches what B decodes cost (a moving
 average per B); a drafted step of B decodes is compared with that cost: its tokens per second
 over the plain step's B / seconds at the same B, a gain whose moving average is kept per class
-of batch size (powers of two). A class drafts until `TRUSTED` drafted steps have measured it,
-then while its gain is at least `MARGIN`; every
+of batch size (powers of two). A class drafts until `TRUSTED` drafted steps have measured it
+(unless the first gain is hopeless), then while its gain is at least `MARGIN`; every
 `EXPLORE`-th step of a drafting class does not, and every 4 * `EXPLORE`-th step of another
 drafts, so both figures stay current (longer contexts, other requests). A size measures its
 plain steps first; a class without a gain of its own takes the nearest class's. (With a draft
-model, a try drafts one request only: the draft has not followed the others' tokens while its
-class did not draft, and computing them all would cost what the try is meant to avoid.)
+model, a try drafts one request only, the one drafted latest: the draft has not followed the
+others' tokens while their class did not draft, and computing them all would cost what the try
+is meant to avoid; a try whose step only caught its request up measured nothing, and the
+next step of the class tries again, `retry`.)
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ EMA = 0.2  # weight of a new step in a figure
 # choice that flips on noise pays for the worse one; where drafting pays, it pays far more.
 MARGIN = 1.05
 # A class's own gain decides once this many drafted steps have measured it (it drafts until
-# then): one step's proposals may all miss where most would not.
+# then): one step's proposals may all miss where most would not. A gain below `HOPELESS`
+# over two steps decides then: no luck of the proposals makes up for what such steps cost
+# (one step may be slow by chance on a busy host).
 TRUSTED = 4
+HOPELESS = 0.75
 
 
 def size_class(num_decodes: int) -> int:
@@ -42,6 +47,8 @@ class DraftSwitch:
         self.samples: dict[int, int] = {}  # class -> drafted steps measured
         self.steps: dict[int, int] = {}  # class -> steps decided
         self.trying = False  # the last choice drafts where drafting has not paid: a try
+        self._again: int | None = None  # the class whose next step tries again
+        self._class = 0  # the last choice's
 
     def plain_seconds(self, num_decodes: int) -> float | None:
         """What a plain step of `num_decodes` costs: its own figure, else the nearest size's."""
@@ -51,23 +58,18 @@ class DraftSwitch:
             return None
         return self.plain[min(self.plain, key=lambda b: abs(b - num_decodes))]
 
-    def drafting(self, num_decodes: int) -> bool:
-        """Whether steps of `num_decodes` decodes draft, by the figures so far (none: yes)."""
-        c = size_class(num_decodes)
-        gain = self.gain.get(c)
-        if gain is None and self.gain:
-            gain = self.gain[min(self.gain, key=lambda k: abs(k.bit_length() - c.bit_length()))]
-        return gain is None or gain >= MARGIN
-
     def choose(self, num_decodes: int) -> bool:
         """Whether a step with `num_decodes` decodes drafts."""
-        c = size_class(num_decodes)
+        c = self._class = size_class(num_decodes)
         n = self.steps[c] = self.steps.get(c, 0) + 1
-        self.trying = False
+        self.trying = self._again == c
+        self._again = None
+        if self.trying:
+            return True
         if c not in self.plain_classes:
             return False
         gain = self.gain.get(c)
-        if gain is not None and self.samples[c] < TRUSTED:
+        if gain is not None and self.samples[c] < TRUSTED and (self.samples[c] < 2 or gain >= HOPELESS):
             return True
         if gain is None:  # the nearest class's figure, if any, until this class has its own
             if not self.gain:
@@ -79,6 +81,10 @@ class DraftSwitch:
         # Drafted steps that do not pay are the costly ones to try: tried less often.
         self.trying = not drafts and n % (4 * EXPLORE) == 0
         return drafts != (n % (EXPLORE if drafts else 4 * EXPLORE) == 0)
+
+    def retry(self) -> None:
+        """The last choice's try measured nothing: the next step of its class tries again."""
+        self._again = self._class
 
     def observe(self, num_decodes: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode-only step of `num_decodes` decodes delivered `tokens` in `seconds`."""

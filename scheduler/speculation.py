@@ -9,8 +9,11 @@ for prefix hits (`KVCacheManager` digests `token_ids`, which never hold a draft)
 block holds an unaccepted token; blocks taken for rejected positions stay the request's, the
 next tokens' room. A draft never preempts: without blocks for it the request decodes as usual.
 
-Who is drafted: a request with no grammar (its mask covers one position) and no export (a
-producer computes prompts); none while more than `disable_by_batch_size` requests run. Each
+Who is drafted: a request with no export (a producer computes prompts), and with a grammar
+only by the scheduler's proposers (n-gram, suffix): its draft is cut where the grammar would
+reject a token or be complete, and the step carries a mask for each position it samples
+(`grammar_draft`), so what the target keeps is what the grammar allows; none while more than
+`disable_by_batch_size` requests run. Each
 request adapts its draft length to what it accepts: a full acceptance keeps or lengthens it, a
 partial one shortens it to the accepted length plus one, and a draft rejected outright sets it
 to one and skips the request's next 1, 2, 4, ... 16 lookups (reset by the next acceptance), so a
@@ -31,6 +34,7 @@ from noria.scheduler.ngram import NgramIndex
 from noria.scheduler.plan_builder import PlanBuilder
 from noria.scheduler.request import Request, Status
 from noria.scheduler.spec_governor import DraftSwitch
+from noria.scheduler.structured_output import grammar_draft
 from noria.scheduler.suffix_decoding import SuffixCache, SuffixProposer
 
 MAX_SKIP = 16  # lookups a request sits out after a rejected draft, at most
@@ -44,6 +48,7 @@ class Speculation:
     running: list[Request]
     max_model_len: int
     kv: KVCacheManager
+    step_id: int  # the last plan's
 
     def _init_speculation(self) -> None:
         sc = self.config.speculative_config
@@ -53,12 +58,15 @@ class Speculation:
         self.switch = DraftSwitch()
         self.suffixes = SuffixCache(sc) if sc is not None and sc.method == "suffix" else None  # type: ignore[arg-type]
         self._timed: tuple[int, int, bool] | None = None  # (step id, decodes, drafted) of a decode-only step
+        self._untimed = False  # the plan being built drafts a request the draft model must catch up
 
     def _speculates(self, req: Request, tenant: str | None) -> None:
         """Give a new request its proposer, if it may be drafted (`tenant`: its cache salt)."""
         spec = self.spec
-        if spec is not None and req.matcher is None and not req.kv_export and not req.pooling \
-                and req.params.structured_output is None:
+        constrained = req.params.structured_output is not None
+        # A draft model's tokens are known only on the worker, past the masks the plan carries.
+        if spec is not None and not req.kv_export and not req.pooling \
+                and not (constrained and spec.method == "draft_model"):
             if spec.method == "ngram":
                 req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
             elif spec.method == "suffix":
@@ -81,13 +89,10 @@ class Speculation:
         drafted = sum(d.length for d in plan.drafts)
         decodes = len(plan.scheduled)
         only = not plan.new_requests and sum(n for _, n in plan.scheduled) == decodes + drafted
-        self._timed = (plan.step_id, decodes, bool(drafted)) if only and decodes else None
-
-    def _drafts_prompts(self) -> bool:
-        """Whether a draft model follows this step's prompts: while a batch this size drafts (a
-        request never drafted then never costs the draft its prompt)."""
-        assert self.spec is not None
-        return self.spec.method == "draft_model" and self.switch.drafting(len(self.running))
+        self._timed = (plan.step_id, decodes, bool(drafted)) if only and decodes and not self._untimed else None
+        if self._untimed and self.switch.trying:
+            self.switch.retry()  # the try only caught its request up: the next step tries again
+        self._untimed = False
 
     def _step_drafts(self, budget: int) -> dict[int, list[int] | int]:
         """This step's drafts by request id: each running decode's proposal (a draft model's: how
@@ -99,8 +104,8 @@ class Speculation:
         decodes = [req for req in self.running if req.num_worker_tokens - req.num_computed_tokens == 1]
         if not decodes or not self.switch.choose(len(decodes)):
             return {}
-        if self.switch.trying and spec.method == "draft_model":
-            decodes = decodes[:1]  # the draft has not followed the others (scheduler/spec_governor.py)
+        if self.switch.trying and spec.method == "draft_model":  # the one the draft has followed latest
+            decodes = [max(decodes, key=lambda r: r.spec_last)]
         drafts = {}
         for req in decodes:
             draft = self._draft(req, budget)
@@ -127,14 +132,21 @@ class Speculation:
     def _plan_draft(self, req: Request, draft: list[int] | int, budget: int, plan: PlanBuilder) -> bool:
         """Plan a decode of `req` with `draft` (cut to the budget left), if it gets blocks for it."""
         draft = draft[:budget - 1] if isinstance(draft, list) else min(draft, budget - 1)
+        masks: list = []
+        if isinstance(draft, list) and req.params.structured_output is not None:
+            draft, masks = grammar_draft(req, draft)
         k = len(draft) if isinstance(draft, list) else draft
         if k <= 0:
             return False
         added = self.kv.allocate_slots(req, 1 + k)
         if added is None:
             return False
-        plan.add_draft(req, draft, added)
+        plan.add_draft(req, draft, added, masks)
         self._verifying.append((req, k))
+        if isinstance(draft, int) and req.spec_last != self.step_id:
+            # Its draft model catches up over the tokens since its last draft: not a step to time.
+            self._untimed = True
+        req.spec_last = self.step_id + 1
         return True
 
     def _verified(self, result: StepResult) -> None:

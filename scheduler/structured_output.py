@@ -165,6 +165,26 @@ def resume(matcher: Matcher, tokens: list[int]) -> bool:
     return all(matcher.consume_token(t) for t in tokens)
 
 
+def grammar_draft(req: Any, draft: list[int]) -> tuple[list[int], list[Matcher]]:
+    """A constrained request's draft (speculative decoding) cut where its grammar would reject a
+    token or be complete, and the matcher of each of the k + 1 positions its step samples (the
+    request's own, then copies that have taken the draft's first 1 .. k tokens): their masks
+    go with the step, row by row. While the request reasons (the grammar holds only after the
+    reasoning's end token) the draft stops before that token, and nothing is masked."""
+    if req.matcher is None:
+        return [], []
+    if req.grammar_wait is not None:
+        return (draft[:draft.index(req.grammar_wait)] if req.grammar_wait in draft else draft), []
+    states = [req.matcher]
+    matcher = req.matcher
+    for i, token in enumerate(draft):
+        matcher = matcher.deep_copy()
+        if not matcher.consume_token(token) or matcher.is_stopped():
+            return draft[:i], states
+        states.append(matcher)
+    return draft, states
+
+
 def advance(matcher: Matcher, token: int) -> str | None:
     """Accept a sampled token: "stop" when the grammar is complete (nothing may follow),
     "error" when the token breaks it (the mask was not applied), else None."""

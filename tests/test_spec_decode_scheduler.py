@@ -84,8 +84,29 @@ def test_a_draft_never_preempts() -> None:
     assert any(not plan.drafts and all(n == 1 for _, n in plan.scheduled) for plan in plans[1:])
 
 
-def test_constrained_requests_are_not_drafted() -> None:
-    s, w = _engine()
+def test_constrained_requests_are_drafted_by_the_schedulers_proposers_only() -> None:
+    """Their drafts are checked against the grammar when planned (tests/test_spec_decode.py runs
+    them); a draft model's tokens are known only on the worker, too late for masks."""
     p = EngineSamplingParams(max_tokens=6, ignore_eos=True, structured_output=StructuredOutput(regex="[0-9a-z ]*"))
-    s.add_request(EngineRequest(1, [1, 2, 1, 2], p, []))
-    assert s.requests[1].ngram is None
+    for method, drafted in (("ngram", True), ("suffix", True), ("draft_model", False)):
+        s, _ = _engine(method=method)
+        s.add_request(EngineRequest(1, [1, 2, 1, 2], p, []))
+        assert bool(s.requests[1].spec_k) is drafted, method
+
+
+def test_suffix_drafts_from_the_prompt_and_the_tenants_answers() -> None:
+    """A model whose outputs never repeat within a request (it hashes the whole sequence): the
+    same prompt asked again by its tenant is drafted from the first answer (each proposal at most
+    as long as its match); asked by another tenant, never."""
+    config = EngineConfig(block_size=BS, speculative_config=SpeculativeConfig(method="suffix", num_speculative_tokens=6))
+    s, w = Scheduler(config, 64, 1000), FakeWorker(64, BS, vocab=1000)
+    prompt = [1, 2, 3, 4, 5, 6]
+    p = EngineSamplingParams(max_tokens=20, ignore_eos=True)
+    answers, accepted = {}, {}
+    for rid, tenant in ((1, "a"), (2, "a"), (3, "b")):
+        before = s.stats.spec_accepted_tokens
+        s.add_request(EngineRequest(rid, prompt, p, [], cache_salt=tenant))
+        out, _ = _drain(s, w)
+        answers[rid], accepted[rid] = out[rid], s.stats.spec_accepted_tokens - before
+    assert answers[1] == answers[2] == answers[3] and len(set(answers[1])) == 20
+    assert accepted[1] == accepted[3] == 0 and accepted[2] >= 10, accepted

@@ -24,7 +24,7 @@ from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.speculative import Draft, SpeculativeConfig, parse_speculative_config
 from noria.protocol.step import StepPlan
 from noria.scheduler.ngram import NgramIndex
-from noria.scheduler.spec_governor import EXPLORE, TRUSTED, DraftSwitch, size_class
+from noria.scheduler.spec_governor import EXPLORE, HOPELESS, TRUSTED, DraftSwitch, size_class
 from noria.worker.sampler import Sampler, SamplingState
 from noria.worker.spec_decode import DraftRowState, take_drafts, verify
 from noria.worker.step_inputs import RequestState
@@ -260,10 +260,10 @@ def test_a_class_drafts_where_drafting_delivered_more_and_explores_the_other() -
     # Larger batches are their own class: there, drafting costs more than it brings.
     assert switch.choose(32) is False
     switch.observe(32, False, 32, 0.035)
-    for _ in range(TRUSTED):  # the nearest class drafts: so does this one, until it knows
+    for _ in range(2):  # the nearest class drafts: so does this one, until it knows
         assert switch.choose(32) is True
         switch.observe(32, True, 40, 0.060)
-    assert switch.gain[32] < 1
+    assert switch.gain[32] < HOPELESS  # so costly that two steps decide
     assert [switch.choose(32) for _ in range(4 * EXPLORE)].count(True) == 1  # a costly try, seldom
     # A class with no figure of its own takes the nearest one's: 64 does not draft.
     switch.observe(64, False, 64, 0.060)
@@ -272,3 +272,29 @@ def test_a_class_drafts_where_drafting_delivered_more_and_explores_the_other() -
     for _ in range(30):
         switch.observe(32, True, 60, 0.036)
     assert [switch.choose(32) for _ in range(EXPLORE)].count(True) == EXPLORE - 1
+
+
+def test_a_class_is_measured_a_few_times_and_a_try_that_measured_nothing_is_retried() -> None:
+    switch = DraftSwitch()
+    switch.choose(16)
+    switch.observe(16, False, 16, 0.010)
+    for _ in range(TRUSTED):  # a gain below the margin but not hopeless: measured TRUSTED times
+        assert switch.choose(16) is True
+        switch.observe(16, True, 15, 0.010)
+    assert HOPELESS < switch.gain[16] < 1
+    choices = [switch.choose(16) for _ in range(4 * EXPLORE)]
+    assert choices.count(True) == 1
+    tried = choices.index(True)
+    switch = DraftSwitch()  # the same, with the try's step spent catching up
+    switch.choose(16)
+    switch.observe(16, False, 16, 0.010)
+    for _ in range(TRUSTED):
+        switch.choose(16)
+        switch.observe(16, True, 15, 0.010)
+    for i in range(4 * EXPLORE):
+        drafts = switch.choose(16)
+        assert drafts is (i == tried)
+        if drafts:
+            assert switch.trying
+            switch.retry()
+            assert switch.choose(16) is True and switch.trying  # tried again at once

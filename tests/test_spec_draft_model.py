@@ -169,3 +169,23 @@ def test_draft_kv_validity_follows_the_block_ids(demo_path):
     draft.mark(b)
     state(6, [10, 8], 0)  # block 8 given to a new request past its computed tokens: to be written
     assert draft.full == {9}
+
+
+def test_a_draft_with_a_shorter_context_drafts_within_it(demo_path):
+    """vLLM's max_model_len key caps the draft's context: a request is drafted only while its
+    proposals stay inside it, and a prompt longer than it is not followed past it."""
+    prompts, params = _greedy_prompts(4)
+    prompts[0] = prompts[0] + list(range(100, 160))  # past the draft's 48 positions from its prompt on
+    prompts[1] = prompts[1][:10]  # drafted until its output reaches them
+    outs, stats = {}, {}
+    for spec in (None, {**_draft(str(demo_path)), "max_model_len": 48}):
+        with LLM("demo", speculative_config=spec, max_num_seqs=1) as llm:
+            outs[spec is not None] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats[spec is not None] = llm.stats()
+    assert outs[True] == outs[False]
+    st = stats[True]
+    assert st.spec_drafts > 0 and st.spec_accepted_tokens == st.spec_draft_tokens, st
+    # Every proposal is kept, so each drafted token has a position of its own: from the prompt's
+    # end to the last the draft's KV reaches a token before (47) and one more.
+    room = sum(max(0, 49 - len(p)) for p in prompts)
+    assert st.spec_draft_tokens <= room, (st.spec_draft_tokens, room)

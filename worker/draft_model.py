@@ -6,18 +6,16 @@ Its KV cache is its own tensor (its layers, heads and head size), addressed by t
 ids as the target's: the scheduler's block accounting is unchanged, a block's bytes are the
 two caches' together (`KVLayout.draft_bytes_per_block`, so a fixed KV memory holds fewer
 blocks), and swaps move both. A request's `draft_len` says how many of its tokens the draft
-has computed. The draft follows the target over prompts while batches of the size running
-draft (`StepPlan.draft_prompts`: the chunk's step runs the draft over the prompt tokens since
-`draft_len`), and over generated tokens only when it drafts: its next
-proposal first runs it over the tokens since (one or two after a drafted step, more after
-steps that did not draft). So a decode step that does not draft costs what it costs with
-speculation off, and the scheduler's switch (scheduler/spec_governor.py) sees what drafting
-costs without a prompt's prefill in it.
+has computed. The draft computes only when it drafts: a proposal first runs it over the tokens
+since `draft_len` (the prompt at a request's first draft, one or two tokens after a drafted
+step, more after steps that did not draft it). So a request that is never drafted (its batch
+size does not pay, scheduler/spec_governor.py) costs nothing more than speculation off, and
+the switch does not time a step that catches a request up (scheduler/speculation.py).
 
 A prefix-cache hit gives a new request blocks whose target KV is computed, but whose draft KV
-is only where the draft followed whoever computed them: `full` holds the blocks whose every
-slot's draft KV is that of the tokens there (marked when a request that computed them is done
-with, or after its prompt), and a block given out to be written, or swapped in, leaves it. A
+is only where the draft computed it too: `full` holds the blocks whose every slot's draft KV
+is that of the tokens there (marked when a request's draft has caught up over them, and when
+the request is done with), and a block given out to be written, or swapped in, leaves it. A
 new request's `draft_len` is its leading blocks in `full`; the draft computes the rest of a
 cached prefix itself, writing into its own blocks only.
 
@@ -143,27 +141,12 @@ class DraftModel:
             for i, span, token in zip(live, spans, self._run(spans, logits=True), strict=True):
                 proposals[i].append(token)
                 span.state.draft_len = span.start + len(span.input_ids)
+            if not step:  # the blocks it has now computed whole, for prefix-cache hits
+                for state, _ in wanted:
+                    self.mark(state)
             live = [i for i in live if wanted[i][1] > step + 1]
             spans = [Span(wanted[i][0], wanted[i][0].draft_len, [proposals[i][-1]]) for i in live]
         return proposals
-
-    def follow_prompts(self, states: list[RequestState], drafted: dict[int, int] | None) -> None:
-        """The draft's KV of the prompt tokens the target computed this step (`states` after its
-        forward pass), so that a request's first draft does not compute its whole prompt: that
-        step would look to the switch as if drafting cost a prefill."""
-        if self.cache is None:  # the profiling pass, before the cache exists
-            return
-        spans = []
-        for state in states:
-            start = min(state.draft_len, state.num_computed_tokens)
-            if start < state.num_prompt_tokens and start < state.num_computed_tokens \
-                    and not (drafted and state.req_id in drafted):
-                spans.append(Span(state, start, state.token_ids[start:state.num_computed_tokens]))
-                state.draft_len = state.num_computed_tokens
-        if spans:
-            self._run(spans, logits=False)
-            for span in spans:
-                self.mark(span.state)
 
     def _run(self, spans: list[Span], logits: bool) -> list[int]:
         """One forward pass of the draft over `spans`; the argmax at each span's last token."""

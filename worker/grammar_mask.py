@@ -47,11 +47,18 @@ def apply_grammar_bitmask(logits: torch.Tensor, mask: GrammarBitmask, row_req_id
     of logits row i; every request of `mask` must have a row (or the plan is wrong)."""
     if not mask.req_ids:
         return
-    row_of = {rid: i for i, rid in enumerate(row_req_ids)}
-    try:
-        rows = [row_of[rid] for rid in mask.req_ids]
-    except KeyError as e:
-        raise ValueError(f"grammar bitmask for request {e.args[0]}, which samples no token this step") from None
+    # A drafted request samples several rows (worker/spec_decode.py): its mask rows go to them in order.
+    rows_of: dict[int, list[int]] = {}
+    for i, rid in enumerate(row_req_ids):
+        rows_of.setdefault(rid, []).append(i)
+    taken: dict[int, int] = {}
+    rows = []
+    for rid in mask.req_ids:
+        j = taken[rid] = taken.get(rid, -1) + 1
+        if j >= len(rows_of.get(rid, ())):
+            raise ValueError(f"grammar bitmask row {j + 1} for request {rid}, which samples no token this step"
+                             if not j else f"grammar bitmask row {j + 1} for request {rid}, which samples {j} rows")
+        rows.append(rows_of[rid][j])
     forbidden = forbidden_tokens(mask, logits.shape[1], logits.device)
     if rows == list(range(logits.shape[0])):  # every row constrained, in order: no gather
         logits.masked_fill_(forbidden, float("-inf"))

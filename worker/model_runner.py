@@ -296,8 +296,6 @@ class ModelRunner:
         # Advanced only once the forward pass has written the KV.
         for state, seq_len in zip(batch.states, batch.meta.seq_lens_host, strict=True):
             state.num_computed_tokens = seq_len
-        if self.drafter is not None and plan.draft_prompts:
-            self.drafter.follow_prompts(batch.states, drafted)
         # Every rank takes part (the logits are gathered); only rank 0 gets them.
         sampling = bool(batch.sample_requests) and self.pooling is None
         logits = self.model.compute_logits(hidden[batch.sample_token_index]) if sampling else None

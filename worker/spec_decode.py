@@ -96,7 +96,7 @@ def verify(plan: StepPlan, logits: torch.Tensor | None, requests: list[RequestSt
         rows.extend(DraftRowState(base, draft[:j]) if base is not None else None  # type: ignore[misc]
                     for j in range(1, k + 1))
         row_req_ids += [state.req_id] * (k + 1)
-    if plan.grammar is not None and logits is not None:  # constrained requests are never drafted
+    if plan.grammar is not None and logits is not None:  # a constrained draft has a mask per position
         apply_grammar_bitmask(logits, plan.grammar, row_req_ids)
     sampled, logprobs = sample_rows(logits, rows)
     out_ids: list[int] = []
