@@ -13,10 +13,11 @@ of batch size (powers of two). A class drafts until `TRUSTED` drafted steps have
 `EXPLORE`-th step of a drafting class does not, and every 4 * `EXPLORE`-th step of another
 drafts, so both figures stay current (longer contexts, other requests). A size measures its
 plain steps first; a class without a gain of its own takes the nearest class's. (With a draft
-model, a try drafts one request only, the one drafted latest: the draft has not followed the
-others' tokens while their class did not draft, and computing them all would cost what the try
-is meant to avoid; a try whose step only caught its request up measured nothing, and the
-next step of the class tries again, `retry`.)
+model, a step that only measures (`trying`: a class not known to pay, or not measured
+`TRUSTED` times) drafts one request only, the one drafted latest: the draft has not followed
+the others' tokens while they were not drafted, and computing them all would cost what the
+measurement is meant to avoid; a try whose step only caught its request up measured nothing,
+and the next step of the class tries again, `retry`.)
 """
 
 from __future__ import annotations
@@ -59,14 +60,16 @@ class DraftSwitch:
         return self.plain[min(self.plain, key=lambda b: abs(b - num_decodes))]
 
     def choose(self, num_decodes: int) -> bool:
-        """Whether a step with `num_decodes` decodes drafts."""
+        """Whether a step with `num_decodes` decodes drafts; `trying` says whether the step only
+        measures (a class not known to pay, or still being measured)."""
         c = self._class = size_class(num_decodes)
         n = self.steps[c] = self.steps.get(c, 0) + 1
-        self.trying = self._again == c
-        self._again = None
-        if self.trying:
+        self.trying = True
+        if self._again == c:
+            self._again = None
             return True
         if c not in self.plain_classes:
+            self.trying = False
             return False
         gain = self.gain.get(c)
         if gain is not None and self.samples[c] < TRUSTED and (self.samples[c] < 2 or gain >= HOPELESS):

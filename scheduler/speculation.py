@@ -25,6 +25,8 @@ batch size on this engine (scheduler/spec_governor.py): where verifying rows is 
 
 from __future__ import annotations
 
+from typing import Any
+
 from noria.protocol.client import SchedulerStats
 from noria.protocol.config import EngineConfig
 from noria.protocol.speculative import SpeculativeConfig
@@ -56,7 +58,7 @@ class Speculation:
         self.spec: SpeculativeConfig | None = sc if sc is not None and not self.config.async_scheduling else None
         self._verifying: list[tuple[Request, int]] = []  # (request, draft length) of the plan in flight
         self.switch = DraftSwitch()
-        self.suffixes = SuffixCache(sc) if sc is not None and sc.method == "suffix" else None  # type: ignore[arg-type]
+        self.suffixes = SuffixCache(sc) if sc is not None and sc.method == "suffix" else None
         self._timed: tuple[int, int, bool] | None = None  # (step id, decodes, drafted) of a decode-only step
         self._untimed = False  # the plan being built drafts a request the draft model must catch up
 
@@ -70,6 +72,7 @@ class Speculation:
             if spec.method == "ngram":
                 req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
             elif spec.method == "suffix":
+                assert self.suffixes is not None
                 req.ngram = SuffixProposer(self.suffixes, req.req_id, tenant, req.num_prompt_tokens)
             req.spec_k = spec.num_speculative_tokens
 
@@ -104,7 +107,7 @@ class Speculation:
         decodes = [req for req in self.running if req.num_worker_tokens - req.num_computed_tokens == 1]
         if not decodes or not self.switch.choose(len(decodes)):
             return {}
-        if self.switch.trying and spec.method == "draft_model":  # the one the draft has followed latest
+        if self.switch.trying and spec.method == "draft_model":  # one, the one the draft followed latest
             decodes = [max(decodes, key=lambda r: r.spec_last)]
         drafts = {}
         for req in decodes:
@@ -132,7 +135,7 @@ class Speculation:
     def _plan_draft(self, req: Request, draft: list[int] | int, budget: int, plan: PlanBuilder) -> bool:
         """Plan a decode of `req` with `draft` (cut to the budget left), if it gets blocks for it."""
         draft = draft[:budget - 1] if isinstance(draft, list) else min(draft, budget - 1)
-        masks: list = []
+        masks: list[Any] = []
         if isinstance(draft, list) and req.params.structured_output is not None:
             draft, masks = grammar_draft(req, draft)
         k = len(draft) if isinstance(draft, list) else draft
@@ -143,8 +146,9 @@ class Speculation:
             return False
         plan.add_draft(req, draft, added, masks)
         self._verifying.append((req, k))
-        if isinstance(draft, int) and req.spec_last != self.step_id:
-            # Its draft model catches up over the tokens since its last draft: not a step to time.
+        if isinstance(draft, int) and req.spec_last < self.step_id - MAX_SKIP:
+            # Its draft model catches up over more tokens than a request sitting out lookups
+            # leaves (a prompt, a class that did not draft): not a step to time.
             self._untimed = True
         req.spec_last = self.step_id + 1
         return True
