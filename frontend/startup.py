@@ -146,7 +146,8 @@ def _draft_model(config: EngineConfig, spec: SpeculativeConfig, target: ModelSpe
     if draft.num_experts:
         raise ValueError(f"--speculative-config draft model {spec.model} is a mixture of experts; "
                          "noria drafts with dense models")
-    length = min(spec.max_model_len or model_facts(folder).max_model_len, model_facts(folder).max_model_len)
+    own = model_facts(folder).max_model_len
+    length = min(spec.max_model_len or own, own)
     return msgspec.structs.replace(spec, model=folder, max_model_len=length)
 
 

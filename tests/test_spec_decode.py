@@ -28,6 +28,13 @@ from tests.tiny_models import make_checkpoint
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+# No preemption, and preemption by recompute and by swap (a cache too small for the mix).
+PREEMPTIONS = pytest.mark.parametrize(
+    "flags",
+    [{}, {"num_kv_blocks": 20, "preemption_mode": "recompute"},
+     {"num_kv_blocks": 20, "preemption_mode": "swap", "swap_space": 0.01}],
+    ids=["default", "recompute", "swap"],
+)
 
 
 def _mix(stops: tuple[str, int] | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -61,12 +68,7 @@ def _mix(stops: tuple[str, int] | None = None) -> tuple[list[list[int]], list[Sa
 
 
 @pytest.mark.parametrize("method", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
-@pytest.mark.parametrize(
-    "flags",
-    [{}, {"num_kv_blocks": 20, "preemption_mode": "recompute"},
-     {"num_kv_blocks": 20, "preemption_mode": "swap", "swap_space": 0.01}],
-    ids=["default", "recompute", "swap"],
-)
+@PREEMPTIONS
 def test_outputs_equal_speculation_off(demo_path, flags, method):
     results, stats = {}, {}
     for spec in (None, method):

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from noria import LLM, SamplingParams
 from tests.test_async_scheduling import _run
 from tests.test_engine_parity import _hf_greedy, _with_tokenizer
-from tests.test_spec_decode import _mix
+from tests.test_spec_decode import PREEMPTIONS, _mix
 from tests.tiny_models import make_checkpoint
 
 
@@ -55,12 +55,7 @@ def _greedy_prompts(n: int = 8) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [{}, {"num_kv_blocks": 20, "preemption_mode": "recompute"},
-     {"num_kv_blocks": 20, "preemption_mode": "swap", "swap_space": 0.01}],
-    ids=["default", "recompute", "swap"],
-)
+@PREEMPTIONS
 def test_outputs_equal_speculation_off(demo_path, tmp_path, flags):
     """The sampling mix of tests/test_spec_decode.py (seeds, penalties, n > 1, logprobs, stops,
     structured output) with a one-layer draft of the two-layer target."""

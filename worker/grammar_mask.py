@@ -51,14 +51,13 @@ def apply_grammar_bitmask(logits: torch.Tensor, mask: GrammarBitmask, row_req_id
     rows_of: dict[int, list[int]] = {}
     for i, rid in enumerate(row_req_ids):
         rows_of.setdefault(rid, []).append(i)
-    taken: dict[int, int] = {}
     rows = []
     for rid in mask.req_ids:
-        j = taken[rid] = taken.get(rid, -1) + 1
-        if j >= len(rows_of.get(rid, ())):
-            raise ValueError(f"grammar bitmask row {j + 1} for request {rid}, which samples no token this step"
-                             if not j else f"grammar bitmask row {j + 1} for request {rid}, which samples {j} rows")
-        rows.append(rows_of[rid][j])
+        free = rows_of.get(rid)
+        if not free:
+            raise ValueError(f"grammar bitmask for request {rid}, which samples no token this step" if free is None
+                             else f"more grammar bitmask rows for request {rid} than it samples this step")
+        rows.append(free.pop(0))
     forbidden = forbidden_tokens(mask, logits.shape[1], logits.device)
     if rows == list(range(logits.shape[0])):  # every row constrained, in order: no gather
         logits.masked_fill_(forbidden, float("-inf"))
