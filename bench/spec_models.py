@@ -9,6 +9,10 @@ beside it in the cache.
   `head_checkpoint(model, L)` drafts it with every proposal right: the upper bound of a draft
   that size. (Random weights give a real head of a real model next to no agreement; trained
   models fall between the two.)
+- `eagle3_checkpoint(model)`: a seeded random EAGLE-3 head for the model, in the layout SpecForge
+  and the EAGLE authors publish (`write_eagle3_head`, which the tests use too). No trained head
+  exists for a random model, and none can be constructed that agrees with it: its row measures
+  what a head costs when it is always wrong.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from noria.bench.workloads import write_checkpoint
 
@@ -67,3 +72,66 @@ def head_checkpoint(model: Path, layers: int) -> Path:
 
 def inert_checkpoint(model: Path, layers: int) -> Path:
     return _derive(model, "inert", layers, keep=True)
+
+
+def write_eagle3_head(target: Path, path: Path, *, seed: int = 0, draft_vocab: int | None = None,
+                      own_embed: bool = False, prefix: str = "midlayer.", fmt: str = "safetensors",
+                      aux: list[int] | None = None, **config: Any) -> Path:
+    """A random EAGLE-3 head for `target` (its widths, heads and vocabulary), as the published
+    exports save it: `prefix` "midlayer." (SpecForge, the EAGLE authors) or "layers.0.", `fmt`
+    safetensors or "bin" (the authors' pytorch_model.bin); `config` overrides config.json keys."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    h, vocab, heads = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"]
+    kv, inter = cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // heads
+    draft_vocab = draft_vocab or vocab
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int, std: float = 0.15) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    a = prefix + "self_attn."
+    tensors = {
+        "fc.weight": w(h, 3 * h, std=0.1),
+        # q and k large enough that attention is peaked: a key or a position out of place shows.
+        a + "q_proj.weight": w(heads * hd, 2 * h, std=0.6), a + "k_proj.weight": w(kv * hd, 2 * h, std=0.6),
+        a + "v_proj.weight": w(kv * hd, 2 * h), a + "o_proj.weight": w(h, heads * hd),
+        prefix + "mlp.gate_proj.weight": w(inter, h), prefix + "mlp.up_proj.weight": w(inter, h),
+        prefix + "mlp.down_proj.weight": w(h, inter),
+        **{f"{prefix}{n}.weight": 1 + w(h, std=0.1) for n in ("input_layernorm", "hidden_norm",
+                                                              "post_attention_layernorm")},
+        "norm.weight": 1 + w(h, std=0.1), "lm_head.weight": w(draft_vocab, h, std=0.5),
+        "d2t": ids - torch.arange(draft_vocab), "t2d": t2d,
+    }
+    if own_embed:
+        tensors["embed_tokens.weight"] = w(vocab, h, std=0.5)
+    n = cfg["num_hidden_layers"]
+    head_cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+                "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+                "num_hidden_layers": 1, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-5), "vocab_size": vocab,
+                "draft_vocab_size": draft_vocab, "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
+                "rope_theta": cfg.get("rope_theta", 10000.0), "hidden_act": "silu", "tie_word_embeddings": False,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux or [2, n // 2, n - 3]}, **config}
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(head_cfg, indent=2))
+    if fmt == "bin":
+        torch.save(tensors, path / "pytorch_model.bin")
+    else:
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def eagle3_checkpoint(model: Path) -> Path:
+    """The benchmark's random head for `model` (a quarter of its vocabulary drafted, as
+    Llama 3's EAGLE-3 heads draft 32k of 128k tokens), made once beside it."""
+    path = model.with_name(f"{model.name}-eagle3")
+    if (path / "complete").exists():
+        return path
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    return write_checkpoint(path, lambda tmp: write_eagle3_head(model, tmp, draft_vocab=vocab // 4), model)

@@ -20,6 +20,7 @@ from noria.frontend.generation_config import generation_defaults
 from noria.frontend.processor import InputLimits, InputProcessor, eos_token_ids, load_tokenizer
 from noria.protocol.checkpoint import CheckpointError, check_checkpoint
 from noria.protocol.config import EngineConfig, WorkerLinkConfig
+from noria.protocol.eagle3 import read_eagle3
 from noria.protocol.errors import ParamError
 from noria.protocol.model_identity import context_error, model_facts, spec_facts
 from noria.protocol.model_shapes import check_tensor_parallel
@@ -125,20 +126,24 @@ def _speculation(config: EngineConfig, target: ModelSpec) -> EngineConfig:
     if config.async_scheduling:
         log.warning("--async-scheduling is off: speculative decoding plans each step from the last one's result")
         config = msgspec.structs.replace(config, async_scheduling=False)
-    if spec.method == "draft_model":
+    if spec.on_worker:
         config = msgspec.structs.replace(config, speculative_config=_draft_model(config, spec, target))
     return config  # the scheduler says what speculation is on
 
 
 def _draft_model(config: EngineConfig, spec: SpeculativeConfig, target: ModelSpec) -> SpeculativeConfig:
-    """The draft model's folder and context (its own `max_model_len` at most): a request is not
-    drafted past it."""
+    """The draft model's (or EAGLE-3 head's) folder and context (its own `max_model_len` at
+    most): a request is not drafted past it."""
     assert spec.model is not None
     transfer = config.kv_transfer_config
     if transfer is not None and transfer.kv_role != "kv_producer":
-        raise ValueError("--speculative-config draft_model cannot draft over KV blocks pulled from another "
+        raise ValueError(f"--speculative-config {spec.method} cannot draft over KV blocks pulled from another "
                          "instance (they hold no draft KV): drop it, or --kv-transfer-config's consumer role")
     folder = resolve_model(spec.model)
+    if spec.method == "eagle3":
+        head = read_eagle3(folder, target, weights=True)  # (--load-format dummy is the target's alone)
+        own = head.layer.context_length
+        return msgspec.structs.replace(spec, model=folder, max_model_len=min(spec.max_model_len or own, own))
     draft = check_checkpoint(folder, weights=config.load_format != "dummy")
     if draft.vocab_size > target.vocab_size:
         raise ValueError(f"--speculative-config draft model {spec.model} has {draft.vocab_size} tokens, more "

@@ -11,9 +11,10 @@ from its output index (worker/sampler.py), so its tokens equal speculation off t
 
 Built: `ngram` (prompt lookup over the request's own prompt and output: the scheduler proposes),
 `suffix` (suffix trees over the prompt and the tenant's responses: scheduler/suffix_decoding.py)
-and `draft_model` (a smaller checkpoint with the target's tokenizer, run greedily by the worker
-over its own KV cache in the same blocks: worker/draft_model.py). `eagle`, `eagle3` and `mtp`
-are vLLM's names too and are refused in one sentence.
+`draft_model` (a smaller checkpoint with the target's tokenizer, run greedily by the worker
+over its own KV cache in the same blocks: worker/draft_model.py) and `eagle3` (an EAGLE-3 head
+over the target's hidden states, on the worker too: worker/eagle3.py). `eagle` (EAGLE-1) and
+`mtp` are vLLM's names too and are refused in one sentence each.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from msgspec import Meta
 from noria.protocol.validation import json_flag
 
 Method = Literal["ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp"]
-BUILT: tuple[str, ...] = ("ngram", "suffix", "draft_model")
+BUILT: tuple[str, ...] = ("ngram", "suffix", "draft_model", "eagle3")
+# The methods whose proposals the worker makes, at the start of the step that verifies them.
+ON_WORKER: tuple[str, ...] = ("draft_model", "eagle3")
+_NOT_BUILT = {
+    "eagle": "EAGLE-1 heads are not read; an EAGLE-3 head is ({\"method\": \"eagle3\", \"model\": ...})",
+    "mtp": "MTP layers ship in DeepSeek-V3, Qwen3-Next, MiMo and GLM-4.5 checkpoints, families noria does "
+           "not serve",
+}
 # vLLM leaves the n-gram window to the user; both ends default to this when neither is given.
 DEFAULT_LOOKUP = 5
 SUFFIX_DEPTH = 24  # vLLM's suffix_decoding_max_tree_depth
@@ -38,7 +46,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
     method: Method = "ngram"
     num_speculative_tokens: Annotated[int, Meta(ge=1, le=32)]
-    model: str | None = None  # draft_model: the draft checkpoint (a local folder, or `demo`)
+    model: str | None = None  # draft_model, eagle3: the draft checkpoint or head (a local folder, or `demo`)
     # The draft model's context (its checkpoint's at most): no request is drafted past it.
     max_model_len: Annotated[int, Meta(ge=1)] | None = None
     prompt_lookup_min: Annotated[int, Meta(ge=1)] = DEFAULT_LOOKUP
@@ -55,12 +63,17 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
     def describe(self) -> str:
         """The start-up line's words for it."""
-        source = {"draft_model": f"draft model {self.model}",
+        source = {"draft_model": f"draft model {self.model}", "eagle3": f"EAGLE-3 head {self.model}",
                   "suffix": f"suffix trees of depth {self.suffix_decoding_max_tree_depth}, "
                             f"{self.suffix_decoding_max_cached_requests} responses kept"
                   }.get(self.method, f"n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max}")
         return (f"speculative decoding: {self.method}, {self.num_speculative_tokens} tokens, {source}"
                 + (f", off above {self.disable_by_batch_size} running" if self.disable_by_batch_size else ""))
+
+    @property
+    def on_worker(self) -> bool:
+        """The worker proposes (`Draft.propose`), past the scheduler's grammar masks."""
+        return self.method in ON_WORKER
 
 
 # vLLM's keys that tune its drafters only: accepted so that a vLLM command line starts here.
@@ -84,11 +97,14 @@ def parse_speculative_config(value: str | dict[str, Any]) -> dict[str, Any]:
     elif method is None and value.get("model"):  # vLLM infers a draft model from a model alone
         value["method"] = "draft_model"
     method = value.setdefault("method", "ngram")
+    if method in _NOT_BUILT:
+        raise ValueError(f"--speculative-config method {method!r} is not built in noria: {_NOT_BUILT[method]}")
     if method not in BUILT:
         raise ValueError(f"--speculative-config method {method!r} is not built in noria yet; it speculates "
                          f"with {', '.join(BUILT)}")
-    if method == "draft_model" and not value.get("model"):
-        raise ValueError("--speculative-config method 'draft_model' needs model (the draft checkpoint's folder)")
+    if method in ON_WORKER and not value.get("model"):
+        what = "the draft checkpoint's folder" if method == "draft_model" else "the EAGLE-3 head's folder"
+        raise ValueError(f"--speculative-config method {method!r} needs model ({what})")
     if method == "suffix":  # vLLM's default: as many as the trees are deep
         value.setdefault("num_speculative_tokens", min(32, value.get("suffix_decoding_max_tree_depth", SUFFIX_DEPTH)))
     if "num_speculative_tokens" not in value:

@@ -66,9 +66,8 @@ class Speculation:
         """Give a new request its proposer, if it may be drafted (`tenant`: its cache salt)."""
         spec = self.spec
         constrained = req.params.structured_output is not None
-        # A draft model's tokens are known only on the worker, past the masks the plan carries.
-        if spec is not None and not req.kv_export and not req.pooling \
-                and not (constrained and spec.method == "draft_model"):
+        # A draft model's or head's tokens are known only on the worker, past the masks the plan carries.
+        if spec is not None and not req.kv_export and not req.pooling and not (constrained and spec.on_worker):
             if spec.method == "ngram":
                 req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
             elif spec.method == "suffix":
@@ -146,7 +145,8 @@ class Speculation:
             return False
         plan.add_draft(req, draft, added, masks)
         self._verifying.append((req, k))
-        if isinstance(draft, int) and req.spec_last < self.step_id - MAX_SKIP:
+        lagging = req.spec_last < self.step_id - MAX_SKIP
+        if isinstance(draft, int) and lagging and self.spec is not None and self.spec.method == "draft_model":
             # Its draft model catches up over more tokens than a request sitting out lookups
             # leaves (a prompt, a class that did not draft): not a step to time.
             self._untimed = True

@@ -60,7 +60,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         ahead=st.booleans(),
         spec=st.sampled_from([None, None, 1, 2, 4]),
-        method=st.sampled_from(["ngram", "suffix", "draft_model"]),
+        method=st.sampled_from(["ngram", "suffix", "draft_model", "eagle3"]),
         window=st.sampled_from([1, 2, None]),
         row_cost=st.sampled_from([0.0, 0.0, 0.2, 1.0]),
     )

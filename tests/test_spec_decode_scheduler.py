@@ -86,9 +86,9 @@ def test_a_draft_never_preempts() -> None:
 
 def test_constrained_requests_are_drafted_by_the_schedulers_proposers_only() -> None:
     """Their drafts are checked against the grammar when planned (tests/test_spec_decode.py runs
-    them); a draft model's tokens are known only on the worker, too late for masks."""
+    them); a draft model's or EAGLE-3 head's tokens are known only on the worker, too late for masks."""
     p = EngineSamplingParams(max_tokens=6, ignore_eos=True, structured_output=StructuredOutput(regex="[0-9a-z ]*"))
-    for method, drafted in (("ngram", True), ("suffix", True), ("draft_model", False)):
+    for method, drafted in (("ngram", True), ("suffix", True), ("draft_model", False), ("eagle3", False)):
         s, _ = _engine(method=method)
         s.add_request(EngineRequest(1, [1, 2, 1, 2], p, []))
         assert bool(s.requests[1].spec_k) is drafted, method

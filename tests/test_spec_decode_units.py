@@ -52,14 +52,17 @@ def test_config_takes_vllms_keys_and_defaults() -> None:
     assert (draft["method"], draft["model"], draft["max_model_len"]) == ("draft_model", "/ckpt/draft", 512)
     described = SpeculativeConfig(method="draft_model", model="/d", num_speculative_tokens=3).describe()
     assert described == "speculative decoding: draft_model, 3 tokens, draft model /d"
+    described = SpeculativeConfig(method="eagle3", model="/h", num_speculative_tokens=3).describe()
+    assert described == "speculative decoding: eagle3, 3 tokens, EAGLE-3 head /h"
 
 
 @pytest.mark.parametrize(("value", "says"), [
     ("{", "is not JSON"),
     ("[1]", "JSON object"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "not built in noria yet"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "families noria does not serve"),
+    ({"method": "eagle", "model": "/h", "num_speculative_tokens": 2}, "EAGLE-1 heads are not read"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
-    ({"method": "eagle3", "num_speculative_tokens": 2}, "not built in noria yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "needs model"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"num_speculative_tokens": 2, "lookahead": 3}, "has no key 'lookahead'"),
     ({"num_speculative_tokens": 0}, ">= 1"),

@@ -266,6 +266,10 @@ def graphs_wanted(config: EngineConfig, device: torch.device, spec: ModelFacts, 
     views of the buffers; the kernel backend's prepare_graph() fixes its launches per bucket)."""
     if device.type != "cuda" or config.enforce_eager or pooling:
         return False  # a pooling engine's steps are prefills: nothing for a decode graph
+    sc = config.speculative_config
+    if sc is not None and sc.method == "eagle3":
+        worker_log.info("cuda graphs: off (an EAGLE-3 head reads the target's hidden states of every step)")
+        return False
     if spec.num_experts:
         # Each MoE layer reads its experts' row counts on the host, which a graph cannot replay.
         worker_log.info("cuda graphs: off (mixture-of-experts layers group their tokens by expert on the host)")

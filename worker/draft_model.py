@@ -35,7 +35,6 @@ proposals to the other ranks, which verify their shards of the target over them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -43,27 +42,19 @@ import torch
 from noria.protocol.config import EngineConfig
 from noria.protocol.step import StepPlan
 from noria.worker.attention_select import attention_layers, select_attention_backend
-from noria.worker.block_table import BlockTables
-from noria.worker.kv_cache import KVCache, KVLayout
+from noria.worker.drafter import PagedDrafter, Span
+from noria.worker.kv_cache import KVLayout
 from noria.worker.kv_fp8 import apply_scales
 from noria.worker.loader import load_model, load_spec
+from noria.worker.models.causal_lm import CausalLM
 from noria.worker.models.ops import choose_ops
 from noria.worker.models.parallel import TensorParallel
-from noria.worker.step_inputs import RequestState, ScheduledRows, fresh_tensors, request_state
+from noria.worker.step_inputs import RequestState, request_state
 
 log = logging.getLogger("noria.worker")
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
-    """Tokens `[start, start + len(input_ids))` of a request, run through the draft in one row."""
-
-    state: RequestState
-    start: int
-    input_ids: list[int]
-
-
-class DraftModel:
+class DraftModel(PagedDrafter):
     """The draft checkpoint, its attention backend and (once allocated) its KV cache."""
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
@@ -71,46 +62,22 @@ class DraftModel:
         spec_config = config.speculative_config
         assert spec_config is not None and spec_config.model is not None
         self.path = spec_config.model
-        self.device, self.block_size = device, config.block_size
         self.spec = spec = load_spec(self.path, spec_config.max_model_len)
         self.model = load_model(self.path, spec, device, dtype, TensorParallel(), weight_dtype, config.load_format,
                                 config.seed)
         apply_scales((layer.self_attn for layer in self.model.layers), kv_dtype)
-        choice = select_attention_backend(device, attention_layers(self.model), dtype, self.block_size,
+        choice = select_attention_backend(device, attention_layers(self.model), dtype, config.block_size,
                                           choice=config.attention_backend, kv_dtype=kv_dtype)
-        self.attention = choice.backend
-        self.model.use_ops(choose_ops(spec.activation, device, dtype, self.attention, self.block_size))
-        self.layout = KVLayout(spec.num_layers, self.block_size, self.model.shapes.num_kv_heads, spec.head_dim,
-                               kv_dtype)
-        self.cache: KVCache | None = None
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.tables: BlockTables
+        self.model.use_ops(choose_ops(spec.activation, device, dtype, choice.backend, config.block_size))
+        super().__init__(KVLayout(spec.num_layers, config.block_size, self.model.shapes.num_kv_heads, spec.head_dim,
+                                  kv_dtype), choice.backend, device)
         self.full: set[int] = set()
         log.info("draft model %s: %d layers, %d KV bytes per block beside the target's", self.path,
                  spec.num_layers, self.layout.bytes_per_block)
 
-    @classmethod
-    def load(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None,
-             kv_dtype: torch.dtype, tp: TensorParallel) -> DraftModel | None:
-        """The engine's draft model on its first rank (None: no draft model, or another rank)."""
-        sc = config.speculative_config
-        if sc is None or sc.method != "draft_model" or not tp.first:
-            return None
-        return cls(config, device, dtype, weight_dtype, kv_dtype)
-
-    def allocate(self, num_blocks: int, num_cpu_blocks: int, tables: BlockTables) -> None:
-        """Its KV cache, as many blocks as the target's, indexed by the target's block tables."""
-        self.cache = KVCache(self.layout, num_blocks, num_cpu_blocks, self.device)
-        self.cache.block_copier = getattr(self.attention, "copy_blocks", None)
-        self.layers = [self.cache.layer(i) for i in range(self.layout.num_layers)]
-        self.tables = tables
-
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """The same block moves as the target's."""
-        if self.cache is not None:
-            self.cache.swap_out(swap_out)
-            self.cache.swap_in(swap_in)
-            self.full.difference_update(dev for dev, _ in swap_in)
+        super().swap(swap_out, swap_in)
+        self.full.difference_update(dev for dev, _ in swap_in)
 
     def added(self, state: RequestState, block_ids: list[int]) -> None:
         """A request new to the worker, with `block_ids`: its draft KV is that of its leading
@@ -138,7 +105,7 @@ class DraftModel:
             start = min(state.draft_len, state.num_computed_tokens)
             spans.append(Span(state, start, state.token_ids[start:]))
         for step in range(max(k for _, k in wanted)):
-            for i, span, token in zip(live, spans, self._run(spans, logits=True), strict=True):
+            for i, span, token in zip(live, spans, self._run(spans), strict=True):
                 proposals[i].append(token)
                 span.state.draft_len = span.start + len(span.input_ids)
             if not step:  # the blocks it has now computed whole, for prefix-cache hits
@@ -148,27 +115,19 @@ class DraftModel:
             spans = [Span(wanted[i][0], wanted[i][0].draft_len, [proposals[i][-1]]) for i in live]
         return proposals
 
-    def _run(self, spans: list[Span], logits: bool) -> list[int]:
+    def _run(self, spans: list[Span]) -> list[int]:
         """One forward pass of the draft over `spans`; the argmax at each span's last token."""
-        q_lens = [len(s.input_ids) for s in spans]
-        rows = ScheduledRows([s.state for s in spans], [t for s in spans for t in s.input_ids], q_lens,
-                             [s.start for s in spans], [s.start + n for s, n in zip(spans, q_lens, strict=True)],
-                             [0, *accumulate(q_lens)])
-        input_ids, meta = fresh_tensors(rows, self.tables, self.block_size, self.device)
-        self.attention.prepare(meta)
+        input_ids, meta, last = self.inputs(spans)
         hidden = self.model(input_ids, meta.positions, meta, self.attention, self.layers)
-        if not logits:
-            return []
-        last = torch.tensor(rows.query_start[1:], dtype=torch.long, device=self.device) - 1
         scores = self.model.compute_logits(hidden[last])
         assert scores is not None
         return scores.argmax(dim=-1).tolist()
 
 
-def propose_drafts(plan: StepPlan, draft: DraftModel | None, requests: dict[int, RequestState],
+def propose_drafts(plan: StepPlan, draft: PagedDrafter | None, requests: dict[int, RequestState],
                    tp: TensorParallel, device: torch.device) -> None:
     """Fill the token ids of the plan's drafts that the worker proposes (`Draft.propose`): the
-    draft model's on the first rank, broadcast to the others."""
+    draft model's (or head's) on the first rank, broadcast to the others."""
     wanted = [d for d in plan.drafts if d.propose]
     if not wanted:
         return
@@ -181,3 +140,17 @@ def propose_drafts(plan: StepPlan, draft: DraftModel | None, requests: dict[int,
         ids = tp.broadcast_from_first(torch.tensor(flat, dtype=torch.long, device=device)).tolist()
         for d, end in zip(wanted, accumulate(d.propose for d in wanted), strict=True):
             d.token_ids = ids[end - d.propose:end]
+
+
+def load_drafter(config: EngineConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None,
+                 kv_dtype: torch.dtype, tp: TensorParallel, target: CausalLM) -> PagedDrafter | None:
+    """The engine's proposer on the worker, on its first rank (None: the scheduler proposes, or
+    another rank)."""
+    sc = config.speculative_config
+    if sc is None or not sc.on_worker or not tp.first:
+        return None
+    if sc.method == "eagle3":
+        from noria.worker.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter(config, device, dtype, weight_dtype, kv_dtype, target)
+    return DraftModel(config, device, dtype, weight_dtype, kv_dtype)

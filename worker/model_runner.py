@@ -45,7 +45,7 @@ from noria.worker.cuda_graphs import (
     planned_graphs,
 )
 from noria.worker.device import choose_dtype, cpu_precision, resolve_device, same_on_every_rank
-from noria.worker.draft_model import DraftModel, propose_drafts
+from noria.worker.draft_model import load_drafter, propose_drafts
 from noria.worker.grammar_mask import apply_grammar_bitmask
 from noria.worker.kv_cache import (
     GraphShapes,
@@ -162,7 +162,8 @@ class ModelRunner:
             log.info("%s", scales_line)
         if s.quantization is not None and self.tp.first:
             log.info("%s", quant_kinds.describe(self.model, s.quantization.describe))
-        self.drafter = DraftModel.load(config, self.device, self.dtype, self.weight_dtype, self.kv_dtype, self.tp)
+        self.drafter = load_drafter(config, self.device, self.dtype, self.weight_dtype, self.kv_dtype, self.tp,
+                                    self.model)
 
     def _set_lengths(self) -> None:
         """Vocabulary, block size and context length, as the scheduler is told them."""
@@ -313,11 +314,13 @@ class ModelRunner:
                 ids, vectors = self.pooler.pool(hidden, batch.states, meta.query_lens_host, meta.seq_lens_host)
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[], pooled_req_ids=ids, pooled=vectors)
         if not batch.sample_requests:
-            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
-        if drafted:  # speculative decoding: every drafted position sampled, the accepted run kept
+            result = StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
+        elif drafted:  # speculative decoding: every drafted position sampled, the accepted run kept
             result = verify(plan, logits, batch.sample_requests, drafted, self._sample_rows)
         else:
             result = self._sample(plan, logits, batch.sample_requests)
+        if self.drafter is not None:  # (an EAGLE-3 head reads the step's hidden states and tokens)
+            self.drafter.stepped(batch, self.requests)
         self.transfers.hold_exports(batch.sample_requests, self.block_tables.ids, self.block_size)
         return result
 

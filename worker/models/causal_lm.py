@@ -56,6 +56,10 @@ class CausalLM(nn.Module):
         self.head: LinearOp = self._head_op(pack=False)
         self._stack_key: int | None = None  # the KV caches _stack was built for
         self._stack: native_stack.NativeStack | None = None
+        # An EAGLE-3 head's inputs (worker/eagle3.py): the residual stream entering these layers,
+        # kept by each forward pass in `captured`, in layer order.
+        self.capture: tuple[int, ...] = ()
+        self.captured: list[torch.Tensor] = []
 
     # -- ops and weights --------------------------------------------------------
 
@@ -131,7 +135,10 @@ class CausalLM(nn.Module):
         rows = None if stack is None else native_stack.paged_rows(backend, meta)
         segments = stack.segments if stack is not None and rows is not None else [(0, len(self.layers), False)]
         residual = None
-        for start, end, native in segments:
+        self.captured = []
+        for start, end, native in _cut(segments, self.capture):
+            if start in self.capture:
+                self.captured.append(x.clone() if residual is None else x + residual)
             if native:
                 assert stack is not None and rows is not None
                 x, residual = stack.run(x, residual, ctx, rows, start, end)
@@ -166,3 +173,14 @@ class CausalLM(nn.Module):
             logits = torch.cat(parts, dim=1)[:, : self.spec.vocab_size]
         cap = self.spec.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _cut(segments: list[tuple[int, int, bool]], at: tuple[int, ...]) -> list[tuple[int, int, bool]]:
+    """`segments` also cut where a captured layer starts."""
+    out = []
+    for start, end, native in segments:
+        for cut in sorted(i for i in at if start < i < end):
+            out.append((start, cut, native))
+            start = cut
+        out.append((start, end, native))
+    return out

@@ -1,0 +1,237 @@
+"""EAGLE-3 speculation (`{"method": "eagle3", "model": HEAD}`): a head as SpecForge and the EAGLE
+authors save it (seeded random weights, a draft vocabulary smaller than the target's), read by
+the real loading code.
+
+The head's proposals are compared with a float64 reference written here from the published
+layout alone: transformers' hidden states of the target (`output_hidden_states`: the stream
+entering each layer), fused by `fc`, one Llama layer over the normed embedding beside the normed
+hidden state, full causal attention recomputed from scratch, the final norm, the draft
+vocabulary's argmax mapped by `d2t`. The worker's path (its own paged KV, filled after each
+target step over prompt chunks, decodes and verified rows, then k passes) must give the same
+tokens. Through the whole engine the outputs equal speculation off, token for token, with
+preemption by recompute and by swap, prefix caching and two tensor-parallel ranks; a head that
+does not fit is refused in one sentence.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from noria import LLM, SamplingParams
+from noria.bench.spec_models import write_eagle3_head
+from noria.protocol.config import EngineConfig
+from noria.protocol.sampling import EngineSamplingParams
+from noria.protocol.speculative import Draft, SpeculativeConfig
+from noria.protocol.step import NewRequestData, StepPlan
+from noria.worker.model_runner import ModelRunner
+from tests.test_async_scheduling import _run
+from tests.test_engine_parity import _hf_greedy, _with_tokenizer
+from tests.test_spec_decode import PREEMPTIONS, _mix
+from tests.tiny_models import make_checkpoint
+
+AUX = [1, 2, 4]  # of the target's 6 layers
+
+
+def make_head(target: Path, path: Path, **options: Any) -> Path:
+    return write_eagle3_head(target, path, aux=AUX, draft_vocab=300, **options)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory, demo_path: Path) -> tuple[Path, Path]:
+    """A six-layer Llama target (the demo's tokenizer) and a head for it."""
+    root = tmp_path_factory.mktemp("eagle3")
+    target = _with_tokenizer(make_checkpoint("llama", root / "target", num_hidden_layers=6,
+                                                  vocab_size=706), demo_path)
+    return target, make_head(target, root / "head")
+
+
+def _eagle(head: Path | str, k: int = 3) -> dict:
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+
+
+# -- the reference ------------------------------------------------------------------------
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = pos[:, None].double() * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+    return x * cos + half * sin
+
+
+class _Reference:
+    """The head in float64 over a whole sequence, attention recomputed from every key."""
+
+    def __init__(self, target: Path, head: Path) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        cfg = json.loads((head / "config.json").read_text())
+        self.heads, self.kv, self.hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        self.t = {k: v.double() for k, v in load_file(head / "model.safetensors").items() if k != "t2d"}
+        self.t["d2t"] = self.t["d2t"].long()
+        self.target = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float64).eval()
+        self.embed = self.t.get("embed_tokens.weight", self.target.model.embed_tokens.weight.detach())
+
+    def layer(self, tokens: list[int], hidden: torch.Tensor, pos: torch.Tensor,
+              keys: list[torch.Tensor]) -> torch.Tensor:
+        t, p = self.t, "midlayer."
+        x = torch.cat([_rms(self.embed[tokens], t[p + "input_layernorm.weight"]),
+                       _rms(hidden, t[p + "hidden_norm.weight"])], -1)
+        n_q, heads, kv, hd = len(tokens), self.heads, self.kv, self.hd
+        q = _rope((x @ t[p + "self_attn.q_proj.weight"].T).view(n_q, heads, hd), pos)
+        k = _rope((x @ t[p + "self_attn.k_proj.weight"].T).view(n_q, kv, hd), pos)
+        v = (x @ t[p + "self_attn.v_proj.weight"].T).view(n_q, kv, hd)
+        keys[0], keys[1] = torch.cat([keys[0], k]), torch.cat([keys[1], v])
+        kk, vv = keys[0].repeat_interleave(heads // kv, 1), keys[1].repeat_interleave(heads // kv, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) / hd**0.5
+        n = kk.shape[0]
+        scores = scores.masked_fill(torch.arange(n)[None, :] > (n - n_q + torch.arange(n_q))[:, None], float("-inf"))
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv).reshape(n_q, heads * hd)
+        h = attn @ t[p + "self_attn.o_proj.weight"].T + hidden
+        m = _rms(h, t[p + "post_attention_layernorm.weight"])
+        return (F.silu(m @ t[p + "mlp.gate_proj.weight"].T) * (m @ t[p + "mlp.up_proj.weight"].T)) \
+            @ t[p + "mlp.down_proj.weight"].T + h
+
+    def token(self, out: torch.Tensor) -> int:
+        best = int((_rms(out, self.t["norm.weight"]) @ self.t["lm_head.weight"].T).argmax())
+        return best + int(self.t["d2t"][best])
+
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        """The head's k proposals after `tokens`, all but the last of which the target has computed."""
+        with torch.no_grad():
+            states = self.target(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        fused = torch.cat([states[i][0] for i in AUX], -1) @ self.t["fc.weight"].T
+        keys = [torch.zeros(0, self.kv, self.hd, dtype=torch.float64)] * 2
+        out = self.layer(tokens[1:], fused, torch.arange(len(tokens) - 1), keys)[-1:]
+        proposals = [self.token(out[0])]
+        for step in range(1, k):
+            out = self.layer(proposals[-1:], out, torch.tensor([len(tokens) - 2 + step]), keys)
+            proposals.append(self.token(out[0]))
+        return proposals
+
+
+def test_head_proposals_equal_a_float64_reference(pair: tuple[Path, Path]) -> None:
+    """A prompt in two chunks, then two decodes, the second verifying a draft: after each sampled
+    step the head's proposals are the reference's over the request's tokens."""
+    target, head = pair
+    ref = _Reference(target, head)
+    runner = ModelRunner(EngineConfig(model=str(target), dtype="float32", num_kv_blocks=32, block_size=16,
+                                      num_threads=2, speculative_config=SpeculativeConfig(**_eagle(head))))
+    rng = random.Random(4)
+    prompt = [rng.randrange(5, 700) for _ in range(40)]
+    new = NewRequestData(0, prompt, [3, 1, 4, 5], 0, 0, len(prompt))
+    greedy = [EngineSamplingParams(temperature=0.0)]
+    runner.execute(StepPlan(0, [(0, 25)], new_requests=[new], params=greedy))
+    runner.execute(StepPlan(1, [(0, 15)], params=greedy))
+    state = runner.requests[0]
+    for step in (2, 3):
+        proposals = runner.drafter.propose([(state, 3)])[0]
+        assert proposals == ref.drafts(state.token_ids, 3), f"after {len(state.token_ids)} tokens"
+        draft = [Draft(0, proposals[:2])] if step == 3 else []
+        runner.execute(StepPlan(step, [(0, 1 + sum(len(d.token_ids) for d in draft))], drafts=draft, params=greedy))
+    assert runner.drafter.propose([(state, 4)])[0] == ref.drafts(state.token_ids, 4)
+
+
+def test_outputs_equal_speculation_off_and_transformers(pair: tuple[Path, Path]) -> None:
+    target, head = pair
+    rng = random.Random(2)
+    prompts = [[rng.randrange(5, 700) for _ in range(rng.randint(2, 40) if i else 40)] for i in range(6)]
+    # Shared prefixes: cached blocks hold the head's KV too (it ran over every computed token).
+    prompts += [prompts[0][:34] + [7, 8], prompts[0][:34] + [9]]
+    max_new = [rng.randint(8, 30) for _ in prompts]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_new]
+    with LLM(str(target), dtype="float32", max_num_seqs=4, enable_prefix_caching=True,
+             speculative_config=_eagle(head)) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        st = llm.stats()
+    for p, m, out in zip(prompts, max_new, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(str(target), p, m), f"prompt of {len(p)} tokens"
+    assert st.spec_drafts > 0 and st.prefix_cache_hits > 0, st
+    assert st.blocks_consistent and st.num_free_blocks == st.num_kv_blocks
+
+
+@PREEMPTIONS
+def test_sampling_mix_equals_speculation_off(pair: tuple[Path, Path], flags: dict) -> None:
+    """tests/test_spec_decode.py's mix (seeds, penalties, n > 1, logprobs, stops, structured
+    output, which the head does not draft) with and without the head."""
+    target, head = pair
+    results, stats = {}, {}
+    for spec in (None, _eagle(head)):
+        with LLM(str(target), dtype="float32", speculative_config=spec, max_num_seqs=8, **flags) as llm:
+            results[spec is not None] = _run(llm, *_mix())
+            stats[spec is not None] = llm.stats()
+    assert results[True][0] == results[False][0]
+    assert results[True][1] == pytest.approx(results[False][1], abs=1e-4)
+    assert stats[True].spec_drafts > 0, stats[True]
+    if "preemption_mode" in flags:
+        assert stats[True].num_preemptions > 0, stats[True]
+    for st in stats.values():
+        assert st.blocks_consistent and st.num_free_blocks == st.num_kv_blocks and st.num_running == 0
+
+
+def test_two_ranks_own_embedding_and_the_authors_format(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """A head with its own embedding table, saved as pytorch_model.bin with `layers.0.` names,
+    drafting for a target sharded over two ranks (the first drafts and broadcasts)."""
+    target, _ = pair
+    head = make_head(target, tmp_path / "head", seed=5, own_embed=True, prefix="layers.0.", fmt="bin")
+    rng = random.Random(8)
+    prompts = [[rng.randrange(5, 700) for _ in range(rng.randint(2, 30))] for _ in range(4)]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True) for _ in prompts]
+    with LLM(str(target), dtype="float32", tensor_parallel_size=2, max_num_seqs=4,
+             speculative_config=_eagle(head, 2)) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        st = llm.stats()
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(str(target), p, 20)
+    assert st.spec_drafts > 0, st
+
+
+def test_heads_that_do_not_fit_are_refused_in_one_sentence(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    target, _ = pair
+    cases = [
+        ({"num_hidden_layers": 2}, "has 2 layers; noria runs one-layer heads"),
+        ({"vocab_size": 800}, "has 800 tokens, the target 706: a head needs the target's tokenizer"),
+        ({"target_hidden_size": 128}, "reads hidden states of width 128, the target's are 64"),
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}}, "three of its 6 layers are needed"),
+        ({"architectures": ["Qwen2ForCausalLMEagle3"]}, "noria reads Llama-layer heads"),
+    ]
+    for i, (config, message) in enumerate(cases):
+        head = make_head(target, tmp_path / str(i), **config)
+        with pytest.raises(ValueError, match=message):
+            LLM(str(target), speculative_config=_eagle(head))
+    with pytest.raises(ValueError, match="needs model \\(the EAGLE-3 head's folder\\)"):
+        LLM(str(target), speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="MTP layers ship in DeepSeek-V3"):
+        LLM(str(target), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="EAGLE-1 heads are not read"):
+        LLM(str(target), speculative_config={"method": "eagle", "model": str(target), "num_speculative_tokens": 1})
+
+
+def test_bfloat16_equals_speculation_off(pair: tuple[Path, Path]) -> None:
+    """The CPU's bf16 mode (bf16 weights and KV cache, the head's too): greedy outputs equal
+    speculation off in the same mode."""
+    target, head = pair
+    rng = random.Random(6)
+    prompts = [[rng.randrange(5, 700) for _ in range(rng.randint(2, 40))] for _ in range(4)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
+    outs, stats = {}, {}
+    for spec in (None, _eagle(head)):
+        with LLM(str(target), dtype="bfloat16", max_num_seqs=4, speculative_config=spec) as llm:
+            outs[spec is not None] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats[spec is not None] = llm.stats()
+    assert outs[True] == outs[False]
+    assert stats[True].spec_drafts > 0, stats[True]
