@@ -31,7 +31,14 @@ from pathlib import Path
 
 from noria.bench.gpu_budget import PHASES, TINY_SIZES, Budget, PhaseTimeout, Sizes
 from noria.bench.gpu_checkpoint import CHECKPOINT_VERSION, LLAMA3_8B, TINY, build_checkpoint
-from noria.bench.gpu_phases import eager_phase, engine_flags, hf_phase, itl_phase, throughput_phases
+from noria.bench.gpu_phases import (
+    eager_phase,
+    engine_flags,
+    hf_phase,
+    itl_phase,
+    spec_phase,
+    throughput_phases,
+)
 from noria.bench.gpu_probes import probe_copy_gbps, probe_matmul_tflops
 from noria.bench.gpu_quant import measure, quant_phases
 from noria.bench.gpu_report import Report, Row, speedups
@@ -132,12 +139,16 @@ def main(argv: list[str] | None = None) -> int:
 
     flags = engine_flags(args, sizes, spec, load_format)
 
+    off: dict[int, float] = {}  # the itl phase's ITL by batch: what the spec rows compare with
+
     def baseline(llm: object, itl: dict[int, float]) -> None:  # the quantized rows' baseline, on the itl engine
+        off.update(itl)
         measure(rep, "itl", args.dtype, llm, args, sizes, spec, cost, gbps, tflops, itl)
 
     itl_phase(budget, rep, args, sizes, model, cost, spec, gbps, flags, after=baseline)
     quant_phases(budget, rep, args, sizes, model, spec, gbps, tflops, flags)
     throughput_phases(budget, rep, args, sizes, model, cost, spec, gbps, tflops, flags)
+    spec_phase(budget, rep, args, sizes, model, spec, flags, off)
     hf_phase(budget, rep, args, sizes, model, cost, spec, gbps, dev)
     eager_phase(budget, rep, args, sizes, model, cost, spec, gbps, flags)
     for r in speedups(rep.rows):

@@ -15,8 +15,9 @@ from noria.bench.gpu_report import Report
 
 # In order of value, so that a budget cut keeps the rows that matter most: decode at batch 1 and
 # 32 in the model's dtype (the roofline target), then FP8 and W4A16 beside it (issue 39's FP8
-# >= 1.6x target), then offline throughput, TTFT, transformers' anchor, and eager decode.
-PHASES = ("probe", "checkpoint", "itl", "fp8", "w4a16", "throughput", "ttft", "hf", "eager")
+# >= 1.6x target), then offline throughput, TTFT, speculative decoding's ITL, transformers'
+# anchor, and eager decode.
+PHASES = ("probe", "checkpoint", "itl", "fp8", "w4a16", "throughput", "ttft", "spec", "hf", "eager")
 
 
 @dataclass(frozen=True)
@@ -34,19 +35,20 @@ class Sizes:
     quant_requests: int = 32
     quant_prompt: int = 512
     quant_output: int = 128
+    spec_batches: tuple[int, ...] = (1, 16)  # beside the itl phase's rows at the same batches
     max_model_len: int = 8192 + 256
     # Seconds a phase needs at least (skipped when less is left) and may take at most.
     need: dict[str, float] = field(default_factory=lambda: {
-        "probe": 5, "checkpoint": 5, "itl": 30, "fp8": 30, "w4a16": 30, "throughput": 90, "ttft": 30, "hf": 60,
-        "eager": 60})
+        "probe": 5, "checkpoint": 5, "itl": 30, "fp8": 30, "w4a16": 30, "throughput": 90, "ttft": 30, "spec": 60,
+        "hf": 60, "eager": 60})
     cap: dict[str, float] = field(default_factory=lambda: {
         "probe": 30, "checkpoint": 60, "itl": 120, "fp8": 100, "w4a16": 120, "throughput": 200, "ttft": 90,
-        "hf": 150, "eager": 120})
+        "spec": 120, "hf": 150, "eager": 120})
 
 
 TINY_SIZES = Sizes(requests=6, prompt=24, output=6, ttft_prompts=(32, 96), itl_batches=(1, 2, 3), itl_prompt=16,
                    itl_tokens=6, hf_batches=(1, 2), quant_batches=(1, 2), quant_requests=3, quant_prompt=16,
-                   quant_output=6, max_model_len=256,
+                   quant_output=6, spec_batches=(1, 2), max_model_len=256,
                    need=dict.fromkeys(PHASES, 0.0), cap=dict.fromkeys(PHASES, 120.0))
 
 

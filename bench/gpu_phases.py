@@ -1,6 +1,6 @@
 """`noria bench gpu`'s measuring phases: noria's engine (inter-token latency with CUDA graphs and
-eager, offline throughput, TTFT) and the anchor, transformers' static-cache `generate`; the
-quantized kinds beside them are bench/gpu_quant.py's."""
+eager, offline throughput, TTFT, speculative decoding) and the anchor, transformers' static-cache
+`generate`; the quantized kinds beside them are bench/gpu_quant.py's."""
 
 from __future__ import annotations
 
@@ -224,3 +224,40 @@ def hf_phase(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, mod
                     continue
                 rep.add(Row("hf", f"ITL batch {batch} (transformers, {label})", s * 1e3, "ms",
                             itl_floor(cost, batch, itl_ctx, gbps) * 1e3, f"context ~{itl_ctx}"))
+
+
+# Speculative decoding's GPU rows (the CPU's are `noria bench spec`): the proposers that need no
+# second checkpoint. A dummy-weights model's greedy outputs repeat a token or a few, as the
+# CPU benchmark's random models do, so the drafts are mostly right: the rows measure what
+# verification costs and buys on the device, not a trained model's acceptance.
+SPEC_CONFIGS = {"ngram-4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                            "prompt_lookup_max": 4},
+                "suffix-4": {"method": "suffix", "num_speculative_tokens": 4}}
+
+
+def spec_phase(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, model: str, spec: ModelSpec,
+               flags: dict[str, Any], off: dict[int, float]) -> None:
+    """ITL at each of `sizes.spec_batches` with each proposer, beside the itl phase's (`off`)."""
+    import numpy as np
+
+    from noria import LLM
+
+    vocab, rng = _prompt_vocab(spec), np.random.default_rng(args.seed + 3)
+    with b.phase("spec") as go:
+        if not go:
+            return
+        for name, config in SPEC_CONFIGS.items():
+            llm = LLM(model, **decode_flags(flags, sizes), speculative_config=config)
+            try:
+                _noria_run(llm, _prompts(rng, 2, 16, vocab), 2)  # warm-up
+                for batch in sizes.spec_batches:
+                    before = llm.stats()
+                    itl = _itl(lambda ps, n, llm=llm: _noria_run(llm, ps, n), rng, batch, sizes, vocab)
+                    after = llm.stats()
+                    drafts = after.spec_drafts - before.spec_drafts
+                    kept = (after.spec_accepted_tokens - before.spec_accepted_tokens) / drafts if drafts else 0.0
+                    ratio = f"{off[batch] / itl:.2f}x lower than off" if off.get(batch) else "off not measured"
+                    rep.add(Row("spec", f"ITL batch {batch} ({name})", itl * 1e3, "ms", None,
+                                f"{ratio}; {drafts} drafts, {kept:.2f} tokens kept per draft"))
+            finally:
+                llm.shutdown()
