@@ -2,9 +2,8 @@
 
 Per configuration (`off`; n-gram prompt lookup with k tokens, `ngram-k`; suffix decoding proposing
 up to k, `suffix-k`; a draft model proposing
-k tokens: the target itself, `self-k`, or its first L layers, `headL-k`; an EAGLE-3 head trained
-on the model's own greedy outputs, `eagle3-k` (bench/eagle3_train.py), or a random one,
-`eagle3rand-k`, which measures what a head costs when it is always wrong), `LLM.generate` on
+k tokens: the target itself, `self-k`, or its first L layers, `headL-k`; a random EAGLE-3 head,
+`eagle3-k`, which measures what a head costs when it is always wrong), `LLM.generate` on
 the "small" Llama (or, `--inert-after L`, the same model with its layers from L on adding
 nothing, which its L-layer head drafts perfectly: bench/spec_models.py) in the dtype given (bf16
 by default, as checkpoints ship):
@@ -32,7 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from noria.bench.eagle3_train import trained_eagle3_checkpoint
 from noria.bench.plots import pyplot, save_rows
 from noria.bench.spec_models import eagle3_checkpoint, head_checkpoint, inert_checkpoint
 from noria.bench.workloads import CHECKPOINTS, w1
@@ -40,23 +38,21 @@ from noria.bench.workloads import CHECKPOINTS, w1
 
 def _config(name: str, lookup: tuple[int, int], model: Path | None = None) -> dict[str, Any] | None:
     """`off`, `ngram-K`, `suffix-K`, `self-K` (the target drafts for itself), `headL-K` (a draft
-    of the target's first L layers), `eagle3-K` (an EAGLE-3 head trained for the model:
-    bench/eagle3_train.py) or `eagle3rand-K` (a random one); `model` None only checks the name."""
+    of the target's first L layers) or `eagle3-K` (a random EAGLE-3 head: bench/spec_models.py);
+    `model` None only checks the name."""
     if name == "off":
         return None
     method, _, k = name.rpartition("-")
-    if not k.isdigit() or not (method in ("ngram", "suffix", "self", "eagle3", "eagle3rand")
+    if not k.isdigit() or not (method in ("ngram", "suffix", "self", "eagle3")
                                or method.startswith("head") and method[4:].isdigit()):
-        raise SystemExit(f"unknown config {name!r}: off, ngram-K, suffix-K, self-K, headL-K, eagle3-K or "
-                         "eagle3rand-K")
+        raise SystemExit(f"unknown config {name!r}: off, ngram-K, suffix-K, self-K, headL-K or eagle3-K")
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": lookup[0],
                 "prompt_lookup_max": lookup[1]}
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": int(k)}
-    if method.startswith("eagle3"):
-        head = None if model is None else eagle3_checkpoint(model) if method == "eagle3rand" else \
-            trained_eagle3_checkpoint(model)
+    if method == "eagle3":
+        head = None if model is None else eagle3_checkpoint(model)
         return {"method": "eagle3", "model": str(head), "num_speculative_tokens": int(k)}
     draft = model
     if model is not None and method != "self":

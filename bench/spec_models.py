@@ -11,8 +11,9 @@ beside it in the cache.
   models fall between the two.)
 - `eagle3_checkpoint(model)`: a seeded random EAGLE-3 head for the model, in the layout SpecForge
   and the EAGLE authors publish (`write_eagle3_head`, which the tests use too). No trained head
-  exists for a random model, and none can be constructed that agrees with it: its row measures
-  what a head costs when it is always wrong.
+  exists for a random model, and none can be constructed that agrees with it (one trained on
+  the model's own greedy outputs learned its training prompts' loop tokens and kept no proposal
+  on W1's): its row measures what a head costs when it is always wrong.
 """
 
 from __future__ import annotations

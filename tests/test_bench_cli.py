@@ -49,7 +49,7 @@ TINY = {
     "pd": (["--streams", "1", "--decode-tokens", "4", "--long", "1", "--long-words", "40", "--long-tokens", "2",
             "--interval", "0.1", "--num-kv-blocks", "128", "--max-model-len", "1024", "--out", "out/pd"],
            "stream ITL p50/p90/p99/max ms"),
-    "spec": (["--model", "serving", "--configs", "off,suffix-2,head2-2,eagle3rand-2", "--inert-after", "2", "--rounds", "1", "--tokens", "4", "--b1-prompts", "1",
+    "spec": (["--model", "serving", "--configs", "off,suffix-2,head2-2,eagle3-2", "--inert-after", "2", "--rounds", "1", "--tokens", "4", "--b1-prompts", "1",
               "--num-requests", "32", "--max-tokens", "4", "--num-kv-blocks", "256", "--out", "out/spec"],
              "ITL b1 ms"),
     "structured": (["--model", "demo", "--num-requests", "2", "--rounds", "1", "--sizes", "2", "--repeats", "2",
