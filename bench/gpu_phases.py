@@ -256,7 +256,7 @@ def spec_phase(b: Budget, rep: Report, args: argparse.Namespace, sizes: Sizes, m
                     after = llm.stats()
                     drafts = after.spec_drafts - before.spec_drafts
                     kept = (after.spec_accepted_tokens - before.spec_accepted_tokens) / drafts if drafts else 0.0
-                    ratio = f"{off[batch] / itl:.2f}x lower than off" if off.get(batch) else "off not measured"
+                    ratio = f"{off[batch] / itl:.2f}x the speed of off" if off.get(batch) else "off not measured"
                     rep.add(Row("spec", f"ITL batch {batch} ({name})", itl * 1e3, "ms", None,
                                 f"{ratio}; {drafts} drafts, {kept:.2f} tokens kept per draft"))
             finally:

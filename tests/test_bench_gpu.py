@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from noria.bench import gpu, gpu_quant
+from noria.bench import gpu, gpu_phases, gpu_quant
 
 
 def test_llama3_8b_bytes_match_the_published_parameter_count():
@@ -130,6 +130,11 @@ def test_a_tiny_run_measures_every_phase(monkeypatch, tmp_path, capsys):
                  *(f"ITL batch {b} (transformers, static cache, eager)" for b in s.hf_batches)]:
         assert rows[name]["value"] > 0 and rows[name]["floor"] > 0, name
     assert any(r["phase"] == "vs hf" for r in data["rows"])
+    # Speculative decoding beside the itl phase's rows at the same batches.
+    for name in gpu_phases.SPEC_CONFIGS:
+        for b in s.spec_batches:
+            row = rows[f"ITL batch {b} ({name})"]
+            assert row["value"] > 0 and "the speed of off" in row["note"], row
     # The quantized kinds beside the model's dtype, each beside its roofline, and their ratios.
     for label in ("float32", gpu_quant.FP8, gpu_quant.W4A16):
         for b in s.quant_batches:
