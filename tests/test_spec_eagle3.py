@@ -125,8 +125,8 @@ class _Reference:
 
 
 def test_head_proposals_equal_a_float64_reference(pair: tuple[Path, Path]) -> None:
-    """A prompt in two chunks, then two decodes, the second verifying a draft: after each sampled
-    step the head's proposals are the reference's over the request's tokens."""
+    """A prompt in two chunks, then two decodes, the second verifying a draft, then the request's
+    worker state rebuilt: after each, the head's proposals are the reference's over its tokens."""
     target, head = pair
     ref = _Reference(target, head)
     runner = ModelRunner(EngineConfig(model=str(target), dtype="float32", num_kv_blocks=32, block_size=16,
@@ -144,6 +144,15 @@ def test_head_proposals_equal_a_float64_reference(pair: tuple[Path, Path]) -> No
         draft = [Draft(0, proposals[:2])] if step == 3 else []
         runner.execute(StepPlan(step, [(0, 1 + sum(len(d.token_ids) for d in draft))], drafts=draft, params=greedy))
     assert runner.drafter.propose([(state, 4)])[0] == ref.drafts(state.token_ids, 4)
+    # Swapped out and back in: the worker rebuilds the request's state and computes nothing; the
+    # head still has its output (and its KV moved with the blocks).
+    tokens = list(state.token_ids)
+    other = NewRequestData(1, prompt[:10], [6], 0, 0, 10)  # a step runs while it is out
+    runner.execute(StepPlan(4, [(1, 10)], finished_req_ids=[0], new_requests=[other], params=greedy))
+    runner.execute(StepPlan(5, [], new_requests=[
+        NewRequestData(0, tokens, [3, 1, 4, 5], len(tokens) - 1, 0, len(prompt))], params=greedy))
+    assert runner.requests[0] is not state
+    assert runner.drafter.propose([(runner.requests[0], 3)])[0] == ref.drafts(tokens, 3)
 
 
 def test_outputs_equal_speculation_off_and_transformers(pair: tuple[Path, Path]) -> None:

@@ -18,9 +18,10 @@ Unlike the draft model, the head runs over every computed token, drafted or not:
 catch up later, because the target's hidden states are gone once the step is over. That is
 one layer over the step's tokens, a fraction of the target's cost (1 / its layers, plus
 `fc`), and it is what makes every block the target computed hold the head's KV too, so that
-prefix-cache hits need no bookkeeping. A request without an output at n - 2 (its worker
-state rebuilt after a swap, with nothing computed since) is proposed its last token
-repeated: a guess, which verification keeps only where the target agrees.
+prefix-cache hits need no bookkeeping. A request's output is kept while the worker lets go
+of it (a swap out and back in rebuilds its worker state without computing anything); one
+without an output at n - 2 is proposed its last token repeated: a guess, which verification
+keeps only where the target agrees.
 
 It runs on the first tensor-parallel rank (the stream is whole on every rank after each
 layer's all_reduce), and propose_drafts broadcasts its proposals.
@@ -94,9 +95,13 @@ class Eagle3Drafter(PagedDrafter):
             hidden = self.head.fuse([a[index] for a in aux])
             input_ids, span_meta, last = self.inputs(spans)
             out = self.head(input_ids, hidden, span_meta, self.attention, self.layers[0])[last]
-            for i, span in enumerate(spans):
+            for i, span in enumerate(spans):  # (re-inserted: the dict is in the order of last use)
+                self.last.pop(span.state.req_id, None)
                 self.last[span.state.req_id] = (span.start + len(span.input_ids) - 1, out[i])
-        for req_id in [r for r in self.last if r not in requests]:
+        # A request the worker let go of may come back (swapped out and in): its output is kept
+        # until the entries of requests gone outnumber the live ones, the longest unused first.
+        gone = [r for r in self.last if r not in requests]
+        for req_id in gone[:max(0, len(gone) - len(requests) - 16)]:
             del self.last[req_id]
 
     def propose(self, wanted: list[tuple[RequestState, int]]) -> list[list[int]]:
