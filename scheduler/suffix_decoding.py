@@ -12,7 +12,12 @@ learn from each other, and kept once the request ends, the oldest evicted past
 for another tenant's request (the same rule as the prefix cache's salt).
 
 Memory: a tree holds up to `suffix_decoding_max_tree_depth` nodes per token added, so a prompt
-of P tokens costs about P x depth small nodes while its request runs.
+of P tokens costs about P x depth small nodes while its request runs, and the responses kept
+for the tenants up to that per response token: 10,000 responses of 500 tokens would be over
+a hundred million nodes, tens of GB in the scheduler process. So past MAX_NODES in the
+tenants' trees together the oldest finished responses are evicted too, whatever
+`suffix_decoding_max_cached_requests` allows (vLLM's native trees are smaller per node; the
+bound is noria's own).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from collections import OrderedDict
 
 from noria.protocol.speculative import SpeculativeConfig
 from noria.scheduler.suffix_tree import Node, SuffixTree
+
+# The tenants' trees' nodes together, at most (about 250 bytes each: a node and its dict).
+MAX_NODES = 2_000_000
 
 
 class SuffixCache:
@@ -42,12 +50,15 @@ class SuffixCache:
 
     def end(self, req_id: int) -> None:
         """The request's response is complete: kept, and the oldest complete ones past the
-        limit evicted."""
+        limits (responses, nodes) evicted."""
         self.ended.add(req_id)
         limit = self.spec.suffix_decoding_max_cached_requests
-        while len(self.ended) > limit:
+        while self.ended and (len(self.ended) > limit or self.nodes() > MAX_NODES):
             oldest = next(r for r in self.responses if r in self.ended)
             self._evict(oldest)
+
+    def nodes(self) -> int:
+        return sum(tree.size for tree in self.trees.values())
 
     def _evict(self, req_id: int) -> None:
         tenant, tokens = self.responses.pop(req_id)

@@ -27,11 +27,12 @@ class Node:
 
 
 class SuffixTree:
-    __slots__ = ("depth", "root")
+    __slots__ = ("depth", "root", "size")
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
         self.root = Node()
+        self.size = 0  # nodes below the root: what the tree's memory grows with
 
     def start(self) -> list[Node]:
         """The open suffixes of an empty sequence."""
@@ -45,6 +46,7 @@ class SuffixTree:
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = Node()
+                self.size += 1
             child.count += 1
             new.append(child)
         return new[:self.depth]
@@ -58,6 +60,7 @@ class SuffixTree:
             child.count -= 1
             if not child.count:
                 del node.children[token]
+                self.size -= 1
             new.append(child)
         return new[:self.depth]
 

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 
 from noria.protocol.speculative import SpeculativeConfig, parse_speculative_config
+from noria.scheduler import suffix_decoding
 from noria.scheduler.suffix_decoding import SuffixCache, SuffixProposer
 from noria.scheduler.suffix_tree import Node, SuffixTree
 
@@ -50,10 +51,12 @@ def test_counts_are_every_substrings_occurrences(seqs, depth, removed) -> None:
     for seq in seqs:
         _add(tree, seq)
     assert _counts(tree.root) == _substrings(seqs, depth)
+    assert tree.size == len(_substrings(seqs, depth))  # a node per distinct substring
     for i in sorted(removed & set(range(len(seqs)))):
         _add(tree, seqs[i], take_back=True)
     kept = [s for i, s in enumerate(seqs) if i not in removed]
     assert _counts(tree.root) == _substrings(kept, depth)  # nodes at zero are gone too
+    assert tree.size == len(_substrings(kept, depth))
 
 
 def _brute_speculate(seqs: list[list[int]], depth: int, context: list[int], k: int, factor: float,
@@ -150,6 +153,22 @@ def test_live_responses_are_shared_and_the_oldest_finished_are_evicted() -> None
     c.finish([6, 50, 51])
     assert set(cache.responses) == {3}
     assert _counts(cache.trees[None].root) == _substrings([[50, 51]], 24)
+
+
+def test_the_oldest_finished_responses_go_past_the_node_budget(monkeypatch) -> None:
+    """However many responses max_cached_requests allows, the tenants' trees together stay
+    within MAX_NODES: the oldest finished responses are evicted, live ones never."""
+    monkeypatch.setattr(suffix_decoding, "MAX_NODES", 444 + 5 * 36)
+    cache = SuffixCache(_spec(suffix_decoding_max_cached_requests=1000))
+    live = SuffixProposer(cache, 0, "t", 1)
+    live.propose([0, *range(1000, 1030)], 2)  # 30 distinct tokens, depth 24: 444 substrings
+    for rid in range(1, 30):  # 8 distinct tokens each: 36 substrings; tenants in turn
+        SuffixProposer(cache, rid, None if rid % 2 else "t", 1).finish([0, *range(rid * 10, rid * 10 + 8)])
+        assert cache.nodes() <= suffix_decoding.MAX_NODES, (rid, cache.nodes())
+    assert set(cache.responses) == {0, 25, 26, 27, 28, 29}  # the live one and the newest five
+    for tenant, tree in cache.trees.items():
+        kept = [tokens for t, tokens in cache.responses.values() if t == tenant]
+        assert tree.size == len(_substrings(kept, 24))
 
 
 def test_config() -> None:
