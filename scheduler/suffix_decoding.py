@@ -5,15 +5,16 @@ one.
 
 Two suffix trees (scheduler/suffix_tree.py) are matched against the request's last tokens, and
 the proposal with the higher score wins: the request's own prompt's, built at its first
-proposal, and its tenant's responses: every response of a request with the same `cache_salt`
+proposal (as a suffix array with the same answers, scheduler/prompt_index.py: a prompt is
+fixed, and a tree of a long one is large and slow to build), and its tenant's responses: every response of a request with the same `cache_salt`
 (or with none), added a token at a time while it is generated, so that concurrent requests
 learn from each other, and kept once the request ends, the oldest evicted past
 `suffix_decoding_max_cached_requests` responses in all. A tenant's responses are never matched
 for another tenant's request (the same rule as the prefix cache's salt).
 
-Memory: a tree holds up to `suffix_decoding_max_tree_depth` nodes per token added, so a prompt
-of P tokens costs about P x depth small nodes while its request runs, and the responses kept
-for the tenants up to that per response token: 10,000 responses of 500 tokens would be over
+Memory: a tree holds up to `suffix_decoding_max_tree_depth` nodes per token added (a prompt's
+index one position per token), so the responses kept for the tenants cost up to that per
+response token: 10,000 responses of 500 tokens would be over
 a hundred million nodes, tens of GB in the scheduler process. So past MAX_NODES in the
 tenants' trees together the oldest finished responses are evicted too, whatever
 `suffix_decoding_max_cached_requests` allows (vLLM's native trees are smaller per node; the
@@ -25,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from noria.protocol.speculative import SpeculativeConfig
+from noria.scheduler.prompt_index import PromptIndex
 from noria.scheduler.suffix_tree import Node, SuffixTree
 
 # The tenants' trees' nodes together, at most (about 250 bytes each: a node and its dict).
@@ -79,7 +81,7 @@ class SuffixProposer:
 
     def __init__(self, cache: SuffixCache, req_id: int, tenant: str | None, num_prompt: int) -> None:
         self.cache, self.req_id, self.tenant, self.num_prompt = cache, req_id, tenant, num_prompt
-        self.prompt: SuffixTree | None = None
+        self.prompt: PromptIndex | None = None
         self.added = 0  # response tokens added to the tenant's tree
         self.active: list[Node] = []
 
@@ -87,10 +89,7 @@ class SuffixProposer:
         """Up to `k` tokens to follow `tokens` (the whole sequence so far)."""
         spec, cache = self.cache.spec, self.cache
         if self.prompt is None:
-            self.prompt = SuffixTree(spec.suffix_decoding_max_tree_depth)
-            active = self.prompt.start()
-            for t in tokens[:self.num_prompt]:
-                active = self.prompt.extend(active, t)
+            self.prompt = PromptIndex(tokens[:self.num_prompt], spec.suffix_decoding_max_tree_depth)
         self._add_response(tokens)
         context = tokens[len(tokens) - spec.suffix_decoding_max_tree_depth:]
         factor, min_prob = spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 
 from noria.protocol.speculative import SpeculativeConfig, parse_speculative_config
 from noria.scheduler import suffix_decoding
+from noria.scheduler.prompt_index import PromptIndex
 from noria.scheduler.suffix_decoding import SuffixCache, SuffixProposer
 from noria.scheduler.suffix_tree import Node, SuffixTree
 
@@ -112,6 +113,21 @@ def test_speculation_equals_a_brute_force_walk(seqs, context, depth, k, factor, 
         _add(tree, seq)
     got, score = tree.speculate(context, k, factor, min_prob)
     want, want_score = _brute_speculate(seqs, depth, context, k, factor, min_prob)
+    assert got == want
+    assert score == pytest.approx(want_score)
+
+
+@settings(max_examples=400, deadline=None)
+@given(seq=st.lists(st.integers(0, 3), max_size=60), context=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+       depth=st.integers(1, 8), k=st.integers(1, 12), factor=st.sampled_from([0.5, 1.0, 3.0]),
+       min_prob=st.sampled_from([0.0, 0.1, 0.5]))
+def test_a_prompts_index_proposes_what_its_tree_would(seq, context, depth, k, factor, min_prob) -> None:
+    """The prompt's suffix array against the tree of the prompt alone: the same tokens (ties
+    included) and score."""
+    tree = SuffixTree(depth)
+    _add(tree, seq)
+    got, score = PromptIndex(seq, depth).speculate(context, k, factor, min_prob)
+    want, want_score = tree.speculate(context, k, factor, min_prob)
     assert got == want
     assert score == pytest.approx(want_score)
 
