@@ -75,7 +75,7 @@ def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 class _Reference:
     """The head in float64 over a whole sequence, attention recomputed from every key."""
 
-    def __init__(self, target: Path, head: Path) -> None:
+    def __init__(self, target: Path, head: Path, aux: list[int] = AUX) -> None:
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
@@ -84,6 +84,7 @@ class _Reference:
         self.t = {k: v.double() for k, v in load_file(head / "model.safetensors").items() if k != "t2d"}
         self.t["d2t"] = self.t["d2t"].long()
         self.target = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float64).eval()
+        self.aux = aux
         self.embed = self.t.get("embed_tokens.weight", self.target.model.embed_tokens.weight.detach())
 
     def layer(self, tokens: list[int], hidden: torch.Tensor, pos: torch.Tensor,
@@ -114,7 +115,7 @@ class _Reference:
         """The head's k proposals after `tokens`, all but the last of which the target has computed."""
         with torch.no_grad():
             states = self.target(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
-        fused = torch.cat([states[i][0] for i in AUX], -1) @ self.t["fc.weight"].T
+        fused = torch.cat([states[i][0] for i in self.aux], -1) @ self.t["fc.weight"].T
         keys = [torch.zeros(0, self.kv, self.hd, dtype=torch.float64)] * 2
         out = self.layer(tokens[1:], fused, torch.arange(len(tokens) - 1), keys)[-1:]
         proposals = [self.token(out[0])]
@@ -207,6 +208,23 @@ def test_two_ranks_own_embedding_and_the_authors_format(pair: tuple[Path, Path],
     for p, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == _hf_greedy(str(target), p, 20)
     assert st.spec_drafts > 0, st
+
+
+def test_default_layers_of_a_shallow_target(tmp_path: Path, demo_path: Path) -> None:
+    """Without eagle_config the head reads layers (2, L // 2, L - 3): for a four-layer target
+    (2, 2, 1), layer 2's stream twice, in layer order."""
+    target = _with_tokenizer(make_checkpoint("llama", tmp_path / "t4", num_hidden_layers=4, vocab_size=706),
+                             demo_path)
+    head = write_eagle3_head(target, tmp_path / "h4", draft_vocab=300, eagle_config=None)
+    ref = _Reference(target, head, aux=[1, 2, 2])
+    runner = ModelRunner(EngineConfig(model=str(target), dtype="float32", num_kv_blocks=16, block_size=16,
+                                      num_threads=2, speculative_config=SpeculativeConfig(**_eagle(head))))
+    rng = random.Random(3)
+    prompt = [rng.randrange(5, 700) for _ in range(20)]
+    runner.execute(StepPlan(0, [(0, 20)], new_requests=[NewRequestData(0, prompt, [2, 5], 0, 0, 20)],
+                            params=[EngineSamplingParams(temperature=0.0)]))
+    state = runner.requests[0]
+    assert runner.drafter.propose([(state, 3)])[0] == ref.drafts(state.token_ids, 3)
 
 
 def test_heads_that_do_not_fit_are_refused_in_one_sentence(pair: tuple[Path, Path], tmp_path: Path) -> None:

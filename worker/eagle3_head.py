@@ -82,7 +82,10 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
         """The target's hidden states [T, hidden] each, in layer order, fused to the head's width."""
-        return self.fc(torch.cat(aux, dim=-1))
+        x = torch.cat(aux, dim=-1)
+        if x.shape[1] != self.fc.weight.shape[1]:  # (the native GEMM would read past the rows)
+            raise ValueError(f"EAGLE-3 head: {len(aux)} hidden states kept, {len(self.spec.aux_layers)} read")
+        return self.fc(x)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                 backend: AttentionBackend, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -137,7 +137,7 @@ class CausalLM(nn.Module):
         residual = None
         self.captured = []
         for start, end, native in _cut(segments, self.capture):
-            if start in self.capture:
+            for _ in range(self.capture.count(start)):  # (a layer named twice is kept twice)
                 self.captured.append(x.clone() if residual is None else x + residual)
             if native:
                 assert stack is not None and rows is not None
@@ -179,7 +179,7 @@ def _cut(segments: list[tuple[int, int, bool]], at: tuple[int, ...]) -> list[tup
     """`segments` also cut where a captured layer starts."""
     out = []
     for start, end, native in segments:
-        for cut in sorted(i for i in at if start < i < end):
+        for cut in sorted({i for i in at if start < i < end}):
             out.append((start, cut, native))
             start = cut
         out.append((start, end, native))
