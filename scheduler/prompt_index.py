@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 
+from noria.scheduler.suffix_tree import longest_present
+
 # A substring's run of the order: (its first index, one past its last, its length).
 Run = tuple[int, int, int]
 
@@ -63,13 +65,7 @@ class PromptIndex:
             run = self._run(context[len(context) - longest:])
             if run is not None and self._children(run):
                 return run
-        lo, hi = 0, min(self.depth, len(context))
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._run(context[len(context) - mid:]) is None:
-                hi = mid - 1
-            else:
-                lo = mid
+        lo = longest_present(context, self.depth, lambda pattern: self._run(pattern) is not None)
         for length in range(lo, 0, -1):
             run = self._run(context[len(context) - length:])
             if run is not None and self._children(run):

@@ -17,6 +17,8 @@ of proposed tokens the target keeps, if the tree's frequencies are the target's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class Node:
     __slots__ = ("count", "children")
@@ -74,13 +76,7 @@ class SuffixTree:
 
     def match(self, context: list[int]) -> tuple[Node, int] | None:
         """The node of the longest suffix of `context` with a continuation, and its length."""
-        lo, hi = 0, min(self.depth, len(context))
-        while lo < hi:  # the longest L whose last-L path exists
-            mid = (lo + hi + 1) // 2
-            if self._walk(context[len(context) - mid:]) is None:
-                hi = mid - 1
-            else:
-                lo = mid
+        lo = longest_present(context, self.depth, lambda path: self._walk(path) is not None)
         for length in range(lo, 0, -1):
             node = self._walk(context[len(context) - length:])
             if node is not None and node.children:
@@ -112,3 +108,16 @@ class SuffixTree:
             score += prob
             node = child
         return out, score
+
+
+def longest_present(context: list[int], limit: int, present: Callable[[list[int]], bool]) -> int:
+    """The longest L <= limit whose last L tokens of `context` are `present`, for a `present`
+    that holds of a sequence's suffixes whenever it holds of the sequence: by bisection."""
+    lo, hi = 0, min(limit, len(context))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if present(context[len(context) - mid:]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
