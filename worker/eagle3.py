@@ -40,6 +40,7 @@ from noria.worker.drafter import PagedDrafter, Span
 from noria.worker.eagle3_head import Eagle3Head
 from noria.worker.kv_cache import KVLayout
 from noria.worker.kv_fp8 import apply_scales
+from noria.worker.loader import built_on
 from noria.worker.models.causal_lm import CausalLM
 from noria.worker.models.ops import choose_ops
 from noria.worker.step_inputs import Batch, RequestState
@@ -54,13 +55,8 @@ class Eagle3Drafter(PagedDrafter):
         assert sc is not None and sc.model is not None
         self.path = sc.model
         self.spec = spec = read_eagle3(self.path, target.spec)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                self.head = Eagle3Head(spec, target.embed_tokens)
-        finally:
-            torch.set_default_dtype(previous)
+        with built_on(device, dtype):
+            self.head = Eagle3Head(spec, target.embed_tokens)
         self.head.load(self.path)
         self.head.pack(weight_dtype)
         apply_scales([self.head.self_attn], kv_dtype)
@@ -91,8 +87,10 @@ class Eagle3Drafter(PagedDrafter):
                 rows.extend(range(start_row, start_row + end - start))
             start_row += q
         if spans:
-            index = torch.tensor(rows, dtype=torch.long, device=self.device)
-            hidden = self.head.fuse([a[index] for a in aux])
+            if len(rows) < aux[0].shape[0]:  # (a plain decode step keeps every row: no gather)
+                index = torch.tensor(rows, dtype=torch.long, device=self.device)
+                aux = [a[index] for a in aux]
+            hidden = self.head.fuse(aux)
             input_ids, span_meta, last = self.inputs(spans)
             out = self.head(input_ids, hidden, span_meta, self.attention, self.layers[0])[last]
             for i, span in enumerate(spans):  # (re-inserted: the dict is in the order of last use)

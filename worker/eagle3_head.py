@@ -29,7 +29,8 @@ class Eagle3Head(nn.Module):
         super().__init__()
         layer, tp = spec.layer, TensorParallel()
         h = layer.hidden_size
-        shapes = rank_shapes(layer.num_heads, layer.num_kv_heads, layer.intermediate_size, layer.vocab_size, tp)
+        self.shapes = shapes = rank_shapes(layer.num_heads, layer.num_kv_heads, layer.intermediate_size,
+                                           layer.vocab_size, tp)
         self.spec = spec
         self.embed_tokens = target_embed  # replaced by the head's own where its checkpoint has one
         self.fc = Linear(len(spec.aux_layers) * spec.target_hidden, h)
@@ -50,8 +51,7 @@ class Eagle3Head(nn.Module):
         """Its weights from `folder`, under either export's names; ValueError on a tensor it has
         no place for, a shape that does not fit, or one missing."""
         tensors = dict(_read(folder))
-        layer, tp = self.spec.layer, TensorParallel()
-        shapes = rank_shapes(layer.num_heads, layer.num_kv_heads, layer.intermediate_size, layer.vocab_size, tp)
+        layer, tp, shapes = self.spec.layer, TensorParallel(), self.shapes
         wm = WeightMap()
         if "embed_tokens.weight" in tensors:
             self.embed_tokens = nn.Parameter(torch.empty(layer.vocab_size, layer.hidden_size), requires_grad=False)

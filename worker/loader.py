@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -74,6 +75,18 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+@contextmanager
+def built_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Modules made inside have their parameters on `device` in `dtype`, allocated once there."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def load_model(path: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                tp: TensorParallel | None = None, weights: torch.dtype | None = None,
                load_format: str = "auto", seed: int = 0) -> CausalLM:
@@ -85,13 +98,8 @@ def load_model(path: str | Path, spec: ModelSpec, device: torch.device, dtype: t
     tp = tp or TensorParallel()
     if spec.num_experts and tp.first:
         log.info("%s", moe.describe(spec, tp))
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = CausalLM(spec, tp)
-    finally:
-        torch.set_default_dtype(previous)
+    with built_on(device, dtype):
+        model = CausalLM(spec, tp)
     if load_format == "dummy":
         from noria.worker.dummy_weights import fill_dummy
 
