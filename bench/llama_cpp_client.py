@@ -42,18 +42,20 @@ def stream_tokens(line: bytes) -> list[int] | None:
     return list(event.get("tokens") or [])
 
 
-def _session(aiohttp):
+def session(aiohttp):
     # A connection per request: llama-server (cpp-httplib) can drop a kept-alive connection after a
     # streamed answer, and the next request on it fails with "Can not write request body".
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                  timeout=aiohttp.ClientTimeout(total=3600))
 
 
-async def _stream(http, base: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float], list[int]]:
-    """One streamed request: when it was sent, each token's arrival time, the token ids."""
+async def stream(http, base: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float], list[int], dict]:
+    """One streamed request: when it was sent, each token's arrival time, the token ids, and the
+    final event's `timings` (llama.cpp's counts: drafted and accepted tokens among them)."""
     sent = time.perf_counter()
     times: list[float] = []
     ids: list[int] = []
+    timings: dict = {}
     async with http.post(f"{base}/completion", json=completion_body(prompt, max_tokens, True)) as r:
         r.raise_for_status()
         async for line in r.content:
@@ -62,7 +64,9 @@ async def _stream(http, base: str, prompt: list[int], max_tokens: int) -> tuple[
                 now = time.perf_counter()
                 times.extend([now] * len(got))
                 ids.extend(got)
-    return sent, times, ids
+            elif got is not None:
+                timings = json.loads(line[6:]).get("timings") or timings
+    return sent, times, ids, timings
 
 
 async def run_batch(base: str, work, in_flight: int) -> tuple[float, list[list[int]]]:
@@ -70,7 +74,7 @@ async def run_batch(base: str, work, in_flight: int) -> tuple[float, list[list[i
     import aiohttp
 
     gate = asyncio.Semaphore(in_flight)
-    async with _session(aiohttp) as http:
+    async with session(aiohttp) as http:
 
         async def one(prompt: list[int], max_tokens: int) -> list[int]:
             async with gate, http.post(f"{base}/completion",
@@ -88,12 +92,12 @@ async def drive(base: str, reqs) -> list[dict]:
     """bench/serving.py's rates: each request sent at its offset, streamed; per-token arrival times."""
     import aiohttp
 
-    async with _session(aiohttp) as http:
+    async with session(aiohttp) as http:
         start = time.perf_counter()
 
         async def one(prompt: list[int], max_tokens: int, offset: float) -> dict:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            sent, times, _ = await _stream(http, base, prompt, max_tokens)
+            sent, times, _, _ = await stream(http, base, prompt, max_tokens)
             return {"sent": sent, "times": times, "prompt_len": len(prompt)}
 
         return await asyncio.gather(*(one(*r) for r in reqs))
@@ -107,9 +111,9 @@ LATENCY_PROMPT = [9, 10, 11, 12]  # noria.bench.gemm_bf16.engine_ms_per_token's
 async def _ms_per_token(base: str, tokens: int) -> tuple[float, list[int]]:
     import aiohttp
 
-    async with _session(aiohttp) as http:
-        await _stream(http, base, LATENCY_PROMPT, 16)  # warm-up
-        _, times, ids = await _stream(http, base, LATENCY_PROMPT, tokens + 1)
+    async with session(aiohttp) as http:
+        await stream(http, base, LATENCY_PROMPT, 16)  # warm-up
+        _, times, ids, _ = await stream(http, base, LATENCY_PROMPT, tokens + 1)
     if len(times) != tokens + 1:
         raise RuntimeError(f"llama-server streamed {len(times)} tokens, asked for {tokens + 1}")
     return (times[-1] - times[0]) / tokens * 1e3, ids

@@ -28,15 +28,17 @@ def context_per_request(work) -> int:
     return -(-longest // 64) * 64
 
 
-def server_command(binary: Path, gguf: Path, port: int, slots: int, per_request: int, n_threads: int) -> list[str]:
+def server_command(binary: Path, gguf: Path, port: int, slots: int, per_request: int, n_threads: int,
+                   extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     """llama-server with one slot per request in flight, each slot `per_request` tokens of KV
     (the context is split evenly between slots), continuous batching, and everything else at
-    llama.cpp's defaults (its batch sizes, flash attention "auto", f16 KV cache)."""
+    llama.cpp's defaults (its batch sizes, flash attention "auto", f16 KV cache); `extra` flags
+    last (bench/spec_llama_cpp.py's speculation)."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(n_threads), "-tb", str(n_threads), "-np", str(slots), "-c", str(slots * per_request),
             "--cont-batching",
             "--cache-ram", "0",  # no host-memory prompt cache: every prompt is computed, as noria's are here
-            "--no-webui"]
+            "--no-webui", *extra]
 
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -64,13 +66,14 @@ class LlamaServer:
     """llama-server on a free port; `wait` until /health says the model is loaded; `stop`."""
 
     def __init__(self, gguf: Path, slots: int, per_request: int, n_threads: int | None = None,
-                 binary: Path | None = None, log_path: Path | None = None, env: dict[str, str] | None = None) -> None:
+                 binary: Path | None = None, log_path: Path | None = None, env: dict[str, str] | None = None,
+                 extra_args: list[str] | tuple[str, ...] = ()) -> None:
         from noria.protocol.sockets import free_tcp_port
 
         port = free_tcp_port()
         self.http = f"http://127.0.0.1:{port}"
         self.command = server_command(binary or server_binary(), gguf, port, slots, per_request,
-                                      n_threads or threads())
+                                      n_threads or threads(), extra_args)
         self.log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(self.command, env=server_env() if env is None else env, stdout=self.log,
                                      stderr=subprocess.STDOUT)

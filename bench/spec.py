@@ -15,8 +15,12 @@ by default, as checkpoints ship):
 - `w1`: W1 (128 requests, greedy), output tok/s;
 - `w1_sampled`: W1 at temperature 1 (seeded), whose outputs repeat far less: drafts mostly fail.
 
-Beside each: drafts verified, the draft tokens accepted per draft (the mean acceptance length)
-and the acceptance rate per draft position. How the workloads repeat: the models are seeded
+Beside each: drafts verified, the draft tokens accepted per draft (the mean acceptance length),
+the accepted share of drafted tokens and the acceptance rate per draft position.
+
+`llama.cpp-off`, `llama.cpp-ngram-k`, `llama.cpp-headL-k` and `llama.cpp-self-k` run llama.cpp's
+own server with its own speculation on the same model and requests (bench/spec_llama_cpp.py says
+how), skipped with one line where llama.cpp cannot be built. How the workloads repeat: the models are seeded
 random weights, whose greedy outputs fall into loops of one to a few tokens within a few dozen
 tokens of any prompt; the n-gram lookup finds those loops, so greedy rows show what drafts that
 are mostly right buy, and the sampled row what drafts that are mostly wrong cost.
@@ -31,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from noria.bench import spec_llama_cpp
 from noria.bench.plots import pyplot, save_rows
 from noria.bench.spec_models import eagle3_checkpoint, head_checkpoint, inert_checkpoint
 from noria.bench.workloads import CHECKPOINTS, w1
@@ -42,10 +47,14 @@ def _config(name: str, lookup: tuple[int, int], model: Path | None = None) -> di
     `model` None only checks the name."""
     if name == "off":
         return None
+    if spec_llama_cpp.is_llama_cpp(name):
+        spec_llama_cpp.method_of(name)
+        return None
     method, _, k = name.rpartition("-")
     if not k.isdigit() or not (method in ("ngram", "suffix", "self", "eagle3")
                                or method.startswith("head") and method[4:].isdigit()):
-        raise SystemExit(f"unknown config {name!r}: off, ngram-K, suffix-K, self-K, headL-K or eagle3-K")
+        raise SystemExit(f"unknown config {name!r}: off, ngram-K, suffix-K, self-K, headL-K, eagle3-K "
+                         f"or llama.cpp-{{off,ngram-K,self-K,headL-K}}")
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": lookup[0],
                 "prompt_lookup_max": lookup[1]}
@@ -85,10 +94,16 @@ def _itl(llm: Any, groups: list[list[list[int]]], tokens: int) -> float:
     return statistics.median(steps)
 
 
+def _work(args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    return [(p, min(m, args.max_tokens or m)) for p, m in w1(num_requests=args.num_requests)]
+
+
 def run_config(name: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
     from noria import LLM, SamplingParams
 
-    work = [(p, min(m, args.max_tokens or m)) for p, m in w1(num_requests=args.num_requests)]
+    if spec_llama_cpp.is_llama_cpp(name):
+        return spec_llama_cpp.run_config(name, model, args, _work(args))
+    work = _work(args)
     prompts = [p for p, _ in work]
     greedy = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
     sampled = [SamplingParams(max_tokens=m, temperature=1.0, seed=i, ignore_eos=True)
@@ -114,6 +129,7 @@ def run_config(name: str, model: Path, args: argparse.Namespace) -> dict[str, An
             row[f"{part}_acceptance"] = {
                 "drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
                 "mean_accepted": accepted / drafts if drafts else 0.0,
+                "accepted_rate": round(accepted / draft_tokens, 3) if draft_tokens else 0.0,
                 "rate_per_pos": [round(c / drafts, 3) for c in per_pos] if drafts else [],
             }
     return row
@@ -124,18 +140,33 @@ def _rate(llm: Any, prompts: list[list[int]], params: Any) -> float:
     return tokens / seconds
 
 
+def _fmt(value: float | None, width: int, digits: int = 1) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
+def _ratio(value: float | None, base: float | None, width: int, lower_is_better: bool = False) -> str:
+    if value is None or base is None:
+        return f"{'-':>{width}}"
+    return f"{(base / value if lower_is_better else value / base):>{width - 1}.2f}x"
+
+
 def _print(rows: list[dict[str, Any]]) -> None:
-    base = {r["config"]: r for r in rows}.get("off")
-    print(f"\n{'config':<10} {'ITL b1 ms':>10} {'ITL b8 ms':>10} {'b32 tok/s':>10} {'W1 tok/s':>10} "
-          f"{'W1 sampled':>11}  accepted per draft (b1 / W1 / sampled)")
+    """The table: each config against its own system's `off` (noria's off, or llama.cpp-off)."""
+    offs = {"noria": None, "llama.cpp": None}
     for r in rows:
-        acc = " / ".join(f"{r[f'{p}_acceptance']['mean_accepted']:.2f}" for p in ("itl_b1", "w1", "w1_sampled"))
-        print(f"{r['config']:<10} {r['itl_b1']:>10.2f} {r['itl_b8']:>10.2f} {r['b32']:>10.1f} {r['w1']:>10.1f} "
-              f"{r['w1_sampled']:>11.1f}  {acc}")
+        if r["config"] in ("off", "llama.cpp-off", "llama.cpp"):
+            offs["llama.cpp" if spec_llama_cpp.is_llama_cpp(r["config"]) else "noria"] = r
+    print(f"\n{'config':<18} {'ITL b1 ms':>10} {'ITL b8 ms':>10} {'b32 tok/s':>10} {'W1 tok/s':>10} "
+          f"{'W1 sampled':>11}  accepted share of drafted tokens (b1 / W1)")
+    for r in rows:
+        acc = " / ".join(f"{r[f'{p}_acceptance']['accepted_rate']:.2f}" for p in ("itl_b1", "w1"))
+        print(f"{r['config']:<18} {_fmt(r['itl_b1'], 10, 2)} {_fmt(r['itl_b8'], 10, 2)} {_fmt(r['b32'], 10)} "
+              f"{_fmt(r['w1'], 10)} {_fmt(r['w1_sampled'], 11)}  {acc}")
+        base = offs["llama.cpp" if spec_llama_cpp.is_llama_cpp(r["config"]) else "noria"]
         if base is not None and r is not base:
-            print(f"{'  vs off':<10} {base['itl_b1'] / r['itl_b1']:>9.2f}x {base['itl_b8'] / r['itl_b8']:>9.2f}x "
-                  f"{r['b32'] / base['b32']:>9.2f}x {r['w1'] / base['w1']:>9.2f}x "
-                  f"{r['w1_sampled'] / base['w1_sampled']:>10.2f}x")
+            print(f"{'  vs its off':<18} {_ratio(r['itl_b1'], base['itl_b1'], 10, True)} "
+                  f"{_ratio(r['itl_b8'], base['itl_b8'], 10, True)} {_ratio(r['b32'], base['b32'], 10)} "
+                  f"{_ratio(r['w1'], base['w1'], 10)} {_ratio(r['w1_sampled'], base['w1_sampled'], 11)}")
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
@@ -147,7 +178,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     axes[0].set_ylabel("ms per decode step")
     axes[0].legend()
     for i, part in enumerate(("b32", "w1", "w1_sampled")):
-        axes[1].bar([j + i * 0.25 for j in range(len(rows))], [r[part] for r in rows], 0.25, label=part)
+        axes[1].bar([j + i * 0.25 for j in range(len(rows))], [r[part] or 0.0 for r in rows], 0.25, label=part)
     axes[1].set_xticks([j + 0.25 for j in range(len(rows))], names)
     axes[1].set_ylabel("output tok/s")
     axes[1].legend()
@@ -159,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="noria bench spec", description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="off,ngram-2,ngram-4",
                     help="comma-separated: off, ngram-K, suffix-K, self-K (the target as its own draft), headL-K "
-                         "(a draft of the target's first L layers)")
+                         "(a draft of the target's first L layers), eagle3-K (a random head), and llama.cpp's own: "
+                         "llama.cpp-off, llama.cpp-ngram-K, llama.cpp-self-K, llama.cpp-headL-K")
     ap.add_argument("--inert-after", type=int, default=None, metavar="L",
                     help="the target with its layers from L on adding nothing (bench/spec_models.py), so that "
                          "headL-K drafts it with every proposal right")
@@ -181,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.configs.split(",")
     for name in names:
         _config(name, args.lookup)
+    names = _buildable(names)
     rows = []
     for round_ in range(args.rounds):
         for name in names if round_ % 2 == 0 else names[::-1]:
@@ -193,14 +226,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _buildable(names: list[str]) -> list[str]:
+    """`names` less the llama.cpp configs where llama.cpp cannot be built (said in one line)."""
+    wanted = [n for n in names if spec_llama_cpp.is_llama_cpp(n)]
+    if not wanted:
+        return names
+    from noria.bench.llama_cpp import setup
+
+    why = setup()
+    if why is None:
+        return names
+    print(f"skipping {', '.join(wanted)}: {why}", flush=True)
+    return [n for n in names if n not in wanted]
+
+
 def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """A configuration's best round: the lowest ITLs and the highest rates, each on its own."""
     best = dict(runs[0])
     for r in runs[1:]:
-        for key in ("itl_b1", "itl_b8"):
-            best[key] = min(best[key], r[key])
-        for key in ("b32", "w1", "w1_sampled"):
-            best[key] = max(best[key], r[key])
+        for key, pick in (("itl_b1", min), ("itl_b8", min), ("b32", max), ("w1", max), ("w1_sampled", max)):
+            if r[key] is not None:
+                best[key] = r[key] if best[key] is None else pick(best[key], r[key])
     return best
 
 

@@ -4,7 +4,9 @@ Takes llama-server's command line (records it and its OMP_* environment), answer
 few times and then 200 {"status": "ok"}, as the real one does while it loads a model, and POST
 /completion with a token-id prompt: `n_predict` tokens (prompt[-1] + 1, + 2, ...), non-streamed
 as one JSON object, streamed as one server-sent event per token and a final `stop: true` event,
-each in the shape llama-server's own answers have. Every request body goes to a log, and the
+each in the shape llama-server's own answers have. Started with `--spec-type`, every final answer's
+timings also count drafted and accepted tokens as llama-server's do (`draft_n`: the tokens
+generated, `draft_n_accepted`: half of them). Every request body goes to a log, and the
 most requests it ever had at once to a file. Only the standard library: it runs as its own
 process like the real server.
 """
@@ -31,6 +33,7 @@ def main() -> None:
     ap.add_argument("-m", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--spec-type", default=None)
     args, _ = ap.parse_known_args()
     out = os.environ["FAKE_LLAMA_DIR"]
     with open(os.path.join(out, "argv.json"), "w") as f:
@@ -95,6 +98,8 @@ def main() -> None:
             done = {"index": 0, "id_slot": 0, "stop": True, "model": args.m, "tokens_predicted": n,
                     "tokens_evaluated": len(prompt), "stop_type": "limit", "stopping_word": "",
                     "tokens_cached": len(prompt) + n, "timings": {"predicted_n": n}}
+            if args.spec_type:
+                done["timings"].update(draft_n=n, draft_n_accepted=n // 2)
             if not body.get("stream"):
                 leave()
                 return self._json(200, {**done, "content": "", "tokens": ids})
