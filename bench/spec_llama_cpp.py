@@ -7,7 +7,8 @@ n-gram of noria's `prompt_lookup_max` tokens, K tokens proposed), `llama.cpp-hea
 Measured as noria's rows are: one request alone and eight together, streamed, ms from the
 decode's first token to its last over the tokens between (a group: from the moment every
 request has its first token to the last one's end); 32 requests at once and W1 (llama.cpp's
-16 in flight, bench/llama_cpp.py's IN_FLIGHT: its best on this host), output tok/s. Greedy at
+16 in flight, bench/llama_cpp.py's IN_FLIGHT: its best on this host), output tok/s; each part
+on a server with one slot per request it has in flight. Greedy at
 temperature 0 with llama.cpp's EOS ignored (bench/llama_cpp_client.py). W1 sampled is not run:
 llama-server seeds each request's sampler its own way, so its sampled outputs are not
 noria's. Acceptance is llama.cpp's own count per request (`timings.draft_n` and
@@ -122,29 +123,28 @@ async def _rate(base: str, work: list[tuple[list[int], int]], in_flight: int, co
 
 
 def run_config(name: str, model: Path, args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
-    """One llama.cpp row of `noria bench spec` (bench/spec.py's keys; `w1_sampled` None)."""
+    """One llama.cpp row of `noria bench spec` (bench/spec.py's keys; `w1_sampled` None). Each
+    part gets a server of its own with a slot per request it has in flight: llama-server's
+    decode attends over every slot's share of one KV cache, so idle slots would slow it (W1 at
+    16 in flight ran 159 tok/s with 32 slots against ~300 with 16 on this host)."""
     from noria.bench.llama_cpp import IN_FLIGHT, LlamaServer, context_per_request, convert
 
     prompts = [p for p, _ in work]
-    parts_work = {"itl_b1": [(p, 1 + args.tokens) for p in prompts[:args.b1_prompts]],
-                  "itl_b8": [(p, 1 + args.tokens) for p in prompts[:8]],
-                  "b32": [(p, args.tokens) for p in prompts[:32]], "w1": work}
-    slots = 32
-    per_request = context_per_request([r for w in parts_work.values() for r in w])
-    extra = spec_args(name, args.lookup[1], draft_gguf(name, model))
+    parts = {"itl_b1": ([(p, 1 + args.tokens) for p in prompts[:args.b1_prompts]], 1),
+             "itl_b8": ([(p, 1 + args.tokens) for p in prompts[:8]], 8),
+             "b32": ([(p, args.tokens) for p in prompts[:32]], 32), "w1": (work, IN_FLIGHT)}
+    target, extra = convert(model, "bf16"), spec_args(name, args.lookup[1], draft_gguf(name, model))
     row: dict[str, Any] = {"config": name, "w1_sampled": None, "llama_cpp_args": extra}
-    with LlamaServer(convert(model, "bf16"), slots, per_request, extra_args=extra).wait() as server:
-        base = server.http
-        asyncio.run(_rate(base, [(prompts[0], 8), (prompts[1], 8)], 2, _Counts()))  # warm-up, as noria's
+    for part, (requests, slots) in parts.items():
         counts = _Counts()
-        row["itl_b1"] = statistics.median(asyncio.run(_group_ms(base, [p], args.tokens, counts))
-                                          for p in prompts[:args.b1_prompts])
-        row["itl_b1_acceptance"] = counts.row()
-        counts = _Counts()
-        row["itl_b8"] = asyncio.run(_group_ms(base, prompts[:8], args.tokens, counts))
-        row["itl_b8_acceptance"] = counts.row()
-        for part, in_flight in (("b32", 32), ("w1", IN_FLIGHT)):
-            counts = _Counts()
-            row[part] = asyncio.run(_rate(base, parts_work[part], in_flight, counts))
-            row[f"{part}_acceptance"] = counts.row()
+        with LlamaServer(target, slots, context_per_request(requests), extra_args=extra).wait() as server:
+            asyncio.run(_rate(server.http, [(prompts[0], 8)] * slots, slots, _Counts()))  # warm-up, as noria's
+            if part == "itl_b1":
+                row[part] = statistics.median(asyncio.run(_group_ms(server.http, [p], args.tokens, counts))
+                                              for p, _ in requests)
+            elif part == "itl_b8":
+                row[part] = asyncio.run(_group_ms(server.http, [p for p, _ in requests], args.tokens, counts))
+            else:
+                row[part] = asyncio.run(_rate(server.http, requests, slots, counts))
+        row[f"{part}_acceptance"] = counts.row()
     return row

@@ -1,6 +1,6 @@
 """A stand-in for llama.cpp's `llama-server`, for tests/test_bench_llama_cpp.py.
 
-Takes llama-server's command line (records it and its OMP_* environment), answers GET /health with 503 "Loading model" a
+Takes llama-server's command line (records it, every start's in order too, and its OMP_* environment), answers GET /health with 503 "Loading model" a
 few times and then 200 {"status": "ok"}, as the real one does while it loads a model, and POST
 /completion with a token-id prompt: `n_predict` tokens (prompt[-1] + 1, + 2, ...), non-streamed
 as one JSON object, streamed as one server-sent event per token and a final `stop: true` event,
@@ -38,6 +38,8 @@ def main() -> None:
     out = os.environ["FAKE_LLAMA_DIR"]
     with open(os.path.join(out, "argv.json"), "w") as f:
         json.dump(sys.argv[1:], f)
+    with open(os.path.join(out, "argvs.jsonl"), "a") as f:  # every start, in order
+        f.write(json.dumps(sys.argv[1:]) + "\n")
     with open(os.path.join(out, "env.json"), "w") as f:
         json.dump({k: v for k, v in os.environ.items() if k.startswith("OMP_")}, f)
     state = {"health": int(os.environ.get("FAKE_LLAMA_LOADING", "3")), "now": 0, "most": 0}

@@ -42,6 +42,10 @@ def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{"tokens": 6, "b1_prompts": 2, "lookup": (1, 3), **kw})
 
 
+def _argvs(tmp_path: Path) -> list[list[str]]:
+    return [json.loads(line) for line in (tmp_path / "argvs.jsonl").read_text().splitlines()]
+
+
 def _row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake: Path, name: str,
          work: list[tuple[list[int], int]]) -> dict:
     from noria.bench import llama_cpp, llama_cpp_server, spec_models
@@ -60,7 +64,9 @@ def test_a_draft_model_row_measures_every_part_and_counts_llama_cpps_acceptance(
     argv = json.loads((tmp_path / "argv.json").read_text())
     assert argv[argv.index("-m") + 1] == str(tmp_path / "target-bf16.gguf")
     assert argv[argv.index("-md") + 1] == str(tmp_path / "head2-bf16.gguf")
-    assert argv[argv.index("--spec-draft-n-max") + 1] == "4" and argv[argv.index("-np") + 1] == "32"
+    assert argv[argv.index("--spec-draft-n-max") + 1] == "4"
+    # A server per part, a slot per request in flight: b1, b8, b32, then W1 at llama.cpp's 16.
+    assert [a[a.index("-np") + 1] for a in _argvs(tmp_path)] == ["1", "8", "32", "16"]
     assert row["config"] == "llama.cpp-head2-4" and row["w1_sampled"] is None
     for part in ("itl_b1", "itl_b8"):
         assert row[part] >= 0
@@ -76,8 +82,9 @@ def test_a_draft_model_row_measures_every_part_and_counts_llama_cpps_acceptance(
     streamed = [b for b in bodies if b["stream"]]
     assert [b["n_predict"] for b in streamed] == [7] * (2 + 8)  # b1's prompts one by one, then eight at once
     assert [b["prompt"] for b in streamed[:2]] == [work[0][0], work[1][0]]
-    # Non-streamed: the warm-up's two, b32's 32 of `tokens`, then W1 as given.
-    assert sorted(b["n_predict"] for b in bodies if not b["stream"]) == sorted([8, 8] + [6] * 32 + [m for _, m in work])
+    # Non-streamed: a warm-up request per slot of each server, b32's 32 of `tokens`, then W1 as given.
+    warm = [8] * (1 + 8 + 32 + 16)
+    assert sorted(b["n_predict"] for b in bodies if not b["stream"]) == sorted(warm + [6] * 32 + [m for _, m in work])
 
 
 def test_off_runs_llama_cpp_without_speculation(fake_binary, tmp_path, monkeypatch):  # noqa: F811
