@@ -137,7 +137,10 @@ def run_config(name: str, model: Path, args: argparse.Namespace, work: list[tupl
     row: dict[str, Any] = {"config": name, "w1_sampled": None, "llama_cpp_args": extra}
     for part, (requests, slots) in parts.items():
         counts = _Counts()
-        with LlamaServer(target, slots, context_per_request(requests), extra_args=extra).wait() as server:
+        # Each slot a block more than its longest request: room for the draft past the last token
+        # (without it a draft model's slot stopped short at the end of its context).
+        per_request = context_per_request(requests) + 64
+        with LlamaServer(target, slots, per_request, extra_args=extra).wait() as server:
             asyncio.run(_rate(server.http, [(prompts[0], 8)] * slots, slots, _Counts()))  # warm-up, as noria's
             if part == "itl_b1":
                 row[part] = statistics.median(asyncio.run(_group_ms(server.http, [p], args.tokens, counts))
