@@ -49,9 +49,11 @@ def session(aiohttp):
                                  timeout=aiohttp.ClientTimeout(total=3600))
 
 
-async def stream(http, base: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float], list[int], dict]:
+async def stream(http, base: str, prompt: list[int], max_tokens: int,
+                 exact: bool = False) -> tuple[float, list[float], list[int], dict]:
     """One streamed request: when it was sent, each token's arrival time, the token ids, and the
-    final event's `timings` (llama.cpp's counts: drafted and accepted tokens among them)."""
+    final event's `timings` (llama.cpp's counts: drafted and accepted tokens among them).
+    `exact`: RuntimeError unless all `max_tokens` came (a timed measurement needs every one)."""
     sent = time.perf_counter()
     times: list[float] = []
     ids: list[int] = []
@@ -66,7 +68,16 @@ async def stream(http, base: str, prompt: list[int], max_tokens: int) -> tuple[f
                 ids.extend(got)
             elif got is not None:
                 timings = json.loads(line[6:]).get("timings") or timings
+    if exact and len(times) != max_tokens:
+        raise RuntimeError(f"llama-server streamed {len(times)} tokens, asked for {max_tokens}")
     return sent, times, ids, timings
+
+
+async def complete(http, base: str, prompt: list[int], max_tokens: int) -> dict:
+    """One non-streamed request: llama-server's answer (its `tokens`, its `timings`)."""
+    async with http.post(f"{base}/completion", json=completion_body(prompt, max_tokens, False)) as r:
+        r.raise_for_status()
+        return await r.json()
 
 
 async def run_batch(base: str, work, in_flight: int) -> tuple[float, list[list[int]]]:
@@ -77,10 +88,8 @@ async def run_batch(base: str, work, in_flight: int) -> tuple[float, list[list[i
     async with session(aiohttp) as http:
 
         async def one(prompt: list[int], max_tokens: int) -> list[int]:
-            async with gate, http.post(f"{base}/completion",
-                                       json=completion_body(prompt, max_tokens, False)) as r:
-                r.raise_for_status()
-                return completion_tokens(await r.json())
+            async with gate:
+                return completion_tokens(await complete(http, base, prompt, max_tokens))
 
         await one(work[0][0], 2)  # warm-up, as noria-serve's
         t0 = time.perf_counter()
@@ -113,9 +122,7 @@ async def _ms_per_token(base: str, tokens: int) -> tuple[float, list[int]]:
 
     async with session(aiohttp) as http:
         await stream(http, base, LATENCY_PROMPT, 16)  # warm-up
-        _, times, ids, _ = await stream(http, base, LATENCY_PROMPT, tokens + 1)
-    if len(times) != tokens + 1:
-        raise RuntimeError(f"llama-server streamed {len(times)} tokens, asked for {tokens + 1}")
+        _, times, ids, _ = await stream(http, base, LATENCY_PROMPT, tokens + 1, exact=True)
     return (times[-1] - times[0]) / tokens * 1e3, ids
 
 

@@ -91,10 +91,8 @@ async def _group_ms(base: str, prompts: list[list[int]], tokens: int, counts: _C
     from noria.bench.llama_cpp_client import session, stream
 
     async with session(aiohttp) as http:
-        answers = await asyncio.gather(*(stream(http, base, p, 1 + tokens) for p in prompts))
-    for _, times, _, timings in answers:
-        if len(times) != 1 + tokens:
-            raise RuntimeError(f"llama-server streamed {len(times)} tokens, asked for {1 + tokens}")
+        answers = await asyncio.gather(*(stream(http, base, p, 1 + tokens, exact=True) for p in prompts))
+    for _, _, _, timings in answers:
         counts.add(timings)
     first = max(times[0] for _, times, _, _ in answers)
     last = max(times[-1] for _, times, _, _ in answers)
@@ -105,15 +103,14 @@ async def _rate(base: str, work: list[tuple[list[int], int]], in_flight: int, co
     """Output tok/s of `work`, at most `in_flight` requests at a time, non-streamed."""
     import aiohttp
 
-    from noria.bench.llama_cpp_client import completion_body, session
+    from noria.bench.llama_cpp_client import complete, session
 
     gate = asyncio.Semaphore(in_flight)
     async with session(aiohttp) as http:
 
         async def one(prompt: list[int], max_tokens: int) -> int:
-            async with gate, http.post(f"{base}/completion", json=completion_body(prompt, max_tokens, False)) as r:
-                r.raise_for_status()
-                answer = await r.json()
+            async with gate:
+                answer = await complete(http, base, prompt, max_tokens)
             counts.add(answer.get("timings") or {})
             return len(answer["tokens"])
 

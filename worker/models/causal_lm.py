@@ -137,8 +137,9 @@ class CausalLM(nn.Module):
         residual = None
         self.captured = []
         for start, end, native in _cut(segments, self.capture):
-            for _ in range(self.capture.count(start)):  # (a layer named twice is kept twice)
-                self.captured.append(x.clone() if residual is None else x + residual)
+            if start in self.capture:  # (a layer named twice is kept twice: the same tensor, read only)
+                kept = x.clone() if residual is None else x + residual
+                self.captured.extend([kept] * self.capture.count(start))
             if native:
                 assert stack is not None and rows is not None
                 x, residual = stack.run(x, residual, ctx, rows, start, end)
