@@ -339,14 +339,7 @@ static const TileConfig kernel_config = {
     .rows = {TR, TR, TR, TR, TR, TR, TR, TR},
 };
 
-/* float32 -> bf16 bits, rounded to nearest even; a NaN stays a (quiet) NaN.
- * gemm_bf16.c's to_bf16, which is torch's rounding: keep the two the same. */
-static inline uint32_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
+#include "bf16_round.h"
 
 /* Rows [m0, m1) of the padded A operand: row m < M is x's row as bf16 pairs (k even
  * in the low half, an odd K's last pair padded with 0), zeros from pair K2 to K2p;
@@ -361,8 +354,7 @@ static void round_rows(const float *x, int64_t ldx, uint32_t *x2, int64_t M, int
             continue;
         }
         const float *src = x + m * ldx;
-        for (int64_t k = 0; k + 1 < K; k += 2) dst[k / 2] = to_bf16(src[k]) | to_bf16(src[k + 1]) << 16;
-        if (K % 2) dst[K2 - 1] = to_bf16(src[K - 1]);
+        round_pairs(src, dst, K);
         memset(dst + K2, 0, sizeof(uint32_t) * (size_t)(K2p - K2));
     }
 }

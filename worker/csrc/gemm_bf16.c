@@ -372,24 +372,12 @@ void gemm_bf16_panels(const float *x, int64_t ldx, const uint16_t *packed, const
 }
 
 #ifdef __AVX512BF16__
-
-/* float32 -> bf16 bits, rounded to nearest even; a NaN stays a (quiet) NaN. torch's rounding. */
-static inline uint32_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
+#include "bf16_round.h"
 
 /* x's rows [m0, m1) as bf16 pairs: k even in the low half, an odd K's last pair padded with 0. */
 static void round_rows(const float *x, int64_t ldx, uint32_t *x2, int64_t K, int64_t m0, int64_t m1) {
     const int64_t K2 = (K + 1) / 2;
-    for (int64_t m = m0; m < m1; m++) {
-        const float *src = x + m * ldx;
-        uint32_t *dst = x2 + m * K2;
-        for (int64_t k = 0; k + 1 < K; k += 2) dst[k / 2] = to_bf16(src[k]) | to_bf16(src[k + 1]) << 16;
-        if (K % 2) dst[K2 - 1] = to_bf16(src[K - 1]);
-    }
+    for (int64_t m = m0; m < m1; m++) round_pairs(x + m * ldx, x2 + m * K2, K);
 }
 
 /* The rounded x lives in one buffer per calling thread. */

@@ -365,13 +365,7 @@ static void f8_range_dot(const uint32_t *x2, const uint8_t *packed, const float 
     }
 }
 
-/* float32 -> bf16 bits, rounded to nearest even; a NaN stays a (quiet) NaN: gemm_bf16.c's rule, torch's. */
-static inline uint32_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
+#include "bf16_round.h"
 
 /* x's rows [m0, m1) as bf16 pairs, group by group (gp pairs each, k even in the low half), a group of
  * odd length ending in a pair padded with 0. */
@@ -381,8 +375,7 @@ static void round_rows(const float *x, int64_t ldx, uint32_t *x2, int64_t G, int
         for (int64_t g = 0; g < G; g++) {
             const float *src = x + m * ldx + g * group;
             uint32_t *dst = x2 + (m * G + g) * gp;
-            for (int64_t k = 0; k + 1 < group; k += 2) dst[k / 2] = to_bf16(src[k]) | to_bf16(src[k + 1]) << 16;
-            if (group % 2) dst[gp - 1] = to_bf16(src[group - 1]);
+            round_pairs(src, dst, group);
         }
     }
 }
