@@ -1,6 +1,7 @@
 """CUDA graphs for decode steps on a real GPU: greedy and seeded outputs with graphs equal the
 eager (--enforce-eager) outputs, on the torch attention backend and on the kernels (whose
-graph path fixes its launches per bucket), every decode batch replays its bucket's graph, the
+graph path fixes its launches per bucket) and with an EAGLE-3 head reading the target's layer
+inputs out of the graphs, every decode batch replays its bucket's graph, the
 capture is logged in one line and takes no more than the KV cache sizing kept back. Skipped where there is no GPU: graphs exist only on CUDA (the
 CPU tests in test_worker_cuda_graphs.py cover buckets, padding and the buffers)."""
 
@@ -12,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from noria.bench.spec_models import write_eagle3_head
 from noria.protocol.config import EngineConfig
+from noria.protocol.speculative import SpeculativeConfig
 from noria.worker.cuda_graphs import bucket_size
 from noria.worker.model_runner import ModelRunner
-from tests.test_worker_cuda_graphs import BLOCK, PARAMS, drive
+from tests.test_worker_cuda_graphs import BLOCK, PARAMS, _head_outputs, drive
 from tests.tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -61,6 +64,27 @@ def test_graphs_match_eager(checkpoint: Path, params: object, caplog: pytest.Log
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
     assert replays and all(size == bucket_size(n, SIZES) for size, n in replays)
     assert any(n < size for size, n in replays)
+
+
+def test_eagle3_graphs_match_eager(tmp_path: Path) -> None:
+    """With an EAGLE-3 head, the graphs also output the target's layer inputs the head reads:
+    its outputs after every step and the tokens are the eager runner's."""
+    target = make_checkpoint("llama", tmp_path / "target", num_hidden_layers=4)
+    head = write_eagle3_head(target, tmp_path / "head", aux=[0, 2, 3])
+    spec = SpeculativeConfig(method="eagle3", model=str(head), num_speculative_tokens=3)
+    graphed = gpu_runner(target, speculative_config=spec, cuda_graph_sizes=SIZES)
+    assert graphed.graphs is not None and 0 < graphed.graphs.memory <= graphed.graph_reserve
+    eager = gpu_runner(target, speculative_config=spec, enforce_eager=True)
+    got_heads, want_heads = _head_outputs(graphed), _head_outputs(eager)
+    got, _ = drive(graphed, PARAMS[0])  # type: ignore[arg-type]
+    want, _ = drive(eager, PARAMS[0])  # type: ignore[arg-type]
+    assert got == want
+    assert len(got_heads) == len(want_heads)
+    for step, (g, w) in enumerate(zip(got_heads, want_heads, strict=True)):
+        assert g.keys() == w.keys() and g, f"step {step}"
+        for rid in w:
+            assert g[rid][0] == w[rid][0], f"step {step} request {rid}: the head's position"
+            torch.testing.assert_close(g[rid][1], w[rid][1], rtol=1e-4, atol=1e-4)
 
 
 # Head size 64 (the kernels have no instance for the default tiny model's 16) and rows of

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from noria.bench.spec_models import write_eagle3_head
 from noria.protocol.config import EngineConfig
 from noria.protocol.sampling import EngineSamplingParams
+from noria.protocol.speculative import SpeculativeConfig
 from noria.protocol.step import NewRequestData, StepPlan
 from noria.worker.cuda_graphs import (
     DecodeBuffers,
@@ -143,16 +145,29 @@ def make_runner(path: Path, **kw: object) -> ModelRunner:
 
 class EagerGraphs(DecodeGraphs):
     """The graph path without CUDA: 'capture' keeps the forward, 'replay' re-runs it over the
-    buffers at the bucket's size and full table width, as a replayed graph reads them."""
+    buffers at the bucket's size and full table width, as a replayed graph reads them. A real
+    replay runs none of the model's Python, so what the model keeps of a pass (the layer inputs
+    an EAGLE-3 head reads) is left as its last eager pass left it; only the replay returns them."""
+
+    @classmethod
+    def install(cls, runner: ModelRunner) -> EagerGraphs:
+        graphs = cls(runner.decode_buffers, runner.graph_sizes)
+        graphs.model = runner.model
+        graphs.capture(runner._graph_forward, runner.kv_cache.null_block, runner.block_size)
+        runner.graphs = graphs
+        return graphs
 
     def capture(self, forward: DecodeForward, null_block: int, block_size: int) -> None:
         self._forward = forward
         self._graphs = dict.fromkeys(self.sizes)  # type: ignore[arg-type]
         self.replayed: list[tuple[int, int]] = []
 
-    def replay(self, size: int, num_seqs: int) -> torch.Tensor:
+    def replay(self, size: int, num_seqs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         self.replayed.append((size, num_seqs))
-        return self._forward(size, self.buffers.views(size, self.buffers.max_cols))[:num_seqs]
+        kept = self.model.captured
+        hidden, aux = self._forward(size, self.buffers.views(size, self.buffers.max_cols))
+        self.model.captured = kept
+        return hidden[:num_seqs], [a[:num_seqs] for a in aux]
 
 
 PARAMS = [
@@ -177,9 +192,7 @@ def test_buffered_decode_matches_general_path(checkpoint: Path, params: EngineSa
 def test_padded_replay_matches_eager(checkpoint: Path, params: EngineSamplingParams) -> None:
     eager = make_runner(checkpoint)
     replayed = make_runner(checkpoint, cuda_graph_sizes=[1, 4, 8, 16])
-    graphs = EagerGraphs(replayed.decode_buffers, replayed.graph_sizes)
-    graphs.capture(replayed._graph_forward, replayed.kv_cache.null_block, BLOCK)
-    replayed.graphs = graphs
+    graphs = EagerGraphs.install(replayed)
     got, got_lp = drive(replayed, params)
     want, want_lp = drive(eager, params)
     assert got == want
@@ -192,6 +205,44 @@ def test_padded_replay_matches_eager(checkpoint: Path, params: EngineSamplingPar
     assert {size for size, n in graphs.replayed if n < size}, "no step was padded"
     assert sizes <= {1, 4, 8, 16} and len(sizes) >= 3
     assert all(size == bucket_size(n, [1, 4, 8, 16]) for size, n in graphs.replayed)
+
+
+def test_replay_gives_an_eagle3_head_the_layer_inputs_of_eager_steps(tmp_path: Path) -> None:
+    """Decode steps replayed with an EAGLE-3 head: the head reads the target's kept layer inputs
+    of every step, which come out of the graph (a replay runs none of the model's Python). Its
+    outputs after every step are the eager runner's, and so are the tokens."""
+    target = make_checkpoint("llama", tmp_path / "target", num_hidden_layers=4)
+    # Layer 0's input is the embedding (kept as a copy), the others the residual stream's sum.
+    head = write_eagle3_head(target, tmp_path / "head", aux=[0, 2, 3])
+    spec = SpeculativeConfig(method="eagle3", model=str(head), num_speculative_tokens=3)
+    eager = make_runner(target, speculative_config=spec)
+    replayed = make_runner(target, speculative_config=spec, cuda_graph_sizes=[1, 4, 8, 16])
+    graphs = EagerGraphs.install(replayed)
+    want_heads, got_heads = _head_outputs(eager), _head_outputs(replayed)
+    want, _ = drive(eager, PARAMS[0])
+    got, _ = drive(replayed, PARAMS[0])
+    assert got == want
+    assert graphs.replayed and {size for size, n in graphs.replayed if n < size}
+    assert len(got_heads) == len(want_heads) > len(graphs.replayed)
+    for step, (g, w) in enumerate(zip(got_heads, want_heads, strict=True)):
+        assert g.keys() == w.keys() and g, f"step {step}"
+        for rid in w:
+            assert g[rid][0] == w[rid][0], f"step {step} request {rid}: the head's position"
+            torch.testing.assert_close(g[rid][1], w[rid][1], rtol=1e-5, atol=1e-5)
+
+
+def _head_outputs(runner: ModelRunner) -> list[dict[int, tuple[int, torch.Tensor]]]:
+    """After each step, the head's last output per request (position, output), as it keeps them."""
+    seen: list[dict[int, tuple[int, torch.Tensor]]] = []
+    drafter = runner.drafter
+    stepped = drafter.stepped
+
+    def record(batch: object, requests: object) -> None:
+        stepped(batch, requests)
+        seen.append({rid: (pos, out.clone()) for rid, (pos, out) in drafter.last.items()})
+
+    drafter.stepped = record
+    return seen
 
 
 # -- flags ------------------------------------------------------------------------

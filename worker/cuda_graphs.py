@@ -33,6 +33,7 @@ from noria.worker.attention import AttentionBackend, AttentionMetadata
 from noria.worker.kv_cache import GraphShapes
 
 if TYPE_CHECKING:
+    from noria.worker.models.causal_lm import CausalLM
     from noria.worker.models.parallel import RankShapes
 
 log = logging.getLogger("noria.worker.cuda_graphs")
@@ -181,13 +182,18 @@ def graph_metadata(views: DecodeViews, block_size: int) -> AttentionMetadata:
 
 
 # Runs the model over the views of one bucket: returns the hidden states [rows, hidden].
-DecodeForward = Callable[[int, DecodeViews], torch.Tensor]
+# A decode forward pass: the hidden states of its rows and the layer inputs the model kept for an
+# EAGLE-3 head (CausalLM.captured; empty without one).
+DecodeForward = Callable[[int, DecodeViews], tuple[torch.Tensor, list[torch.Tensor]]]
 
 
 @dataclass(slots=True)
 class _Captured:
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # the graph's output, overwritten by each replay
+    # The layer inputs an EAGLE-3 head reads, outputs of the graph too: a replay runs no Python,
+    # so the model's own list would still hold whatever its last eager pass kept.
+    aux: list[torch.Tensor]
 
 
 class DecodeGraphs:
@@ -223,10 +229,10 @@ class DecodeGraphs:
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = forward(size, views)
+                hidden, aux = forward(size, views)
             if pool is None:
                 pool = graph.pool()
-            self._graphs[size] = _Captured(graph, hidden)
+            self._graphs[size] = _Captured(graph, hidden, aux)
         torch.cuda.synchronize(device)
         self.memory = used = free_before - torch.cuda.mem_get_info(device)[0]
         log.info("cuda graphs: captured %d decode sizes (%d..%d) in %.2f s, %.0f MiB (estimated %.0f MiB)",
@@ -239,11 +245,12 @@ class DecodeGraphs:
     def bucket(self, num_seqs: int) -> int | None:
         return bucket_size(num_seqs, self.sizes) if self._graphs else None
 
-    def replay(self, size: int, num_seqs: int) -> torch.Tensor:
-        """Replay the graph of `size` over the staged buffers; the first num_seqs rows' hidden states."""
+    def replay(self, size: int, num_seqs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Replay the graph of `size` over the staged buffers; the first num_seqs rows' hidden
+        states and kept layer inputs (valid until the next replay)."""
         captured = self._graphs[size]
         captured.graph.replay()
-        return captured.hidden[:num_seqs]
+        return captured.hidden[:num_seqs], [a[:num_seqs] for a in captured.aux]
 
 
 class ModelFacts(Protocol):
@@ -266,10 +273,6 @@ def graphs_wanted(config: EngineConfig, device: torch.device, spec: ModelFacts, 
     views of the buffers; the kernel backend's prepare_graph() fixes its launches per bucket)."""
     if device.type != "cuda" or config.enforce_eager or pooling:
         return False  # a pooling engine's steps are prefills: nothing for a decode graph
-    sc = config.speculative_config
-    if sc is not None and sc.method == "eagle3":
-        worker_log.info("cuda graphs: off (an EAGLE-3 head reads the target's hidden states of every step)")
-        return False
     if spec.num_experts:
         # Each MoE layer reads its experts' row counts on the host, which a graph cannot replay.
         worker_log.info("cuda graphs: off (mixture-of-experts layers group their tokens by expert on the host)")
@@ -283,26 +286,28 @@ def graphs_wanted(config: EngineConfig, device: torch.device, spec: ModelFacts, 
 
 def planned_graphs(config: EngineConfig, device: torch.device, spec: ModelFacts, shapes: RankShapes,
                    attention: AttentionBackend, tp_size: int, pooling: bool, buffers: DecodeBuffers,
-                   sizes: Sequence[int], dtype: torch.dtype) -> GraphShapes | None:
+                   sizes: Sequence[int], dtype: torch.dtype, aux_layers: int = 0) -> GraphShapes | None:
     """What the decode graphs of `sizes` over `buffers` will allocate on this rank (`shapes`:
-    its slice of the model), for kv_cache.graph_memory_reserve; None where the worker captures
-    none (graphs_wanted says why in the log)."""
+    its slice of the model; `aux_layers`: the layer inputs it keeps for an EAGLE-3 head), for
+    kv_cache.graph_memory_reserve; None where the worker captures none (graphs_wanted says why
+    in the log)."""
     if not graphs_wanted(config, device, spec, attention, tp_size, pooling):
         return None
     return GraphShapes(tuple(sizes), spec.hidden_size, shapes.num_heads, shapes.num_kv_heads, spec.head_dim,
-                       shapes.intermediate_size, buffers.max_cols, dtype)
+                       shapes.intermediate_size, buffers.max_cols, dtype, aux_layers)
 
 
-def decode_forward(model: torch.nn.Module, attention: AttentionBackend,
+def decode_forward(model: CausalLM, attention: AttentionBackend,
                    kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], block_size: int, size: int,
-                   views: DecodeViews) -> torch.Tensor:
+                   views: DecodeViews) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The decode forward pass a graph of `size` rows captures: every row's block table at
     full width (the lengths on the device bound what each row reads)."""
     assert views.input_ids.shape[0] == size
     meta = graph_metadata(views, block_size)
     # A backend that plans launches on the host fixes them per bucket in prepare_graph.
     getattr(attention, "prepare_graph", attention.prepare)(meta)
-    return model(views.input_ids, views.positions, meta, attention, kv_layers)
+    hidden = model(views.input_ids, views.positions, meta, attention, kv_layers)
+    return hidden, list(model.captured)
 
 
 def capture_graphs(buffers: DecodeBuffers, sizes: Sequence[int], forward: DecodeForward, null_block: int,

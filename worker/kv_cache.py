@@ -89,6 +89,7 @@ class GraphShapes:
     intermediate_size: int
     max_blocks: int  # block-table columns of a row (graphs read tables at full width)
     dtype: torch.dtype
+    aux_layers: int = 0  # layer inputs kept for an EAGLE-3 head, outputs of every graph too
 
 
 def graph_memory_reserve(config: EngineConfig, graphs: GraphShapes | None) -> int:
@@ -99,7 +100,8 @@ def graph_memory_reserve(config: EngineConfig, graphs: GraphShapes | None) -> in
     is the activations of the largest size's forward pass (a decode layer's intermediates per
     row: hidden states, residual, norm and projection outputs, q/k/v, the attention output,
     gate/up, the MLP's activation and output; all counted as live at once, an upper bound)
-    plus every graph's output rows, which stay allocated for its replays, plus the int32 block
+    plus every graph's output rows (hidden states, and the layer inputs an EAGLE-3 head reads),
+    which stay allocated for its replays, plus the int32 block
     tables of the kernels' graph path (kernels/graph_plan.py) and GRAPH_POOL_OVERHEAD. The
     capture logs what it really took beside this estimate (worker/cuda_graphs.py)."""
     if graphs is None or not graphs.sizes or config.enforce_eager:
@@ -109,7 +111,7 @@ def graph_memory_reserve(config: EngineConfig, graphs: GraphShapes | None) -> in
     per_row = elem * (5 * g.hidden_size + (g.num_heads + 2 * g.num_kv_heads) * g.head_dim
                       + g.num_heads * g.head_dim + 3 * g.intermediate_size)
     largest = max(g.sizes)
-    outputs = elem * g.hidden_size * sum(g.sizes)
+    outputs = elem * g.hidden_size * sum(g.sizes) * (1 + g.aux_layers)
     tables = 4 * largest * (g.max_blocks + 1)
     return GRAPH_POOL_OVERHEAD + largest * per_row + outputs + tables
 

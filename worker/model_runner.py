@@ -209,7 +209,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         shapes = planned_graphs(self.config, self.device, self.spec, self.model.shapes, self.attention,
                                 self.tp.size, self.pooling is not None, self.decode_buffers, self.graph_sizes,
-                                self.dtype)
+                                self.dtype, len(set(self.model.capture)))
         self.graph_reserve = graph_memory_reserve(self.config, shapes)
         return shapes
 
@@ -244,7 +244,7 @@ class ModelRunner:
         self.graphs = capture_graphs(self.decode_buffers, self.graph_sizes, self._graph_forward,
                                      self.kv_cache.null_block, self.block_size, self.graph_reserve)
 
-    def _graph_forward(self, size: int, views: DecodeViews) -> torch.Tensor:
+    def _graph_forward(self, size: int, views: DecodeViews) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The decode forward pass a graph of `size` rows captures, on the attention backend
         the runner has when the graph calls it."""
         return decode_forward(self.model, self.attention, self._kv_layers, self.block_size, size, views)
@@ -291,7 +291,8 @@ class ModelRunner:
         batch = self._prepare(plan, drafted)
         t_model = time.perf_counter()
         if batch.graph_size is not None and self.graphs is not None:
-            hidden = self.graphs.replay(batch.graph_size, len(batch.states))
+            # The kept layer inputs come out of the graph too (an EAGLE-3 head reads them below).
+            hidden, self.model.captured = self.graphs.replay(batch.graph_size, len(batch.states))
         else:
             hidden = self.model(batch.input_ids, batch.meta.positions, batch.meta, self.attention, self._kv_layers)
         # Advanced only once the forward pass has written the KV.

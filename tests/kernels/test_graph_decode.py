@@ -254,7 +254,7 @@ def test_worker_graph_steps_on_kernels_match_eager(emu: Any, checkpoint: Any) ->
     path (a stand-in graph that re-runs the captured forward over the buffers, padded to
     buckets of 1, 4, 8 and 16 rows) give the eager kernel path's tokens and logprobs."""
     from noria.worker.attention import TorchAttentionBackend
-    from tests.test_worker_cuda_graphs import BLOCK, PARAMS, EagerGraphs, drive, make_runner
+    from tests.test_worker_cuda_graphs import PARAMS, EagerGraphs, drive, make_runner
 
     def runner(**kw: Any) -> Any:
         r = make_runner(checkpoint, **kw)
@@ -263,9 +263,7 @@ def test_worker_graph_steps_on_kernels_match_eager(emu: Any, checkpoint: Any) ->
 
     eager = runner()
     replayed = runner(cuda_graph_sizes=[1, 4, 8, 16])
-    graphs = EagerGraphs(replayed.decode_buffers, replayed.graph_sizes)
-    graphs.capture(replayed._graph_forward, replayed.kv_cache.null_block, BLOCK)
-    replayed.graphs = graphs
+    graphs = EagerGraphs.install(replayed)
     got, got_lp = drive(replayed, PARAMS[0])
     want, want_lp = drive(eager, PARAMS[0])
     assert got == want
