@@ -77,38 +77,51 @@ def _cpu_seconds(module: str) -> float:
     return total
 
 
-def engine_ab(model: str, num_requests: int, max_tokens: int | None, rounds: int) -> list[dict]:
+def engine_ab(model: str, num_requests: int, max_tokens: int | None, rounds: int, dtype: str = "auto") -> list[dict]:
     """W1 (greedy, EOS ignored) through `LLM`, async scheduling off then on, `rounds` times;
-    each run its own engine in this process tree. Token ids must agree across every run."""
+    each run its own engine in this process tree. Token ids must agree across every run. The
+    worker's step log splits each run's wall time into the forward passes and the rest (the
+    engine's work around them: on a host whose cores the forward keeps busy, every process's)."""
+    import tempfile
+
     from noria import LLM
+    from noria.bench import step_log
+    from noria.bench.ceiling import count_steps, read_steps, recorded_model_seconds
     from noria.bench.workloads import CHECKPOINTS, w1
+    from noria.frontend.gguf_view import gguf_view
 
     path = str(CHECKPOINTS[model]()) if model in CHECKPOINTS else model
-    vocab = read_spec(path).vocab_size
+    vocab = read_spec(gguf_view(path) if path.endswith(".gguf") else path).vocab_size
     work = [(p, min(m, max_tokens or m)) for p, m in w1(vocab, num_requests)]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
     rows, first = [], None
+    record = str(Path(tempfile.mkdtemp(prefix="noria-sched-ab-")) / "steps.jsonl")
     for r in range(rounds):
         for ahead in (False, True):
-            with LLM(path, num_kv_blocks=4096, async_scheduling=ahead) as llm:
+            with step_log.recording(record), LLM(path, num_kv_blocks=4096, async_scheduling=ahead, dtype=dtype) as llm:
                 llm.generate([work[0][0]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+                warm = count_steps(record)
                 cpu0 = _cpu_seconds("noria.scheduler"), _cpu_seconds("noria.worker")
                 t0 = time.perf_counter()
                 outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
                 dt = time.perf_counter() - t0
                 cpu = _cpu_seconds("noria.scheduler") - cpu0[0], _cpu_seconds("noria.worker") - cpu0[1]
                 st = llm.stats()
+            ran = read_steps(record, warm)  # the steps that ran the model
+            forward = recorded_model_seconds(ran)
             ids = [o.outputs[0].token_ids for o in outs]
             first = first or ids
             assert ids == first, "async scheduling changed the greedy output"
             n = sum(map(len, ids))
             rows.append({"round": r, "async_scheduling": ahead, "seconds": dt, "output_tokens": n,
-                         "tok_per_s": n / dt, "steps": st.num_steps, "steps_planned_ahead": st.steps_planned_ahead,
-                         "tokens_discarded": st.tokens_discarded, "scheduler_cpu_s": cpu[0], "worker_cpu_s": cpu[1]})
+                         "tok_per_s": n / dt, "forward_s": forward, "steps": st.num_steps,
+                         "steps_planned_ahead": st.steps_planned_ahead, "tokens_discarded": st.tokens_discarded,
+                         "scheduler_cpu_s": cpu[0], "worker_cpu_s": cpu[1]})
             print(f"round {r} async {'on ' if ahead else 'off'}: {dt:7.2f} s  {n / dt:7.1f} tok/s  "
                   f"{st.num_steps} steps ({st.steps_planned_ahead} planned ahead, "
-                  f"{st.tokens_discarded} tokens discarded); CPU s: scheduler {cpu[0]:.2f}, worker {cpu[1]:.2f}",
-                  flush=True)
+                  f"{st.tokens_discarded} tokens discarded); per model step: {dt / len(ran) * 1e3:.2f} ms, "
+                  f"forward {forward / len(ran) * 1e3:.2f}, the rest {(dt - forward) / len(ran) * 1e3:.2f}; "
+                  f"CPU s: scheduler {cpu[0]:.2f}, worker {cpu[1]:.2f}", flush=True)
     for ahead in (False, True):
         secs = [x["seconds"] for x in rows if x["async_scheduling"] == ahead]
         print(f"async {'on ' if ahead else 'off'}: median {statistics.median(secs):.2f} s over {len(secs)} runs")
@@ -125,9 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=None, help="with --engine: cap every output")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="with --engine: the engine's --dtype")
     args = ap.parse_args(argv)
     if args.engine:
-        out = engine_ab(args.model, args.num_requests, args.max_tokens, args.rounds)
+        out = engine_ab(args.model, args.num_requests, args.max_tokens, args.rounds, args.dtype)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)

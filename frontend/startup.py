@@ -115,17 +115,13 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
 
 
 def _speculation(config: EngineConfig, target: ModelSpec) -> EngineConfig:
-    """Speculation plans each step from the last one's result: it turns async scheduling off. A
-    draft model is checked here, in one sentence, and named by its folder from then on."""
+    """A draft model is checked here, in one sentence, and named by its folder from then on."""
     spec = config.speculative_config
     if spec is None:
         return config
     if config.runner != "generate":
         raise ValueError("--speculative-config speeds up generation: a pooling engine (--runner pooling) "
                          "generates nothing")
-    if config.async_scheduling:
-        log.warning("--async-scheduling is off: speculative decoding plans each step from the last one's result")
-        config = msgspec.structs.replace(config, async_scheduling=False)
     if spec.on_worker:
         config = msgspec.structs.replace(config, speculative_config=_draft_model(config, spec, target))
     return config  # the scheduler says what speculation is on

@@ -40,7 +40,7 @@ from noria.protocol.errors import ErrorCode
 from noria.protocol.model_identity import model_facts, model_identity
 from noria.protocol.security import CurveServer, check_exposure
 from noria.protocol.sockets import MAX_ENGINE_MESSAGE, make_socket
-from noria.protocol.step import StepResult
+from noria.protocol.step import StepPlan, StepResult
 from noria.scheduler.kv_events import KVEventPublisher
 from noria.scheduler.kv_side_channel import SideChannel
 from noria.scheduler.scheduler import Scheduler
@@ -114,8 +114,14 @@ class SchedulerProcess:
         self.stats_due = True
         self.last_stats = 0.0
         self.in_flight: deque[int] = deque()  # step ids sent to the live group, results not yet applied
-        self.max_in_flight = 2 if config.async_scheduling and self.sched.spec is None else 1
-        self.sent: tuple[int, float] | None = None  # speculation: (step id, when sent)
+        self.max_in_flight = 2 if config.async_scheduling else 1
+        # Nothing to plan ahead until the step in flight answers or a message comes in (the
+        # requests wait for its tokens): the loop sleeps in its poll meanwhile.
+        self.held = False
+        # Speculation times each step for its switch: from its plan when nothing ran before it,
+        # else from the last result (the worker went on to it from there).
+        self.sent_at: dict[int, float] = {}
+        self.last_result = 0.0
         if config.speculative_config is not None:
             log.info("%s", config.speculative_config.describe())
         self.was_busy = False
@@ -147,10 +153,13 @@ class SchedulerProcess:
             self.group.shutdown()
 
     def _poll(self) -> None:
-        can_step = self.group.live and len(self.in_flight) < self.max_in_flight and self.sched.has_work()
+        can_step = (self.group.live and len(self.in_flight) < self.max_in_flight
+                    and not (self.held and self.in_flight) and self.sched.has_work())
         timeout = 0 if can_step else int(min(self.group.interval, STATS_INTERVAL) * 1000)
         with self.group.lock:  # the poll reads the ROUTER's state: the keeper must not beat meanwhile
             events = dict(self.poller.poll(timeout))
+        if events:
+            self.held = False  # a request, an abort, a grammar, a result: planning ahead may go on
         if self.from_frontend in events:
             self._drain_frontend()
         if self.grammar_fd in events:
@@ -171,8 +180,12 @@ class SchedulerProcess:
                 if self.in_flight and ev.step_id == self.in_flight[0]:  # the worker runs plans in order
                     self.in_flight.popleft()
                     self.sched.update_from_result(ev)
-                    if self.sent is not None and self.sent[0] == ev.step_id:  # speculation: does drafting pay
-                        self.sched.observe_step(ev.step_id, time.monotonic() - self.sent[1], len(ev.token_ids))
+                    if self.sched.spec is not None:  # does drafting pay
+                        now = time.monotonic()
+                        start = self.sent_at.pop(ev.step_id, self.last_result)
+                        self.sched.observe_step(ev.step_id, now - start, len(ev.token_ids))
+                        self.last_result = now
+                    self.held = False
                     self._maybe_step()  # the next plan before the next result is taken
                 continue
             status_changed = True
@@ -245,21 +258,28 @@ class SchedulerProcess:
         taken, so the order of plans and results does not depend on how fast the worker
         answers: with async scheduling every step but the first is planned ahead."""
         sched = self.sched
-        while self.group.live and len(self.in_flight) < self.max_in_flight:
+        while self.group.live and len(self.in_flight) < self.max_in_flight and not (self.held and self.in_flight):
             if not sched.has_work():
                 if self.was_busy:
                     self._idle_check()
                 self.was_busy = False
                 return
-            plan = sched.schedule()
+            ahead = bool(self.in_flight)
+            if ahead and sched.drafts_next():
+                self.held = True  # the draft follows the tokens of the step in flight
+                return
+            plan = sched.schedule(ahead)
             if self.kv_events is not None:
                 self.kv_events.flush()  # one batch per step: the blocks it cached and evicted
+            if ahead and carries_nothing(plan):
+                self.held = True  # every request waits for the step in flight
+                return
             self.was_busy = True
             if not self.group.send_plan(plan):
                 return  # the group is lost: its event is handled next, in _handle_events
-            sched.stats.steps_planned_ahead += bool(self.in_flight)
-            if sched.spec is not None and not self.in_flight:
-                self.sent = (plan.step_id, time.monotonic())
+            sched.stats.steps_planned_ahead += ahead
+            if sched.spec is not None and not ahead:
+                self.sent_at[plan.step_id] = time.monotonic()
             self.in_flight.append(plan.step_id)
 
     def _drain_frontend(self) -> None:
@@ -331,6 +351,12 @@ class SchedulerProcess:
             self.curve.stop()
         self.sched.grammars.close()
         self.ctx.term()
+
+
+def carries_nothing(plan: StepPlan) -> bool:
+    """A plan the worker would only answer (nothing computed, swapped, dropped or pulled)."""
+    return not (plan.scheduled or plan.new_requests or plan.cached_requests or plan.finished_req_ids
+                or plan.swap_out or plan.swap_in or plan.kv_pulls or plan.kv_release)
 
 
 def run(config: EngineConfig, addrs: EngineAddresses, link: WorkerLinkConfig) -> int:

@@ -65,7 +65,7 @@ class Request:
         "arrival_seq",
         "max_tokens", "block_ids", "block_hashes", "num_cached_blocks", "in_worker",
         "swapped_blocks", "num_preemptions", "sort_key", "hash_root", "grammar_wait", "pooling", "pools_every_position",
-        "kv_remote", "kv_export", "ngram", "spec_k", "spec_skip", "spec_misses", "spec_last",
+        "kv_remote", "kv_export", "ngram", "spec_k", "spec_skip", "spec_misses", "spec_last", "spec_pending",
     )
 
     def __init__(self, msg: EngineRequest, arrival_seq: int, max_tokens: int, hash_root: bytes | None,
@@ -128,6 +128,7 @@ class Request:
         self.spec_skip = 0
         self.spec_misses = 0
         self.spec_last = -1  # the step that last drafted it
+        self.spec_pending = False  # its draft is being verified (a plan made meanwhile leaves it out)
 
     def set_decode_limit(self, max_model_len: int) -> None:
         """Where the hot paths stop for this request (`Scheduler.schedule`, `update_from_result`):

@@ -15,7 +15,8 @@ own: `KVCacheManager.hash_root`), at the cost of at most a block of extra prefil
 Async scheduling (`async_scheduling`): the process plans step N+1 while the worker
 runs step N, counting on one token from every request that samples in N
 (`Request.num_worker_tokens`); see `schedule` for who waits instead, and
-`update_from_result` for the token of a request that ended in N.
+`update_from_result` for the token of a request that ended in N. With speculation, a step
+planned ahead drafts nothing, and one that would draft waits for the result before it.
 """
 
 from __future__ import annotations
@@ -173,7 +174,9 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
         return bool(self.running or self.waiting or self.swapped or self._worker_drop or self._kv_pulls
                     or self.pulled or self.pulling or self.orphans)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, ahead: bool = False) -> StepPlan:
+        """The next step's plan; `ahead`: planned while another step runs (async scheduling), so
+        it drafts nothing and leaves out the requests whose draft that step verifies."""
         budget = self.token_budget
         plan = PlanBuilder(self.stats)
         schedule_one = plan.scheduled.append
@@ -181,7 +184,12 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
         preempted = False
         bs = self.block_size
         kv = self.kv
-        drafts = self._step_drafts(budget) if self.spec is not None else _NO_DRAFTS  # speculative decoding
+        drafts = _NO_DRAFTS
+        if self.spec is not None:  # speculative decoding
+            if ahead:
+                self._count_ahead()
+            else:
+                drafts = self._step_drafts(budget)
         # A for loop may pop victims off the end: the iterator re-reads the length.
         for req in running:
             if budget <= 0:
@@ -190,6 +198,8 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
             k = req.num_worker_tokens
             num_new = k - c
             if num_new == 1:
+                if req.spec_pending:
+                    continue  # how many of its draft tokens it keeps is on its way
                 if drafts and req.req_id in drafts and self._plan_draft(req, drafts[req.req_id], budget, plan):
                     budget -= req.num_computed_tokens - c
                     continue

@@ -64,26 +64,41 @@ class DraftSwitch:
         measures (a class not known to pay, or still being measured)."""
         c = self._class = size_class(num_decodes)
         n = self.steps[c] = self.steps.get(c, 0) + 1
-        self.trying = True
+        drafts, self.trying = self._decision(c, n)
         if self._again == c:
             self._again = None
-            return True
+        return drafts
+
+    def would_draft(self, num_decodes: int) -> bool:
+        """What `choose` would answer for the next step of `num_decodes` decodes (nothing changes)."""
+        c = size_class(num_decodes)
+        return self._decision(c, self.steps.get(c, 0) + 1)[0]
+
+    def skip(self, num_decodes: int) -> None:
+        """A step of `num_decodes` decodes that could not draft (planned while another ran, with
+        async scheduling) counts among its class's steps, so that its tries still come round."""
+        c = size_class(num_decodes)
+        self.steps[c] = self.steps.get(c, 0) + 1
+
+    def _decision(self, c: int, n: int) -> tuple[bool, bool]:
+        """(drafts, trying) for the n-th step of class c."""
+        if self._again == c:
+            return True, True
         if c not in self.plain_classes:
-            self.trying = False
-            return False
+            return False, False
         gain = self.gain.get(c)
         if gain is not None and self.samples[c] < TRUSTED and (self.samples[c] < 2 or gain >= HOPELESS):
-            return True
+            return True, True
         if gain is None:  # the nearest class's figure, if any, until this class has its own
             if not self.gain:
-                return True
+                return True, True
             gain = self.gain[min(self.gain, key=lambda k: abs(k.bit_length() - c.bit_length()))]
             if gain >= MARGIN:
-                return True
+                return True, True
         drafts = gain >= MARGIN
         # Drafted steps that do not pay are the costly ones to try: tried less often.
-        self.trying = not drafts and n % (4 * EXPLORE) == 0
-        return drafts != (n % (EXPLORE if drafts else 4 * EXPLORE) == 0)
+        trying = not drafts and n % (4 * EXPLORE) == 0
+        return drafts != (n % (EXPLORE if drafts else 4 * EXPLORE) == 0), trying
 
     def retry(self) -> None:
         """The last choice's try measured nothing: the next step of its class tries again."""

@@ -54,12 +54,11 @@ class Speculation:
 
     def _init_speculation(self) -> None:
         sc = self.config.speculative_config
-        # It needs every step's result before the next plan (startup turns async scheduling off).
-        self.spec: SpeculativeConfig | None = sc if sc is not None and not self.config.async_scheduling else None
+        self.spec: SpeculativeConfig | None = sc
         self._verifying: list[tuple[Request, int]] = []  # (request, draft length) of the plan in flight
         self.switch = DraftSwitch()
         self.suffixes = SuffixCache(sc) if sc is not None and sc.method == "suffix" else None
-        self._timed: tuple[int, int, bool] | None = None  # (step id, decodes, drafted) of a decode-only step
+        self._timed: dict[int, tuple[int, bool]] = {}  # step id -> (decodes, drafted) of a decode-only step
         self._untimed = False  # the plan being built drafts a request the draft model must catch up
 
     def _speculates(self, req: Request, tenant: str | None) -> None:
@@ -81,17 +80,35 @@ class Speculation:
             req.ngram.finish(req.token_ids)
 
     def observe_step(self, step_id: int, seconds: float, tokens: int) -> None:
-        """Step `step_id` delivered `tokens` tokens `seconds` after it was planned."""
-        timed = self._timed
-        if timed is not None and timed[0] == step_id:
-            self.switch.observe(timed[1], timed[2], tokens, seconds)
+        """Step `step_id` delivered `tokens` tokens in `seconds` (from its plan, or from the last
+        result when it was planned while that step ran)."""
+        timed = self._timed.pop(step_id, None)
+        if timed is not None:
+            self.switch.observe(timed[0], timed[1], tokens, seconds)
+
+    def drafts_next(self) -> bool:
+        """Whether the next plan would draft: with async scheduling, the process then waits for
+        the step in flight instead of planning ahead (a draft follows the tokens it brings)."""
+        spec = self.spec
+        if spec is None or (spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size):
+            return False
+        decodes = sum(1 for req in self.running if req.num_worker_tokens - req.num_computed_tokens == 1
+                      and not req.spec_pending)
+        return decodes > 0 and self.switch.would_draft(decodes)
+
+    def _count_ahead(self) -> None:
+        """A plan made while a step runs drafts nothing; its decodes still count for the switch."""
+        decodes = sum(1 for req in self.running if req.num_worker_tokens - req.num_computed_tokens == 1)
+        if decodes:
+            self.switch.skip(decodes)
 
     def _time_step(self, plan: StepPlan) -> None:
         """Which decode-only steps teach the switch (a prompt's chunk would swamp the figure)."""
         drafted = sum(d.length for d in plan.drafts)
         decodes = len(plan.scheduled)
         only = not plan.new_requests and sum(n for _, n in plan.scheduled) == decodes + drafted
-        self._timed = (plan.step_id, decodes, bool(drafted)) if only and decodes and not self._untimed else None
+        if only and decodes and not self._untimed:
+            self._timed[plan.step_id] = (decodes, bool(drafted))
         if self._untimed and self.switch.trying:
             self.switch.retry()  # the try only caught its request up: the next step tries again
         self._untimed = False
@@ -145,6 +162,7 @@ class Speculation:
             return False
         plan.add_draft(req, draft, added, masks)
         self._verifying.append((req, k))
+        req.spec_pending = True  # until the result: a plan made meanwhile leaves it out
         lagging = req.spec_last < self.step_id - MAX_SKIP
         if isinstance(draft, int) and lagging and self.spec is not None and self.spec.method == "draft_model":
             # Its draft model catches up over more tokens than a request sitting out lookups
@@ -171,11 +189,15 @@ class Speculation:
             stats.spec_accepted_tokens += accepted
             for i in range(accepted):
                 per_pos[i] += 1
-            if req.status is not Status.RUNNING:
+            req.spec_pending = False
+            if req.status is Status.FINISHED:
                 continue  # it ended with this step (its blocks are free already)
             n = len(req.token_ids)
-            req.num_computed_tokens = n - 1
             req.num_worker_tokens = n
+            # Preempted by a plan made while the step ran (async scheduling): recomputed from
+            # scratch, or swapped out with the blocks of every position computed.
+            if req.status is not Status.WAITING:
+                req.num_computed_tokens = n - 1
             if accepted:
                 req.spec_misses = 0
                 if not isinstance(req.ngram, SuffixProposer):  # (its lengths follow its own confidence)
@@ -187,5 +209,8 @@ class Speculation:
                 req.spec_misses += 1
 
     def _forget_drafts(self) -> None:
-        """The step in flight is lost with its worker group: nothing of it is verified."""
+        """The steps in flight are lost with their worker group: nothing of them is verified."""
+        for req, _ in self._verifying:
+            req.spec_pending = False
         self._verifying = []
+        self._timed.clear()

@@ -12,7 +12,8 @@ block is free. With async scheduling drawn on, each step is planned before the
 previous step's result is applied (as the scheduler process does): the worker
 runs the plans in order, and outputs must still equal the model's token for token. With
 speculative decoding drawn on (drafts of 1-4 tokens, n-gram, suffix or a draft model's whose
-context is shorter than the target's, sync scheduling), the model is drawn to depend on the last one or two tokens only, so that its outputs repeat and drafts are accepted
+context is shorter than the target's, sync or async scheduling: ahead, a step drafts only when
+none runs, and its drafted requests sit out the plan made meanwhile), the model is drawn to depend on the last one or two tokens only, so that its outputs repeat and drafts are accepted
 in whole or in part: outputs stay the model's, and every cached block still holds exactly the
 tokens its key covers (no rejected draft token is ever keyed).
 """
@@ -31,6 +32,7 @@ from noria.protocol.config import EngineConfig
 from noria.protocol.engine import EngineRequest, EngineSample
 from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.speculative import SpeculativeConfig
+from noria.scheduler.process import carries_nothing
 from noria.scheduler.scheduler import Scheduler
 
 VOCAB = 40
@@ -71,7 +73,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             block_size=BS, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
             preemption_mode="swap" if swap else "recompute", enable_prefix_caching=caching,
             scheduling_policy="priority",  # the arrivals draw priorities: let them order the queues
-            async_scheduling=ahead and not spec,
+            async_scheduling=ahead,
             speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=spec, prompt_lookup_min=1,
                                                  prompt_lookup_max=3, model="draft", max_model_len=24)
             if spec else None,
@@ -87,7 +89,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.max_tokens: dict[int, int] = {}
         self.group: dict[int, int] = {}  # req_id -> its client request's first engine id
         self.shared = False
-        self.ahead = ahead and not spec  # async scheduling
+        self.ahead = ahead  # async scheduling
         # What a step of n tokens costs, as the scheduler process measures it (speculation reads
         # it): 1 + row_cost * n, flat (rows are free) to compute-bound.
         self.row_cost = row_cost
@@ -106,6 +108,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("async scheduling" if self.ahead else "sync scheduling")
             if self.s.spec is not None:
                 event("drafts accepted" if st_.spec_accepted_tokens else "no draft accepted")
+                if self.ahead:
+                    event("async with drafts" if st_.spec_drafts else "async, nothing drafted")
+                    event("async, a step planned ahead" if st_.steps_planned_ahead else "async, none ahead")
                 event("a draft rejected" if st_.spec_accepted_tokens < st_.spec_draft_tokens else "none rejected")
 
     def _busy(self):
@@ -113,13 +118,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _run_step(self):
         """One turn of the scheduler process: plan and send a step if there is work, then
-        (ahead: only now) apply the result of the step before it."""
+        (ahead: only now) apply the result of the step before it. Ahead, as the process does,
+        no plan is made while the next would draft, and none is sent that carries nothing."""
         result = None
-        if self.s.has_work():
-            plan = self.s.schedule()
-            result = self.w.execute(plan)
-            n = sum(k for _, k in plan.scheduled)
-            self.s.observe_step(plan.step_id, 1.0 + self.row_cost * n, len(result.token_ids))
+        ahead = self.ahead and self.in_flight is not None
+        if self.s.has_work() and not (ahead and self.s.drafts_next()):
+            plan = self.s.schedule(ahead)
+            if not (ahead and carries_nothing(plan)):
+                assert not (ahead and plan.drafts), "a plan made while a step runs drafted"
+                result = self.w.execute(plan)
+                self.s.stats.steps_planned_ahead += ahead
+                n = sum(k for _, k in plan.scheduled)
+                self.s.observe_step(plan.step_id, 1.0 + self.row_cost * n, len(result.token_ids))
         if self.ahead:
             result, self.in_flight = self.in_flight, result
         if result is not None:
@@ -227,7 +237,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         holders: dict[int, list[int]] = {}  # block -> the groups of the requests holding it
         for r in s.requests.values():
             assert len(set(r.block_ids)) == len(r.block_ids), f"request {r.req_id} owns a block twice"
-            assert r.num_computed_tokens <= r.num_worker_tokens <= r.num_tokens + (1 if self.ahead else 0)
+            # Ahead, a sampled token may be on its way; a draft being verified, all of its tokens.
+            drafted = s.spec.num_speculative_tokens if r.spec_pending and s.spec is not None else 0
+            assert r.num_computed_tokens <= r.num_worker_tokens <= r.num_tokens + (1 if self.ahead else 0) + drafted
             for b in r.block_ids:
                 holders.setdefault(b, []).append(self.group[r.req_id])
         for b, groups in holders.items():

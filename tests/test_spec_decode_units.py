@@ -301,3 +301,28 @@ def test_a_class_is_measured_a_few_times_and_a_try_that_measured_nothing_is_retr
             assert switch.trying
             switch.retry()
             assert switch.choose(16) is True and switch.trying  # tried again at once
+
+
+def test_would_draft_foretells_choose_and_skipped_steps_bring_the_tries_round() -> None:
+    """With async scheduling the process asks `would_draft` before planning ahead, and a plan
+    made ahead counts its step by `skip`: the foretold answer is the next choice's, and a class
+    that does not draft still tries every 4 * EXPLORE steps, skipped ones included."""
+    switch = DraftSwitch()
+    switch.choose(16)
+    switch.observe(16, False, 16, 0.010)
+    for _ in range(2):
+        switch.choose(16)
+        switch.observe(16, True, 16, 0.020)  # hopeless: the class does not draft
+    answers = []
+    for i in range(8 * EXPLORE):
+        if switch.would_draft(16):
+            answers.append(i)
+            assert switch.choose(16) is True  # the try, planned after the result
+        else:
+            switch.skip(16)  # planned ahead, drafting nothing
+    assert len(answers) == 2 and answers[1] - answers[0] == 4 * EXPLORE
+    for n in (1, 3, 16, 64):  # nothing changes by asking
+        before = (dict(switch.steps), switch._again)
+        assert switch.would_draft(n) is switch.would_draft(n)
+        assert (dict(switch.steps), switch._again) == before
+        assert switch.would_draft(n) is switch.choose(n)
