@@ -245,8 +245,7 @@ class ModelRunner:
                                      self.kv_cache.null_block, self.block_size, self.graph_reserve)
 
     def _graph_forward(self, size: int, views: DecodeViews) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The decode forward pass a graph of `size` rows captures, on the attention backend
-        the runner has when the graph calls it."""
+        """The decode forward pass a graph of `size` rows captures, on the runner's backend then."""
         return decode_forward(self.model, self.attention, self._kv_layers, self.block_size, size, views)
 
     # -- public -----------------------------------------------------------------
