@@ -184,12 +184,8 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
         preempted = False
         bs = self.block_size
         kv = self.kv
-        drafts = _NO_DRAFTS
-        if self.spec is not None:  # speculative decoding
-            if ahead:
-                self._count_ahead()
-            else:
-                drafts = self._step_drafts(budget)
+        # Speculative decoding; a plan made ahead drafts nothing.
+        drafts = self._step_drafts(budget) if self.spec is not None and not ahead else _NO_DRAFTS
         # A for loop may pop victims off the end: the iterator re-reads the length.
         for req in running:
             if budget <= 0:
@@ -236,6 +232,8 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
             budget = self._swap_in(budget, plan, swap_in)
             if not self.swapped:
                 budget = self._admit(budget, plan)
+        if ahead and self.spec is not None:
+            self._count_ahead(plan.scheduled)
         return self._build_plan(plan, swap_in)
 
     def _preempt_for(self, req: Request, num_new: int) -> list[int] | None:

@@ -96,9 +96,10 @@ class Speculation:
                       and not req.spec_pending)
         return decodes > 0 and self.switch.would_draft(decodes)
 
-    def _count_ahead(self) -> None:
-        """A plan made while a step runs drafts nothing; its decodes still count for the switch."""
-        decodes = sum(1 for req in self.running if req.num_worker_tokens - req.num_computed_tokens == 1)
+    def _count_ahead(self, scheduled: list[tuple[int, int]]) -> None:
+        """A plan made while a step runs drafts nothing; its decodes still count as a step of their
+        class for the switch (a plan that schedules none, never sent, counts nothing)."""
+        decodes = sum(1 for _, n in scheduled if n == 1)
         if decodes:
             self.switch.skip(decodes)
 

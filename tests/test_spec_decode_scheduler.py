@@ -12,7 +12,9 @@ from noria.protocol.engine import EngineRequest
 from noria.protocol.sampling import EngineSamplingParams
 from noria.protocol.speculative import SpeculativeConfig
 from noria.protocol.structured import StructuredOutput
+from noria.scheduler.process import carries_nothing
 from noria.scheduler.scheduler import Scheduler
+from noria.scheduler.spec_governor import EXPLORE, size_class
 
 VOCAB = 6
 BS = 4
@@ -110,3 +112,45 @@ def test_suffix_drafts_from_the_prompt_and_the_tenants_answers() -> None:
         answers[rid], accepted[rid] = out[rid], s.stats.spec_accepted_tokens - before
     assert answers[1] == answers[2] == answers[3] and len(set(answers[1])) == 20
     assert accepted[1] == accepted[3] == 0 and accepted[2] >= 10, accepted
+
+
+def test_ahead_each_sent_step_counts_once_for_the_switch_and_tries_come_round() -> None:
+    """Async scheduling as scheduler/process.py plans: nothing planned while the next step would
+    draft, no plan sent that carries nothing. Where drafting costs more than it brings (a row a
+    unit, a draft token five), the class stops drafting and its steps are planned ahead; each sent step
+    still counts once in its class, so the switch's tries come round every 4 * EXPLORE steps,
+    and the outputs stay the model's."""
+    s, w = _engine(num_blocks=256)
+    prompts = {1: [1, 2, 3, 1, 2, 3], 2: [4, 5, 4, 5, 4]}
+    for rid, p in prompts.items():
+        s.add_request(EngineRequest(rid, p, EngineSamplingParams(max_tokens=400, ignore_eos=True), []))
+    out: dict[int, list[int]] = {}
+    sent: dict[int, int] = {}  # class -> decode steps sent
+    drafted_at: list[int] = []
+    in_flight = None
+    while s.has_work() or in_flight is not None:
+        result, ahead = None, in_flight is not None
+        if s.has_work() and not (ahead and s.drafts_next()):
+            plan = s.schedule(ahead)
+            if not (ahead and carries_nothing(plan)):
+                assert not (ahead and plan.drafts)
+                drafted = {d.req_id for d in plan.drafts}
+                decodes = sum(1 for rid, n in plan.scheduled if n == 1 or rid in drafted)
+                if decodes and not plan.new_requests:
+                    sent[size_class(decodes)] = sent.get(size_class(decodes), 0) + 1
+                if drafted:
+                    drafted_at.append(plan.step_id)
+                result = w.execute(plan)
+                cost = 1.0 + sum(n for _, n in plan.scheduled) + 4 * sum(len(d.token_ids) for d in plan.drafts)
+                s.observe_step(plan.step_id, cost, len(result.token_ids))
+        result, in_flight = in_flight, result
+        if result is not None:
+            s.update_from_result(result)
+        for u in s.take_updates():
+            out.setdefault(u.req_id, []).extend(u.new_token_ids)
+    assert out == {rid: _model(p, 400) for rid, p in prompts.items()}
+    assert s.switch.steps == sent
+    # After the first few measured steps, a try every 4 * EXPLORE steps of the class (a step id
+    # more: the plan made while the try ran, which carried nothing and was not sent).
+    gaps = [b - a for a, b in zip(drafted_at, drafted_at[1:], strict=False) if b - a > 8]
+    assert len(gaps) >= 3 and all(gap == 4 * EXPLORE + 1 for gap in gaps[1:]), drafted_at
