@@ -186,6 +186,8 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
         kv = self.kv
         # Speculative decoding; a plan made ahead drafts nothing.
         drafts = self._step_drafts(budget) if self.spec is not None and not ahead else _NO_DRAFTS
+        # Only a plan made while a drafted step runs meets a request whose draft is on its way.
+        verifying = ahead and bool(self._verifying)
         # A for loop may pop victims off the end: the iterator re-reads the length.
         for req in running:
             if budget <= 0:
@@ -194,7 +196,7 @@ class Scheduler(WorkerGroups, Disaggregation, Speculation, StepResults):
             k = req.num_worker_tokens
             num_new = k - c
             if num_new == 1:
-                if req.spec_pending:
+                if verifying and req.spec_pending:
                     continue  # how many of its draft tokens it keeps is on its way
                 if drafts and req.req_id in drafts and self._plan_draft(req, drafts[req.req_id], budget, plan):
                     budget -= req.num_computed_tokens - c

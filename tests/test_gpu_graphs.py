@@ -18,7 +18,13 @@ from noria.protocol.config import EngineConfig
 from noria.protocol.speculative import SpeculativeConfig
 from noria.worker.cuda_graphs import bucket_size
 from noria.worker.model_runner import ModelRunner
-from tests.test_worker_cuda_graphs import BLOCK, PARAMS, _head_outputs, drive
+from tests.test_worker_cuda_graphs import (
+    BLOCK,
+    PARAMS,
+    _head_outputs,
+    assert_same_head_outputs,
+    drive,
+)
 from tests.tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -79,12 +85,7 @@ def test_eagle3_graphs_match_eager(tmp_path: Path) -> None:
     got, _ = drive(graphed, PARAMS[0])  # type: ignore[arg-type]
     want, _ = drive(eager, PARAMS[0])  # type: ignore[arg-type]
     assert got == want
-    assert len(got_heads) == len(want_heads)
-    for step, (g, w) in enumerate(zip(got_heads, want_heads, strict=True)):
-        assert g.keys() == w.keys() and g, f"step {step}"
-        for rid in w:
-            assert g[rid][0] == w[rid][0], f"step {step} request {rid}: the head's position"
-            torch.testing.assert_close(g[rid][1], w[rid][1], rtol=1e-4, atol=1e-4)
+    assert_same_head_outputs(got_heads, want_heads, 1e-4)
 
 
 # Head size 64 (the kernels have no instance for the default tiny model's 16) and rows of
