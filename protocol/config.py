@@ -72,7 +72,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     scheduling_policy: SchedulingPolicy = "fcfs"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    async_scheduling: bool = False  # plan step N+1 while the worker runs step N (scheduler/process.py)
+    # Plan step N+1 while the worker runs step N (scheduler/process.py); on by default, as in
+    # vLLM: it hides the engine's per-step work (bench/RESULTS.md, "Async scheduling").
+    async_scheduling: bool = True
     tensor_parallel_size: AtLeastOne = 1
     # vLLM's data parallelism: `data_parallel_size` engines (a scheduler and its workers each)
     # behind one frontend, which routes each request (frontend/engine_group.py). With

@@ -18,7 +18,7 @@ import openai
 import websockets
 
 from noria import AsyncClient, NoriaError, SamplingParams
-from noria.protocol.client import Delta, Done
+from noria.protocol.client import Delta, Done, Stats
 from tests.procs import children_of
 from tests.workers import stats
 
@@ -57,11 +57,15 @@ class Tripwire(list[int]):
             self.fired.append(self[0])
 
 
-def open_requests(address: str) -> int:
-    """The server's count of open requests now; callable from an event loop's own thread (a
-    Tripwire's action), as the blocking client runs on a thread of its own."""
+def server_stats(address: str) -> Stats:
+    """The server's stats now; callable from an event loop's own thread (a Tripwire's action),
+    as the blocking client runs on a thread of its own."""
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(lambda: stats(address).num_open_requests).result(120)
+        return pool.submit(stats, address).result(120)
+
+
+def open_requests(address: str) -> int:
+    return server_stats(address).num_open_requests
 
 
 def children_named(server_pid: int, marker: bytes) -> list[int]:

@@ -16,7 +16,7 @@ import pytest
 
 from noria import Client, NoriaError, SamplingParams
 from noria.frontend.processor import load_tokenizer
-from tests.faults import Tripwire, children_named, open_requests
+from tests.faults import Tripwire, children_named, server_stats
 from tests.procs import engine_idle, serve_http, wait_metrics
 from tests.workers import health, local_workers, stats, stream_all, wait_for, wait_stats
 
@@ -27,17 +27,22 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 FLAGS = ("--num-kv-blocks", "16", "--max-num-seqs", "32", "--max-model-len", "256")
 
 
-def _worker_killer(address: str, server_pid: int, killed: list[int]) -> Callable[[], bool]:
-    """SIGKILL a live worker not killed before; not done (False) while there is none: a later
-    kill waits for the new worker, whose deltas then make the count (so it is a second restart).
-    No kill (but done) when the server holds fewer than 3 open requests: on a loaded machine the
-    client may trail the engine by most of the load, and a kill then finds nothing to requeue."""
+def _worker_killer(address: str, server_pid: int, killed: list[int], restarts: int) -> Callable[[], bool]:
+    """SIGKILL a live worker not killed before; not done (False) while there is none, or while the
+    last kill's worker group has not formed again (`restarts` before the first kill): deltas sent
+    before a kill may still pass the next mark, and a worker killed while it registers would make
+    two kills one restart. No kill (but done) when the server holds fewer than 3 open requests: on
+    a loaded machine the client may trail the engine by most of the load, and a kill then finds
+    nothing to requeue."""
 
     def kill() -> bool:
         live = [p for p in children_named(server_pid, b"noria.worker") if p not in killed]
         if not live:
             return False
-        if open_requests(address) >= 3:
+        now = server_stats(address)
+        if now.stats.worker_restarts < restarts + len(killed):
+            return False
+        if now.num_open_requests >= 3:
             os.kill(live[0], signal.SIGKILL)
             killed.append(live[0])
         return True
@@ -56,7 +61,7 @@ def test_sigkilled_worker_under_load_loses_nothing(demo_path):
         total = len(PROMPTS) * GREEDY.max_tokens
         # Each kill lands on the delta that passes its mark, from the thread that counts it; a
         # kill that found the requests ended is tried again in another round, with earlier marks.
-        kill = _worker_killer(served.address, served.proc.pid, killed)
+        kill = _worker_killer(served.address, served.proc.pid, killed, before.worker_restarts)
         marks = [total // 5, total // 2]
         while True:
             done = len(killed)

@@ -28,14 +28,15 @@ from tests.tiny_models import make_checkpoint
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
-# No preemption, and preemption by recompute and by swap (a cache too small for the mix), the
-# last also with async scheduling (a plan made while a draft is verified may preempt its request).
+# No preemption, and preemption by recompute and by swap (a cache too small for the mix), with
+# async scheduling (the default: a plan made while a draft is verified may preempt its request),
+# and recompute also without it.
 PREEMPTIONS = pytest.mark.parametrize(
     "flags",
     [{}, {"num_kv_blocks": 20, "preemption_mode": "recompute"},
      {"num_kv_blocks": 20, "preemption_mode": "swap", "swap_space": 0.01},
-     {"num_kv_blocks": 20, "preemption_mode": "swap", "swap_space": 0.01, "async_scheduling": True}],
-    ids=["default", "recompute", "swap", "async-swap"],
+     {"num_kv_blocks": 20, "preemption_mode": "recompute", "async_scheduling": False}],
+    ids=["default", "recompute", "swap", "sync-recompute"],
 )
 
 
@@ -93,13 +94,15 @@ def test_outputs_equal_speculation_off(demo_path, flags, method):
     # suffix decoding's first proposals are short; tests/test_spec_decode_scheduler.py does not time).
     # (With async scheduling a drafted step also pays the wait for its plan, which steps planned
     # ahead do not: the switch drafts less, and how much is the host's timing.)
-    if method is NGRAM and not flags.get("async_scheduling"):
+    if method is NGRAM and not flags.get("async_scheduling", True):
         assert 0 < on.spec_accepted_tokens < on.spec_draft_tokens, on
     assert sum(on.spec_accepted_per_pos) == on.spec_accepted_tokens and len(on.spec_accepted_per_pos) == 4
     if "preemption_mode" in flags:
         assert on.num_preemptions > 0, on
-    if flags.get("async_scheduling"):  # steps that do not draft are planned while another runs
+    if flags.get("async_scheduling", True):  # steps that do not draft are planned while another runs
         assert on.steps_planned_ahead > 0, on
+    else:
+        assert on.steps_planned_ahead == 0, on
     for st in (on, off):
         assert st.blocks_consistent and st.num_free_blocks == st.num_kv_blocks and st.num_running == 0
 
@@ -122,12 +125,12 @@ def test_greedy_matches_transformers(tp, tmp_path, demo_path):
 
 
 def test_served_with_speculation(demo_path):
-    """`noria serve --speculative-config` with async scheduling: said at start-up, streams
+    """`noria serve --speculative-config` with async scheduling (the default): said at start-up, streams
     through the openai client, counts drafts under vLLM's names and noria's."""
     import openai
 
     with serve_http("--model", str(demo_path), "--num-kv-blocks", "256", "--speculative-config", json.dumps(NGRAM),
-                    "--async-scheduling", stderr=subprocess.PIPE) as s:
+                    stderr=subprocess.PIPE) as s:
         client = openai.OpenAI(base_url=f"{s.http}/v1", api_key="none")
         prompt = "one two three four one two three four one two three"
         stream = client.completions.create(model=str(demo_path), prompt=prompt, max_tokens=32, temperature=0.0,
