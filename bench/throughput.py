@@ -4,14 +4,14 @@ Systems (pick with --systems): hf-static-8/16/32 (HF `generate`, static
 left-padded batches, each runs until its longest request; only requested
 tokens count), hf-cb (HF continuous batching manager at its best CPU
 settings), noria-llm (`LLM.generate`), noria-serve (`noria serve` + the
-client library, all requests at once; noria-serve-16 at most 16 in flight,
-as the llama.cpp systems run), noria-llm-tp2 (`LLM.generate` with
+client library, all requests at once; noria-serve-N at most N in flight,
+as the llama.cpp systems run with --in-flight N, 16 by default), noria-llm-tp2 (`LLM.generate` with
 tensor parallelism over two ranks), ceiling (noria's recorded batch shapes
 replayed as bare forward passes), vllm and vllm-tuned (vLLM's CPU backend
 in its own venv, its defaults and with every core; see bench/vllm_cpu.py;
 skipped with a message where it cannot be installed), llama.cpp-f32 and
 llama.cpp-bf16 (llama.cpp's own server on the same weights as F32 and BF16
-GGUF, W1 with 16 requests in flight through its /completion; built from the
+GGUF, W1 with --in-flight requests (16) in flight through its /completion, as many slots; built from the
 llama-cpp-python sdist's source, see bench/llama_cpp.py; skipped with a
 message where it cannot be built), and llama.cpp (the same server on a GGUF
 model's own file: `--model small-q4_k_m --systems noria-llm,noria-serve-16,llama.cpp`
@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -96,10 +97,10 @@ def run_one(name: str, args: argparse.Namespace, record: str, skip: int) -> dict
         # Two ranks over gloo on the same cores: each rank runs half the heads and columns
         # with half the threads, plus two all-reduces per layer.
         return {**run_noria_llm(path, work, {**flags, "tensor_parallel_size": 2}, record), "system": name}
-    if name in ("noria-serve", SERVE_16):
+    if name == "noria-serve" or serve_limit(name):
         return run_noria_serve(path, work, ["--num-kv-blocks", str(args.num_kv_blocks), "--dtype", args.dtype,
                                             "--kv-cache-dtype", args.kv_cache_dtype],
-                               record, llama_cpp.IN_FLIGHT if name == SERVE_16 else None)
+                               record, serve_limit(name))
     if name == "ceiling":
         return run_ceiling(path, record, flags, skip)
     raise SystemExit(f"unknown system {name!r}")
@@ -112,7 +113,7 @@ def run_isolated(name: str, argv: list[str], record: str, skip: int, args: argpa
     if name in vllm_cpu.SYSTEMS:
         return vllm_cpu.run_offline(name, CHECKPOINTS[args.model](), workload(args), dtype=args.dtype)
     if name in llama_cpp.SYSTEMS:  # the server is its own process; this one is only its client
-        return llama_cpp.run_throughput(name, CHECKPOINTS[args.model](), workload(args))
+        return llama_cpp.run_throughput(name, CHECKPOINTS[args.model](), workload(args), args.in_flight)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run([sys.executable, "-m", "noria.bench.throughput", *argv, "--one", name, "--record", record,
                         "--skip", str(skip), "--row", out.name], check=True)
@@ -121,7 +122,22 @@ def run_isolated(name: str, argv: list[str], record: str, skip: int, args: argpa
 
 SERVE_16 = f"noria-serve-{llama_cpp.IN_FLIGHT}"  # at most as many requests in flight as llama.cpp's runs
 REPEATED = ("noria-llm", "vllm", "vllm-tuned", *llama_cpp.SYSTEMS, "noria-serve", SERVE_16, "ceiling")
-RECORDED = ("noria-llm", "noria-serve", SERVE_16, "noria-llm-tp2")  # their workers record each step
+RECORDED = ("noria-llm", "noria-serve", "noria-llm-tp2")  # their workers record each step (and noria-serve-N's)
+
+
+def serve_limit(name: str) -> int | None:
+    """N of a `noria-serve-N` system (`noria serve` with at most N requests in flight), else None."""
+    m = re.fullmatch(r"noria-serve-([1-9][0-9]*)", name)
+    return int(m.group(1)) if m else None
+
+
+def repeated(systems: list[str]) -> list[str]:
+    """The systems each round runs, in REPEATED's order, a noria-serve-N in noria-serve-16's place."""
+    return [s for r in REPEATED for s in systems if s == r or (r == SERVE_16 and serve_limit(s) and s != r)]
+
+
+def recorded(name: str) -> bool:
+    return name in RECORDED or serve_limit(name) is not None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,6 +156,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="noria's and vLLM's --dtype (auto: each one's default for the checkpoint)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                     help="noria's --kv-cache-dtype (fp8: one byte per cached value, a scale per layer)")
+    ap.add_argument("--in-flight", type=int, default=llama_cpp.IN_FLIGHT,
+                    help="the llama.cpp systems' requests in flight (and llama-server's slots); compare with "
+                         "noria-serve-N of the same N")
     ap.add_argument("--no-vllm-install", action="store_true",
                     help="skip the vLLM systems unless vLLM's venv is already made (else it is made on first use)")
     ap.add_argument("--no-llama-cpp-install", action="store_true",
@@ -164,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.row).write_text(json.dumps(row))
         return 0
     _refuse_gguf(args.systems.split(","), CHECKPOINTS[args.model](), args.model)
+    _refuse_unlike_limits(args.systems.split(","), args.in_flight)
     work = workload(args)
     systems = _available(args.systems.split(","), install=not args.no_vllm_install)
     systems = llama_cpp.available(systems, CHECKPOINTS[args.model](), install=not args.no_llama_cpp_install)
@@ -184,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
                                                     "roofline": limit}, indent=2))
     plot(rows, runs, out.with_suffix(".png"))
     return 0
+
+
+def _refuse_unlike_limits(systems: list[str], in_flight: int) -> None:
+    """noria-serve-N beside llama.cpp is a like-for-like comparison only at llama.cpp's own limit."""
+    unlike = [s for s in systems if serve_limit(s) not in (None, in_flight)]
+    if unlike and any(s in llama_cpp.SYSTEMS for s in systems):
+        raise SystemExit(f"{', '.join(unlike)} beside llama.cpp at --in-flight {in_flight}: give the same number")
 
 
 def _refuse_gguf(systems: list[str], path: Path, model: str) -> None:
@@ -261,7 +288,7 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> tuple[dict[str,
     with tempfile.TemporaryDirectory() as tmp:
 
         def measure() -> None:
-            if any(s in RECORDED for s in systems):
+            if any(recorded(s) for s in systems):
                 print("measuring the machine (copy_ bandwidth, float32 GEMM) ...", flush=True)
                 machines.append(measure_in_child(os.cpu_count() or 1))  # the worker's thread count; it prints
 
@@ -290,14 +317,13 @@ def _run_rounds(args: argparse.Namespace, systems: list[str]) -> tuple[dict[str,
 
         probed = False  # whether a probe followed the latest run
         for name in systems:
-            if name not in REPEATED:
+            if name not in repeated(systems):
                 probed = run(name, "")
         for r in range(args.rounds):
             tag = f" (round {r + 1}/{args.rounds})"
             measure()
-            for name in REPEATED:
-                if name in systems:
-                    probed = run(name, tag, runs["noria-llm"][-1] if name == "ceiling" else None)
+            for name in repeated(systems):
+                probed = run(name, tag, runs["noria-llm"][-1] if name == "ceiling" else None)
         # After the last run too (if it was not a recorded one, just probed): the peak is the best of
         # the probes (Machine.best), and on a host whose speed drifts a single probe at the start
         # under-reads it as often as not (2026-11-23: a probe of 106 GFLOP/s, then prefill steps of
@@ -332,10 +358,10 @@ def _report(rows: list[dict], runs: dict[str, list[dict]]) -> dict[str, float]:
             ratios["noria-serve / noria-llm"] = by["noria-serve"]["tok_s"] / n["tok_s"]
         if "noria-llm-tp2" in by:
             ratios["noria-llm-tp2 / noria-llm"] = by["noria-llm-tp2"]["tok_s"] / n["tok_s"]
-    if SERVE_16 in by:  # like for like with llama.cpp: the same client limit
+    for limited in (s for s in by if serve_limit(s)):  # like for like with llama.cpp: the same client limit
         for v in llama_cpp.SYSTEMS:
             if v in by:
-                ratios[f"{SERVE_16} / {v}"] = by[SERVE_16]["tok_s"] / by[v]["tok_s"]
+                ratios[f"{limited} / {v}"] = by[limited]["tok_s"] / by[v]["tok_s"]
     if "noria-llm" in by:
         n = by["noria-llm"]
         for v in (*vllm_cpu.SYSTEMS, *llama_cpp.SYSTEMS):
