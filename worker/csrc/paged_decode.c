@@ -376,14 +376,9 @@ static inline __attribute__((always_inline)) void attend(
         __asm__ volatile("" : : "r"(qs) : "memory");
         for (int64_t i = 0; i < nh * D; i++) qs[i] *= FP8_UNIT;
     }
-    /* A tile of fewer than VW tokens wastes the rest of the tile's vectors: blocks of whole VW. */
-    const int pairs = bf16_pairs(D, elt) && p->block_size % VW == 0;
+    const int pairs = bf16_pairs(D, elt, p->block_size);
     if (pairs)
-        for (int64_t h = 0; h < nh; h++) {
-            float row[128];
-            memcpy(row, qs + h * D, sizeof(float) * (size_t)D);
-            bf16_split(qs + h * D, row, D);
-        }
+        for (int64_t h = 0; h < nh; h++) bf16_split(qs + h * D, D);
     memset(acc, 0, sizeof(float) * (size_t)(nh * D));
     for (int64_t h = 0; h < nh; h++) m[h] = -INFINITY, l[h] = 0.f;
     for (int64_t pos = lo; pos < hi;) {
@@ -403,14 +398,15 @@ static inline __attribute__((always_inline)) void attend(
         if (pairs) {
             Spread pf = spread(k_ahead, ahead, row_bytes, nh * ((n + VW - 1) / VW * VW));
             bf16_tile_scores(qs, kb, ts, n, nk, group, D, s, &pf);
-        }
-        for (t = 0; t < n && !pairs; t++) {
-            Spread pf = spread(k_ahead + t, t < ahead, row_bytes, nh);
-            for (int64_t kh = 0; kh < nk; kh++) {
-                const char *kp = kv_at(kb, t * ts + kh * D, elt);
-                for (int64_t g = 0; g < group; g++) {
-                    spread_step(&pf);
-                    s[kh * group + g][t] = dot_qk(qs + (kh * group + g) * D, kp, D, elt);
+        } else {
+            for (t = 0; t < n; t++) {
+                Spread pf = spread(k_ahead + t, t < ahead, row_bytes, nh);
+                for (int64_t kh = 0; kh < nk; kh++) {
+                    const char *kp = kv_at(kb, t * ts + kh * D, elt);
+                    for (int64_t g = 0; g < group; g++) {
+                        spread_step(&pf);
+                        s[kh * group + g][t] = dot_qk(qs + (kh * group + g) * D, kp, D, elt);
+                    }
                 }
             }
         }

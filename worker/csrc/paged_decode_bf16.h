@@ -57,17 +57,21 @@ typedef uint32_t vuu __attribute__((vector_size(VW * sizeof(uint32_t)), aligned(
 #define BF16_PAIR_CHUNK (2 * VW)
 #define BF16_MAX_PAIRS (128 / BF16_PAIR_CHUNK > 0 ? 128 / BF16_PAIR_CHUNK : 1) /* D up to 128 in registers */
 
-static inline int bf16_pairs(const int64_t D, const enum kv_elt elt) {
-    return elt == KV_BF16 && D % BF16_PAIR_CHUNK == 0 && D / BF16_PAIR_CHUNK <= BF16_MAX_PAIRS && TILE % VW == 0;
+/* A tile of fewer than VW tokens would waste the rest of bf16_tile_scores' vectors: blocks of whole VW. */
+static inline int bf16_pairs(const int64_t D, const enum kv_elt elt, int64_t block_size) {
+    return elt == KV_BF16 && D % BF16_PAIR_CHUNK == 0 && D / BF16_PAIR_CHUNK <= BF16_MAX_PAIRS && TILE % VW == 0 &&
+           block_size % VW == 0;
 }
 
 static inline vf bf16_even(vu w) { return (vf)(w << 16); }
 static inline vf bf16_odd(vu w) { return (vf)(w & 0xffff0000u); }
 
-/* One head's D values, in order <-> split. */
-static inline void bf16_split(float *dst, const float *src, const int64_t D) {
+/* One head's D values, in place: in order -> split, and back. */
+static inline void bf16_split(float *row, const int64_t D) {
+    float tmp[128];
     for (int64_t c = 0; c < D; c += BF16_PAIR_CHUNK)
-        for (int64_t j = 0; j < VW; j++) dst[c + j] = src[c + 2 * j], dst[c + VW + j] = src[c + 2 * j + 1];
+        for (int64_t j = 0; j < VW; j++) tmp[c + j] = row[c + 2 * j], tmp[c + VW + j] = row[c + 2 * j + 1];
+    memcpy(row, tmp, sizeof(float) * (size_t)D);
 }
 
 static inline void bf16_unsplit(float *row, const int64_t D) {
