@@ -204,7 +204,10 @@ static inline __attribute__((always_inline)) void f8_tile(const float *restrict 
     }
     for (int r = 0; r < H; r++) {
         float *yr = y + r * ldy;
-        if (bias == NULL) {
+        if (bias == NULL && ncols == NR) { /* a memcpy of a runtime size is a libc call per row */
+            vstore(yr, vload(tot[r]));
+            vstore(yr + VL, vload(tot[r] + VL));
+        } else if (bias == NULL) {
             memcpy(yr, tot[r], sizeof(float) * (size_t)ncols);
         } else {
             for (int64_t c = 0; c < ncols; c++) yr[c] = tot[r][c] + bias[c];
@@ -322,7 +325,10 @@ static inline __attribute__((always_inline)) void f8_tile_dot(const uint32_t *re
     }
     for (int r = 0; r < H; r++) {
         float *yr = y + r * ldy;
-        if (bias == NULL) {
+        if (bias == NULL && ncols == NR) { /* a memcpy of a runtime size is a libc call per row */
+            vstore(yr, vload(tot[r]));
+            vstore(yr + VL, vload(tot[r] + VL));
+        } else if (bias == NULL) {
             memcpy(yr, tot[r], sizeof(float) * (size_t)ncols);
         } else {
             for (int64_t c = 0; c < ncols; c++) yr[c] = tot[r][c] + bias[c];

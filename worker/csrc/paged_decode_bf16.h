@@ -56,6 +56,7 @@ static inline __attribute__((always_inline)) vf tree_sum(vf *v) {
 typedef uint32_t vuu __attribute__((vector_size(VW * sizeof(uint32_t)), aligned(sizeof(uint16_t)))); /* unaligned */
 #define BF16_PAIR_CHUNK (2 * VW)
 #define BF16_MAX_PAIRS (128 / BF16_PAIR_CHUNK > 0 ? 128 / BF16_PAIR_CHUNK : 1) /* D up to 128 in registers */
+#define BF16_HEADS 4 /* query heads of one KV head accumulated together at most */
 
 /* A tile of fewer than VW tokens would waste the rest of bf16_tile_scores' vectors: blocks of whole VW. */
 static inline int bf16_pairs(const int64_t D, const enum kv_elt elt, int64_t block_size) {
@@ -114,32 +115,59 @@ static inline __attribute__((always_inline)) void bf16_tile_scores(const float *
     }
 }
 
-/* accumulate_v's loop on split accumulators. */
+/* accumulate_v's loop on split accumulators, a KV head's query heads `gn` at a time: each V row
+ * is widened once for all of them, and their 2 * gn * pairs accumulators are independent sums (one
+ * head's few would chain every token's products on the add latency). Each head's sum is the same,
+ * in the same token order, as head by head. */
+static inline __attribute__((always_inline)) void bf16_accumulate_heads(const uint16_t *vh, int64_t ts, int64_t n,
+                                                                        const int64_t D, const float (*s)[TILE],
+                                                                        const float *rescale, float *acc,
+                                                                        const int gn) {
+    const int64_t pairs = D / BF16_PAIR_CHUNK;
+    vf re[BF16_HEADS][BF16_MAX_PAIRS], ro[BF16_HEADS][BF16_MAX_PAIRS];
+    for (int j = 0; j < gn; j++)
+        for (int64_t i = 0; i < pairs; i++) {
+            re[j][i] = *(const vfu *)(acc + j * D + i * BF16_PAIR_CHUNK) * rescale[j];
+            ro[j][i] = *(const vfu *)(acc + j * D + i * BF16_PAIR_CHUNK + VW) * rescale[j];
+        }
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t i = 0; i < pairs; i++) {
+            const vu x = *(const vuu *)(vh + t * ts + i * BF16_PAIR_CHUNK);
+            const vf e = bf16_even(x), o = bf16_odd(x);
+            for (int j = 0; j < gn; j++) {
+                const float w = s[j][t];
+                re[j][i] += w * e;
+                ro[j][i] += w * o;
+            }
+        }
+    }
+    for (int j = 0; j < gn; j++)
+        for (int64_t i = 0; i < pairs; i++) {
+            *(vfu *)(acc + j * D + i * BF16_PAIR_CHUNK) = re[j][i];
+            *(vfu *)(acc + j * D + i * BF16_PAIR_CHUNK + VW) = ro[j][i];
+        }
+}
+
 static inline __attribute__((always_inline)) void bf16_accumulate_v(const char *vb, int64_t ts, int64_t n, int64_t nk,
                                                                     int64_t group, const int64_t D,
                                                                     float (*s)[TILE], const float *rescale, float *acc,
                                                                     Spread *ahead) {
-    const int64_t pairs = D / BF16_PAIR_CHUNK;
-    for (int64_t h = 0; h < nk * group; h++) {
-        spread_step(ahead);
-        float *a = acc + h * D;
-        const uint16_t *vh = (const uint16_t *)vb + (h / group) * D;
-        vf re[BF16_MAX_PAIRS], ro[BF16_MAX_PAIRS];
-        for (int64_t i = 0; i < pairs; i++) {
-            re[i] = *(const vfu *)(a + i * BF16_PAIR_CHUNK) * rescale[h];
-            ro[i] = *(const vfu *)(a + i * BF16_PAIR_CHUNK + VW) * rescale[h];
-        }
-        for (int64_t t = 0; t < n; t++) {
-            const float w = s[h][t];
-            for (int64_t i = 0; i < pairs; i++) {
-                const vu x = *(const vuu *)(vh + t * ts + i * BF16_PAIR_CHUNK);
-                re[i] += w * bf16_even(x);
-                ro[i] += w * bf16_odd(x);
+    /* Heads per pass: their accumulators in at most 16 vectors (all of them at D = 64, VW = 16). */
+    const int64_t per = 16 / (2 * (D / BF16_PAIR_CHUNK)) < 1 ? 1 : 16 / (2 * (D / BF16_PAIR_CHUNK));
+    const int64_t hp = per < BF16_HEADS ? per : BF16_HEADS;
+    for (int64_t kh = 0; kh < nk; kh++) {
+        const uint16_t *vh = (const uint16_t *)vb + kh * D;
+        for (int64_t g0 = 0; g0 < group; g0 += hp) {
+            const int64_t h = kh * group + g0, gn = group - g0 < hp ? group - g0 : hp;
+            for (int64_t j = 0; j < gn; j++) spread_step(ahead);
+#define BF16_HEADS_CASE(G) bf16_accumulate_heads(vh, ts, n, D, (const float (*)[TILE])s + h, rescale + h, acc + h * D, G)
+            switch (gn) {
+                case 4: BF16_HEADS_CASE(4); break;
+                case 3: BF16_HEADS_CASE(3); break;
+                case 2: BF16_HEADS_CASE(2); break;
+                default: BF16_HEADS_CASE(1); break;
             }
-        }
-        for (int64_t i = 0; i < pairs; i++) {
-            *(vfu *)(a + i * BF16_PAIR_CHUNK) = re[i];
-            *(vfu *)(a + i * BF16_PAIR_CHUNK + VW) = ro[i];
+#undef BF16_HEADS_CASE
         }
     }
 }
