@@ -505,6 +505,8 @@ static void run_task(RUN_TASK_PARAMS, const enum kv_elt elt) {
         run_task_as(RUN_TASK_ARGS, elt == KV_BF16 ? KV_BF16 : KV_F32);
 }
 
+#include "paged_decode_runs.h"
+
 /* out[b] = sum over its chunks c of acc_c * e^(m_c - M) / sum of l_c * e^(m_c - M), M = max m_c. */
 static void merge(const float *parts, int64_t first, int64_t count, int64_t num_heads, int64_t D, float v_scale,
                   float *out) {
@@ -589,12 +591,13 @@ static int64_t num_chunks(int64_t len, int64_t window, int64_t block_size, int64
 /* Fills tasks (chunk by chunk, KV-head range by range) and first_part [batch + 1]: sequence b's
  * partial records are first_part[b] .. first_part[b + 1] - 1, none when it is one chunk. */
 static void fill_tasks(Task *tasks, int64_t *first_part, const int64_t *seq_lens, int64_t batch, int64_t window,
-                       int64_t block_size, int64_t chunk, int64_t nk, int64_t num_kv_heads) {
+                       int64_t block_size, int64_t chunk, int64_t nk, int64_t num_kv_heads, const char *in_run) {
     int64_t t = 0, part = 0;
     for (int64_t b = 0; b < batch; b++) {
+        first_part[b] = part;
+        if (in_run && in_run[b]) continue; /* a tile of its run's attends it */
         const int64_t len = seq_lens[b], start = len - attended(len, window);
         const int64_t aligned = start / block_size * block_size, chunks = num_chunks(len, window, block_size, chunk);
-        first_part[b] = part;
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t lo = aligned + c * chunk, hi = lo + chunk < len ? lo + chunk : len;
             for (int64_t kh0 = 0; kh0 < num_kv_heads; kh0 += nk)
@@ -622,24 +625,44 @@ static int paged_decode(const float *q, void *k_cache, void *v_cache, const int6
     int64_t nk = num_kv_heads;
     while (nk > 1 && (nk * group * D > MAX_TASK_FLOATS || nk * group > MAX_TASK_HEADS)) nk = (nk + 1) / 2;
     const int64_t ranges = (num_kv_heads + nk - 1) / nk;
+    /* One sequence's rows (a prefill's prompt tokens) in tiles of rows where they run long enough. */
+    char *in_run = NULL;
+    RowTile *row_tiles = NULL;
+    int64_t num_row_tiles = 0;
+    if (batch >= RUN_MIN && runs_apply(D, group, elt)) {
+        if ((in_run = calloc((size_t)batch, 1)) == NULL) return -1;
+        num_row_tiles = find_runs(block_table, max_blocks, seq_lens, batch, block_size, window, num_kv_heads, D,
+                                  group, in_run, NULL);
+        if (num_row_tiles && (row_tiles = malloc(sizeof(RowTile) * (size_t)num_row_tiles)) == NULL) {
+            free(in_run);
+            return -1;
+        }
+        find_runs(block_table, max_blocks, seq_lens, batch, block_size, window, num_kv_heads, D, group, in_run,
+                  row_tiles);
+    }
     int64_t total = 0, num_tasks = 0, num_parts = 0;
     for (int64_t b = 0; b < batch; b++) total += attended(seq_lens[b], window) * ranges;
     const int64_t chunk = chunk_tokens(total, block_size, num_threads);
     for (int64_t b = 0; b < batch; b++) {
+        if (in_run && in_run[b]) continue;
         const int64_t chunks = num_chunks(seq_lens[b], window, block_size, chunk);
         num_tasks += chunks * ranges;
         num_parts += chunks > 1 ? chunks : 0;
     }
-    Task *tasks = malloc(sizeof(Task) * (size_t)num_tasks);
+    Task *tasks = malloc(sizeof(Task) * (size_t)(num_tasks ? num_tasks : 1));
     int64_t *first_part = malloc(sizeof(int64_t) * (size_t)(batch + 1));
     float *parts = num_parts ? malloc(sizeof(float) * (size_t)(num_parts * num_heads * (D + 2))) : NULL;
     if (!tasks || !first_part || (num_parts && !parts)) {
-        free(tasks), free(first_part), free(parts);
+        free(tasks), free(first_part), free(parts), free(in_run), free(row_tiles);
         return -1;
     }
-    fill_tasks(tasks, first_part, seq_lens, batch, window, block_size, chunk, nk, num_kv_heads);
+    fill_tasks(tasks, first_part, seq_lens, batch, window, block_size, chunk, nk, num_kv_heads, in_run);
 #pragma omp parallel num_threads(num_threads) if (total > SERIAL_TOKENS)
     {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t i = 0; i < num_row_tiles; i++)
+            run_rows(&row_tiles[i], q, k_cache, v_cache, block_table, max_blocks, seq_lens, num_heads, group, D,
+                     block_size, token_stride, scale, cap, out, elt);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_tasks; i++)
             run_task(&tasks[i], q, k_cache, v_cache, block_table, max_blocks, num_heads, group, D, block_size,
@@ -650,7 +673,7 @@ static int paged_decode(const float *q, void *k_cache, void *v_cache, const int6
                 merge(parts, first_part[b], first_part[b + 1] - first_part[b], num_heads, D, v_scale,
                       out + b * num_heads * D);
     }
-    free(tasks), free(first_part), free(parts);
+    free(tasks), free(first_part), free(parts), free(in_run), free(row_tiles);
     return 0;
 }
 
