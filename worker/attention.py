@@ -58,13 +58,15 @@ class TorchAttentionBackend:
     one decode call instead: each prompt token is a row of its own that attends to
     its sequence's keys up to its position, the step's new K/V written first. Per
     layer that is one dispatch for the whole step instead of a write, a mask and
-    an SDPA per sequence; SDPA's tiles reuse each K/V load across many queries, the
-    rows re-read them from the caches, so past ROWS_MAX_LEN keys SDPA is faster
-    (measured on the "serving" and "small" models, one prompt: rows 1.7x faster at
-    150 tokens, 1.1-1.3x at 256-512, 0.76-0.84x at 1,024; bench in bench/RESULTS.md)."""
+    an SDPA per sequence. A sequence's rows are attended in tiles of rows, each tile of
+    keys read once for all of them (worker/csrc/paged_decode_runs.h), as SDPA's tiles reuse
+    a K/V load across queries; past ROWS_MAX_LEN keys SDPA catches up (one fresh prompt,
+    12 heads of 64 over 4 KV heads, bf16 cache, 2 threads, attention alone: rows 0.53-0.56x
+    SDPA's time at 128-512 tokens, 0.76-0.86x at 768-1,024, 0.91-0.99x at 2,048, 1.06x
+    at 3,072; before the tiles 0.80x at 512, 1.09x at 1,024, 1.34x at 2,048)."""
 
     name = "torch"
-    ROWS_MAX_LEN = 512
+    ROWS_MAX_LEN = 1024
     # A decode step's prepare() only takes views of the metadata's tensors and its forward()
     # reads lengths from the device, so CUDA graphs may capture it (worker/cuda_graphs.py).
     graph_safe = True

@@ -42,6 +42,8 @@
  *   float32 and are rounded to nearest even as they are written, as torch's .to() rounds.
  * - A bfloat16 cache is read as 32-bit pairs of elements, each widened in one instruction, its
  *   scores summed a tile of tokens at a time (paged_decode_bf16.h).
+ * - Consecutive rows of one sequence (a prefill's prompt tokens, each a row) are attended in
+ *   tiles of rows, every tile of keys read once for all of them (paged_decode_runs.h).
  * - fp8 (--kv-cache-dtype fp8, float8_e4m3fn) stores x / scale with one scale per layer for K and
  *   one for V; its widening, rounding and entry points are in paged_decode_fp8.h. The scales are
  *   applied outside the inner loops: K's folded into the query scale (q . (s k) = s (q . k)), V's
