@@ -167,20 +167,19 @@ static inline __attribute__((always_inline)) void attend_rows_as(ATTEND_ROWS_PAR
         ATTEND_ROWS_AT(D, elt);
 }
 
-static __attribute__((noinline)) void attend_rows_f16(ATTEND_ROWS_PARAMS) { attend_rows_as(rt, q, k_cache, v_cache, block_table, max_blocks, lens, num_heads, group, D, block_size, ts, scale, cap, out, KV_F16); }
-static __attribute__((noinline)) void attend_rows_bf16(ATTEND_ROWS_PARAMS) { attend_rows_as(rt, q, k_cache, v_cache, block_table, max_blocks, lens, num_heads, group, D, block_size, ts, scale, cap, out, KV_BF16); }
-static __attribute__((noinline)) void attend_rows_f32(ATTEND_ROWS_PARAMS) { attend_rows_as(rt, q, k_cache, v_cache, block_table, max_blocks, lens, num_heads, group, D, block_size, ts, scale, cap, out, KV_F32); }
+#define ATTEND_ROWS_ARGS \
+    rt, q, k_cache, v_cache, block_table, max_blocks, lens, num_heads, group, D, block_size, ts, scale, cap, out
+/* One out-of-line copy per element type: each specialises its inner loops on its own. */
+#define ATTEND_ROWS_FOR(NAME, ELT) \
+    static __attribute__((noinline)) void NAME(ATTEND_ROWS_PARAMS) { attend_rows_as(ATTEND_ROWS_ARGS, ELT); }
+ATTEND_ROWS_FOR(attend_rows_f16, KV_F16)
+ATTEND_ROWS_FOR(attend_rows_bf16, KV_BF16)
+ATTEND_ROWS_FOR(attend_rows_f32, KV_F32)
 
 static void run_rows(ATTEND_ROWS_PARAMS, const enum kv_elt elt) {
-    if (elt == KV_F16)
-        attend_rows_f16(rt, q, k_cache, v_cache, block_table, max_blocks, lens, num_heads, group, D, block_size, ts,
-                        scale, cap, out);
-    else if (elt == KV_BF16)
-        attend_rows_bf16(rt, q, k_cache, v_cache, block_table, max_blocks, lens, num_heads, group, D, block_size,
-                         ts, scale, cap, out);
-    else
-        attend_rows_f32(rt, q, k_cache, v_cache, block_table, max_blocks, lens, num_heads, group, D, block_size, ts,
-                        scale, cap, out);
+    void (*const attend)(ATTEND_ROWS_PARAMS) =
+        elt == KV_F16 ? attend_rows_f16 : elt == KV_BF16 ? attend_rows_bf16 : attend_rows_f32;
+    attend(ATTEND_ROWS_ARGS);
 }
 
 /* The number of row tiles a call on these rows attends (0 where they all go through attend()), for
