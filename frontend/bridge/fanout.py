@@ -24,7 +24,12 @@ class Fanout:
     `buffer`: bytes of deltas (about: `delta_bytes`) it may hold that its reader has not
     taken; past them it overflows: every request is aborted upstream, nothing more is kept,
     and `on_overflow(bytes held)` is called. 0: no bound (a whole response is built anyway).
-    The engine never waits for a slow reader: this bound is what keeps its output in check."""
+    The engine never waits for a slow reader: this bound is what keeps its output in check.
+    Only deltas that arrive while the reader is away count: after its first batch and outside
+    `next_batch`, where it waits on its client's socket. A burst that lands while the reader is
+    waiting for events, or woken and not yet run (the bridge's process held off its core while
+    the engine ran on), is taken whole at its next turn: counting it would abort a client that
+    reads, and one that had not been sent its headers yet."""
 
     def __init__(self, gateway: Gateway, requests: list[Generate], buffer: int = 0) -> None:
         # A deque and one waiter, not an asyncio.Queue: every queued HTTP request holds one of
@@ -35,6 +40,7 @@ class Fanout:
         self._open = len(requests)
         self._buffer = buffer
         self._held = 0
+        self._taken = False  # the reader has had a batch
         self.overflowed = False
         self.on_overflow: Callable[[int], None] | None = None
         self._loop = loop = asyncio.get_running_loop()
@@ -43,7 +49,7 @@ class Fanout:
     def _put(self, event: Event) -> None:
         if self.overflowed:
             return
-        if self._buffer and isinstance(event[1], Delta):
+        if self._buffer and isinstance(event[1], Delta) and self._taken and self._waiter is None:
             self._held += delta_bytes(event[1])
             if self._held > self._buffer:
                 self._overflow()
@@ -79,6 +85,7 @@ class Fanout:
         batch = list(self._events)
         self._events.clear()
         self._held = 0
+        self._taken = True
         self._open -= sum(1 for _, e in batch if not isinstance(e, Delta))
         return batch
 
