@@ -1,17 +1,13 @@
-"""What counts against --stream-buffer (a client that does not read) and what does not (a burst
-the bridge had not yet had the chance to pass on): the SSE surfaces' Fanout and the websocket's
-StreamSession."""
+"""What counts against an SSE stream's --stream-buffer (the Fanout): a client that does not read,
+and not a burst that landed before the stream's first batch (its headers not yet sent)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 
-import pytest
-
 from noria.frontend.bridge.fanout import Fanout
 from noria.frontend.bridge.limits import delta_bytes
-from noria.frontend.bridge.websocket import StreamSession
 from noria.protocol.client import Delta, Done, Generate, Usage
 
 BUFFER = 4096
@@ -50,28 +46,24 @@ def _burst(gateway: _Gateway, count: int) -> None:
         gateway.queues[0].put_nowait(DELTA)
 
 
-def test_a_burst_that_lands_while_the_reader_waits_is_taken_whole() -> None:
+def test_a_burst_before_the_first_batch_is_taken_whole() -> None:
     async def run() -> None:
         gateway = _Gateway()
         fan = _fanout(gateway)
         await gateway.started.wait()
-        first = asyncio.ensure_future(fan.next_batch())  # before its first batch: headers not sent
-        await asyncio.sleep(0)
-        _burst(gateway, BURST)
-        assert len(await first) == BURST and not fan.overflowed
-        second = asyncio.ensure_future(fan.next_batch())  # waiting again, mid-stream
-        await asyncio.sleep(0)
-        _burst(gateway, BURST)
-        assert len(await second) == BURST and not fan.overflowed
+        _burst(gateway, BURST)  # before the reader has run: its headers are not sent yet
+        while not gateway.queues[0].empty():  # the pump takes it all
+            await asyncio.sleep(0)
+        assert len(await fan.next_batch()) == BURST and not fan.overflowed
         gateway.queues[0].put_nowait(Done(request_id="r", finish_reason="length",
-                                         usage=Usage(prompt_tokens=1, completion_tokens=2 * BURST)))
+                                         usage=Usage(prompt_tokens=1, completion_tokens=BURST)))
         assert [type(e) for _, e in await fan.next_batch()] == [Done]
         assert await fan.next_batch() == []
 
     asyncio.run(run())
 
 
-def test_a_reader_away_past_the_buffer_overflows_and_every_request_is_aborted() -> None:
+def test_past_the_buffer_after_the_first_batch_it_overflows_and_every_request_is_aborted() -> None:
     async def run() -> None:
         gateway = _Gateway()
         fan = _fanout(gateway, n=3)
@@ -83,7 +75,8 @@ def test_a_reader_away_past_the_buffer_overflows_and_every_request_is_aborted() 
             gateway.started.clear()
         _burst(gateway, 1)
         assert len(await fan.next_batch()) == 1
-        # The reader is away now (as while its write waits on a client that takes nothing).
+        # The reader has its first batch and is away (as while its write waits on a client that
+        # takes nothing).
         _burst(gateway, BURST)
         await asyncio.wait_for(overflowed.wait(), 60)  # bounds a hang only
         assert fan.overflowed and held and held[0] > BUFFER
@@ -93,41 +86,3 @@ def test_a_reader_away_past_the_buffer_overflows_and_every_request_is_aborted() 
 
     asyncio.run(run())
 
-
-class _Socket:
-    """A websocket whose sends wait on `taking` (a client that reads when it is set)."""
-
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
-        self.taking = asyncio.Event()
-        self.waiting = asyncio.Event()  # a send waits on the client
-
-    async def send_frame(self, frame: bytes, kind: object) -> None:
-        self.waiting.set()
-        await self.taking.wait()
-        self.frames.append(frame)
-
-
-def test_a_websocket_burst_while_the_writer_is_woken_is_sent_and_a_stalled_client_overflows() -> None:
-    async def run() -> None:
-        ws = _Socket()
-        ws.taking.set()
-        session = StreamSession(ws, _Gateway(), buffer=BUFFER)  # type: ignore[arg-type]
-        overflowed: list[int] = []
-        session.on_overflow = overflowed.append
-        writer = asyncio.ensure_future(session._write())
-        for _ in range(BURST):  # no await yields to the writer between these
-            await session.send(DELTA)
-        while len(ws.frames) < BURST:
-            await asyncio.sleep(0)
-        assert not overflowed and not session.broken
-        ws.taking.clear(), ws.waiting.clear()
-        await session.send(DELTA)
-        await ws.waiting.wait()  # the writer waits on a client that takes nothing
-        with pytest.raises(ConnectionResetError):
-            for _ in range(BURST):
-                await session.send(DELTA)
-        assert session.broken and overflowed and overflowed[0] > BUFFER
-        writer.cancel()
-
-    asyncio.run(run())

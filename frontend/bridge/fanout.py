@@ -25,11 +25,9 @@ class Fanout:
     taken; past them it overflows: every request is aborted upstream, nothing more is kept,
     and `on_overflow(bytes held)` is called. 0: no bound (a whole response is built anyway).
     The engine never waits for a slow reader: this bound is what keeps its output in check.
-    Only deltas that arrive while the reader is away count: after its first batch and outside
-    `next_batch`, where it waits on its client's socket. A burst that lands while the reader is
-    waiting for events, or woken and not yet run (the bridge's process held off its core while
-    the engine ran on), is taken whole at its next turn: counting it would abort a client that
-    reads, and one that had not been sent its headers yet."""
+    Deltas count from the reader's first batch on: a burst that lands before the reader has
+    run (the bridge's process held off its core while the engine ran on) is not the client's
+    doing, and counting it would drop a client before its headers went out."""
 
     def __init__(self, gateway: Gateway, requests: list[Generate], buffer: int = 0) -> None:
         # A deque and one waiter, not an asyncio.Queue: every queued HTTP request holds one of
@@ -49,7 +47,7 @@ class Fanout:
     def _put(self, event: Event) -> None:
         if self.overflowed:
             return
-        if self._buffer and isinstance(event[1], Delta) and self._taken and self._waiter is None:
+        if self._buffer and isinstance(event[1], Delta) and self._taken:
             self._held += delta_bytes(event[1])
             if self._held > self._buffer:
                 self._overflow()

@@ -51,9 +51,7 @@ class StreamSession:
     Replies go out through one writer task, so that no relay waits on the client: a client
     that does not read lets at most `buffer` bytes of replies pile up here (0: no bound), and
     past them every request of the socket is aborted upstream and the connection dropped
-    (`on_overflow(bytes held)` is told first). It is judged while the writer waits on the
-    client's socket: a burst that lands while the writer is woken and not yet run (the
-    bridge's process held off its core) is not the client's doing (fanout.py: the same rule)."""
+    (`on_overflow(bytes held)` is told first)."""
 
     def __init__(self, ws: web.WebSocketResponse, gateway: Gateway, budgets: ClientBudgets | None = None,
                  who: str = "", buffer: int = 0) -> None:
@@ -65,7 +63,6 @@ class StreamSession:
         self.buffer = buffer
         self.outbox: deque[bytes] = deque()
         self.held = 0  # bytes in the outbox
-        self._sending = False  # the writer waits on the client's socket
         self.broken = False  # overflowed, or the socket failed a write: nothing more goes out
         self.on_overflow: Callable[[int], None] | None = None
         self._wake: asyncio.Event = asyncio.Event()
@@ -77,7 +74,7 @@ class StreamSession:
         frame = _encoder.encode(msg)
         self.outbox.append(frame)
         self.held += len(frame)
-        if self.buffer and self._sending and self.held > self.buffer:
+        if self.buffer and self.held > self.buffer:
             held = self.held
             self.broken = True
             self.outbox.clear()
@@ -97,11 +94,7 @@ class StreamSession:
                 frame = outbox.popleft()
                 self.held -= len(frame)
                 # Waits while the transport holds more than its high-water mark unsent.
-                self._sending = True
-                try:
-                    await self.ws.send_frame(frame, WSMsgType.TEXT)
-                finally:
-                    self._sending = False
+                await self.ws.send_frame(frame, WSMsgType.TEXT)
         except ConnectionError:
             self.broken = True
 
