@@ -117,7 +117,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                         "over the prompt and the tenant's answers, suffix_decoding_max_tree_depth, "
                         "_max_cached_requests, _max_spec_factor, _min_token_prob; draft_model: a "
                         "smaller checkpoint with the same tokenizer, named by model, its context capped by "
-                        "max_model_len; eagle3: an EAGLE-3 head's folder, named by model), num_speculative_tokens "
+                        "max_model_len; eagle3: an EAGLE-3 head's folder, named by model; mtp: the served MiMo "
+                        "checkpoint's own MTP layer), num_speculative_tokens "
                         "(tokens proposed per step), prompt_lookup_min and prompt_lookup_max (the n-gram sizes looked "
                         "up, default 5), disable_by_batch_size (no speculation with more requests running); e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")

@@ -122,9 +122,34 @@ def _speculation(config: EngineConfig, target: ModelSpec) -> EngineConfig:
     if config.runner != "generate":
         raise ValueError("--speculative-config speeds up generation: a pooling engine (--runner pooling) "
                          "generates nothing")
-    if spec.on_worker:
+    if spec.method == "mtp":
+        config = msgspec.structs.replace(config, speculative_config=_mtp(config, spec, target))
+    elif spec.on_worker:
         config = msgspec.structs.replace(config, speculative_config=_draft_model(config, spec, target))
     return config  # the scheduler says what speculation is on
+
+
+def _mtp(config: EngineConfig, spec: SpeculativeConfig, target: ModelSpec) -> SpeculativeConfig:
+    """The target drafts for itself with the first of its MTP layers (vLLM's `mtp`): there must be
+    one, in a layout the worker reads, and no other model is named."""
+    what = "--speculative-config method 'mtp'"
+    if spec.model is not None and resolve_model(spec.model) != config.model:
+        raise ValueError(f"{what} drafts with the served model's own MTP layers; drop model ({spec.model})")
+    if not target.mtp_layers:
+        raise ValueError(f"{what} needs MTP layers in the served checkpoint (config.json's "
+                         f"num_nextn_predict_layers); this {target.architecture} has none")
+    if target.architecture != "MiMoForCausalLM" or target.quantization is not None:
+        raise ValueError(f"{what}: noria reads MiMo's float MTP layers, not those of a "
+                         f"{'quantized ' if target.quantization is not None else ''}{target.architecture}")
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"{what} drafts on one rank (the MTP layer shares the target's lm_head, which "
+                         "tensor parallelism splits): drop --tensor-parallel-size or the speculation")
+    if config.kv_transfer_config is not None and config.kv_transfer_config.kv_role != "kv_producer":
+        raise ValueError(f"{what} cannot draft over KV blocks pulled from another instance (they hold no draft "
+                         "KV): drop it, or --kv-transfer-config's consumer role")
+    if config.load_format == "dummy":
+        raise ValueError(f"{what} reads its MTP layer's weights from the checkpoint: drop --load-format dummy")
+    return msgspec.structs.replace(spec, model=config.model, max_model_len=spec.max_model_len)
 
 
 def _draft_model(config: EngineConfig, spec: SpeculativeConfig, target: ModelSpec) -> SpeculativeConfig:

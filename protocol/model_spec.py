@@ -80,6 +80,9 @@ class ModelSpec:
     expert_parts: tuple[str, str, str] = field(default=("gate_proj", "up_proj", "down_proj"), kw_only=True)
     # quantization_config, read (protocol/quant_config.py); None: float weights.
     quantization: QuantSpec | None = field(default=None, kw_only=True)
+    # Multi-token-prediction layers stored beside the decoder (MiMo's `num_nextn_predict_layers`):
+    # the target's own drafter for `{"method": "mtp"}` speculation, unused otherwise.
+    mtp_layers: int = field(default=0, kw_only=True)
 
     @property
     def scale(self) -> float:
@@ -182,6 +185,7 @@ def model_spec(config: Mapping[str, Any] | Any, max_model_len: int | None = None
         local_rope=read_rope(cfg, rope_params(cfg, "sliding_attention"), max_model_len) if local else None,
         fused_checkpoint=r.fused_checkpoint,
         quantization=quantization,
+        mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
         **moe,
     )
     if quantization is not None and spec.num_experts:

@@ -13,8 +13,9 @@ Built: `ngram` (prompt lookup over the request's own prompt and output: the sche
 `suffix` (suffix trees over the prompt and the tenant's responses: scheduler/suffix_decoding.py)
 `draft_model` (a smaller checkpoint with the target's tokenizer, run greedily by the worker
 over its own KV cache in the same blocks: worker/draft_model.py) and `eagle3` (an EAGLE-3 head
-over the target's hidden states, on the worker too: worker/eagle3.py). `eagle` (EAGLE-1) and
-`mtp` are vLLM's names too and are refused in one sentence each.
+over the target's hidden states, on the worker too: worker/eagle3.py) and `mtp` (the target's
+own multi-token-prediction layer, MiMo's layout: worker/mtp.py). `eagle` (EAGLE-1) is vLLM's
+name too and is refused in one sentence.
 """
 
 from __future__ import annotations
@@ -27,13 +28,11 @@ from msgspec import Meta
 from noria.protocol.validation import json_flag
 
 Method = Literal["ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp"]
-BUILT: tuple[str, ...] = ("ngram", "suffix", "draft_model", "eagle3")
+BUILT: tuple[str, ...] = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
 # The methods whose proposals the worker makes, at the start of the step that verifies them.
-ON_WORKER: tuple[str, ...] = ("draft_model", "eagle3")
+ON_WORKER: tuple[str, ...] = ("draft_model", "eagle3", "mtp")
 _NOT_BUILT = {
     "eagle": "EAGLE-1 heads are not read; an EAGLE-3 head is ({\"method\": \"eagle3\", \"model\": ...})",
-    "mtp": "MTP layers ship in DeepSeek-V3, Qwen3-Next, MiMo and GLM-4.5 checkpoints, families noria does "
-           "not serve",
 }
 # vLLM leaves the n-gram window to the user; both ends default to this when neither is given.
 DEFAULT_LOOKUP = 5
@@ -46,7 +45,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
     method: Method = "ngram"
     num_speculative_tokens: Annotated[int, Meta(ge=1, le=32)]
-    model: str | None = None  # draft_model, eagle3: the draft checkpoint or head (a local folder, or `demo`)
+    # draft_model, eagle3: the draft checkpoint or head (a local folder, or `demo`); mtp: the target's
+    # own folder (the default)
+    model: str | None = None
     # The draft model's context (its checkpoint's at most): no request is drafted past it.
     max_model_len: Annotated[int, Meta(ge=1)] | None = None
     prompt_lookup_min: Annotated[int, Meta(ge=1)] = DEFAULT_LOOKUP
@@ -64,6 +65,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     def describe(self) -> str:
         """The start-up line's words for it."""
         source = {"draft_model": f"draft model {self.model}", "eagle3": f"EAGLE-3 head {self.model}",
+                  "mtp": f"the MTP layer of {self.model}",
                   "suffix": f"suffix trees of depth {self.suffix_decoding_max_tree_depth}, "
                             f"{self.suffix_decoding_max_cached_requests} responses kept"
                   }.get(self.method, f"n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max}")
@@ -102,7 +104,7 @@ def parse_speculative_config(value: str | dict[str, Any]) -> dict[str, Any]:
     if method not in BUILT:
         raise ValueError(f"--speculative-config method {method!r} is not built in noria yet; it speculates "
                          f"with {', '.join(BUILT)}")
-    if method in ON_WORKER and not value.get("model"):
+    if method in ON_WORKER and method != "mtp" and not value.get("model"):
         what = "the draft checkpoint's folder" if method == "draft_model" else "the EAGLE-3 head's folder"
         raise ValueError(f"--speculative-config method {method!r} needs model ({what})")
     if method == "suffix":  # vLLM's default: as many as the trees are deep

@@ -54,12 +54,16 @@ def test_config_takes_vllms_keys_and_defaults() -> None:
     assert described == "speculative decoding: draft_model, 3 tokens, draft model /d"
     described = SpeculativeConfig(method="eagle3", model="/h", num_speculative_tokens=3).describe()
     assert described == "speculative decoding: eagle3, 3 tokens, EAGLE-3 head /h"
+    # mtp names no model: the served one's own layer (startup fills its folder in).
+    assert parse_speculative_config({"method": "mtp", "num_speculative_tokens": 2})["method"] == "mtp"
+    described = SpeculativeConfig(method="mtp", model="/m", num_speculative_tokens=2).describe()
+    assert described == "speculative decoding: mtp, 2 tokens, the MTP layer of /m"
 
 
 @pytest.mark.parametrize(("value", "says"), [
     ("{", "is not JSON"),
     ("[1]", "JSON object"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "families noria does not serve"),
+    ({"method": "mtp"}, "needs num_speculative_tokens"),
     ({"method": "eagle", "model": "/h", "num_speculative_tokens": 2}, "EAGLE-1 heads are not read"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
     ({"method": "eagle3", "num_speculative_tokens": 2}, "needs model"),

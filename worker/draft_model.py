@@ -153,4 +153,8 @@ def load_drafter(config: EngineConfig, device: torch.device, dtype: torch.dtype,
         from noria.worker.eagle3 import Eagle3Drafter
 
         return Eagle3Drafter(config, device, dtype, weight_dtype, kv_dtype, target)
+    if sc.method == "mtp":
+        from noria.worker.mtp import MtpDrafter
+
+        return MtpDrafter(config, device, dtype, weight_dtype, kv_dtype, target)
     return DraftModel(config, device, dtype, weight_dtype, kv_dtype)

@@ -5,7 +5,7 @@ scheduler's block accounting is the target's alone (a block's bytes are both cac
 over spans of requests' tokens, through the target's block tables.
 
 The hooks the model runner calls are no-ops here; a proposer that tracks which blocks hold
-its KV (the draft model) or reads the target's step (the head) overrides them.
+its KV (the draft model) or reads the target's step (a head: worker/head_drafter.py) overrides them.
 """
 
 from __future__ import annotations
@@ -76,5 +76,6 @@ class PagedDrafter:
     def mark(self, state: RequestState) -> None:
         """A request the worker is done with (dropped, or rebuilt)."""
 
-    def stepped(self, batch: Batch, requests: dict[int, RequestState]) -> None:
-        """The target's step over `batch` has run and its tokens are sampled (and verified)."""
+    def stepped(self, batch: Batch, requests: dict[int, RequestState], hidden: torch.Tensor) -> None:
+        """The target's step over `batch` has run (`hidden`: its output, a row per token) and its
+        tokens are sampled (and verified)."""

@@ -1,30 +1,7 @@
 """EAGLE-3 speculation on the worker (`{"method": "eagle3", "model": HEAD}`): the head
 (worker/eagle3_head.py) proposes each drafted request's next tokens from the target's own
-hidden states, at the start of the step that verifies them (worker/spec_decode.py verifies).
-
-The head's position q reads the token at q + 1 beside the target's hidden states at q (the
-residual stream entering three of its layers, which the target keeps while it runs:
-`CausalLM.capture`). So once the target's step has run and its tokens are sampled and
-verified, every position it computed whose next token is now known (a prompt chunk's every
-one; a decode's, or a verified row's up to and including the last kept token) goes through
-the head in one batched pass (`stepped`), which writes the head's KV there and leaves each
-request's output at its last such position, n - 2 for a request of n tokens: its next pass's
-hidden state. A proposal of k tokens then takes the argmax of that output's logits (the
-first token), and runs the head k - 1 more times, each over the previous proposal at the
-next position beside the previous output. The KV those passes write lies past the request's
-computed tokens; the next `stepped` writes over the positions the target computes.
-
-Unlike the draft model, the head runs over every computed token, drafted or not: it cannot
-catch up later, because the target's hidden states are gone once the step is over. That is
-one layer over the step's tokens, a fraction of the target's cost (1 / its layers, plus
-`fc`), and it is what makes every block the target computed hold the head's KV too, so that
-prefix-cache hits need no bookkeeping. A request's output is kept while the worker lets go
-of it (a swap out and back in rebuilds its worker state without computing anything); one
-without an output at n - 2 is proposed its last token repeated: a guess, which verification
-keeps only where the target agrees.
-
-It runs on the first tensor-parallel rank (the stream is whole on every rank after each
-layer's all_reduce), and propose_drafts broadcasts its proposals.
+hidden states (worker/head_drafter.py says how): the residual stream entering three of its
+layers, which the target keeps while it runs (`CausalLM.capture`), fused by the head's `fc`.
 """
 
 from __future__ import annotations
@@ -36,19 +13,18 @@ import torch
 from noria.protocol.config import EngineConfig
 from noria.protocol.eagle3 import read_eagle3
 from noria.worker.attention_select import attention_layers, select_attention_backend
-from noria.worker.drafter import PagedDrafter, Span
 from noria.worker.eagle3_head import Eagle3Head
+from noria.worker.head_drafter import HeadDrafter
 from noria.worker.kv_cache import KVLayout
 from noria.worker.kv_fp8 import apply_scales
 from noria.worker.loader import built_on
 from noria.worker.models.causal_lm import CausalLM
 from noria.worker.models.ops import choose_ops
-from noria.worker.step_inputs import Batch, RequestState
 
 log = logging.getLogger("noria.worker")
 
 
-class Eagle3Drafter(PagedDrafter):
+class Eagle3Drafter(HeadDrafter):
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  weight_dtype: torch.dtype | None, kv_dtype: torch.dtype, target: CausalLM) -> None:
         sc = config.speculative_config
@@ -68,61 +44,12 @@ class Eagle3Drafter(PagedDrafter):
                          device)
         self.target = target
         target.capture = spec.aux_layers
-        # Per request: (the last position the head has run, its output there).
-        self.last: dict[int, tuple[int, torch.Tensor]] = {}
         log.info("EAGLE-3 head %s: reads the target's layers %s, %d draft tokens, %d KV bytes per block beside "
                  "the target's", self.path, list(spec.aux_layers), spec.draft_vocab, self.layout.bytes_per_block)
 
-    def stepped(self, batch: Batch, requests: dict[int, RequestState]) -> None:
-        """The head over every position of the step whose next token is known."""
+    def features(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         aux, self.target.captured = self.target.captured, []
-        if self.cache is None or not aux:
-            return
-        spans, rows, start_row = [], [], 0
-        meta = batch.meta
-        for state, q, seq in zip(batch.states, meta.query_lens_host, meta.seq_lens_host, strict=True):
-            start, end = seq - q, min(seq, len(state.token_ids) - 1)
-            if end > start:
-                spans.append(Span(state, start, state.token_ids[start + 1:end + 1]))
-                rows.extend(range(start_row, start_row + end - start))
-            start_row += q
-        if spans:
-            if len(rows) < aux[0].shape[0]:  # (a plain decode step keeps every row: no gather)
-                index = torch.tensor(rows, dtype=torch.long, device=self.device)
-                aux = [a[index] for a in aux]
-            hidden = self.head.fuse(aux)
-            input_ids, span_meta, last = self.inputs(spans)
-            out = self.head(input_ids, hidden, span_meta, self.attention, self.layers[0])[last]
-            for i, span in enumerate(spans):  # (re-inserted: the dict is in the order of last use)
-                self.last.pop(span.state.req_id, None)
-                self.last[span.state.req_id] = (span.start + len(span.input_ids) - 1, out[i])
-        # A request the worker let go of may come back (swapped out and in): its output is kept
-        # until the entries of requests gone outnumber the live ones, the longest unused first.
-        gone = [r for r in self.last if r not in requests]
-        for req_id in gone[:max(0, len(gone) - len(requests) - 16)]:
-            del self.last[req_id]
+        return aux
 
-    def propose(self, wanted: list[tuple[RequestState, int]]) -> list[list[int]]:
-        proposals: list[list[int]] = [[] for _ in wanted]
-        live = []
-        for i, (state, k) in enumerate(wanted):
-            entry = self.last.get(state.req_id)
-            if entry is not None and entry[0] == len(state.token_ids) - 2:
-                live.append(i)
-            else:
-                proposals[i] = [state.token_ids[-1]] * k
-        if not live:
-            return proposals
-        hidden = torch.stack([self.last[wanted[i][0].req_id][1] for i in live])
-        step = 0
-        while True:
-            for i, token in zip(live, self.head.propose(hidden), strict=True):
-                proposals[i].append(token)
-            step += 1
-            keep = [j for j, i in enumerate(live) if wanted[i][1] > step]
-            if not keep:
-                return proposals
-            live = [live[j] for j in keep]
-            spans = [Span(wanted[i][0], len(wanted[i][0].token_ids) - 2 + step, [proposals[i][-1]]) for i in live]
-            input_ids, meta, _ = self.inputs(spans)
-            hidden = self.head(input_ids, hidden[keep], meta, self.attention, self.layers[0])
+    def fuse(self, features: list[torch.Tensor]) -> torch.Tensor:
+        return self.head.fuse(features)

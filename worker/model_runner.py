@@ -319,8 +319,8 @@ class ModelRunner:
             result = verify(plan, logits, batch.sample_requests, drafted, self._sample_rows)
         else:
             result = self._sample(plan, logits, batch.sample_requests)
-        if self.drafter is not None:  # (an EAGLE-3 head reads the step's hidden states and tokens)
-            self.drafter.stepped(batch, self.requests)
+        if self.drafter is not None:  # (a head reads the step's hidden states and tokens)
+            self.drafter.stepped(batch, self.requests, hidden)
         self.transfers.hold_exports(batch.sample_requests, self.block_tables.ids, self.block_size)
         return result
 

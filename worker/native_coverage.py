@@ -56,13 +56,14 @@ _RECIPE: dict[str, Callable[[ModelSpec], str | None]] = {
     "quantization": lambda s: None,  # its kinds say: a layer whose kind the driver has no entry for is declined
 }
 # Fields the driver reads as they are (sizes, biases, windows, the post-norms, the scale) or
-# need not know: outside the layers, or the checkpoint's naming, or a sparse layer's own block.
+# need not know: outside the layers, or the checkpoint's naming, or a sparse layer's own block, or
+# the MTP layers beside the decoder (the mtp drafter's).
 _OUTSIDE = {"architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
             "num_kv_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
             "qkv_bias", "o_bias", "mlp_bias", "sliding_windows", "dtype", "context_length", "sandwich_norms",
             "embed_scale", "attn_scale", "final_softcap", "fused_checkpoint", "num_experts",
             "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
-            "router_weights_in_model_dtype", "sparse_layers", "expert_parts"}
+            "router_weights_in_model_dtype", "sparse_layers", "expert_parts", "mtp_layers"}
 
 
 def recipe_reason(spec: ModelSpec) -> str | None:

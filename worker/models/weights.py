@@ -106,8 +106,9 @@ class WeightMap:
 
 def _ignored(name: str) -> bool:
     # Old checkpoints store the rotary buffer (recomputed here); a tied model may still ship an lm_head;
-    # a sequence-classification checkpoint's head is the pooling runner's (worker/score_head.py).
-    return "rotary_emb.inv_freq" in name or name in ("lm_head.weight", "score.weight")
+    # a sequence-classification checkpoint's head is the pooling runner's (worker/score_head.py); MTP
+    # layers (MiMo) are the mtp drafter's (worker/mtp.py).
+    return "rotary_emb.inv_freq" in name or name in ("lm_head.weight", "score.weight") or name.startswith("mtp_layers.")
 
 
 class Part(NamedTuple):
