@@ -28,12 +28,20 @@ from noria import LLM, SamplingParams
 from noria.bench.spec_models import write_eagle3_head
 from noria.protocol.config import EngineConfig
 from noria.protocol.sampling import EngineSamplingParams
-from noria.protocol.speculative import Draft, SpeculativeConfig
+from noria.protocol.speculative import SpeculativeConfig
 from noria.protocol.step import NewRequestData, StepPlan
 from noria.worker.model_runner import ModelRunner
-from tests.test_async_scheduling import _run
+from tests.spec_heads import (
+    HeadReference,
+    bfloat16_equals_speculation_off,
+    mix_equals_speculation_off,
+    outputs_equal_transformers,
+    rms,
+    rope,
+    walk_proposals,
+)
 from tests.test_engine_parity import _hf_greedy, _with_tokenizer
-from tests.test_spec_decode import PREEMPTIONS, _mix
+from tests.test_spec_decode import PREEMPTIONS
 from tests.tiny_models import make_checkpoint
 
 AUX = [1, 2, 4]  # of the target's 6 layers
@@ -59,21 +67,8 @@ def _eagle(head: Path | str, k: int = 3) -> dict:
 # -- the reference ------------------------------------------------------------------------
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
-
-
-def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1]
-    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = pos[:, None].double() * inv[None]
-    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
-    half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
-    return x * cos + half * sin
-
-
-class _Reference:
-    """The head in float64 over a whole sequence, attention recomputed from every key."""
+class _Reference(HeadReference):
+    """The head (tests/spec_heads.py's HeadReference)."""
 
     def __init__(self, target: Path, head: Path, aux: list[int] = AUX) -> None:
         from safetensors.torch import load_file
@@ -90,107 +85,48 @@ class _Reference:
     def layer(self, tokens: list[int], hidden: torch.Tensor, pos: torch.Tensor,
               keys: list[torch.Tensor]) -> torch.Tensor:
         t, p = self.t, "midlayer."
-        x = torch.cat([_rms(self.embed[tokens], t[p + "input_layernorm.weight"]),
-                       _rms(hidden, t[p + "hidden_norm.weight"])], -1)
+        x = torch.cat([rms(self.embed[tokens], t[p + "input_layernorm.weight"]),
+                       rms(hidden, t[p + "hidden_norm.weight"])], -1)
         n_q, heads, kv, hd = len(tokens), self.heads, self.kv, self.hd
-        q = _rope((x @ t[p + "self_attn.q_proj.weight"].T).view(n_q, heads, hd), pos)
-        k = _rope((x @ t[p + "self_attn.k_proj.weight"].T).view(n_q, kv, hd), pos)
+        q = rope((x @ t[p + "self_attn.q_proj.weight"].T).view(n_q, heads, hd), pos)
+        k = rope((x @ t[p + "self_attn.k_proj.weight"].T).view(n_q, kv, hd), pos)
         v = (x @ t[p + "self_attn.v_proj.weight"].T).view(n_q, kv, hd)
-        keys[0], keys[1] = torch.cat([keys[0], k]), torch.cat([keys[1], v])
-        kk, vv = keys[0].repeat_interleave(heads // kv, 1), keys[1].repeat_interleave(heads // kv, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, kk) / hd**0.5
-        n = kk.shape[0]
-        scores = scores.masked_fill(torch.arange(n)[None, :] > (n - n_q + torch.arange(n_q))[:, None], float("-inf"))
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv).reshape(n_q, heads * hd)
-        h = attn @ t[p + "self_attn.o_proj.weight"].T + hidden
-        m = _rms(h, t[p + "post_attention_layernorm.weight"])
+        h = self.attend(q, k, v, keys) @ t[p + "self_attn.o_proj.weight"].T + hidden
+        m = rms(h, t[p + "post_attention_layernorm.weight"])
         return (F.silu(m @ t[p + "mlp.gate_proj.weight"].T) * (m @ t[p + "mlp.up_proj.weight"].T)) \
             @ t[p + "mlp.down_proj.weight"].T + h
 
     def token(self, out: torch.Tensor) -> int:
-        best = int((_rms(out, self.t["norm.weight"]) @ self.t["lm_head.weight"].T).argmax())
+        best = int((rms(out, self.t["norm.weight"]) @ self.t["lm_head.weight"].T).argmax())
         return best + int(self.t["d2t"][best])
 
-    def drafts(self, tokens: list[int], k: int) -> list[int]:
-        """The head's k proposals after `tokens`, all but the last of which the target has computed."""
+    def output(self, tokens: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         with torch.no_grad():
             states = self.target(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
         fused = torch.cat([states[i][0] for i in self.aux], -1) @ self.t["fc.weight"].T
-        keys = [torch.zeros(0, self.kv, self.hd, dtype=torch.float64)] * 2
-        out = self.layer(tokens[1:], fused, torch.arange(len(tokens) - 1), keys)[-1:]
-        proposals = [self.token(out[0])]
-        for step in range(1, k):
-            out = self.layer(proposals[-1:], out, torch.tensor([len(tokens) - 2 + step]), keys)
-            proposals.append(self.token(out[0]))
-        return proposals
+        keys = self.no_keys()
+        return self.layer(tokens[1:], fused, torch.arange(len(tokens) - 1), keys)[-1:], keys
 
 
 def test_head_proposals_equal_a_float64_reference(pair: tuple[Path, Path]) -> None:
-    """A prompt in two chunks, then two decodes, the second verifying a draft, then the request's
-    worker state rebuilt: after each, the head's proposals are the reference's over its tokens."""
+    """The head's proposals are the reference's after every step of tests/spec_heads.py's walk
+    (prompt chunks, decodes, a verified draft, the request's worker state rebuilt)."""
     target, head = pair
     ref = _Reference(target, head)
     runner = ModelRunner(EngineConfig(model=str(target), dtype="float32", num_kv_blocks=32, block_size=16,
                                       num_threads=2, speculative_config=SpeculativeConfig(**_eagle(head))))
-    rng = random.Random(4)
-    prompt = [rng.randrange(5, 700) for _ in range(40)]
-    new = NewRequestData(0, prompt, [3, 1, 4, 5], 0, 0, len(prompt))
-    greedy = [EngineSamplingParams(temperature=0.0)]
-    runner.execute(StepPlan(0, [(0, 25)], new_requests=[new], params=greedy))
-    runner.execute(StepPlan(1, [(0, 15)], params=greedy))
-    state = runner.requests[0]
-    for step in (2, 3):
-        proposals = runner.drafter.propose([(state, 3)])[0]
-        assert proposals == ref.drafts(state.token_ids, 3), f"after {len(state.token_ids)} tokens"
-        draft = [Draft(0, proposals[:2])] if step == 3 else []
-        runner.execute(StepPlan(step, [(0, 1 + sum(len(d.token_ids) for d in draft))], drafts=draft, params=greedy))
-    assert runner.drafter.propose([(state, 4)])[0] == ref.drafts(state.token_ids, 4)
-    # Swapped out and back in: the worker rebuilds the request's state and computes nothing; the
-    # head still has its output (and its KV moved with the blocks).
-    tokens = list(state.token_ids)
-    other = NewRequestData(1, prompt[:10], [6], 0, 0, 10)  # a step runs while it is out
-    runner.execute(StepPlan(4, [(1, 10)], finished_req_ids=[0], new_requests=[other], params=greedy))
-    runner.execute(StepPlan(5, [], new_requests=[
-        NewRequestData(0, tokens, [3, 1, 4, 5], len(tokens) - 1, 0, len(prompt))], params=greedy))
-    assert runner.requests[0] is not state
-    assert runner.drafter.propose([(runner.requests[0], 3)])[0] == ref.drafts(tokens, 3)
+    walk_proposals(runner, ref.drafts)
 
 
 def test_outputs_equal_speculation_off_and_transformers(pair: tuple[Path, Path]) -> None:
     target, head = pair
-    rng = random.Random(2)
-    prompts = [[rng.randrange(5, 700) for _ in range(rng.randint(2, 40) if i else 40)] for i in range(6)]
-    # Shared prefixes: cached blocks hold the head's KV too (it ran over every computed token).
-    prompts += [prompts[0][:34] + [7, 8], prompts[0][:34] + [9]]
-    max_new = [rng.randint(8, 30) for _ in prompts]
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_new]
-    with LLM(str(target), dtype="float32", max_num_seqs=4, enable_prefix_caching=True,
-             speculative_config=_eagle(head)) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        st = llm.stats()
-    for p, m, out in zip(prompts, max_new, outs, strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(str(target), p, m), f"prompt of {len(p)} tokens"
-    assert st.spec_drafts > 0 and st.prefix_cache_hits > 0, st
-    assert st.blocks_consistent and st.num_free_blocks == st.num_kv_blocks
+    outputs_equal_transformers(target, _eagle(head), target)
 
 
 @PREEMPTIONS
 def test_sampling_mix_equals_speculation_off(pair: tuple[Path, Path], flags: dict) -> None:
-    """tests/test_spec_decode.py's mix (seeds, penalties, n > 1, logprobs, stops, structured
-    output, which the head does not draft) with and without the head."""
     target, head = pair
-    results, stats = {}, {}
-    for spec in (None, _eagle(head)):
-        with LLM(str(target), dtype="float32", speculative_config=spec, max_num_seqs=8, **flags) as llm:
-            results[spec is not None] = _run(llm, *_mix())
-            stats[spec is not None] = llm.stats()
-    assert results[True][0] == results[False][0]
-    assert results[True][1] == pytest.approx(results[False][1], abs=1e-4)
-    assert stats[True].spec_drafts > 0, stats[True]
-    if "preemption_mode" in flags:
-        assert stats[True].num_preemptions > 0, stats[True]
-    for st in stats.values():
-        assert st.blocks_consistent and st.num_free_blocks == st.num_kv_blocks and st.num_running == 0
+    mix_equals_speculation_off(target, _eagle(head), flags)
 
 
 def test_two_ranks_own_embedding_and_the_authors_format(pair: tuple[Path, Path], tmp_path: Path) -> None:
@@ -249,16 +185,5 @@ def test_heads_that_do_not_fit_are_refused_in_one_sentence(pair: tuple[Path, Pat
 
 
 def test_bfloat16_equals_speculation_off(pair: tuple[Path, Path]) -> None:
-    """The CPU's bf16 mode (bf16 weights and KV cache, the head's too): greedy outputs equal
-    speculation off in the same mode."""
     target, head = pair
-    rng = random.Random(6)
-    prompts = [[rng.randrange(5, 700) for _ in range(rng.randint(2, 40))] for _ in range(4)]
-    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
-    outs, stats = {}, {}
-    for spec in (None, _eagle(head)):
-        with LLM(str(target), dtype="bfloat16", max_num_seqs=4, speculative_config=spec) as llm:
-            outs[spec is not None] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            stats[spec is not None] = llm.stats()
-    assert outs[True] == outs[False]
-    assert stats[True].spec_drafts > 0, stats[True]
+    bfloat16_equals_speculation_off(target, _eagle(head))

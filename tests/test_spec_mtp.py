@@ -16,7 +16,6 @@ swap and with prefix caching; what it cannot serve is refused in one sentence.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -24,15 +23,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from noria import LLM, SamplingParams
+from noria import LLM
 from noria.protocol.config import EngineConfig
-from noria.protocol.sampling import EngineSamplingParams
-from noria.protocol.speculative import Draft, SpeculativeConfig
-from noria.protocol.step import NewRequestData, StepPlan
+from noria.protocol.speculative import SpeculativeConfig
 from noria.worker.model_runner import ModelRunner
-from tests.test_async_scheduling import _run
-from tests.test_engine_parity import _hf_greedy, _with_tokenizer
-from tests.test_spec_decode import PREEMPTIONS, _mix
+from noria.worker.step_inputs import RequestState
+from tests.spec_heads import (
+    HeadReference,
+    bfloat16_equals_speculation_off,
+    mix_equals_speculation_off,
+    outputs_equal_transformers,
+    rms,
+    rope,
+    walk_proposals,
+)
+from tests.test_engine_parity import _with_tokenizer
+from tests.test_spec_decode import PREEMPTIONS
 from tests.tiny_models import MTP, add_mtp_layer, make_checkpoint
 
 
@@ -58,8 +64,8 @@ def _mtp(k: int = 3) -> dict:
 # -- the reference ------------------------------------------------------------------------
 
 
-class _Reference:
-    """The MTP layer in float64 over a whole sequence, attention recomputed from every key."""
+class _Reference(HeadReference):
+    """The MTP layer (tests/spec_heads.py's HeadReference)."""
 
     def __init__(self, qwen2: Path, mimo: Path) -> None:
         from safetensors.torch import load_file
@@ -69,140 +75,65 @@ class _Reference:
         self.heads, self.kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.hd = cfg.get("head_dim") or cfg["hidden_size"] // self.heads
         self.eps = cfg["rms_norm_eps"]
-        rope = cfg.get("rope_parameters") or {}
-        self.theta = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
-        self.t = {k.removeprefix(MTP): v.double() for k, v in load_file(mimo / "model-mtp.safetensors").items()
-                  if k.startswith(MTP)}
+        self.theta = float((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 1e4)
+        self.t = {k.removeprefix(MTP): v.double() for k, v in load_file(mimo / "model-mtp.safetensors").items()}
         self.target = AutoModelForCausalLM.from_pretrained(str(qwen2), dtype=torch.float64).eval()
         self.embed = self.target.model.embed_tokens.weight.detach()
         self.lm_head = self.target.lm_head.weight.detach()
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
-
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1]
-        inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        ang = pos[:, None].double() * inv[None]
-        cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
-        half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
-        return x * cos + half * sin
-
     def layer(self, tokens: list[int], hidden: torch.Tensor, pos: torch.Tensor,
               keys: list[torch.Tensor]) -> torch.Tensor:
-        t, rms = self.t, self._rms
+        t, eps = self.t, self.eps
         emb = self.embed[tokens] * (pos != 0)[:, None]
-        x = torch.cat([rms(hidden, t["hidden_layernorm.weight"]), rms(emb, t["token_layernorm.weight"])], -1)
+        x = torch.cat([rms(hidden, t["hidden_layernorm.weight"], eps), rms(emb, t["token_layernorm.weight"], eps)], -1)
         x = x @ t["input_proj.weight"].T
-        a = rms(x, t["input_layernorm.weight"])
-        n_q, heads, kv, hd = len(tokens), self.heads, self.kv, self.hd
+        a = rms(x, t["input_layernorm.weight"], eps)
 
         def proj(name: str, n: int) -> torch.Tensor:
-            return (a @ t[f"self_attn.{name}.weight"].T + t[f"self_attn.{name}.bias"]).view(n_q, n, hd)
+            return (a @ t[f"self_attn.{name}.weight"].T + t[f"self_attn.{name}.bias"]).view(len(tokens), n, self.hd)
 
-        q, k, v = self._rope(proj("q_proj", heads), pos), self._rope(proj("k_proj", kv), pos), proj("v_proj", kv)
-        keys[0], keys[1] = torch.cat([keys[0], k]), torch.cat([keys[1], v])
-        kk, vv = keys[0].repeat_interleave(heads // kv, 1), keys[1].repeat_interleave(heads // kv, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, kk) / hd**0.5
-        n = kk.shape[0]
-        scores = scores.masked_fill(torch.arange(n)[None, :] > (n - n_q + torch.arange(n_q))[:, None], float("-inf"))
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv).reshape(n_q, heads * hd)
-        h = attn @ t["self_attn.o_proj.weight"].T + x
-        m = rms(h, t["post_attention_layernorm.weight"])
+        q, k = rope(proj("q_proj", self.heads), pos, self.theta), rope(proj("k_proj", self.kv), pos, self.theta)
+        h = self.attend(q, k, proj("v_proj", self.kv), keys) @ t["self_attn.o_proj.weight"].T + x
+        m = rms(h, t["post_attention_layernorm.weight"], eps)
         h = (F.silu(m @ t["mlp.gate_proj.weight"].T) * (m @ t["mlp.up_proj.weight"].T)) @ t["mlp.down_proj.weight"].T + h
-        return rms(h, t["final_layernorm.weight"])
+        return rms(h, t["final_layernorm.weight"], eps)
 
     def token(self, out: torch.Tensor) -> int:
         return int((out @ self.lm_head.T).argmax())
 
     def output(self, tokens: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The layer's output at the last position the target has computed (all but the last
-        token of `tokens`), and its keys and values so far."""
         with torch.no_grad():
             hidden = self.target.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
-        keys = [torch.zeros(0, self.kv, self.hd, dtype=torch.float64)] * 2
+        keys = self.no_keys()
         return self.layer(tokens[1:], hidden, torch.arange(len(tokens) - 1), keys)[-1:], keys
-
-    def drafts(self, tokens: list[int], k: int) -> list[int]:
-        """The layer's k proposals after `tokens`, all but the last of which the target has computed."""
-        out, keys = self.output(tokens)
-        proposals = [self.token(out[0])]
-        for step in range(1, k):
-            out = self.layer(proposals[-1:], out, torch.tensor([len(tokens) - 2 + step]), keys)
-            proposals.append(self.token(out[0]))
-        return proposals
 
 
 def test_mtp_proposals_equal_a_float64_reference(pair: tuple[Path, Path]) -> None:
-    """A prompt in two chunks, then two decodes, the second verifying a draft, then the request's
-    worker state rebuilt: after each, the layer's proposals are the reference's over its tokens."""
+    """The layer's proposals are the reference's after every step of tests/spec_heads.py's walk
+    (prompt chunks, decodes, a verified draft, the request's worker state rebuilt)."""
     qwen2, mimo = pair
     ref = _Reference(qwen2, mimo)
     runner = ModelRunner(EngineConfig(model=str(mimo), dtype="float32", num_kv_blocks=32, block_size=16,
                                       num_threads=2, speculative_config=SpeculativeConfig(**_mtp())))
-    rng = random.Random(4)
-    prompt = [rng.randrange(5, 700) for _ in range(40)]
-    new = NewRequestData(0, prompt, [3, 1, 4, 5], 0, 0, len(prompt))
-    greedy = [EngineSamplingParams(temperature=0.0)]
-    runner.execute(StepPlan(0, [(0, 25)], new_requests=[new], params=greedy))
-    runner.execute(StepPlan(1, [(0, 15)], params=greedy))
-    state = runner.requests[0]
-    # The output itself, not only its argmax (a wrong zero at position 0 moves it a little).
-    position, out = runner.drafter.last[0]
-    assert position == len(state.token_ids) - 2
-    torch.testing.assert_close(out.double(), ref.output(state.token_ids)[0][0], atol=2e-5, rtol=0)
-    for step in (2, 3):
-        proposals = runner.drafter.propose([(state, 3)])[0]
-        assert proposals == ref.drafts(state.token_ids, 3), f"after {len(state.token_ids)} tokens"
-        draft = [Draft(0, proposals[:2])] if step == 3 else []
-        runner.execute(StepPlan(step, [(0, 1 + sum(len(d.token_ids) for d in draft))], drafts=draft, params=greedy))
-    assert runner.drafter.propose([(state, 4)])[0] == ref.drafts(state.token_ids, 4)
-    # Swapped out and back in: the worker rebuilds the request's state and computes nothing; the
-    # layer still has its output (and its KV moved with the blocks).
-    tokens = list(state.token_ids)
-    other = NewRequestData(1, prompt[:10], [6], 0, 0, 10)  # a step runs while it is out
-    runner.execute(StepPlan(4, [(1, 10)], finished_req_ids=[0], new_requests=[other], params=greedy))
-    runner.execute(StepPlan(5, [], new_requests=[
-        NewRequestData(0, tokens, [3, 1, 4, 5], len(tokens) - 1, 0, len(prompt))], params=greedy))
-    assert runner.requests[0] is not state
-    assert runner.drafter.propose([(runner.requests[0], 3)])[0] == ref.drafts(tokens, 3)
+
+    def output_as_the_reference(state: RequestState) -> None:
+        # The output itself, not only its argmax (a wrong zero at position 0 moves it a little).
+        position, out = runner.drafter.last[0]
+        assert position == len(state.token_ids) - 2
+        torch.testing.assert_close(out.double(), ref.output(state.token_ids)[0][0], atol=2e-5, rtol=0)
+
+    walk_proposals(runner, ref.drafts, output_as_the_reference)
 
 
 def test_outputs_equal_speculation_off_and_transformers(pair: tuple[Path, Path]) -> None:
     qwen2, mimo = pair
-    rng = random.Random(2)
-    prompts = [[rng.randrange(5, 700) for _ in range(rng.randint(2, 40) if i else 40)] for i in range(6)]
-    # Shared prefixes: cached blocks hold the layer's KV too (it ran over every computed token).
-    prompts += [prompts[0][:34] + [7, 8], prompts[0][:34] + [9]]
-    max_new = [rng.randint(8, 30) for _ in prompts]
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_new]
-    with LLM(str(mimo), dtype="float32", max_num_seqs=4, enable_prefix_caching=True,
-             speculative_config=_mtp()) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        st = llm.stats()
-    for p, m, out in zip(prompts, max_new, outs, strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(str(qwen2), p, m), f"prompt of {len(p)} tokens"
-    assert st.spec_drafts > 0 and st.prefix_cache_hits > 0, st
-    assert st.blocks_consistent and st.num_free_blocks == st.num_kv_blocks
+    outputs_equal_transformers(mimo, _mtp(), qwen2)
 
 
 @PREEMPTIONS
 def test_sampling_mix_equals_speculation_off(pair: tuple[Path, Path], flags: dict) -> None:
-    """tests/test_spec_decode.py's mix (seeds, penalties, n > 1, logprobs, stops, structured
-    output) with and without the MTP layer."""
     _, mimo = pair
-    results, stats = {}, {}
-    for spec in (None, _mtp(2)):
-        with LLM(str(mimo), dtype="float32", speculative_config=spec, max_num_seqs=8, **flags) as llm:
-            results[spec is not None] = _run(llm, *_mix())
-            stats[spec is not None] = llm.stats()
-    assert results[True][0] == results[False][0]
-    assert results[True][1] == pytest.approx(results[False][1], abs=1e-4)
-    assert stats[True].spec_drafts > 0, stats[True]
-    if "preemption_mode" in flags:
-        assert stats[True].num_preemptions > 0, stats[True]
-    for st in stats.values():
-        assert st.blocks_consistent and st.num_free_blocks == st.num_kv_blocks and st.num_running == 0
+    mix_equals_speculation_off(mimo, _mtp(2), flags)
 
 
 def test_what_mtp_cannot_serve_is_refused_in_one_sentence(pair: tuple[Path, Path], tmp_path: Path) -> None:
@@ -223,16 +154,5 @@ def test_what_mtp_cannot_serve_is_refused_in_one_sentence(pair: tuple[Path, Path
 
 
 def test_bfloat16_equals_speculation_off(pair: tuple[Path, Path]) -> None:
-    """The CPU's bf16 mode (bf16 weights and KV cache, the MTP layer's too): greedy outputs equal
-    speculation off in the same mode."""
     _, mimo = pair
-    rng = random.Random(6)
-    prompts = [[rng.randrange(5, 700) for _ in range(rng.randint(2, 40))] for _ in range(4)]
-    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
-    outs, stats = {}, {}
-    for spec in (None, _mtp()):
-        with LLM(str(mimo), dtype="bfloat16", max_num_seqs=4, speculative_config=spec) as llm:
-            outs[spec is not None] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            stats[spec is not None] = llm.stats()
-    assert outs[True] == outs[False]
-    assert stats[True].spec_drafts > 0, stats[True]
+    bfloat16_equals_speculation_off(mimo, _mtp())
