@@ -227,6 +227,24 @@ def test_replay_gives_an_eagle3_head_the_layer_inputs_of_eager_steps(tmp_path: P
     assert_same_head_outputs(got_heads, want_heads, 1e-5)
 
 
+def test_replay_gives_an_mtp_layer_the_outputs_of_eager_steps(tmp_path: Path) -> None:
+    """Decode steps replayed with a MiMo checkpoint's MTP layer drafting: the layer reads the
+    target's output rows as the replay returns them (views of the graph's buffers, valid until
+    the next replay); its outputs after every step are the eager runner's, and so are the tokens."""
+    target = make_checkpoint("mimo", tmp_path / "mimo", num_hidden_layers=3)
+    spec = SpeculativeConfig(method="mtp", model=str(target), num_speculative_tokens=2)
+    eager = make_runner(target, speculative_config=spec)
+    replayed = make_runner(target, speculative_config=spec, cuda_graph_sizes=[1, 4, 8, 16])
+    graphs = EagerGraphs.install(replayed)
+    want_heads, got_heads = _head_outputs(eager), _head_outputs(replayed)
+    want, _ = drive(eager, PARAMS[0])
+    got, _ = drive(replayed, PARAMS[0])
+    assert got == want
+    assert graphs.replayed and {size for size, n in graphs.replayed if n < size}
+    assert len(got_heads) == len(want_heads) > len(graphs.replayed)
+    assert_same_head_outputs(got_heads, want_heads, 1e-5)
+
+
 def assert_same_head_outputs(got: list[dict[int, tuple[int, torch.Tensor]]],
                              want: list[dict[int, tuple[int, torch.Tensor]]], tol: float) -> None:
     """Step by step, the same requests with the head's outputs at the same positions."""
@@ -244,8 +262,8 @@ def _head_outputs(runner: ModelRunner) -> list[dict[int, tuple[int, torch.Tensor
     drafter = runner.drafter
     stepped = drafter.stepped
 
-    def record(batch: object, requests: object) -> None:
-        stepped(batch, requests)
+    def record(batch: object, requests: object, hidden: torch.Tensor) -> None:
+        stepped(batch, requests, hidden)
         seen.append({rid: (pos, out.clone()) for rid, (pos, out) in drafter.last.items()})
 
     drafter.stepped = record
