@@ -3,7 +3,8 @@
 Per configuration (`off`; n-gram prompt lookup with k tokens, `ngram-k`; suffix decoding proposing
 up to k, `suffix-k`; a draft model proposing
 k tokens: the target itself, `self-k`, or its first L layers, `headL-k`; a random EAGLE-3 head,
-`eagle3-k`, which measures what a head costs when it is always wrong), `LLM.generate` on
+`eagle3-k`, which measures what a head costs when it is always wrong; the same model as a MiMo
+checkpoint drafting with its random MTP layer, `mtp-k`, the same measure for it), `LLM.generate` on
 the "small" Llama (or, `--inert-after L`, the same model with its layers from L on adding
 nothing, which its L-layer head drafts perfectly: bench/spec_models.py) in the dtype given (bf16
 by default, as checkpoints ship):
@@ -37,29 +38,37 @@ from typing import Any
 
 from noria.bench import spec_llama_cpp
 from noria.bench.plots import pyplot, save_rows
-from noria.bench.spec_models import eagle3_checkpoint, head_checkpoint, inert_checkpoint
+from noria.bench.spec_models import (
+    eagle3_checkpoint,
+    head_checkpoint,
+    inert_checkpoint,
+    mimo_checkpoint,
+)
 from noria.bench.workloads import CHECKPOINTS, w1
 
 
 def _config(name: str, lookup: tuple[int, int], model: Path | None = None) -> dict[str, Any] | None:
     """`off`, `ngram-K`, `suffix-K`, `self-K` (the target drafts for itself), `headL-K` (a draft
-    of the target's first L layers) or `eagle3-K` (a random EAGLE-3 head: bench/spec_models.py);
-    `model` None only checks the name."""
+    of the target's first L layers), `eagle3-K` (a random EAGLE-3 head: bench/spec_models.py) or
+    `mtp-K` (the target as a MiMo checkpoint, its random MTP layer drafting: run_config serves
+    that copy); `model` None only checks the name."""
     if name == "off":
         return None
     if spec_llama_cpp.is_llama_cpp(name):
         spec_llama_cpp.method_of(name)
         return None
     method, _, k = name.rpartition("-")
-    if not k.isdigit() or not (method in ("ngram", "suffix", "self", "eagle3")
+    if not k.isdigit() or not (method in ("ngram", "suffix", "self", "eagle3", "mtp")
                                or method.startswith("head") and method[4:].isdigit()):
-        raise SystemExit(f"unknown config {name!r}: off, ngram-K, suffix-K, self-K, headL-K, eagle3-K "
+        raise SystemExit(f"unknown config {name!r}: off, ngram-K, suffix-K, self-K, headL-K, eagle3-K, mtp-K "
                          f"or llama.cpp-{{off,ngram-K,self-K,headL-K}}")
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": lookup[0],
                 "prompt_lookup_max": lookup[1]}
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": int(k)}
+    if method == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": int(k)}
     if method == "eagle3":
         head = None if model is None else eagle3_checkpoint(model)
         return {"method": "eagle3", "model": str(head), "num_speculative_tokens": int(k)}
@@ -109,6 +118,8 @@ def run_config(name: str, model: Path, args: argparse.Namespace) -> dict[str, An
     sampled = [SamplingParams(max_tokens=m, temperature=1.0, seed=i, ignore_eos=True)
                for i, (_, m) in enumerate(work)]
     spec = _config(name, args.lookup, model)
+    if spec is not None and spec["method"] == "mtp":  # the same network, with an MTP layer beside it
+        model = mimo_checkpoint(model)
     row: dict[str, Any] = {"config": name}
     with LLM(str(model), dtype=args.dtype, speculative_config=spec, num_kv_blocks=args.num_kv_blocks) as llm:
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
@@ -190,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="noria bench spec", description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="off,ngram-2,ngram-4",
                     help="comma-separated: off, ngram-K, suffix-K, self-K (the target as its own draft), headL-K "
-                         "(a draft of the target's first L layers), eagle3-K (a random head), and llama.cpp's own: "
+                         "(a draft of the target's first L layers), eagle3-K (a random head), mtp-K (the target as a MiMo "
+                         "checkpoint, its random MTP layer drafting), and llama.cpp's own: "
                          "llama.cpp-off, llama.cpp-ngram-K, llama.cpp-self-K, llama.cpp-headL-K")
     ap.add_argument("--inert-after", type=int, default=None, metavar="L",
                     help="the target with its layers from L on adding nothing (bench/spec_models.py), so that "

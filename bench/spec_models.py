@@ -14,6 +14,8 @@ beside it in the cache.
   exists for a random model, and none can be constructed that agrees with it (one trained on
   the model's own greedy outputs learned its training prompts' loop tokens and kept no proposal
   on W1's): its row measures what a head costs when it is always wrong.
+- `mimo_checkpoint(model)`: the model as a MiMo checkpoint with a seeded random MTP layer beside
+  it (`add_mtp_layer`, which the tests use too): the same measure for an MTP layer.
 """
 
 from __future__ import annotations
@@ -136,3 +138,79 @@ def eagle3_checkpoint(model: Path) -> Path:
         return path
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     return write_checkpoint(path, lambda tmp: write_eagle3_head(model, tmp, draft_vocab=vocab // 4), model)
+
+
+MTP = "model.mtp_layers.0."  # a MiMo checkpoint's first multi-token-prediction layer
+
+
+def add_mtp_layer(path: Path, seed: int = 7) -> Path:
+    """The checkpoint in `path` (Qwen2's layers: q/k/v biases) made a MiMo one, in place: its
+    config renamed and an MTP layer of seeded random weights (MiMo's names and shapes) added in a
+    shard of its own, named by the index."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(architectures=["MiMoForCausalLM"], model_type="mimo", num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.1
+
+    layer = {"token_layernorm.weight": 1 + rand(h), "hidden_layernorm.weight": 1 + rand(h),
+             "final_layernorm.weight": 1 + rand(h), "input_proj.weight": rand(h, 2 * h),
+             "input_layernorm.weight": 1 + rand(h), "post_attention_layernorm.weight": 1 + rand(h),
+             "self_attn.q_proj.weight": rand(q, h), "self_attn.q_proj.bias": rand(q),
+             "self_attn.k_proj.weight": rand(kv, h), "self_attn.k_proj.bias": rand(kv),
+             "self_attn.v_proj.weight": rand(kv, h), "self_attn.v_proj.bias": rand(kv),
+             "self_attn.o_proj.weight": rand(h, q), "mlp.gate_proj.weight": rand(inter, h),
+             "mlp.up_proj.weight": rand(inter, h), "mlp.down_proj.weight": rand(h, inter)}
+    save_file({MTP + k: v.contiguous() for k, v in layer.items()}, path / "model-mtp.safetensors",
+              metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+    else:
+        data = {"metadata": {}, "weight_map": dict.fromkeys(_names(path / "model.safetensors"), "model.safetensors")}
+    data["weight_map"].update(dict.fromkeys((MTP + k for k in layer), "model-mtp.safetensors"))
+    index.write_text(json.dumps(data, indent=2))
+    return path
+
+
+def _names(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return list(f.keys())  # noqa: SIM118 - safe_open is not a mapping
+
+
+def mimo_checkpoint(model: Path) -> Path:
+    """`model` (a Llama) as a MiMo checkpoint, made once beside it: the same decoder with zero
+    q/k/v biases (Qwen2's layer has them; adding zero is exact, so its outputs are the Llama's)
+    and a seeded random MTP layer, which measures what an MTP layer costs when it is always wrong."""
+    from safetensors.torch import save_file
+
+    from noria.worker.loader import checkpoint_files, iter_weights
+
+    path = model.with_name(f"{model.name}-mimo")
+    if (path / "complete").exists():
+        return path
+
+    def save(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        weights = {}
+        for key, value in iter_weights(checkpoint_files(model)):
+            weights[key] = value.contiguous()
+            if key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+                weights[key.removesuffix("weight") + "bias"] = value.new_zeros(value.shape[0])
+        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((model / "config.json").read_text())
+        config.update(use_sliding_window=False, max_window_layers=config["num_hidden_layers"])
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        add_mtp_layer(tmp)
+
+    return write_checkpoint(path, save, model)

@@ -16,6 +16,7 @@ swap and with prefix caching; what it cannot serve is refused in one sentence.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -23,7 +24,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from noria import LLM
+from noria import LLM, SamplingParams
+from noria.bench.spec_models import MTP, add_mtp_layer
 from noria.protocol.config import EngineConfig
 from noria.protocol.speculative import SpeculativeConfig
 from noria.worker.model_runner import ModelRunner
@@ -37,9 +39,9 @@ from tests.spec_heads import (
     rope,
     walk_proposals,
 )
-from tests.test_engine_parity import _with_tokenizer
+from tests.test_engine_parity import _hf_greedy, _with_tokenizer
 from tests.test_spec_decode import PREEMPTIONS
-from tests.tiny_models import MTP, add_mtp_layer, make_checkpoint
+from tests.tiny_models import make_checkpoint
 
 
 def make_mimo(qwen2: Path, path: Path) -> Path:
@@ -156,3 +158,23 @@ def test_what_mtp_cannot_serve_is_refused_in_one_sentence(pair: tuple[Path, Path
 def test_bfloat16_equals_speculation_off(pair: tuple[Path, Path]) -> None:
     _, mimo = pair
     bfloat16_equals_speculation_off(mimo, _mtp())
+
+
+def test_the_benchmarks_mimo_copy_of_a_llama_serves_its_outputs(tmp_path: Path, demo_path: Path) -> None:
+    """`noria bench spec`'s `mtp-K` rows serve the benchmark's Llama as a MiMo checkpoint (zero
+    q/k/v biases and a random MTP layer beside it): its greedy outputs are the Llama's."""
+    from noria.bench import spec
+    from noria.bench.spec_models import mimo_checkpoint
+
+    llama = _with_tokenizer(make_checkpoint("llama", tmp_path / "llama", num_hidden_layers=3, vocab_size=706),
+                            demo_path)
+    assert spec._config("mtp-4", (1, 3), llama) == _mtp(4)
+    mimo = mimo_checkpoint(llama)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(5, 700) for _ in range(rng.randint(2, 30))] for _ in range(3)]
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True) for _ in prompts]
+    with LLM(str(mimo), dtype="float32", max_num_seqs=4, speculative_config=_mtp()) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.stats().spec_drafts > 0
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(str(llama), p, 16)

@@ -12,7 +12,6 @@ default so that attention and context visibly change the greedy output.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +164,8 @@ def make_checkpoint(
     path = Path(path)
     if arch == "mimo":  # not in transformers: Qwen2's decoder, with an MTP layer beside it
         make_checkpoint("qwen2", path, tied=tied, shard=shard, seed=seed, **overrides)
+        from noria.bench.spec_models import add_mtp_layer
+
         return add_mtp_layer(path, seed=seed + 7)
     from transformers.utils import logging
 
@@ -172,52 +173,6 @@ def make_checkpoint(
     model = make_model(arch, tied=tied, seed=seed, **overrides)
     model.save_pretrained(str(path), max_shard_size="100KB" if shard else "50GB")
     return path
-
-
-MTP = "model.mtp_layers.0."  # a MiMo checkpoint's first multi-token-prediction layer
-
-
-def add_mtp_layer(path: Path, seed: int = 7) -> Path:
-    """The Qwen2 checkpoint in `path` made a MiMo one, in place: its config renamed and an MTP
-    layer of seeded random weights (MiMo's names and shapes) added to its weights."""
-    from safetensors.torch import save_file
-
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(architectures=["MiMoForCausalLM"], model_type="mimo", num_nextn_predict_layers=1)
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.1
-
-    layer = {"token_layernorm.weight": 1 + rand(h), "hidden_layernorm.weight": 1 + rand(h),
-             "final_layernorm.weight": 1 + rand(h), "input_proj.weight": rand(h, 2 * h),
-             "input_layernorm.weight": 1 + rand(h), "post_attention_layernorm.weight": 1 + rand(h),
-             "self_attn.q_proj.weight": rand(q, h), "self_attn.q_proj.bias": rand(q),
-             "self_attn.k_proj.weight": rand(kv, h), "self_attn.k_proj.bias": rand(kv),
-             "self_attn.v_proj.weight": rand(kv, h), "self_attn.v_proj.bias": rand(kv),
-             "self_attn.o_proj.weight": rand(h, q), "mlp.gate_proj.weight": rand(inter, h),
-             "mlp.up_proj.weight": rand(inter, h), "mlp.down_proj.weight": rand(h, inter)}
-    save_file({MTP + k: v.contiguous() for k, v in layer.items()}, path / "model-mtp.safetensors",
-              metadata={"format": "pt"})
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        data = json.loads(index.read_text())
-    else:
-        data = {"metadata": {}, "weight_map": dict.fromkeys(_names(path / "model.safetensors"), "model.safetensors")}
-    data["weight_map"].update(dict.fromkeys((MTP + k for k in layer), "model-mtp.safetensors"))
-    index.write_text(json.dumps(data, indent=2))
-    return path
-
-
-def _names(file: Path) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(str(file), framework="pt") as f:
-        return list(f.keys())  # noqa: SIM118 - safe_open is not a mapping
 
 
 def load_reference(path: str | Path) -> Any:
