@@ -37,7 +37,9 @@ Positive = Annotated[int, Meta(ge=1)]
 def load_tokenizer(model_path: str) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    # noria runs no checkpoint's own code: a config.json naming some (MiMo's `auto_map`) would
+    # otherwise have transformers ask on the terminal whether to run it.
+    return AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
 
 
 def eos_token_ids(model_path: str, tokenizer: Any) -> list[int]:

@@ -178,3 +178,22 @@ def test_the_benchmarks_mimo_copy_of_a_llama_serves_its_outputs(tmp_path: Path, 
         assert llm.stats().spec_drafts > 0
     for p, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == _hf_greedy(str(llama), p, 16)
+
+
+def test_a_checkpoint_naming_its_own_code_loads_without_asking(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """MiMo's published config.json names its modeling code (`auto_map`, for transformers'
+    trust_remote_code): the tokenizer loads without transformers asking whether to run it."""
+    import subprocess
+    import sys
+
+    _, mimo = pair
+    folder = shutil.copytree(mimo, tmp_path / "published")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "configuration_mimo.MiMoConfig",
+                       "AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    code = f"from noria.frontend.processor import load_tokenizer; load_tokenizer({str(folder)!r}); print('loaded')"
+    r = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "loaded", r.stderr
+    assert "custom code" not in r.stdout + r.stderr
