@@ -18,7 +18,7 @@ from noria.frontend.engine_group import EngineGroup
 from noria.frontend.generation_config import describe as describe_generation_defaults
 from noria.frontend.generation_config import generation_defaults
 from noria.frontend.processor import InputLimits, InputProcessor, eos_token_ids, load_tokenizer
-from noria.protocol.checkpoint import CheckpointError, check_checkpoint
+from noria.protocol.checkpoint import CheckpointError, check_checkpoint, check_mtp_layer
 from noria.protocol.config import EngineConfig, WorkerLinkConfig
 from noria.protocol.eagle3 import read_eagle3
 from noria.protocol.errors import ParamError
@@ -149,6 +149,7 @@ def _mtp(config: EngineConfig, spec: SpeculativeConfig, target: ModelSpec) -> Sp
                          "KV): drop it, or --kv-transfer-config's consumer role")
     if config.load_format == "dummy":
         raise ValueError(f"{what} reads its MTP layer's weights from the checkpoint: drop --load-format dummy")
+    check_mtp_layer(config.model, target)
     return msgspec.structs.replace(spec, model=config.model, max_model_len=spec.max_model_len)
 
 

@@ -62,6 +62,27 @@ def check_checkpoint(folder: str | Path, weights: bool = True) -> ModelSpec:
     return spec
 
 
+def check_mtp_layer(folder: str | Path, spec: ModelSpec) -> None:
+    """The checkpoint's first MTP layer (MiMo's `model.mtp_layers.0.*`: a decoder layer of the
+    model's shapes, its norms, and `input_proj` from twice the width), present and shaped as
+    `--speculative-config` method mtp reads it; CheckpointError names the first problem."""
+    hidden = spec.hidden_size
+    want: Shapes = {n.replace("layers.N.", "mtp_layers.0.", 1): shape for n, shape in _expected_shapes(spec).items()
+                    if n.startswith("layers.N.")}
+    want.update({f"mtp_layers.0.{n}.weight": (hidden,) for n in ("token_layernorm", "hidden_layernorm",
+                                                                  "final_layernorm")})
+    want["mtp_layers.0.input_proj.weight"] = (hidden, 2 * hidden)
+    found = {name.removeprefix("model."): (file, shape) for file in _weight_files(Path(folder))
+             for name, shape in _header_shapes(file).items()}
+    for name, shape in want.items():
+        if name not in found:
+            raise CheckpointError(f"{folder} lacks model.{name}, which config.json's num_nextn_predict_layers "
+                                  "promises: its MTP layer cannot draft")
+        file, got = found[name]
+        if tuple(got) != shape:
+            raise CheckpointError(f"{file}: tensor model.{name} has shape {tuple(got)} but config.json implies {shape}")
+
+
 def _check_gguf(folder: Path, spec: ModelSpec) -> ModelSpec:
     """A GGUF file's view (frontend/gguf_view.py): the file's header against the spec's float shapes."""
     from dataclasses import replace

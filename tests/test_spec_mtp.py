@@ -146,13 +146,26 @@ def test_what_mtp_cannot_serve_is_refused_in_one_sentence(pair: tuple[Path, Path
         LLM(str(mimo), speculative_config={**_mtp(), "model": str(qwen2)})
     with pytest.raises(ValueError, match="drafts on one rank"):
         LLM(str(mimo), tensor_parallel_size=2, speculative_config=_mtp())
-    # A checkpoint that names an MTP layer it lacks fails at load, naming the tensor.
+    # A checkpoint that promises an MTP layer it lacks, or one of another shape, is refused before
+    # anything starts, naming the tensor (served without speculation, it loads: the layer is unused).
     broken = shutil.copytree(qwen2, tmp_path / "broken")
     cfg = json.loads((broken / "config.json").read_text())
     cfg.update(architectures=["MiMoForCausalLM"], model_type="mimo", num_nextn_predict_layers=1)
     (broken / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(Exception, match="missing weights for: mtp_layers.0"):
+    with pytest.raises(ValueError, match="lacks model.mtp_layers.0.self_attn.q_proj.weight, which config.json's "
+                                         "num_nextn_predict_layers promises"):
         LLM(str(broken), speculative_config=_mtp())
+    from safetensors.torch import load_file, save_file
+
+    wrong = shutil.copytree(mimo, tmp_path / "wrong")
+    tensors = load_file(wrong / "model-mtp.safetensors")
+    tensors[MTP + "input_proj.weight"] = tensors[MTP + "input_proj.weight"][:, :64].contiguous()
+    save_file(tensors, wrong / "model-mtp.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="tensor model.mtp_layers.0.input_proj.weight has shape \\(64, 64\\) but "
+                                         "config.json implies \\(64, 128\\)"):
+        LLM(str(wrong), speculative_config=_mtp())
+    with LLM(str(broken), dtype="float32") as llm:
+        assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
 def test_bfloat16_equals_speculation_off(pair: tuple[Path, Path]) -> None:
