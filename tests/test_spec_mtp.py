@@ -40,7 +40,6 @@ from tests.spec_heads import (
     walk_proposals,
 )
 from tests.test_engine_parity import _hf_greedy, _with_tokenizer
-from tests.test_spec_decode import PREEMPTIONS
 from tests.tiny_models import make_checkpoint
 
 
@@ -132,7 +131,11 @@ def test_outputs_equal_speculation_off_and_transformers(pair: tuple[Path, Path])
     outputs_equal_transformers(mimo, _mtp(), qwen2)
 
 
-@PREEMPTIONS
+# Both preemption modes (the layer's KV recomputed, or swapped with the target's); the other
+# engine settings run the same drafter code (worker/head_drafter.py) in tests/test_spec_eagle3.py.
+@pytest.mark.parametrize("flags", [{"num_kv_blocks": 20, "preemption_mode": "recompute"},
+                                   {"num_kv_blocks": 20, "preemption_mode": "swap", "swap_space": 0.01}],
+                         ids=["recompute", "swap"])
 def test_sampling_mix_equals_speculation_off(pair: tuple[Path, Path], flags: dict) -> None:
     _, mimo = pair
     mix_equals_speculation_off(mimo, _mtp(2), flags)
