@@ -141,9 +141,6 @@ def _mtp(config: EngineConfig, spec: SpeculativeConfig, target: ModelSpec) -> Sp
     if target.architecture != "MiMoForCausalLM" or target.quantization is not None:
         raise ValueError(f"{what}: noria reads MiMo's float MTP layers, not those of a "
                          f"{'quantized ' if target.quantization is not None else ''}{target.architecture}")
-    if config.tensor_parallel_size > 1:
-        raise ValueError(f"{what} drafts on one rank (the MTP layer shares the target's lm_head, which "
-                         "tensor parallelism splits): drop --tensor-parallel-size or the speculation")
     if config.kv_transfer_config is not None and config.kv_transfer_config.kv_role != "kv_producer":
         raise ValueError(f"{what} cannot draft over KV blocks pulled from another instance (they hold no draft "
                          "KV): drop it, or --kv-transfer-config's consumer role")

@@ -147,8 +147,6 @@ def test_what_mtp_cannot_serve_is_refused_in_one_sentence(pair: tuple[Path, Path
         LLM(str(qwen2), speculative_config=_mtp())
     with pytest.raises(ValueError, match="drafts with the served model's own MTP layers; drop model"):
         LLM(str(mimo), speculative_config={**_mtp(), "model": str(qwen2)})
-    with pytest.raises(ValueError, match="drafts on one rank"):
-        LLM(str(mimo), tensor_parallel_size=2, speculative_config=_mtp())
     # A checkpoint that promises an MTP layer it lacks, or one of another shape, is refused before
     # anything starts, naming the tensor (served without speculation, it loads: the layer is unused).
     broken = shutil.copytree(qwen2, tmp_path / "broken")
@@ -169,6 +167,55 @@ def test_what_mtp_cannot_serve_is_refused_in_one_sentence(pair: tuple[Path, Path
         LLM(str(wrong), speculative_config=_mtp())
     with LLM(str(broken), dtype="float32") as llm:
         assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def _tied_pair(tmp_path: Path, demo_path: Path) -> tuple[Path, Path]:
+    qwen2 = _with_tokenizer(make_checkpoint("qwen2", tmp_path / "qwen2", tied=True, num_hidden_layers=2,
+                                            vocab_size=706), demo_path)
+    return qwen2, make_mimo(qwen2, tmp_path / "mimo")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own-head", "tied"])
+def test_a_sharded_targets_layer_proposes_with_a_whole_head(pair: tuple[Path, Path], tmp_path: Path,
+                                                             demo_path: Path, tied: bool) -> None:
+    """Where the target's lm_head is split over ranks, the layer's own whole copy (the
+    checkpoint's lm_head, or the tied embedding table) proposes what the target's head does."""
+    from types import SimpleNamespace
+
+    from noria.worker.mtp import MtpHead
+
+    _, mimo = _tied_pair(tmp_path, demo_path) if tied else pair
+    runner = ModelRunner(EngineConfig(model=str(mimo), dtype="float32", num_kv_blocks=16, block_size=16,
+                                      num_threads=2, speculative_config=SpeculativeConfig(**_mtp())))
+    target = runner.model
+
+    def split(hidden: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("a sharded target's head gathers over every rank: the layer must not call it")
+
+    sharded = SimpleNamespace(spec=target.spec, tp=SimpleNamespace(size=2), embed_tokens=target.embed_tokens,
+                              compute_logits=split)
+    head = MtpHead(target.spec, sharded)  # type: ignore[arg-type]
+    head.load(mimo)
+    head.pack(None)
+    hidden = torch.randn(7, target.spec.hidden_size, generator=torch.Generator().manual_seed(3)) * 3
+    assert head.propose(hidden) == runner.drafter.head.propose(hidden)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own-head", "tied"])
+def test_two_ranks(pair: tuple[Path, Path], tmp_path: Path, demo_path: Path, tied: bool) -> None:
+    """The target sharded over two ranks: the first drafts with a whole lm_head of its own (the
+    checkpoint's, or the embedding table where they are tied) and broadcasts; greedy outputs are
+    transformers'."""
+    qwen2, mimo = _tied_pair(tmp_path, demo_path) if tied else pair
+    rng = random.Random(8)
+    prompts = [[rng.randrange(5, 700) for _ in range(rng.randint(2, 30))] for _ in range(4)]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True) for _ in prompts]
+    with LLM(str(mimo), dtype="float32", tensor_parallel_size=2, max_num_seqs=4, speculative_config=_mtp(2)) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        st = llm.stats()
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(str(qwen2), p, 20)
+    assert st.spec_drafts > 0, st
 
 
 def test_bfloat16_equals_speculation_off(pair: tuple[Path, Path]) -> None:

@@ -33,7 +33,7 @@ from noria.worker.loader import built_on, checkpoint_files
 from noria.worker.models.causal_lm import CausalLM
 from noria.worker.models.decoder import DecoderLayer, StepContext, register_norm
 from noria.worker.models.layers import RMSNorm, RotaryEmbedding
-from noria.worker.models.linear import Linear
+from noria.worker.models.linear import Linear, LinearOp, linear_op
 from noria.worker.models.ops import Ops, TorchOps, choose_ops
 from noria.worker.models.parallel import TensorParallel, rank_shapes
 from noria.worker.models.weights import WeightMap, register_single
@@ -58,6 +58,11 @@ class MtpHead(nn.Module):
         self.block = DecoderLayer(spec, 0, self.shapes, tp)
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
         self.ops: Ops = TorchOps(spec.activation)
+        # The whole vocabulary's head where the target's is split over ranks (None: the target's).
+        sharded = target.tp.size > 1
+        self.lm_head = Linear(h, spec.vocab_size, False) if sharded and not spec.tie_word_embeddings else None
+        self.tied: LinearOp | None = None
+        self._tie = sharded and spec.tie_word_embeddings
 
     def load(self, folder: str | Path) -> None:
         """Its weights: the checkpoint's `model.mtp_layers.0.*` alone (read from the files' headers
@@ -67,12 +72,16 @@ class MtpHead(nn.Module):
             register_norm(wm, f"{PREFIX}{name}.weight", getattr(self, name))
         register_single(wm, f"{PREFIX}input_proj", self.input_proj.checkpoint_tensors(), self.spec.hidden_size)
         self.block.register_weights(wm, PREFIX, self.spec, self.shapes, TensorParallel())
-        wm.load(_read(folder), f"the MTP layer of {folder}")
+        if self.lm_head is not None:
+            register_single(wm, "lm_head", self.lm_head.checkpoint_tensors(), self.spec.vocab_size)
+        wm.load(_read(folder, with_head=self.lm_head is not None), f"the MTP layer of {folder}")
 
     def pack(self, weights: torch.dtype | None) -> None:
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(weights)
+        if self._tie:
+            self.tied = linear_op(self._target[0].embed_tokens.to(self.token_layernorm.weight.dtype), weights)
 
     def use_ops(self, ops: Ops) -> None:
         self.ops = ops
@@ -93,8 +102,14 @@ class MtpHead(nn.Module):
         return ops.add_norm(out, residual, self.final_layernorm)[0]
 
     def propose(self, hidden: torch.Tensor) -> list[int]:
-        logits = self._target[0].compute_logits(hidden)
-        assert logits is not None  # (one rank: startup refuses mtp with tensor parallelism)
+        # (A soft-cap, tanh, keeps the argmax: the target's own head is the only one that applies it.)
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        elif self.tied is not None:
+            logits = self.tied(hidden, None)
+        else:
+            logits = self._target[0].compute_logits(hidden)
+        assert logits is not None
         return logits.argmax(dim=-1).tolist()
 
 
@@ -123,11 +138,11 @@ class MtpDrafter(HeadDrafter):
         return features[0]
 
 
-def _read(folder: str | Path) -> list[tuple[str, torch.Tensor]]:
+def _read(folder: str | Path, with_head: bool) -> list[tuple[str, torch.Tensor]]:
     out = []
     for file in checkpoint_files(folder):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name.removeprefix("model.").startswith(PREFIX):
+                if name.removeprefix("model.").startswith(PREFIX) or with_head and name == "lm_head.weight":
                     out.append((name, f.get_tensor(name)))
     return out
