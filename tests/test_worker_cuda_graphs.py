@@ -214,17 +214,7 @@ def test_replay_gives_an_eagle3_head_the_layer_inputs_of_eager_steps(tmp_path: P
     target = make_checkpoint("llama", tmp_path / "target", num_hidden_layers=4)
     # Layer 0's input is the embedding (kept as a copy), the others the residual stream's sum.
     head = write_eagle3_head(target, tmp_path / "head", aux=[0, 2, 3])
-    spec = SpeculativeConfig(method="eagle3", model=str(head), num_speculative_tokens=3)
-    eager = make_runner(target, speculative_config=spec)
-    replayed = make_runner(target, speculative_config=spec, cuda_graph_sizes=[1, 4, 8, 16])
-    graphs = EagerGraphs.install(replayed)
-    want_heads, got_heads = _head_outputs(eager), _head_outputs(replayed)
-    want, _ = drive(eager, PARAMS[0])
-    got, _ = drive(replayed, PARAMS[0])
-    assert got == want
-    assert graphs.replayed and {size for size, n in graphs.replayed if n < size}
-    assert len(got_heads) == len(want_heads) > len(graphs.replayed)
-    assert_same_head_outputs(got_heads, want_heads, 1e-5)
+    _replayed_as_eager(target, SpeculativeConfig(method="eagle3", model=str(head), num_speculative_tokens=3))
 
 
 def test_replay_gives_an_mtp_layer_the_outputs_of_eager_steps(tmp_path: Path) -> None:
@@ -232,7 +222,12 @@ def test_replay_gives_an_mtp_layer_the_outputs_of_eager_steps(tmp_path: Path) ->
     target's output rows as the replay returns them (views of the graph's buffers, valid until
     the next replay); its outputs after every step are the eager runner's, and so are the tokens."""
     target = make_checkpoint("mimo", tmp_path / "mimo", num_hidden_layers=3)
-    spec = SpeculativeConfig(method="mtp", model=str(target), num_speculative_tokens=2)
+    _replayed_as_eager(target, SpeculativeConfig(method="mtp", model=str(target), num_speculative_tokens=2))
+
+
+def _replayed_as_eager(target: Path, spec: SpeculativeConfig) -> None:
+    """The same decode steps eager and through padded replays: the same tokens, and the head's
+    outputs after every step (more steps than replays: the prompts' run eager)."""
     eager = make_runner(target, speculative_config=spec)
     replayed = make_runner(target, speculative_config=spec, cuda_graph_sizes=[1, 4, 8, 16])
     graphs = EagerGraphs.install(replayed)
