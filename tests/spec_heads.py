@@ -117,7 +117,7 @@ def outputs_equal_transformers(model: Path, spec: dict, reference: Path) -> None
     """Greedy outputs with `spec` equal transformers' on `reference` (the same network), over
     prompts that share prefixes: cached blocks hold the head's KV too (it ran over every
     computed token)."""
-    from tests.test_engine_parity import _hf_greedy
+    from tests.tiny_models import load_reference, reference_greedy
 
     rng = random.Random(2)
     prompts = [[rng.randrange(5, 700) for _ in range(rng.randint(2, 40) if i else 40)] for i in range(6)]
@@ -127,8 +127,9 @@ def outputs_equal_transformers(model: Path, spec: dict, reference: Path) -> None
     with LLM(str(model), dtype="float32", max_num_seqs=4, enable_prefix_caching=True, speculative_config=spec) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         st = llm.stats()
+    hf = load_reference(reference)  # (EOS off, as the requests ignore it)
     for p, m, out in zip(prompts, max_new, outs, strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(str(reference), p, m), f"prompt of {len(p)} tokens"
+        assert out.outputs[0].token_ids == reference_greedy(hf, p, m), f"prompt of {len(p)} tokens"
     assert st.spec_drafts > 0 and st.prefix_cache_hits > 0, st
     assert st.blocks_consistent and st.num_free_blocks == st.num_kv_blocks
 

@@ -3,8 +3,9 @@ decoder, `num_nextn_predict_layers` 1, `model.mtp_layers.0.*` beside it; seeded 
 drafts for itself with its MTP layer, read by the real loading code.
 
 The layer's proposals are compared with a float64 reference written here from the published
-layout alone: transformers' Qwen2 over the same decoder weights for the target's output (after its
-final norm), then cat[hidden_layernorm(h), token_layernorm(embedding)] (the embedding at position
+layout alone: transformers' Qwen2 over the same decoder weights for the target's residual stream
+as it enters its final norm (what vLLM's MiMo hands its MTP layer), then
+cat[hidden_layernorm(h), token_layernorm(embedding)] (the embedding at position
 0 zeroed), input_proj, one Qwen2 decoder layer with full causal attention recomputed from scratch,
 final_layernorm, the target's lm_head, argmax; each further token from the previous output. The
 worker's path (its own paged KV, filled after each target step over prompt chunks, decodes and
@@ -39,8 +40,8 @@ from tests.spec_heads import (
     rope,
     walk_proposals,
 )
-from tests.test_engine_parity import _hf_greedy, _with_tokenizer
-from tests.tiny_models import make_checkpoint
+from tests.test_engine_parity import _with_tokenizer
+from tests.tiny_models import load_reference, make_checkpoint, reference_greedy
 
 
 def make_mimo(qwen2: Path, path: Path) -> Path:
@@ -55,7 +56,19 @@ def pair(tmp_path_factory: pytest.TempPathFactory, demo_path: Path) -> tuple[Pat
     root = tmp_path_factory.mktemp("mtp")
     qwen2 = _with_tokenizer(make_checkpoint("qwen2", root / "qwen2", num_hidden_layers=4, vocab_size=706),
                             demo_path)
-    return qwen2, make_mimo(qwen2, root / "mimo")
+    return _final_norm_not_ones(qwen2), make_mimo(qwen2, root / "mimo")
+
+
+def _final_norm_not_ones(path: Path) -> Path:
+    """transformers starts the final norm's weight at ones, which would make the stream entering
+    it and its output the same to the MTP layer's own first norm: seeded values instead."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    w = tensors["model.norm.weight"]
+    tensors["model.norm.weight"] = 1 + 0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(5))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
 
 
 def _mtp(k: int = 3) -> dict:
@@ -103,8 +116,14 @@ class _Reference(HeadReference):
         return int((out @ self.lm_head.T).argmax())
 
     def output(self, tokens: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        with torch.no_grad():
-            hidden = self.target.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+        streams: list[torch.Tensor] = []  # the residual stream entering the final norm
+        hook = self.target.model.norm.register_forward_hook(lambda _m, args, _out: streams.append(args[0][0]))
+        try:
+            with torch.no_grad():
+                self.target.model(torch.tensor([tokens[:-1]]))
+        finally:
+            hook.remove()
+        hidden = streams[0]
         keys = self.no_keys()
         return self.layer(tokens[1:], hidden, torch.arange(len(tokens) - 1), keys)[-1:], keys
 
@@ -172,7 +191,7 @@ def test_what_mtp_cannot_serve_is_refused_in_one_sentence(pair: tuple[Path, Path
 def _tied_pair(tmp_path: Path, demo_path: Path) -> tuple[Path, Path]:
     qwen2 = _with_tokenizer(make_checkpoint("qwen2", tmp_path / "qwen2", tied=True, num_hidden_layers=2,
                                             vocab_size=706), demo_path)
-    return qwen2, make_mimo(qwen2, tmp_path / "mimo")
+    return _final_norm_not_ones(qwen2), make_mimo(qwen2, tmp_path / "mimo")
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["own-head", "tied"])
@@ -213,8 +232,9 @@ def test_two_ranks(pair: tuple[Path, Path], tmp_path: Path, demo_path: Path, tie
     with LLM(str(mimo), dtype="float32", tensor_parallel_size=2, max_num_seqs=4, speculative_config=_mtp(2)) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         st = llm.stats()
+    hf = load_reference(qwen2)
     for p, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(str(qwen2), p, 20)
+        assert out.outputs[0].token_ids == reference_greedy(hf, p, 20)
     assert st.spec_drafts > 0, st
 
 
@@ -239,8 +259,9 @@ def test_the_benchmarks_mimo_copy_of_a_llama_serves_its_outputs(tmp_path: Path, 
     with LLM(str(mimo), dtype="float32", max_num_seqs=4, speculative_config=_mtp()) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.stats().spec_drafts > 0
+    hf = load_reference(llama)
     for p, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(str(llama), p, 16)
+        assert out.outputs[0].token_ids == reference_greedy(hf, p, 16)
 
 
 def test_a_checkpoint_naming_its_own_code_loads_without_asking(pair: tuple[Path, Path], tmp_path: Path) -> None:

@@ -257,8 +257,8 @@ def _head_outputs(runner: ModelRunner) -> list[dict[int, tuple[int, torch.Tensor
     drafter = runner.drafter
     stepped = drafter.stepped
 
-    def record(batch: object, requests: object, hidden: torch.Tensor) -> None:
-        stepped(batch, requests, hidden)
+    def record(batch: object, requests: object) -> None:
+        stepped(batch, requests)
         seen.append({rid: (pos, out.clone()) for rid, (pos, out) in drafter.last.items()})
 
     drafter.stepped = record

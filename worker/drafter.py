@@ -76,6 +76,5 @@ class PagedDrafter:
     def mark(self, state: RequestState) -> None:
         """A request the worker is done with (dropped, or rebuilt)."""
 
-    def stepped(self, batch: Batch, requests: dict[int, RequestState], hidden: torch.Tensor) -> None:
-        """The target's step over `batch` has run (`hidden`: its output, a row per token) and its
-        tokens are sampled (and verified)."""
+    def stepped(self, batch: Batch, requests: dict[int, RequestState]) -> None:
+        """The target's step over `batch` has run and its tokens are sampled (and verified)."""

@@ -47,9 +47,5 @@ class Eagle3Drafter(HeadDrafter):
         log.info("EAGLE-3 head %s: reads the target's layers %s, %d draft tokens, %d KV bytes per block beside "
                  "the target's", self.path, list(spec.aux_layers), spec.draft_vocab, self.layout.bytes_per_block)
 
-    def features(self, hidden: torch.Tensor) -> list[torch.Tensor]:
-        aux, self.target.captured = self.target.captured, []
-        return aux
-
     def fuse(self, features: list[torch.Tensor]) -> torch.Tensor:
         return self.head.fuse(features)

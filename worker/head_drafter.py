@@ -3,7 +3,8 @@ layer, worker/mtp.py): a layer over the target's own hidden states, run at the s
 that verifies its proposals (worker/spec_decode.py verifies).
 
 The head's position q reads the token at q + 1 beside what the target computed at q (its
-`features`: kept by the target's forward pass while it runs). So once the target's step has run
+`features`: the residual stream at layers the head names, kept by the target's forward pass
+while it runs, `CausalLM.capture`). So once the target's step has run
 and its tokens are sampled and verified, every position it computed whose next token is now
 known (a prompt chunk's every one; a decode's, or a verified row's up to and including the last
 kept token) goes through the head in one batched pass (`stepped`), which writes the head's KV
@@ -35,6 +36,7 @@ import torch
 from noria.worker.attention import AttentionBackend, AttentionMetadata
 from noria.worker.drafter import PagedDrafter, Span
 from noria.worker.kv_cache import KVLayout
+from noria.worker.models.causal_lm import CausalLM
 from noria.worker.step_inputs import Batch, RequestState
 
 
@@ -57,18 +59,21 @@ class HeadDrafter(PagedDrafter):
         # Per request: (the last position the head has run, its output there).
         self.last: dict[int, tuple[int, torch.Tensor]] = {}
 
-    def features(self, hidden: torch.Tensor) -> list[torch.Tensor]:
-        """What the head reads of the target's step just run (`hidden`: its output), a row per
-        token of the step; empty where nothing was kept."""
-        raise NotImplementedError
+    target: CausalLM
+
+    def features(self) -> list[torch.Tensor]:
+        """What the head reads of the target's step just run (the target's `captured`, taken), a
+        row per token of the step; empty where nothing was kept."""
+        kept, self.target.captured = self.target.captured, []
+        return kept
 
     def fuse(self, features: list[torch.Tensor]) -> torch.Tensor:
         """The features of the rows the head runs over, as the hidden state its layer reads."""
         raise NotImplementedError
 
-    def stepped(self, batch: Batch, requests: dict[int, RequestState], hidden: torch.Tensor) -> None:
+    def stepped(self, batch: Batch, requests: dict[int, RequestState]) -> None:
         """The head over every position of the step whose next token is known."""
-        features = self.features(hidden)
+        features = self.features()
         if self.cache is None or not features:
             return
         spans, rows, start_row = [], [], 0

@@ -320,7 +320,7 @@ class ModelRunner:
         else:
             result = self._sample(plan, logits, batch.sample_requests)
         if self.drafter is not None:  # (a head reads the step's hidden states and tokens)
-            self.drafter.stepped(batch, self.requests, hidden)
+            self.drafter.stepped(batch, self.requests)
         self.transfers.hold_exports(batch.sample_requests, self.block_tables.ids, self.block_size)
         return result
 

@@ -5,7 +5,8 @@ head over the target's hidden states is run), in MiMo's layout, as vLLM reads it
     x   = input_proj(cat[hidden_layernorm(h), token_layernorm(embed(t))])   (h first: MiMo's order)
     out = final_layernorm(x + the layer's attention and MLP, a Qwen2 decoder layer)
 
-at position q, with h the target's output at q (after its final norm) and t the token at q + 1;
+at position q, with h the target's residual stream at q as it enters the final norm (vLLM's MiMo
+model hands that on and norms only in its logits) and t the token at q + 1;
 the embedding of the token at position 0 is zeroed, as vLLM does. `out` goes through the
 target's own lm_head for the proposal and is the next pass's h: one layer (`mtp_layers.0`) drafts
 every one of the k tokens. Its weights are `model.mtp_layers.0.*` of the checkpoint, which the
@@ -128,11 +129,10 @@ class MtpDrafter(HeadDrafter):
                                           choice=config.attention_backend, kv_dtype=kv_dtype)
         self.head.use_ops(choose_ops(spec.activation, device, dtype, choice.backend, bs))
         super().__init__(KVLayout(1, bs, spec.num_kv_heads, spec.head_dim, kv_dtype), choice.backend, device)
+        self.target = target
+        target.capture = (spec.num_layers,)  # the stream entering its final norm
         log.info("MTP layer of %s drafts for it (one of %d), %d KV bytes per block beside the target's",
                  self.path, spec.mtp_layers, self.layout.bytes_per_block)
-
-    def features(self, hidden: torch.Tensor) -> list[torch.Tensor]:
-        return [hidden]
 
     def fuse(self, features: list[torch.Tensor]) -> torch.Tensor:
         return features[0]

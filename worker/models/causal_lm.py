@@ -56,8 +56,9 @@ class CausalLM(nn.Module):
         self.head: LinearOp = self._head_op(pack=False)
         self._stack_key: int | None = None  # the KV caches _stack was built for
         self._stack: native_stack.NativeStack | None = None
-        # An EAGLE-3 head's inputs (worker/eagle3.py): the residual stream entering these layers,
-        # kept by each forward pass in `captured`, in layer order.
+        # A drafting head's inputs, kept by each forward pass in `captured`, in layer order: the
+        # residual stream entering these layers (an EAGLE-3 head's, worker/eagle3.py), where index
+        # num_layers is the stream entering the final norm (an MTP layer's, worker/mtp.py).
         self.capture: tuple[int, ...] = ()
         self.captured: list[torch.Tensor] = []
 
@@ -146,7 +147,9 @@ class CausalLM(nn.Module):
                 continue
             for layer in self.layers[start:end]:
                 x, residual = layer(x, residual, ctx)
-        return self.ops.add_norm(x, residual, self.norm)[0]
+        out, stream = self.ops.add_norm(x, residual, self.norm)
+        self.captured.extend([stream] * self.capture.count(len(self.layers)))
+        return out
 
     def _native_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       x: torch.Tensor) -> native_stack.NativeStack | None:
