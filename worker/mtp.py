@@ -11,6 +11,10 @@ the embedding of the token at position 0 is zeroed, as vLLM does. `out` goes thr
 target's own lm_head for the proposal and is the next pass's h: one layer (`mtp_layers.0`) drafts
 every one of the k tokens. Its weights are `model.mtp_layers.0.*` of the checkpoint, which the
 target's loading leaves alone; its KV cache is one layer's, in the target's block ids.
+
+Like every drafter it runs on the first tensor-parallel rank alone, which under tensor
+parallelism holds a slice of the target's lm_head: there the layer keeps a whole lm_head of its
+own (the checkpoint's, or the replicated embedding table where the two are tied).
 """
 
 from __future__ import annotations
@@ -66,8 +70,8 @@ class MtpHead(nn.Module):
         self._tie = sharded and spec.tie_word_embeddings
 
     def load(self, folder: str | Path) -> None:
-        """Its weights: the checkpoint's `model.mtp_layers.0.*` alone (read from the files' headers
-        by name); ValueError on one it has no place for, a shape that does not fit, or one missing."""
+        """Its weights: the checkpoint's `model.mtp_layers.0.*` (and `lm_head.weight` where it keeps
+        a copy), read by name; ValueError on a shape that does not fit, or one missing."""
         wm = WeightMap()
         for name in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
             register_norm(wm, f"{PREFIX}{name}.weight", getattr(self, name))
