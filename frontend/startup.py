@@ -115,18 +115,22 @@ def start_core(config: EngineConfig, link: WorkerLinkConfig | None = None, limit
 
 
 def _speculation(config: EngineConfig, target: ModelSpec) -> EngineConfig:
-    """A draft model is checked here, in one sentence, and named by its folder from then on."""
+    """A drafter on the worker (a draft model, an EAGLE-3 head, an MTP layer) is checked here, in
+    one sentence, and named by its folder from then on."""
     spec = config.speculative_config
     if spec is None:
         return config
     if config.runner != "generate":
         raise ValueError("--speculative-config speeds up generation: a pooling engine (--runner pooling) "
                          "generates nothing")
-    if spec.method == "mtp":
-        config = msgspec.structs.replace(config, speculative_config=_mtp(config, spec, target))
-    elif spec.on_worker:
-        config = msgspec.structs.replace(config, speculative_config=_draft_model(config, spec, target))
-    return config  # the scheduler says what speculation is on
+    if not spec.on_worker:
+        return config  # the scheduler says what speculation is on
+    transfer = config.kv_transfer_config
+    if transfer is not None and transfer.kv_role != "kv_producer":
+        raise ValueError(f"--speculative-config {spec.method} cannot draft over KV blocks pulled from another "
+                         "instance (they hold no draft KV): drop it, or --kv-transfer-config's consumer role")
+    checked = _mtp(config, spec, target) if spec.method == "mtp" else _draft_model(config, spec, target)
+    return msgspec.structs.replace(config, speculative_config=checked)
 
 
 def _mtp(config: EngineConfig, spec: SpeculativeConfig, target: ModelSpec) -> SpeculativeConfig:
@@ -141,23 +145,16 @@ def _mtp(config: EngineConfig, spec: SpeculativeConfig, target: ModelSpec) -> Sp
     if target.architecture != "MiMoForCausalLM" or target.quantization is not None:
         raise ValueError(f"{what}: noria reads MiMo's float MTP layers, not those of a "
                          f"{'quantized ' if target.quantization is not None else ''}{target.architecture}")
-    if config.kv_transfer_config is not None and config.kv_transfer_config.kv_role != "kv_producer":
-        raise ValueError(f"{what} cannot draft over KV blocks pulled from another instance (they hold no draft "
-                         "KV): drop it, or --kv-transfer-config's consumer role")
     if config.load_format == "dummy":
         raise ValueError(f"{what} reads its MTP layer's weights from the checkpoint: drop --load-format dummy")
     check_mtp_layer(config.model, target)
-    return msgspec.structs.replace(spec, model=config.model, max_model_len=spec.max_model_len)
+    return msgspec.structs.replace(spec, model=config.model)
 
 
 def _draft_model(config: EngineConfig, spec: SpeculativeConfig, target: ModelSpec) -> SpeculativeConfig:
     """The draft model's (or EAGLE-3 head's) folder and context (its own `max_model_len` at
     most): a request is not drafted past it."""
     assert spec.model is not None
-    transfer = config.kv_transfer_config
-    if transfer is not None and transfer.kv_role != "kv_producer":
-        raise ValueError(f"--speculative-config {spec.method} cannot draft over KV blocks pulled from another "
-                         "instance (they hold no draft KV): drop it, or --kv-transfer-config's consumer role")
     folder = resolve_model(spec.model)
     if spec.method == "eagle3":
         head = read_eagle3(folder, target, weights=True)  # (--load-format dummy is the target's alone)

@@ -31,6 +31,8 @@ Method = Literal["ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp"]
 BUILT: tuple[str, ...] = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
 # The methods whose proposals the worker makes, at the start of the step that verifies them.
 ON_WORKER: tuple[str, ...] = ("draft_model", "eagle3", "mtp")
+# The worker's proposers that are another checkpoint, named by `model` (mtp is the served one's).
+NAMED: dict[str, str] = {"draft_model": "the draft checkpoint's folder", "eagle3": "the EAGLE-3 head's folder"}
 _NOT_BUILT = {
     "eagle": "EAGLE-1 heads are not read; an EAGLE-3 head is ({\"method\": \"eagle3\", \"model\": ...})",
 }
@@ -104,9 +106,8 @@ def parse_speculative_config(value: str | dict[str, Any]) -> dict[str, Any]:
     if method not in BUILT:
         raise ValueError(f"--speculative-config method {method!r} is not built in noria yet; it speculates "
                          f"with {', '.join(BUILT)}")
-    if method in ON_WORKER and method != "mtp" and not value.get("model"):
-        what = "the draft checkpoint's folder" if method == "draft_model" else "the EAGLE-3 head's folder"
-        raise ValueError(f"--speculative-config method {method!r} needs model ({what})")
+    if method in NAMED and not value.get("model"):
+        raise ValueError(f"--speculative-config method {method!r} needs model ({NAMED[method]})")
     if method == "suffix":  # vLLM's default: as many as the trees are deep
         value.setdefault("num_speculative_tokens", min(32, value.get("suffix_decoding_max_tree_depth", SUFFIX_DEPTH)))
     if "num_speculative_tokens" not in value:

@@ -12,11 +12,18 @@ import pytest
 import torch
 
 from noria import LLM, SamplingParams
+from noria.protocol.config import EngineConfig
 from noria.protocol.sampling import EngineSamplingParams
-from noria.protocol.speculative import Draft
+from noria.protocol.speculative import Draft, SpeculativeConfig
 from noria.protocol.step import NewRequestData, StepPlan
 from noria.worker.model_runner import ModelRunner
 from noria.worker.step_inputs import RequestState
+
+
+def head_runner(model: Path, spec: dict, num_kv_blocks: int = 32) -> ModelRunner:
+    """A float32 worker of `model` drafting with `spec`, in process (its drafter at `.drafter`)."""
+    return ModelRunner(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=num_kv_blocks, block_size=16,
+                                    num_threads=2, speculative_config=SpeculativeConfig(**spec)))
 
 
 def walk_proposals(runner: ModelRunner, drafts: Callable[[list[int], int], list[int]],
@@ -86,8 +93,11 @@ class HeadReference:
     def token(self, out: torch.Tensor) -> int:
         raise NotImplementedError
 
-    def no_keys(self) -> list[torch.Tensor]:
-        return [torch.zeros(0, self.kv, self.hd, dtype=torch.float64)] * 2
+    def first_pass(self, tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layer over every position the target computed (`hidden`, a row each) beside the
+        next token: its output at the last, and the keys and values it leaves."""
+        keys = [torch.zeros(0, self.kv, self.hd, dtype=torch.float64)] * 2
+        return self.layer(tokens[1:], hidden, torch.arange(len(tokens) - 1), keys)[-1:], keys
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: list[torch.Tensor]) -> torch.Tensor:
         """Causal attention of the new rows' q (their k and v appended to `keys`) over every key:

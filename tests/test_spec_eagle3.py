@@ -26,14 +26,12 @@ import torch.nn.functional as F
 
 from noria import LLM, SamplingParams
 from noria.bench.spec_models import write_eagle3_head
-from noria.protocol.config import EngineConfig
 from noria.protocol.sampling import EngineSamplingParams
-from noria.protocol.speculative import SpeculativeConfig
 from noria.protocol.step import NewRequestData, StepPlan
-from noria.worker.model_runner import ModelRunner
 from tests.spec_heads import (
     HeadReference,
     bfloat16_equals_speculation_off,
+    head_runner,
     mix_equals_speculation_off,
     outputs_equal_transformers,
     rms,
@@ -104,8 +102,7 @@ class _Reference(HeadReference):
         with torch.no_grad():
             states = self.target(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
         fused = torch.cat([states[i][0] for i in self.aux], -1) @ self.t["fc.weight"].T
-        keys = self.no_keys()
-        return self.layer(tokens[1:], fused, torch.arange(len(tokens) - 1), keys)[-1:], keys
+        return self.first_pass(tokens, fused)
 
 
 def test_head_proposals_equal_a_float64_reference(pair: tuple[Path, Path]) -> None:
@@ -113,8 +110,7 @@ def test_head_proposals_equal_a_float64_reference(pair: tuple[Path, Path]) -> No
     (prompt chunks, decodes, a verified draft, the request's worker state rebuilt)."""
     target, head = pair
     ref = _Reference(target, head)
-    runner = ModelRunner(EngineConfig(model=str(target), dtype="float32", num_kv_blocks=32, block_size=16,
-                                      num_threads=2, speculative_config=SpeculativeConfig(**_eagle(head))))
+    runner = head_runner(target, _eagle(head))
     walk_proposals(runner, ref.drafts)
 
 
@@ -153,8 +149,7 @@ def test_default_layers_of_a_shallow_target(tmp_path: Path, demo_path: Path) -> 
                              demo_path)
     head = write_eagle3_head(target, tmp_path / "h4", draft_vocab=300, eagle_config=None)
     ref = _Reference(target, head, aux=[1, 2, 2])
-    runner = ModelRunner(EngineConfig(model=str(target), dtype="float32", num_kv_blocks=16, block_size=16,
-                                      num_threads=2, speculative_config=SpeculativeConfig(**_eagle(head))))
+    runner = head_runner(target, _eagle(head), num_kv_blocks=16)
     rng = random.Random(3)
     prompt = [rng.randrange(5, 700) for _ in range(20)]
     runner.execute(StepPlan(0, [(0, 20)], new_requests=[NewRequestData(0, prompt, [2, 5], 0, 0, 20)],

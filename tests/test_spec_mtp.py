@@ -27,13 +27,11 @@ import torch.nn.functional as F
 
 from noria import LLM, SamplingParams
 from noria.bench.spec_models import MTP, add_mtp_layer
-from noria.protocol.config import EngineConfig
-from noria.protocol.speculative import SpeculativeConfig
-from noria.worker.model_runner import ModelRunner
 from noria.worker.step_inputs import RequestState
 from tests.spec_heads import (
     HeadReference,
     bfloat16_equals_speculation_off,
+    head_runner,
     mix_equals_speculation_off,
     outputs_equal_transformers,
     rms,
@@ -124,8 +122,7 @@ class _Reference(HeadReference):
         finally:
             hook.remove()
         hidden = streams[0]
-        keys = self.no_keys()
-        return self.layer(tokens[1:], hidden, torch.arange(len(tokens) - 1), keys)[-1:], keys
+        return self.first_pass(tokens, hidden)
 
 
 def test_mtp_proposals_equal_a_float64_reference(pair: tuple[Path, Path]) -> None:
@@ -133,8 +130,7 @@ def test_mtp_proposals_equal_a_float64_reference(pair: tuple[Path, Path]) -> Non
     (prompt chunks, decodes, a verified draft, the request's worker state rebuilt)."""
     qwen2, mimo = pair
     ref = _Reference(qwen2, mimo)
-    runner = ModelRunner(EngineConfig(model=str(mimo), dtype="float32", num_kv_blocks=32, block_size=16,
-                                      num_threads=2, speculative_config=SpeculativeConfig(**_mtp())))
+    runner = head_runner(mimo, _mtp())
 
     def output_as_the_reference(state: RequestState) -> None:
         # The output itself, not only its argmax (a wrong zero at position 0 moves it a little).
@@ -204,8 +200,7 @@ def test_a_sharded_targets_layer_proposes_with_a_whole_head(pair: tuple[Path, Pa
     from noria.worker.mtp import MtpHead
 
     _, mimo = _tied_pair(tmp_path, demo_path) if tied else pair
-    runner = ModelRunner(EngineConfig(model=str(mimo), dtype="float32", num_kv_blocks=16, block_size=16,
-                                      num_threads=2, speculative_config=SpeculativeConfig(**_mtp())))
+    runner = head_runner(mimo, _mtp(), num_kv_blocks=16)
     target = runner.model
 
     def split(hidden: torch.Tensor) -> torch.Tensor:

@@ -63,11 +63,11 @@ class MtpHead(nn.Module):
         self.block = DecoderLayer(spec, 0, self.shapes, tp)
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim)
         self.ops: Ops = TorchOps(spec.activation)
-        # The whole vocabulary's head where the target's is split over ranks (None: the target's).
-        sharded = target.tp.size > 1
-        self.lm_head = Linear(h, spec.vocab_size, False) if sharded and not spec.tie_word_embeddings else None
-        self.tied: LinearOp | None = None
-        self._tie = sharded and spec.tie_word_embeddings
+        # Where the target's lm_head is split over ranks, a whole one of its own (`own_head`, set by
+        # `pack`): the checkpoint's (`lm_head`, loaded here) or the tied embedding table's.
+        self.sharded = target.tp.size > 1
+        self.lm_head = Linear(h, spec.vocab_size, False) if self.sharded and not spec.tie_word_embeddings else None
+        self.own_head: LinearOp | None = None
 
     def load(self, folder: str | Path) -> None:
         """Its weights: the checkpoint's `model.mtp_layers.0.*` (and `lm_head.weight` where it keeps
@@ -85,8 +85,10 @@ class MtpHead(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(weights)
-        if self._tie:
-            self.tied = linear_op(self._target[0].embed_tokens.to(self.token_layernorm.weight.dtype), weights)
+        if self.lm_head is not None:
+            self.own_head = self.lm_head.op
+        elif self.sharded:
+            self.own_head = linear_op(self._target[0].embed_tokens.to(self.token_layernorm.weight.dtype), weights)
 
     def use_ops(self, ops: Ops) -> None:
         self.ops = ops
@@ -108,12 +110,8 @@ class MtpHead(nn.Module):
 
     def propose(self, hidden: torch.Tensor) -> list[int]:
         # (A soft-cap, tanh, keeps the argmax: the target's own head is the only one that applies it.)
-        if self.lm_head is not None:
-            logits = self.lm_head(hidden)
-        elif self.tied is not None:
-            logits = self.tied(hidden, None)
-        else:
-            logits = self._target[0].compute_logits(hidden)
+        head = self.own_head
+        logits = head(hidden, None) if head is not None else self._target[0].compute_logits(hidden)
         assert logits is not None
         return logits.argmax(dim=-1).tolist()
 
