@@ -3,7 +3,7 @@
 `python -m noria.bench.gemm_bf16`: per shape (K = 768; N = 1536 qkv, 768 o, 4096 gate_up,
 32000 lm head) and row count, the median time of each native kernel (worker/gemm_kernels.py,
 and worker/gemm_bf16_kernels.py in each layout this CPU builds: bf16 "widen", float16 "f16",
-and bf16 "dot" with AVX512_BF16), its GFLOP/s, and float32 time over each 16-bit kernel's. Decode is bound by the
+bf16 "dot" with AVX512_BF16, and "amx" beside it with AMX-BF16), its GFLOP/s, and float32 time over each 16-bit kernel's. Decode is bound by the
 weight bytes, so the ratios at few rows should approach 2; many rows are bound by arithmetic,
 where "dot" multiplies twice as fast. On a loaded machine, --threads 1: a descheduled OpenMP
 thread holds every call up by a time slice.
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         print("the native GEMMs are not built (no C compiler, or the gemm family is on torch)")
         return 1
     print(cpu_facts())
-    layouts = ["widen", "f16"] + (["dot"] if gemm_bf16_kernels.layout() == "dot" else [])
+    layouts = ["widen", "f16"] + (["dot", "amx"] if gemm_bf16_kernels.layout() == "amx"
+                                  else [gemm_bf16_kernels.layout()] if gemm_bf16_kernels.layout() == "dot" else [])
     print(f"{'layer':<8} {'N':>6} {'rows':>5} {'f32 ms':>8} {'GFLOP/s':>8}"
           + "".join(f" {name + ' ms':>9} {'GFLOP/s':>8} {'f32/' + name:>9}" for name in layouts))
     torch.manual_seed(0)

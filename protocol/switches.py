@@ -8,6 +8,7 @@
 | `NORIA_DISABLE_CPU_KERNELS` | `1` | off | every family of float32 CPU operators on torch instead of the native C kernels |
 | `NORIA_DISABLE_CPU_GEMM`, `_FUSED`, `_ATTENTION`, `_STACK` | `1` | off | one family on torch (worker/cpu_ops.py) |
 | `NORIA_CPU_BF16_WIDEN` | `1` | off | bf16-weight GEMMs widen W to float32 (float32 activations, float32 FMAs) even where AVX512_BF16's dot products (activations rounded to bf16) are built |
+| `NORIA_CPU_NO_AMX` | `1` | off | the native GEMMs keep AVX-512's dot products (`vdpbf16ps` for bf16 weights, `vpdpbusd` for W8A8) even where AMX tiles are usable (an A/B of the two on one host, or a way round a host whose tiles misbehave) |
 | `NORIA_CPU_W4A16` | `1` | off | 4- and 8-bit weight-only schemes (W4A16, W8A16, GGUF Q4_0 / Q4_K / Q8_0 / Q6_K) computed on float32 activations, as the checkpoint defines them, instead of on activations rounded to int8 per group of the weights' group size (llama.cpp's way: int8 dot products, 2-4x the rate on a CPU) |
 | `NORIA_CPU_MARCH` | a GCC `-march` | `native` | the instruction set the native CPU kernels are built for, e.g. `x86-64-v3` to run the AVX2 code on an AVX-512 host (bench and tests of another host's path) |
 | `NORIA_EMULATED_KERNELS` | `1` | off | a CPU worker runs the CUDA attention kernels in the CPU emulator |
@@ -45,6 +46,7 @@ DISABLE_CPU_FAMILY = {
     "stack": "NORIA_DISABLE_CPU_STACK",
 }
 CPU_BF16_WIDEN = "NORIA_CPU_BF16_WIDEN"
+CPU_NO_AMX = "NORIA_CPU_NO_AMX"
 CPU_MARCH = "NORIA_CPU_MARCH"
 CPU_W4A16 = "NORIA_CPU_W4A16"
 EMULATED_KERNELS = "NORIA_EMULATED_KERNELS"
@@ -54,7 +56,7 @@ VLLM_VENV = "NORIA_VLLM_VENV"
 
 # Every switch above, for the docs and the test that keeps this table complete.
 SWITCHES: tuple[str, ...] = (API_KEY, CACHE, KERNEL_CACHE, DISABLE_CPU_KERNELS, *DISABLE_CPU_FAMILY.values(),
-                             CPU_BF16_WIDEN, CPU_MARCH, EMULATED_KERNELS, STEP_OBSERVER, RECORD_STEPS, VLLM_VENV)
+                             CPU_BF16_WIDEN, CPU_NO_AMX, CPU_MARCH, EMULATED_KERNELS, STEP_OBSERVER, RECORD_STEPS, VLLM_VENV)
 
 
 def _flag(name: str) -> bool:
@@ -94,6 +96,11 @@ def cpu_family_disabled(family: str) -> str | None:
 def cpu_bf16_widen() -> bool:
     """$NORIA_CPU_BF16_WIDEN=1: the bf16-weight GEMM widens W instead of AVX512_BF16 dot products."""
     return _flag(CPU_BF16_WIDEN)
+
+
+def cpu_no_amx() -> bool:
+    """$NORIA_CPU_NO_AMX=1: the native GEMMs keep AVX-512's dot products where AMX tiles are usable."""
+    return _flag(CPU_NO_AMX)
 
 
 def cpu_w4a16() -> bool:

@@ -120,24 +120,29 @@ def test_weight_bytes_halve(tmp_path: Path) -> None:
 
 
 def test_where_amx_is_ready_the_model_multiplies_on_tiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The "amx" layout end to end, its tiles emulated (no AMX here, tests/test_worker_gemm_amx.py
-    runs the real ones where there is): every linear kind and the native stack's GEMM take
-    it, and the steps agree with the dot kernel's within bf16's error (another summation order)."""
+    """The "amx" layout end to end, on the real tiles where the CPU has AMX and on their emulation
+    elsewhere: every linear kind and the native stack's GEMM take it, and the steps agree with
+    the dot kernel's (NORIA_CPU_NO_AMX=1) within bf16's error (another summation order)."""
     from noria.worker import gemm_amx_kernels
 
-    if gemm_bf16_kernels.layout() != "dot" or gemm_amx_kernels.load(True) is None:
+    if gemm_bf16_kernels.layout() not in ("dot", "amx") or gemm_amx_kernels.load(True) is None:
         pytest.skip("the AMX layout reuses the dot layout's panels (AVX512_BF16 hosts)")
+    real = gemm_bf16_kernels.layout() == "amx"
     path = _rounded("qwen3_moe", tmp_path / "m")
+    monkeypatch.setenv("NORIA_CPU_NO_AMX", "1")
+    assert gemm_bf16_kernels.layout() == "dot"
     dot = _runner(path, "bfloat16")
-    monkeypatch.setattr(gemm_amx_kernels, "ready", lambda: True)
-    monkeypatch.setattr(gemm_amx_kernels, "entry", lambda emulate=False: gemm_amx_kernels.load(True).gemm_amx)
+    monkeypatch.delenv("NORIA_CPU_NO_AMX")
+    if not real:
+        monkeypatch.setattr(gemm_amx_kernels, "ready", lambda: True)
+        monkeypatch.setattr(gemm_amx_kernels, "entry", lambda emulate=False: gemm_amx_kernels.load(True).gemm_amx)
     assert gemm_bf16_kernels.layout() == "amx"
     amx = _runner(path, "bfloat16")
     kinds = {packed(m.op).kind for m in amx.model.modules() if isinstance(m, Linear)}  # type: ignore[union-attr]
     assert kinds == {"amx"}
     qkv = amx.model.layers[0].self_attn.qkv_proj
     x = torch.randn(5, packed(qkv.op).k)  # type: ignore[union-attr]
-    assert torch.equal(qkv(x), gemm_amx_kernels.gemm_amx(x, packed(qkv.op), qkv.bias, emulate=True))  # type: ignore[arg-type]
+    assert torch.equal(qkv(x), gemm_amx_kernels.gemm_amx(x, packed(qkv.op), qkv.bias, emulate=not real))  # type: ignore[arg-type]
     assert native_stack.coverage(amx.model, amx._kv_layers) == [None] * len(amx.model.layers)
     for name, step in STEPS.items():
         want, _ = _forward(dot, step, native=True)

@@ -54,7 +54,13 @@ def _cpu_has_avx512() -> bool:
 
 
 def test_the_dot_kernel_is_built_exactly_where_the_cpu_has_avx512_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    from noria.protocol import switches
+    from noria.worker import gemm_amx_kernels
+
     assert _dot_built() == _cpu_has_bf16()
+    tiles = _cpu_has_bf16() and gemm_amx_kernels.ready() and not switches.cpu_no_amx()
+    assert gemm_bf16_kernels.layout() == ("amx" if tiles else "dot" if _cpu_has_bf16() else "widen")
+    monkeypatch.setenv("NORIA_CPU_NO_AMX", "1")
     assert gemm_bf16_kernels.layout() == ("dot" if _cpu_has_bf16() else "widen")
     monkeypatch.setenv("NORIA_CPU_BF16_WIDEN", "1")
     assert gemm_bf16_kernels.layout() == "widen"

@@ -112,7 +112,9 @@ def _quant_gemms() -> str:
 
     if not gemm_quant_kernels.usable():
         return "none (not built): quantized layers on torch's operators"
-    line = (f"int8 W8A8 on the {gemm_quant_kernels.isa()} path, activations quantized per token; "
+    tiles, rows = gemm_quant_kernels.w8a8_tiles()
+    amx = f" (AMX-INT8 tiles from {rows} rows)" if tiles is not None else ""
+    line = (f"int8 W8A8 on the {gemm_quant_kernels.isa()} path{amx}, activations quantized per token; "
             "4/8-bit weight-only widened to float32 in registers")
     from noria.worker import gemm_fp8_kernels
 

@@ -1,4 +1,5 @@
-"""The AMX-BF16 GEMM over bfloat16 weights (worker/csrc/gemm_amx.c), for Sapphire Rapids and later.
+"""The AMX-BF16 GEMM over bfloat16 weights (worker/csrc/gemm_amx.c), for Sapphire Rapids and later,
+and the AMX-INT8 tiles that worker/gemm_quant_kernels.py gives its W8A8 GEMM (`w8a8_tiles_address`).
 
 It multiplies the same packed panels as gemm_bf16_kernels' "dot" kernel (the "amx" layout is
 the dot layout, NR = 32), 16 x 16 float32 tiles at a time; gemm_bf16_kernels.layout() picks
@@ -29,7 +30,7 @@ from noria.worker.native_build import build
 
 _SRC = Path(__file__).parent / "csrc" / "gemm_amx.c"
 # No -ffast-math: every output is one in-order sum over its k-blocks (see the C file).
-_FLAGS = ["-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-fopenmp", "-shared", "-fPIC"]
 _EMULATE_FLAGS = ["-O3", "-march=native", "-DNORIA_AMX_EMULATE", "-fopenmp", "-shared", "-fPIC"]
 _I64, _INT = ctypes.c_int64, ctypes.c_int
 _F32P, _U16P = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint16)
@@ -53,7 +54,22 @@ def load(emulate: bool) -> ctypes.CDLL | None:
     dll.gemm_amx.restype = None
     dll.gemm_amx_tile_dp.argtypes = [_F32P, _U16P, _U16P, _F32P, _INT, _INT, _INT]
     dll.gemm_amx_tile_dp.restype = _INT
+    dll.gemm_amx_int8_ready.argtypes, dll.gemm_amx_int8_ready.restype = [], _INT
     return dll
+
+
+def int8_ready() -> bool:
+    """The real build is built, and the CPU has AMX-INT8 with the tile state granted."""
+    return _tiles_usable() and bool(load(False).gemm_amx_int8_ready())  # type: ignore[union-attr]
+
+
+def w8a8_tiles_address(emulate: bool) -> int | None:
+    """The address of gemm_amx_w8a8_range (gemm_quant.c's W8A8 product on AMX-INT8 tiles) in the
+    emulated build, or in the real one where `int8_ready()`; else None."""
+    dll = load(emulate)
+    if dll is None or (not emulate and not int8_ready()):
+        return None
+    return ctypes.cast(dll.gemm_amx_w8a8_range, ctypes.c_void_p).value
 
 
 def _tiles_usable() -> bool:

@@ -7,7 +7,8 @@ bfloat16 W takes one of two layouts, the kernel's `layout()`:
   vdpbf16ps, twice the arithmetic rate of float32 FMAs, summed in float32;
 - "widen" elsewhere (or with NORIA_CPU_BF16_WIDEN=1): W widened to float32 in registers,
   each output the float32 GEMM's in-order sum over the bf16-rounded weight, bit for bit;
-- "amx" where the CPU has AMX-BF16 and Linux grants the tiles (worker/gemm_amx_kernels.py):
+- "amx" where the CPU has AMX-BF16 and Linux grants the tiles (worker/gemm_amx_kernels.py;
+  NORIA_CPU_NO_AMX=1 keeps "dot" there):
   the dot layout's panels multiplied on 16 x 16 tiles. The MoE experts' one-call path reads
   the same panels with the dot kernel (moe_f32.c calls panel ranges, which the tiles lack).
 
@@ -63,8 +64,9 @@ PAIRED = ("dot", "amx")  # the layouts whose panels hold k in pairs
 
 def layout(dtype: torch.dtype = torch.bfloat16) -> str:
     """The layout for weights kept in `dtype`: float16's "f16"; for bfloat16 "amx" where the AMX
-    tiles are usable, else "dot" (vdpbf16ps on bf16-rounded activations) where the kernel is
-    built for it, else (or switched off) "widen" (float32 arithmetic on widened weights)."""
+    tiles are usable (unless switched to "dot"), else "dot" (vdpbf16ps on bf16-rounded activations)
+    where the kernel is built for it, else (or switched off) "widen" (float32 arithmetic on widened
+    weights)."""
     if dtype == torch.float16:
         return "f16"
     assert dtype == torch.bfloat16, dtype
@@ -72,7 +74,7 @@ def layout(dtype: torch.dtype = torch.bfloat16) -> str:
         return "widen"
     from noria.worker import gemm_amx_kernels
 
-    return "amx" if gemm_amx_kernels.ready() else "dot"
+    return "amx" if not switches.cpu_no_amx() and gemm_amx_kernels.ready() else "dot"
 
 
 def entry(kind: str) -> ctypes._CFuncPtr:

@@ -5,7 +5,8 @@ x and y are float32; the weights stay quantized in panels packed once at load:
 - W8A8 (`PackedInt8Weight`, `gemm_w8a8`): int8 weights with a float32 scale per output row; the
   activations quantized per row inside the call exactly as `quantize_rows` does, the products summed
   exactly in int32 (vpdpbusd where the build has AVX512_VNNI or AVX_VNNI, vpmaddubsw on AVX2, C
-  elsewhere: `isa()`), then y = float(sum) * sx * sw + bias.
+  elsewhere: `isa()`; from W8A8_TILE_ROWS rows AMX-INT8 tiles where the CPU has them:
+  `w8a8_tiles()`, the same sums), then y = float(sum) * sx * sw + bias.
 - weight-only W4A16 / W8A16 (`PackedGroupWeight`, `gemm_wq`): 4- or 8-bit integers with a float32
   scale and an optional zero point per group of input features, q - zero decoded in registers (or
   once per panel into scratch when many row tiles meet it); per group a float32 in-order sum of
@@ -85,7 +86,69 @@ def load() -> ctypes.CDLL | None:
         getattr(dll, name).restype = None
     if dll.gemm_quant_desc_size() != ctypes.sizeof(GemmQuantDesc):
         raise RuntimeError("gemm_quant.c's GemmQuantDesc and its ctypes mirror differ")
+    dll.gemm_quant_set_w8a8_tiles.argtypes, dll.gemm_quant_set_w8a8_tiles.restype = [_VP, _I64], _INT
+    _choose_w8a8_tiles(dll)
     return dll
+
+
+# From this many rows gemm_w8a8 runs on AMX-INT8 tiles where they are chosen: below it a call reads
+# its weights from memory either way, and vpdpbusd's registers need no tile set-up.
+W8A8_TILE_ROWS = 8
+_w8a8_tiles: list[int | None] = [None, W8A8_TILE_ROWS]  # what gemm_w8a8 was last given
+
+
+def set_w8a8_tiles(address: int | None, min_rows: int = W8A8_TILE_ROWS) -> bool:
+    """Give gemm_w8a8 the tile kernel at `address` (gemm_amx_kernels.w8a8_tiles_address) for calls of
+    at least `min_rows` rows, or None: vpdpbusd always. False (and nothing changed) where this build's
+    W8A8 panels are not the tiles' layout (only the 512-bit VNNI build's are)."""
+    if _dll().gemm_quant_set_w8a8_tiles(address, min_rows) != 0:
+        return False
+    _w8a8_tiles[:] = [address, min_rows]
+    return True
+
+
+def w8a8_tiles() -> tuple[int | None, int]:
+    """(the tile kernel's address or None, its minimum rows): what gemm_w8a8 runs on now."""
+    return _w8a8_tiles[0], int(_w8a8_tiles[1] or 0)
+
+
+def _choose_w8a8_tiles(dll: ctypes.CDLL) -> None:
+    """At load: AMX-INT8 tiles for W8A8 where they are usable, NORIA_CPU_NO_AMX is not set, and on a
+    ragged product (every edge: rows, features and k off the tiles' sizes, a bias) they give the
+    vpdpbusd kernel's bits; else vpdpbusd."""
+    from noria.protocol import switches
+    from noria.worker import gemm_amx_kernels
+
+    address = None if switches.cpu_no_amx() else gemm_amx_kernels.w8a8_tiles_address(emulate=False)
+    if address is None or dll.gemm_quant_set_w8a8_tiles(address, 1) != 0:
+        return
+    g = torch.Generator().manual_seed(0)
+    n, k, m = 100, 300, 37
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    data, corr = _pack_int8(q, int(dll.gemm_quant_i8_nr()), int(dll.gemm_quant_i8_shift()))
+    scale = torch.rand(data.shape[0] * data.shape[2], generator=g) / 64
+    x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    out = []
+    for tiles in (address, None):
+        dll.gemm_quant_set_w8a8_tiles(tiles, 1)
+        y = torch.empty(m, n)
+        dll.gemm_w8a8(x.data_ptr(), k, data.data_ptr(), corr.data_ptr(), scale.data_ptr(), bias.data_ptr(),
+                      y.data_ptr(), n, m, n, k, torch.get_num_threads())
+        out.append(y)
+    if torch.equal(out[0], out[1]):
+        dll.gemm_quant_set_w8a8_tiles(address, W8A8_TILE_ROWS)
+        _w8a8_tiles[:] = [address, W8A8_TILE_ROWS]
+
+
+def _pack_int8(q: torch.Tensor, nr: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8 panels [ceil(N / nr), ceil(K / 4), nr, 4] of q int8 [N, K] (zero padded), and each padded
+    feature's 128 * sum of its weights where the build shifts x to unsigned (`shift`), else zeros."""
+    n, k = q.shape
+    p, k4 = _panels(n, nr), -(-k // 4)
+    padded = torch.zeros(p * nr, k4 * 4, dtype=torch.int8)
+    padded[:n, :k] = q.cpu()
+    data = padded.view(p, nr, k4, 4).transpose(1, 2).contiguous()
+    return data, (padded.sum(dim=1, dtype=torch.int32) * 128 * shift).to(torch.int32)
 
 
 def usable() -> bool:
@@ -225,15 +288,10 @@ class PackedInt8Weight:
             raise ValueError(f"W8A8 needs K <= {MAX_W8A8_K} (exact int32 sums), not {self.k}")
         self.out_features, self.in_features = self.n, self.k
         nr = int(dll.gemm_quant_i8_nr())
-        p, k4 = _panels(self.n, nr), -(-self.k // 4)
-        padded = torch.zeros(p * nr, k4 * 4, dtype=torch.int8)
-        padded[: self.n, : self.k] = q.cpu()
-        self.data = padded.view(p, nr, k4, 4).transpose(1, 2).contiguous()
-        self.scale = torch.zeros(p * nr, dtype=torch.float32)
+        # corr, 128 * sum_k w: what the unsigned shift of x adds to each sum where the build uses vpdpbusd.
+        self.data, self.corr = _pack_int8(q, nr, int(dll.gemm_quant_i8_shift()))
+        self.scale = torch.zeros(self.data.shape[0] * nr, dtype=torch.float32)
         self.scale[: self.n] = scale.detach().cpu().to(torch.float32)
-        # 128 * sum_k w: what the unsigned shift of x adds to each sum where the build uses vpdpbusd.
-        shift = int(dll.gemm_quant_i8_shift())
-        self.corr = (padded.sum(dim=1, dtype=torch.int32) * 128 * shift).to(torch.int32)
         self.nbytes = self.data.numel() + 4 * self.scale.numel() + 4 * self.corr.numel()
         self.desc = _desc(dll, "w8a8", 8, self.n, self.k, 0, self.data, self.scale, corr=self.corr)
         self.desc_ptr: int = ctypes.addressof(self.desc)

@@ -12,8 +12,9 @@
  * multiple of 16 (32 bf16, one A tile row of 64 bytes), so an A tile never
  * reads past the scratch; the last, partial k-block of a panel is copied into
  * a zeroed 2 KiB buffer before its B tiles load, so nothing reads past W; C
- * tiles are stored into a small buffer and only the valid rows and columns,
- * plus the bias (after the sum, as torch's addmm), reach y. Zero padding only
+ * tiles of 16 valid rows and 32 valid columns are stored straight into y,
+ * others into a small buffer from which only the valid rows and columns reach
+ * y; the bias is added after the sum, as torch's addmm adds it. Zero padding only
  * ever meets zero padding (padded k of x against padded k of W), or lands in
  * rows / columns that are thrown away, so a NaN or an infinity can't leak.
  *
@@ -87,7 +88,8 @@
 #error "the pair lanes assume a little-endian CPU"
 #endif
 
-#if !defined(NORIA_AMX_EMULATE) && defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if !defined(NORIA_AMX_EMULATE) && defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__AMX_INT8__)
 #define AMX_REAL 1
 #include <immintrin.h>
 #endif
@@ -181,6 +183,23 @@ int gemm_amx_ready(void) {
 const char *gemm_amx_ready_reason(void) {
     gemm_amx_ready();
     return ready_reason;
+}
+
+static int int8_state = -1; /* -1 not asked yet */
+
+/* gemm_amx_ready, and the CPU has AMX-INT8 too (CPUID.(7,0):EDX bit 25; asked once: under a
+ * hypervisor CPUID traps). */
+int gemm_amx_int8_ready(void) {
+    int s = __atomic_load_n(&int8_state, __ATOMIC_ACQUIRE);
+    if (s < 0) {
+        s = 0;
+#if defined(__x86_64__) && defined(__linux__)
+        unsigned a, b, c, d;
+        s = gemm_amx_ready() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
+#endif
+        __atomic_store_n(&int8_state, s, __ATOMIC_RELEASE);
+    }
+    return s;
 }
 
 /* ---- the tile operations: the one place the two builds differ ---- */
@@ -307,12 +326,38 @@ static void emu_dpbf16ps(int c, int a, int b) {
     }
 }
 
+/* TDPBUSD c, a, b per the SDM: per row m of C and column n, the products of
+ * A's unsigned bytes by B's signed ones, four per dword, summed into a dword
+ * that wraps (no saturation), then added to C[m][n], wrapping too. */
+static void emu_dpbusd(int c, int a, int b) {
+    emu_need(c), emu_need(a), emu_need(b);
+    const TileConfig *k = &emu.cfg;
+    if (c == a || c == b || a == b) emu_fault("#UD in tdpbusd: tiles not all different");
+    if (k->colsb[c] % 4 || k->colsb[a] % 4 || k->colsb[c] != k->colsb[b] || k->colsb[a] / 4 != k->rows[b] ||
+        k->rows[c] != k->rows[a])
+        emu_fault("#UD in tdpbusd: operand shapes do not match");
+    const int rows = k->rows[c], quads = k->colsb[a] / 4, cols = k->colsb[c] / 4;
+    for (int m = 0; m < rows; m++) {
+        const uint8_t *arow = emu.reg[a][m];
+        uint32_t *crow = (uint32_t *)emu.reg[c][m];
+        for (int n = 0; n < cols; n++) {
+            uint32_t tmp = 0;
+            for (int q = 0; q < quads; q++) {
+                const int8_t *bq = (const int8_t *)emu.reg[b][q] + 4 * n;
+                for (int i = 0; i < 4; i++) tmp += (uint32_t)((int32_t)arow[4 * q + i] * (int32_t)bq[i]);
+            }
+            crow[n] += tmp;
+        }
+    }
+}
+
 #define TILE_CONFIG(cfg) emu_config(cfg)
 #define TILE_RELEASE() emu_release()
 #define TILE_LOAD(t, base, stride) emu_load((t), (base), (stride))
 #define TILE_STORE(t, base, stride) emu_store((t), (base), (stride))
 #define TILE_ZERO(t) emu_zero(t)
 #define TILE_DP(c, a, b) emu_dpbf16ps((c), (a), (b))
+#define TILE_DPBUSD(c, a, b) emu_dpbusd((c), (a), (b))
 #define HAVE_TILES 1
 
 #elif defined(AMX_REAL)
@@ -324,6 +369,7 @@ static void emu_dpbf16ps(int c, int a, int b) {
 #define TILE_STORE(t, base, stride) do { BARRIER(); _tile_stored(t, (base), (stride)); BARRIER(); } while (0)
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#define TILE_DPBUSD(c, a, b) _tile_dpbusd(c, a, b)
 #define HAVE_TILES 1
 
 #endif
@@ -376,11 +422,12 @@ static uint32_t *scratch_for(size_t bytes) {
 }
 
 /* 32 rows (two = 1) or 16 rows (two = 0) of A, from `a` (row stride K2p pairs),
- * against one panel: c[r][j] for r < 32 (or 16), j < 32. `blocks` k-blocks of 16
- * pairs; block kb < full is in the panel, the last one (if any) in `tail`. */
+ * against one panel: rows 0-15 into c[r * ldc + j], rows 16-31 into c2[(r - 16) *
+ * ldc2 + j], j < 32. `blocks` k-blocks of 16 pairs; block kb < full is in the
+ * panel, the last one (if any) in `tail`. */
 static inline __attribute__((always_inline)) void rows_x_panel(
     const uint32_t *a, int64_t K2p, const uint16_t *panel, int64_t full, int64_t blocks, const uint16_t *tail,
-    const int two, float c[2 * TR][NR]) {
+    const int two, float *c, int64_t ldc, float *c2, int64_t ldc2) {
     const int64_t sa = K2p * (int64_t)sizeof(uint32_t), sb = PAIR_ROW * (int64_t)sizeof(uint16_t);
     TILE_ZERO(0);
     TILE_ZERO(1);
@@ -401,12 +448,12 @@ static inline __attribute__((always_inline)) void rows_x_panel(
             TILE_DP(3, 5, 7);
         }
     }
-    const int64_t sc = NR * (int64_t)sizeof(float);
-    TILE_STORE(0, &c[0][0], sc);
-    TILE_STORE(1, &c[0][TR], sc);
+    const int64_t sc = ldc * (int64_t)sizeof(float), sc2 = ldc2 * (int64_t)sizeof(float);
+    TILE_STORE(0, c, sc);
+    TILE_STORE(1, c + TR, sc);
     if (two) {
-        TILE_STORE(2, &c[TR][0], sc);
-        TILE_STORE(3, &c[TR][TR], sc);
+        TILE_STORE(2, c2, sc2);
+        TILE_STORE(3, c2 + TR, sc2);
     }
 }
 
@@ -428,14 +475,23 @@ static void panel_range(const uint32_t *x2, int64_t K2p, const uint16_t *packed,
             const int64_t n0 = p * NR, ncols = N - n0 < NR ? N - n0 : NR;
             for (int64_t r0 = m0; r0 < m1; r0 += 2 * TR) {
                 const int two = r0 + TR < m1;
-                if (two)
-                    rows_x_panel(x2 + r0 * K2p, K2p, panel, full, blocks, tail, 1, c);
-                else
-                    rows_x_panel(x2 + r0 * K2p, K2p, panel, full, blocks, tail, 0, c);
                 const int64_t h = M - r0 < 2 * TR ? M - r0 : 2 * TR;
+                /* A half (16 rows) of whole tiles goes straight into y (copying every
+                 * staged row took 3 % of a bf16 W1); the edges pass through c. */
+                const int top = ncols == NR && h >= TR, bottom = ncols == NR && h == 2 * TR;
+                float *yr = y + r0 * ldy + n0;
+                float *c_top = top ? yr : &c[0][0], *c_bottom = bottom ? yr + TR * ldy : &c[TR][0];
+                const int64_t ld_top = top ? ldy : NR, ld_bottom = bottom ? ldy : NR;
+                if (two)
+                    rows_x_panel(x2 + r0 * K2p, K2p, panel, full, blocks, tail, 1, c_top, ld_top, c_bottom, ld_bottom);
+                else
+                    rows_x_panel(x2 + r0 * K2p, K2p, panel, full, blocks, tail, 0, c_top, ld_top, c_bottom, ld_bottom);
                 for (int64_t r = 0; r < h; r++) {
                     float *out = y + (r0 + r) * ldy + n0;
-                    if (bias == NULL)
+                    if (r < TR ? top : bottom) {
+                        if (bias != NULL)
+                            for (int64_t j = 0; j < NR; j++) out[j] += bias[n0 + j];
+                    } else if (bias == NULL)
                         memcpy(out, c[r], sizeof(float) * (size_t)ncols);
                     else
                         for (int64_t j = 0; j < ncols; j++) out[j] = c[r][j] + bias[n0 + j];
@@ -454,7 +510,97 @@ static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
     *lo = n * tid / nth, *hi = n * (tid + 1) / nth;
 }
 
+
+/* ---- W8A8 on AMX-INT8 tiles (TDPBUSD), for gemm_quant.c's gemm_w8a8 ---- */
+
+#include "w8a8_out.h"
+
+#define Q4_BLOCK 16 /* k-quads of a k-block: one A tile row (64 bytes), one B tile's rows */
+#define I8_NR 64    /* features of a W8A8 panel on the 512-bit VNNI build: four B tiles */
+
+/* Rows [0, M) of gemm_w8a8's quantized activations against its panels [p0, p1), on the
+ * calling thread (gemm_w8a8 splits the panels or the rows over its threads, then calls
+ * this where it has set it: gemm_quant_set_w8a8_tiles).
+ * xq: [>= ceil(M / 16) * 16, ldq] bytes, q + 128 (unsigned), ldq a multiple of 64 with
+ *     the padding 128 (x = 0): every A tile lies inside it.
+ * packed: [panels, K4, 64, 4] int8, gemm_w8a8's 512-bit layout. A k-block of 16 quads
+ *     of 16 features is one B tile as it lies (64 bytes a quad, the panel's 256-byte
+ *     quad rows as its stride), so a panel is four B tiles a block; a last, partial
+ *     block is copied into a zeroed buffer first (nothing reads past W, and the
+ *     padded k of x meets zero weights).
+ * Per 16 rows, four C tiles (a panel's 64 features) are summed over all k-blocks, in
+ * int32 that wraps exactly as vpdpbusd's lanes do, so each sum equals the vpdpbusd
+ * kernel's; w8a8_out makes the same floats of it. */
+void gemm_amx_w8a8_range(const uint8_t *xq, int64_t ldq, const float *sx, const int8_t *packed,
+                         const int32_t *corr, const float *sw, const float *bias, float *y, int64_t ldy,
+                         int64_t M, int64_t N, int64_t K4, int64_t nr, int64_t p0, int64_t p1) {
+    if (nr != I8_NR || ldq % (4 * Q4_BLOCK) != 0) {
+        fprintf(stderr, "gemm_amx_w8a8_range: panels of %lld features, rows of %lld bytes; the tiles take 64, "
+                "and a multiple of 64\n", (long long)nr, (long long)ldq);
+        abort();
+    }
+#ifdef AMX_REAL
+    if (!gemm_amx_int8_ready()) {
+        fprintf(stderr, "gemm_amx_w8a8_range: AMX-INT8 is not usable here (%s)\n", ready_reason);
+        abort();
+    }
+#endif
+    const int64_t row_bytes = I8_NR * 4, blocks = ldq / (4 * Q4_BLOCK), full = K4 / Q4_BLOCK;
+    _Alignas(64) int8_t tail[Q4_BLOCK * I8_NR * 4]; /* 4 KiB */
+    _Alignas(64) int32_t c[TR][I8_NR];
+    TILE_CONFIG(&kernel_config);
+    for (int64_t p = p0; p < p1; p++) {
+        const int8_t *panel = packed + p * K4 * row_bytes;
+        if (blocks > full) {
+            memset(tail, 0, sizeof tail);
+            memcpy(tail, panel + full * Q4_BLOCK * row_bytes, (size_t)((K4 - full * Q4_BLOCK) * row_bytes));
+        }
+        const int64_t n0 = p * I8_NR, ncols = N - n0 < I8_NR ? N - n0 : I8_NR;
+        for (int64_t r0 = 0; r0 < M; r0 += TR) {
+            TILE_ZERO(0);
+            TILE_ZERO(1);
+            TILE_ZERO(2);
+            TILE_ZERO(3);
+            for (int64_t kb = 0; kb < blocks; kb++) {
+                const int8_t *b = kb < full ? panel + kb * Q4_BLOCK * row_bytes : tail;
+                TILE_LOAD(4, xq + r0 * ldq + kb * 4 * Q4_BLOCK, ldq);
+                TILE_LOAD(5, b, row_bytes);
+                TILE_LOAD(6, b + 64, row_bytes);
+                TILE_DPBUSD(0, 4, 5);
+                TILE_LOAD(7, b + 128, row_bytes);
+                TILE_DPBUSD(1, 4, 6);
+                TILE_LOAD(5, b + 192, row_bytes);
+                TILE_DPBUSD(2, 4, 7);
+                TILE_DPBUSD(3, 4, 5);
+            }
+            const int64_t sc = I8_NR * (int64_t)sizeof(int32_t);
+            TILE_STORE(0, &c[0][0], sc);
+            TILE_STORE(1, &c[0][16], sc);
+            TILE_STORE(2, &c[0][32], sc);
+            TILE_STORE(3, &c[0][48], sc);
+            const int64_t h = M - r0 < TR ? M - r0 : TR;
+            for (int64_t r = 0; r < h; r++) {
+                float out[I8_NR];
+                w8a8_out(c[r], corr + n0, sx[r0 + r], sw + n0, bias == NULL ? NULL : bias + n0, out, I8_NR);
+                memcpy(y + (r0 + r) * ldy + n0, out, sizeof(float) * (size_t)ncols);
+            }
+        }
+    }
+    TILE_RELEASE();
+}
+
 #endif /* HAVE_TILES */
+
+#ifndef HAVE_TILES
+void gemm_amx_w8a8_range(const uint8_t *xq, int64_t ldq, const float *sx, const int8_t *packed,
+                         const int32_t *corr, const float *sw, const float *bias, float *y, int64_t ldy,
+                         int64_t M, int64_t N, int64_t K4, int64_t nr, int64_t p0, int64_t p1) {
+    (void)xq, (void)ldq, (void)sx, (void)packed, (void)corr, (void)sw, (void)bias, (void)y, (void)ldy, (void)M;
+    (void)N, (void)K4, (void)nr, (void)p0, (void)p1;
+    fprintf(stderr, "gemm_amx_w8a8_range: built without AMX tiles (check gemm_amx_built)\n");
+    abort();
+}
+#endif
 
 /* Same arguments as gemm_bf16_dot; `packed` from pack_bf16_dot with NR = 32. */
 void gemm_amx(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy,

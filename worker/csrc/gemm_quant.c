@@ -106,6 +106,7 @@
 
 #define SCRATCH_OWNER "gemm_quant"
 #include "thread_scratch.h"
+#include "w8a8_out.h"
 
 /* The calling thread's share [*lo, *hi) of n items, inside a parallel region (all of them outside). */
 static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
@@ -284,14 +285,7 @@ static inline __attribute__((always_inline)) void i8_tile(
 #endif
     for (int r = 0; r < mr; r++) {
         float out[I8_NR];
-        const float s = sx[r];
-        /* (acc - corr) wraps back to the exact sum (see the top); the scales, then the bias. */
-        if (bias != NULL)
-            for (int j = 0; j < I8_NR; j++)
-                out[j] = (float)(int32_t)((uint32_t)sums[r][j] - (uint32_t)corr[j]) * s * sw[j] + bias[j];
-        else
-            for (int j = 0; j < I8_NR; j++)
-                out[j] = (float)(int32_t)((uint32_t)sums[r][j] - (uint32_t)corr[j]) * s * sw[j];
+        w8a8_out(sums[r], corr, sx[r], sw, bias, out, I8_NR);
         q4_store(y + r * ldy, out, ncols);
     }
 }
@@ -330,14 +324,40 @@ static void i8_range(const uint8_t *xq, int64_t ldq, const float *sx, const int8
 
 static _Thread_local Scratch quantized;
 
+/* The W8A8 product on AMX-INT8 tiles: gemm_amx.c's gemm_amx_w8a8_range (its comment has the
+ * contract), given here by worker/gemm_quant_kernels.py where the tiles are usable and agree with
+ * vpdpbusd, for calls of at least w8a8_tiles_rows rows; NULL: vpdpbusd. The same exact int32 sums
+ * and the same w8a8_out, so the same bits either way. Only the 512-bit VNNI build's panels (64
+ * features, unsigned x) are the tiles' layout. */
+typedef void (*w8a8_tiles_fn)(const uint8_t *xq, int64_t ldq, const float *sx, const int8_t *packed,
+                              const int32_t *corr, const float *sw, const float *bias, float *y, int64_t ldy,
+                              int64_t M, int64_t N, int64_t K4, int64_t nr, int64_t p0, int64_t p1);
+static w8a8_tiles_fn w8a8_tiles;
+static int64_t w8a8_tiles_rows;
+#define TILE_K 64 /* k of one A tile row: the tiles' quantized rows are padded to a multiple */
+#define TILE_ROWS 16
+
+/* Returns 0, or -1 where this build's W8A8 panels are not the tiles' layout (fn stays NULL). */
+int gemm_quant_set_w8a8_tiles(w8a8_tiles_fn fn, int64_t min_rows) {
+    if (fn != NULL && !(I8_PATH == 3 && I8_NR == 64 && I8_SHIFT)) return -1;
+    w8a8_tiles = fn, w8a8_tiles_rows = min_rows;
+    return 0;
+}
+
 /* packed: [ceil(N / I8_NR), ceil(K / 4), I8_NR, 4] int8; corr: [panels * I8_NR] int32, 128 * the sum of each
  * feature's weights where I8_SHIFT (else zeros); sw: [panels * I8_NR] float32 (the padding anything finite). */
 void gemm_w8a8(const float *x, int64_t ldx, const int8_t *packed, const int32_t *corr, const float *sw,
                const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
-    const int64_t K4 = (K + 3) / 4, ldq = K4 * 4, panels = (N + I8_NR - 1) / I8_NR;
-    const size_t qbytes = (size_t)(M * ldq + 63) / 64 * 64;
+    const w8a8_tiles_fn tiles = M >= w8a8_tiles_rows ? w8a8_tiles : NULL;
+    const int64_t K4 = (K + 3) / 4, panels = (N + I8_NR - 1) / I8_NR;
+    /* The tiles read whole A tiles: rows padded to TILE_K bytes, and TILE_ROWS rows more (zeros)
+     * past the last, which a row split's last tile may read. */
+    const int64_t ldq = tiles ? (K4 * 4 + TILE_K - 1) / TILE_K * TILE_K : K4 * 4;
+    const int64_t rows = tiles ? M + TILE_ROWS : M;
+    const size_t qbytes = (size_t)(rows * ldq + 63) / 64 * 64;
     uint8_t *xq = scratch_for(&quantized, qbytes + sizeof(float) * (size_t)M, "quantized activations");
     float *sx = (float *)(xq + qbytes);
+    if (tiles) memset(xq + M * ldq, 0, (size_t)(TILE_ROWS * ldq));
     /* Threads over whole panels; over rows where there are fewer panels than threads. */
     const int64_t units = panels >= num_threads ? panels : (M > panels ? M : panels);
     const int threads = units < num_threads ? (int)units : num_threads;
@@ -353,11 +373,18 @@ void gemm_w8a8(const float *x, int64_t ldx, const int8_t *packed, const int32_t 
 #endif
         if (panels >= nth) {
             thread_share(panels, &lo, &hi);
-            i8_range(xq, ldq, sx, packed, corr, sw, bias, y, ldy, M, N, K4, lo, hi);
+            if (tiles)
+                tiles(xq, ldq, sx, packed, corr, sw, bias, y, ldy, M, N, K4, I8_NR, lo, hi);
+            else
+                i8_range(xq, ldq, sx, packed, corr, sw, bias, y, ldy, M, N, K4, lo, hi);
         } else {
             thread_share(M, &lo, &hi);
-            i8_range(xq + lo * ldq, ldq, sx + lo, packed, corr, sw, bias, y + lo * ldy, ldy, hi - lo, N, K4, 0,
-                     panels);
+            if (tiles && hi > lo)
+                tiles(xq + lo * ldq, ldq, sx + lo, packed, corr, sw, bias, y + lo * ldy, ldy, hi - lo, N, K4, I8_NR,
+                      0, panels);
+            else if (!tiles)
+                i8_range(xq + lo * ldq, ldq, sx + lo, packed, corr, sw, bias, y + lo * ldy, ldy, hi - lo, N, K4, 0,
+                         panels);
         }
     }
 }
