@@ -115,7 +115,8 @@ def _quant_gemms() -> str:
     tiles, rows = gemm_quant_kernels.w8a8_tiles()
     amx = f" (AMX-INT8 tiles from {rows} rows)" if tiles is not None else ""
     line = (f"int8 W8A8 on the {gemm_quant_kernels.isa()} path{amx}, activations quantized per token; "
-            "4/8-bit weight-only widened to float32 in registers")
+            + ("4/8-bit weight-only widened to float32 in registers (NORIA_CPU_W4A16=1)" if switches.cpu_w4a16()
+               else "4/8-bit weight-only on int8 activations per group, the weights' bytes as the unsigned operand"))
     from noria.worker import gemm_fp8_kernels
 
     if gemm_fp8_kernels.usable():
