@@ -9,6 +9,7 @@ SDM's pseudo-code, and agreement with gemm_bf16_dot."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
 import subprocess
@@ -21,6 +22,8 @@ import torch
 from noria.worker import gemm_amx_kernels, gemm_bf16_kernels
 from noria.worker.gemm_amx_kernels import gemm_amx, tile_dpbf16ps
 from noria.worker.gemm_bf16_kernels import PackedHalfWeight, gemm_bf16
+
+F32P, U16P = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint16)
 
 
 def _cpu_flags() -> set[str]:
@@ -102,6 +105,23 @@ def test_thread_counts_and_batch_rows_give_identical_bits(emulate: bool) -> None
     for r, row in zip((0, 17, 64, 129), alone, strict=True):
         assert torch.equal(row, results[0][r : r + 1])
     assert torch.equal(shifted, results[0][3:40])
+
+
+@pytest.mark.parametrize("emulate", BUILDS)
+def test_panel_ranges_give_the_whole_calls_bits(emulate: bool) -> None:
+    """gemm_amx_panels (the MoE experts' entry: panels [p0, p1) on the calling thread) over ranges
+    that cut the panels anywhere, each writing its columns only, gives gemm_amx's output."""
+    torch.manual_seed(6)
+    rows, n, k = 37, 200, 97  # 7 panels, the last ragged; odd k
+    weight, x, bias = torch.randn(n, k), torch.randn(rows, k + 3)[:, 1 : 1 + k], torch.randn(n)
+    packed = PackedHalfWeight(weight, "dot")
+    want = gemm_amx(x, packed, bias, emulate=emulate)
+    fn = gemm_amx_kernels.panels_entry(emulate)
+    y = torch.full((rows, n), float("nan"))
+    ptr = lambda t, kind: ctypes.cast(t.data_ptr(), kind)  # noqa: E731
+    for p0, p1 in ((0, 2), (2, 3), (3, 7)):
+        fn(ptr(x, F32P), x.stride(0), ptr(packed.data, U16P), ptr(bias, F32P), ptr(y, F32P), n, rows, n, k, p0, p1)
+    assert torch.equal(y, want)
 
 
 @pytest.mark.parametrize("emulate", BUILDS)

@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from noria.protocol.model_spec import model_spec
-from noria.worker import fused_kernels, gemm_bf16_kernels, gemm_kernels, moe_kernels
+from noria.worker import (
+    fused_kernels,
+    gemm_amx_kernels,
+    gemm_bf16_kernels,
+    gemm_kernels,
+    moe_kernels,
+)
 from noria.worker.models.linear import packed
 from noria.worker.models.moe import SparseMoeBlock
 from noria.worker.models.ops import CpuOps
@@ -25,7 +31,7 @@ ROWS = (1, 2, 5, 13, 64, 193, 300)
 
 
 def _block(arch: str, top_k: int = 2, seed: int = 0, weights: str = "float32") -> SparseMoeBlock:
-    """weights: "float32", or "widen" / "dot" for experts kept in bf16 in that GEMM layout, "f16"
+    """weights: "float32", or "widen" / "dot" / "amx" for experts kept in bf16 in that GEMM layout, "f16"
     for experts kept in float16."""
     spec = model_spec(tiny_config(arch, num_experts_per_tok=top_k))
     block = SparseMoeBlock(spec, TensorParallel(), CpuOps(spec.activation))
@@ -37,6 +43,9 @@ def _block(arch: str, top_k: int = 2, seed: int = 0, weights: str = "float32") -
     else:
         if gemm_bf16_kernels.load() is None or (weights == "dot" and gemm_bf16_kernels.layout() not in ("dot", "amx")):
             pytest.skip(f"no native bf16 GEMM in the {weights} layout on this host")
+        if weights == "amx" and not gemm_amx_kernels.ready():
+            pytest.skip("the experts' tiles need a CPU with AMX-BF16 (tests/test_worker_gemm_amx.py runs "
+                        "their panel entry emulated everywhere)")
         dtype = gemm_bf16_kernels.LAYOUT_DTYPES[weights]
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(gemm_bf16_kernels, "layout", lambda _dtype: weights)
@@ -87,11 +96,11 @@ def _routing(kind: str, t: int, k: int, e: int, g: torch.Generator) -> tuple[tor
 # The float64 reference's tolerance per kind of weights: float32's elementwise; for the dot layout
 # bf16's, normwise (it rounds x and the SiLU product to bf16, the reference keeps them exact,
 # and an output near zero by cancellation has no relative accuracy left).
-TOLERANCE = {"float32": 1e-5, "widen": 5e-5, "f16": 5e-5, "dot": 1e-2}
+TOLERANCE = {"float32": 1e-5, "widen": 5e-5, "f16": 5e-5, "dot": 1e-2, "amx": 1e-2}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, weights: str) -> None:
-    if weights == "dot":
+    if weights in ("dot", "amx"):
         assert (got.double() - want).norm() <= TOLERANCE[weights] * want.norm()
     else:
         torch.testing.assert_close(got.double(), want, rtol=TOLERANCE[weights], atol=TOLERANCE[weights])

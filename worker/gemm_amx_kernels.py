@@ -55,6 +55,8 @@ def load(emulate: bool) -> ctypes.CDLL | None:
     dll.gemm_amx_tile_dp.argtypes = [_F32P, _U16P, _U16P, _F32P, _INT, _INT, _INT]
     dll.gemm_amx_tile_dp.restype = _INT
     dll.gemm_amx_int8_ready.argtypes, dll.gemm_amx_int8_ready.restype = [], _INT
+    dll.gemm_amx_panels.argtypes = [_F32P, _I64, _U16P, _F32P, _F32P, _I64, _I64, _I64, _I64, _I64, _I64]
+    dll.gemm_amx_panels.restype = None
     return dll
 
 
@@ -116,6 +118,12 @@ def self_check() -> str | None:
 def entry(emulate: bool = False) -> ctypes._CFuncPtr:
     """gemm_amx of the real build (where `ready()`) or the emulated one: gemm_f32's arguments."""
     return _dll(emulate).gemm_amx
+
+
+def panels_entry(emulate: bool = False) -> ctypes._CFuncPtr:
+    """gemm_amx_panels (gemm_bf16_dot_panels' arguments: panels [p0, p1) on the calling thread) of
+    the real build (where `ready()`) or the emulated one: the MoE experts' one native call."""
+    return _dll(emulate).gemm_amx_panels
 
 
 def _dll(emulate: bool, checked: bool = False) -> ctypes.CDLL:

@@ -9,8 +9,8 @@ bfloat16 W takes one of two layouts, the kernel's `layout()`:
   each output the float32 GEMM's in-order sum over the bf16-rounded weight, bit for bit;
 - "amx" where the CPU has AMX-BF16 and Linux grants the tiles (worker/gemm_amx_kernels.py;
   NORIA_CPU_NO_AMX=1 keeps "dot" there):
-  the dot layout's panels multiplied on 16 x 16 tiles. The MoE experts' one-call path reads
-  the same panels with the dot kernel (moe_f32.c calls panel ranges, which the tiles lack).
+  the dot layout's panels multiplied on 16 x 16 tiles, the MoE experts' one-call path too
+  (moe_f32.c calls panel ranges: gemm_amx_panels).
 
 A float16 W takes the "f16" layout: widened to float32 by vcvtph2ps (F16C), each output again
 the float32 GEMM's sum over the f16-rounded weight, bit for bit.
@@ -88,8 +88,11 @@ def entry(kind: str) -> ctypes._CFuncPtr:
 
 def panels_entry(kind: str) -> ctypes._CFuncPtr:
     """Its panels [p0, p1) on the calling thread alone (gemm_f32_panels' arguments)."""
-    paired = _dll().gemm_bf16_dot_panels
-    return {"dot": paired, "amx": paired, "f16": _dll().gemm_f16_panels}.get(kind, _dll().gemm_bf16_panels)
+    if kind == "amx":
+        from noria.worker import gemm_amx_kernels
+
+        return gemm_amx_kernels.panels_entry()
+    return {"dot": _dll().gemm_bf16_dot_panels, "f16": _dll().gemm_f16_panels}.get(kind, _dll().gemm_bf16_panels)
 
 
 def _dll() -> ctypes.CDLL:

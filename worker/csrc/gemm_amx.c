@@ -636,6 +636,33 @@ void gemm_amx(const float *x, int64_t ldx, const uint16_t *packed, const float *
 #endif
 }
 
+/* gemm_bf16_dot_panels' contract on the tiles: every row of x against panels [p0, p1),
+ * on the calling thread alone (a caller's parallel region splits the work: the MoE
+ * experts' one call, moe_f32.c). Each output is the same sum as gemm_amx's. */
+void gemm_amx_panels(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy,
+                     int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+#ifdef HAVE_TILES
+#ifdef AMX_REAL
+    if (!gemm_amx_ready()) {
+        fprintf(stderr, "gemm_amx_panels: AMX is not usable here (%s); check gemm_amx_ready\n", ready_reason);
+        abort();
+    }
+#endif
+    if (M <= 0 || N <= 0 || p1 <= p0) return;
+    const int64_t K2 = (K + 1) / 2, K2p = (K2 + TK - 1) / TK * TK, Mp = (M + TR - 1) / TR * TR;
+    const size_t bytes = sizeof(uint32_t) * (size_t)(Mp * K2p);
+    uint32_t *x2 = bytes ? scratch_for(bytes) : NULL;
+    if (x2 != NULL) round_rows(x, ldx, x2, M, K, K2p, 0, Mp);
+    TILE_CONFIG(&kernel_config);
+    panel_range(x2, K2p, packed, bias, y, ldy, M, Mp, N, K, p0, p1);
+    TILE_RELEASE();
+#else
+    (void)x, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)p0, (void)p1;
+    fprintf(stderr, "gemm_amx_panels: built without AMX tiles (check gemm_amx_built)\n");
+    abort();
+#endif
+}
+
 /* One TDPBF16PS through the same macros, for the tests: C (rows x cols float32,
  * row-major) += A (rows x pairs bf16 pairs) . B (pairs x cols bf16 pairs), into
  * `out`. Tiles 0 (C), 1 (A), 2 (B) configured to exactly these shapes. Returns
