@@ -1,8 +1,9 @@
-"""W8A8 on AMX-INT8 tiles (worker/csrc/gemm_amx.c's gemm_amx_w8a8_range, given to gemm_quant.c's
-gemm_w8a8 by worker/gemm_quant_kernels.py).
+"""W8A8 and W4A8 on AMX-INT8 tiles (worker/csrc/gemm_amx.c's gemm_amx_w8a8_range and
+gemm_amx_w4a8_range, given to gemm_quant.c's gemm_w8a8 and group GEMM by worker/gemm_quant_kernels.py
+and worker/gemm_quant_groups.py).
 
-The tiles compute the same exact int32 sums as vpdpbusd and the same floats of them (w8a8_out.h), so
-every check is bit for bit against the vpdpbusd kernel (itself checked against quantize_rows' definition
+The tiles compute the same exact int32 sums as vpdpbusd and the same floats of them (w8a8_out.h,
+group_out.h), so every check is bit for bit against the vpdpbusd kernel (itself checked against quantize_rows' definition
 in tests/test_worker_gemm_quant.py): ragged rows, features and k (a partial last k-block, one exact
 block, k under a quad), a bias, a strided x, a NaN row, the split of a call's rows over threads (one
 panel, more rows than panels). Each runs on the emulated build (TDPBUSD in C after the SDM's pseudo-code)
@@ -19,7 +20,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from noria.worker import gemm_amx_kernels, gemm_quant_kernels
+from noria.worker import gemm_amx_kernels, gemm_quant_groups, gemm_quant_kernels
+from noria.worker.gemm_quant_groups import PackedInt4Weight, gemm_w4a8
 from noria.worker.gemm_quant_kernels import PackedInt8Weight, gemm_w8a8
 
 
@@ -123,4 +125,86 @@ def test_load_chooses_the_tiles_where_the_cpu_has_them_unless_switched_off() -> 
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         chosen, ready = out.stdout.split()
         assert ready == str(gemm_amx_kernels.int8_ready())
+        assert chosen == str(ready == "True" and no_amx == "0"), (no_amx, out.stdout)
+
+
+# ---- W4A8 (4-bit weights, int8 activations per group) on the tiles ----
+
+@pytest.fixture
+def restore_w4a8_tiles() -> Iterator[None]:
+    before = gemm_quant_groups.w4a8_tiles()
+    yield
+    assert gemm_quant_groups.set_w4a8_tiles(*before)
+
+
+def _w4a8_both(x: torch.Tensor, w: PackedInt4Weight, bias: torch.Tensor | None,
+               emulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(vpdpbusd's y, the tiles' y) for the same call."""
+    address = gemm_amx_kernels.w4a8_tiles_address(emulate)
+    assert address is not None
+    assert gemm_quant_groups.set_w4a8_tiles(None)
+    want = gemm_w4a8(x, w, bias)
+    assert gemm_quant_groups.set_w4a8_tiles(address, 1)
+    return want, gemm_w4a8(x, w, bias)
+
+
+def _int4(n: int, k: int, group: int, zeros: bool, seed: int, minimums: bool = False) -> PackedInt4Weight:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (0, 16) if minimums else (-8, 8)
+    return PackedInt4Weight(torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8),
+                            torch.rand(n, k // group, generator=g) / 8 + 1e-3,
+                            torch.randint(-8, 8, (n, k // group), generator=g, dtype=torch.int8) if zeros else None,
+                            group, torch.rand(n, k // group, generator=g) if minimums else None)
+
+
+@pytest.mark.usefixtures("restore_w4a8_tiles")
+@pytest.mark.parametrize("emulate", BUILDS)
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33])
+@pytest.mark.parametrize(("n", "k", "group"), [(1, 64, 64), (17, 128, 64), (64, 256, 128), (100, 384, 128),
+                                               (130, 512, 256)])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_w4a8_tiles_equal_vpdpbusd_bit_for_bit(emulate: bool, rows: int, n: int, k: int, group: int,
+                                               zeros: bool) -> None:
+    w = _int4(n, k, group, zeros, rows * 1000 + n + k)
+    g = torch.Generator().manual_seed(n * k + rows)
+    x = torch.randn(rows, k + 5, generator=g)[:, 2 : 2 + k] * 3
+    bias = torch.randn(n, generator=g) if zeros else None
+    want, got = _w4a8_both(x, w, bias, emulate)
+    assert torch.isfinite(want).all()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.usefixtures("restore_w4a8_tiles")
+@pytest.mark.parametrize("emulate", BUILDS)
+def test_w4a8_a_non_finite_row_and_the_row_split(emulate: bool) -> None:
+    """One panel and two threads split the rows (each thread's tiles start mid-call); a NaN row
+    stays its own."""
+    w = _int4(40, 256, 128, True, 5)
+    x = torch.randn(45, 256)
+    x[7, 200] = float("nan")
+    want, got = _w4a8_both(x, w, torch.randn(40), emulate)
+    assert torch.isnan(got[7]).all() and torch.isfinite(got[:7]).all()
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.usefixtures("restore_w4a8_tiles")
+@pytest.mark.parametrize(("group", "minimums"), [(32, False), (128, True)])
+def test_w4a8_groups_the_tiles_do_not_take_keep_vpdpbusd(group: int, minimums: bool) -> None:
+    """Groups under 64 and minimums (GGUF's Q4_0 / Q4_K) never reach the tiles: with a tile kernel
+    set from one row, the answer is still vpdpbusd's (the emulated tiles would differ with minimums,
+    which they do not apply)."""
+    w = _int4(64, 256, group, False, 9, minimums)
+    x = torch.randn(20, 256)
+    want, got = _w4a8_both(x, w, None, True)
+    assert torch.equal(got, want)
+
+
+def test_w4a8_load_chooses_the_tiles_where_the_cpu_has_them_unless_switched_off() -> None:
+    code = ("import torch; from noria.worker import gemm_quant_groups as q, gemm_amx_kernels as a; "
+            "q.PackedInt4Weight(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1), None, 64); "
+            "print(q.w4a8_tiles()[0] is not None, a.int8_ready())")
+    for no_amx in ("0", "1"):
+        env = {**os.environ, "NORIA_CPU_NO_AMX": no_amx}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        chosen, ready = out.stdout.split()
         assert chosen == str(ready == "True" and no_amx == "0"), (no_amx, out.stdout)

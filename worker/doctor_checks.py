@@ -107,6 +107,13 @@ def cpu_kernel_report() -> tuple[list[str], str]:
     return info, " ".join(f"{family}={path}" for family, path in cpu_ops.paths().items())
 
 
+def _w4a8_tiles() -> str:
+    from noria.worker import gemm_quant_groups
+
+    tiles, rows = gemm_quant_groups.w4a8_tiles()
+    return "" if tiles is None else f" (4-bit groups of a multiple of 64 on AMX-INT8 tiles from {rows} rows)"
+
+
 def _quant_gemms() -> str:
     from noria.worker import gemm_quant_kernels
 
@@ -116,7 +123,7 @@ def _quant_gemms() -> str:
     amx = f" (AMX-INT8 tiles from {rows} rows)" if tiles is not None else ""
     line = (f"int8 W8A8 on the {gemm_quant_kernels.isa()} path{amx}, activations quantized per token; "
             + ("4/8-bit weight-only widened to float32 in registers (NORIA_CPU_W4A16=1)" if switches.cpu_w4a16()
-               else "4/8-bit weight-only on int8 activations per group, the weights' bytes as the unsigned operand"))
+               else "4/8-bit weight-only on int8 activations per group" + _w4a8_tiles()))
     from noria.worker import gemm_fp8_kernels
 
     if gemm_fp8_kernels.usable():

@@ -68,10 +68,20 @@ def int8_ready() -> bool:
 def w8a8_tiles_address(emulate: bool) -> int | None:
     """The address of gemm_amx_w8a8_range (gemm_quant.c's W8A8 product on AMX-INT8 tiles) in the
     emulated build, or in the real one where `int8_ready()`; else None."""
+    return _int8_address("gemm_amx_w8a8_range", emulate)
+
+
+def w4a8_tiles_address(emulate: bool) -> int | None:
+    """The address of gemm_amx_w4a8_range (gemm_quant.c's W4A8 product on AMX-INT8 tiles), as
+    `w8a8_tiles_address`."""
+    return _int8_address("gemm_amx_w4a8_range", emulate)
+
+
+def _int8_address(name: str, emulate: bool) -> int | None:
     dll = load(emulate)
     if dll is None or (not emulate and not int8_ready()):
         return None
-    return ctypes.cast(dll.gemm_amx_w8a8_range, ctypes.c_void_p).value
+    return ctypes.cast(getattr(dll, name), ctypes.c_void_p).value
 
 
 def _tiles_usable() -> bool:

@@ -120,6 +120,11 @@ class PackedInt4Weight(_GroupWeight):
 
     name, bits, kind, max_group = "W4A8", 4, "w4a8", MAX_W4A8_GROUP
 
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+                 minimum: torch.Tensor | None = None) -> None:
+        super().__init__(q, scale, zero, group, minimum)
+        _choose_w4a8_tiles()  # before any call can reach gemm_w4a8, the native stack's included
+
     def _check_values(self, q: torch.Tensor, zero: torch.Tensor | None, minimums: bool) -> None:
         lo, hi = (0, 15) if minimums else (-8, 7)
         for name, t in (("weights", q), ("zero points", zero)):
@@ -183,6 +188,57 @@ def _group_gemm(x: torch.Tensor, w: _GroupWeight, bias: torch.Tensor | None, fn:
         fn(x.data_ptr(), x.stride(0), w.data.data_ptr(), _p(w.zero), w.scale.data_ptr(), _p(w.minimum), *middle,
            _p(b), y.data_ptr(), w.n, m, w.n, w.k, w.group, torch.get_num_threads())
     return y
+
+
+# From this many rows gemm_w4a8 runs on AMX-INT8 tiles where they are chosen (4-bit weights without
+# minimums, groups of a multiple of 64): each call decodes its panels' nibbles into bytes once, which
+# a few rows do not pay back.
+W4A8_TILE_ROWS = 16
+_w4a8_tiles: list[int | None] = []  # [] until chosen (at the first 4-bit weight); then [address or None, rows]
+
+
+def set_w4a8_tiles(address: int | None, min_rows: int = W4A8_TILE_ROWS) -> bool:
+    """Give gemm_w4a8 the tile kernel at `address` (gemm_amx_kernels.w4a8_tiles_address) for calls of
+    at least `min_rows` rows, or None: vpdpbusd always. False where this build's panels are not the
+    tiles' layout (only the 512-bit VNNI build's are)."""
+    if _dll().gemm_quant_set_w4a8_tiles(address, min_rows) != 0:
+        return False
+    _w4a8_tiles[:] = [address, min_rows]
+    return True
+
+
+def w4a8_tiles() -> tuple[int | None, int]:
+    """(the tile kernel's address or None, its minimum rows): what gemm_w4a8 runs on now."""
+    _choose_w4a8_tiles()
+    return _w4a8_tiles[0], int(_w4a8_tiles[1] or 0)
+
+
+def _choose_w4a8_tiles() -> None:
+    """Once, at the first 4-bit weight packed: AMX-INT8 tiles for W4A8 where they are usable,
+    NORIA_CPU_NO_AMX is not set, and on ragged products (rows off the tiles' 16, features off 64,
+    two groups of 128, with and without zero points, a bias) they give the vpdpbusd kernel's bits."""
+    if _w4a8_tiles:
+        return
+    _w4a8_tiles[:] = [None, W4A8_TILE_ROWS]  # before the check's own weights come back here
+    from noria.protocol import switches
+    from noria.worker import gemm_amx_kernels
+
+    address = None if switches.cpu_no_amx() else gemm_amx_kernels.w4a8_tiles_address(emulate=False)
+    if address is None or not set_w4a8_tiles(None):
+        return
+    g = torch.Generator().manual_seed(0)
+    n, k, m, group = 100, 256, 37, 128
+    x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    for zero in (None, torch.randint(-8, 8, (n, k // group), generator=g, dtype=torch.int8)):
+        w = PackedInt4Weight(torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8),
+                             torch.rand(n, k // group, generator=g) / 8, zero, group)
+        want = gemm_w4a8(x, w, bias)
+        set_w4a8_tiles(address, 1)
+        got = gemm_w4a8(x, w, bias)
+        set_w4a8_tiles(None)
+        if not torch.equal(got, want):
+            return
+    set_w4a8_tiles(address, W4A8_TILE_ROWS)
 
 
 def gemm_w4a8(x: torch.Tensor, w: PackedInt4Weight, bias: torch.Tensor | None) -> torch.Tensor:

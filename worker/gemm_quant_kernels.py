@@ -86,7 +86,8 @@ def load() -> ctypes.CDLL | None:
         getattr(dll, name).restype = None
     if dll.gemm_quant_desc_size() != ctypes.sizeof(GemmQuantDesc):
         raise RuntimeError("gemm_quant.c's GemmQuantDesc and its ctypes mirror differ")
-    dll.gemm_quant_set_w8a8_tiles.argtypes, dll.gemm_quant_set_w8a8_tiles.restype = [_VP, _I64], _INT
+    for name in ("gemm_quant_set_w8a8_tiles", "gemm_quant_set_w4a8_tiles"):
+        getattr(dll, name).argtypes, getattr(dll, name).restype = [_VP, _I64], _INT
     _choose_w8a8_tiles(dll)
     return dll
 

@@ -589,9 +589,144 @@ void gemm_amx_w8a8_range(const uint8_t *xq, int64_t ldq, const float *sx, const 
     TILE_RELEASE();
 }
 
+
+/* ---- W4A8 on AMX-INT8 tiles, for gemm_quant.c's group_gemm ---- */
+
+#include "group_out.h"
+
+static _Thread_local uint8_t *w4_buf;
+static _Thread_local size_t w4_size;
+
+static uint8_t *w4_scratch(size_t bytes) {
+    if (bytes > w4_size) {
+        free(w4_buf);
+        w4_buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (w4_buf == NULL) {
+            fprintf(stderr, "gemm_amx: out of memory for %zu bytes of decoded weights\n", bytes);
+            abort();
+        }
+        w4_size = bytes;
+    }
+    return w4_buf;
+}
+
+/* Rows [0, M) of group_gemm's activations against 4-bit panels [p0, p1), on the calling thread
+ * (group_gemm splits the panels or the rows over its threads, as for vpdpbusd).
+ * xu: [>= ceil(M / 16) * 16, ldu] bytes, qx + 128 (quant_groups' signed values made unsigned);
+ *     K and the group multiples of 64, so a group is whole k-blocks of A tiles.
+ * packed: gemm_w4a8's [panels, K / 4, 2, 64] nibble panels (64 features: byte b of chunk j holds
+ *     16-feature vector j's byte b low, vector j + 2's high); each panel is decoded once per call
+ *     into bytes u = q + off in W8A8's layout [K / 4, 64, 4], whose 64-byte quad rows of 16
+ *     features are B tiles as they lie, and each feature's sum of u per group taken beside.
+ * Per 16 rows and group, C = sum (qx + 128) * u over the group (TDPBUSD, wrapping int32), so
+ * C - 128 * colsum is vpdpbusd's sum qx * u exactly, and group_out makes the same totals of it;
+ * then the bias, as q4_tile adds it. zeros: NULL or [panels, G, 64] (zero + off); scales
+ * [panels, G, 64]; sx, xsum: [M, G]. No minimums (group_gemm keeps those on vpdpbusd). */
+void gemm_amx_w4a8_range(const uint8_t *xu, int64_t ldu, const float *sx, const int32_t *xsum, int64_t G,
+                         const uint8_t *packed, const uint8_t *zeros, const float *scales, int32_t off,
+                         const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t group,
+                         int64_t nr, int64_t p0, int64_t p1) {
+    if (nr != I8_NR || group % (4 * Q4_BLOCK) != 0 || K % group != 0) {
+        fprintf(stderr, "gemm_amx_w4a8_range: panels of %lld features, group %lld, K %lld; the tiles take 64 "
+                "features and groups of a multiple of 64\n", (long long)nr, (long long)group, (long long)K);
+        abort();
+    }
+#ifdef AMX_REAL
+    if (!gemm_amx_int8_ready()) {
+        fprintf(stderr, "gemm_amx_w4a8_range: AMX-INT8 is not usable here (%s)\n", ready_reason);
+        abort();
+    }
+#endif
+    const int64_t K4 = K / 4, row_bytes = I8_NR * 4, gblocks = group / (4 * Q4_BLOCK), gk4 = group / 4;
+    uint8_t *u = w4_scratch((size_t)(K4 * row_bytes) + sizeof(int32_t) * (size_t)(G * I8_NR));
+    int32_t *colsum = (int32_t *)(u + K4 * row_bytes);
+    _Alignas(64) int32_t c[TR][I8_NR];
+    _Alignas(64) float tot[TR][I8_NR];
+    TILE_CONFIG(&kernel_config);
+    for (int64_t p = p0; p < p1; p++) {
+        const uint8_t *panel = packed + p * K4 * (I8_NR * 2);
+        for (int64_t k4 = 0; k4 < K4; k4++) {
+            const uint8_t *src = panel + k4 * (I8_NR * 2);
+            uint8_t *dst = u + k4 * row_bytes;
+            for (int j = 0; j < 2; j++)
+                for (int b = 0; b < 64; b++) {
+                    dst[j * 64 + b] = src[j * 64 + b] & 15;
+                    dst[(j + 2) * 64 + b] = src[j * 64 + b] >> 4;
+                }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            int32_t *cs = colsum + g * I8_NR;
+            for (int f = 0; f < I8_NR; f++) cs[f] = 0;
+            for (int64_t k4 = g * gk4; k4 < (g + 1) * gk4; k4++) {
+                /* A feature's 4 bytes are one 32-bit lane: summed in the lane (vectorizes). */
+                const uint32_t *lane = (const uint32_t *)(u + k4 * row_bytes);
+                for (int f = 0; f < I8_NR; f++) {
+                    const uint32_t v = (lane[f] & 0x00ff00ffu) + ((lane[f] >> 8) & 0x00ff00ffu);
+                    cs[f] += (int32_t)((v & 0xffffu) + (v >> 16));
+                }
+            }
+        }
+        const int64_t n0 = p * I8_NR, ncols = N - n0 < I8_NR ? N - n0 : I8_NR;
+        const float *sc = scales + p * G * I8_NR;
+        const uint8_t *ze = zeros == NULL ? NULL : zeros + p * G * I8_NR;
+        for (int64_t r0 = 0; r0 < M; r0 += TR) {
+            const int64_t h = M - r0 < TR ? M - r0 : TR;
+            memset(tot, 0, sizeof tot);
+            for (int64_t g = 0; g < G; g++) {
+                TILE_ZERO(0);
+                TILE_ZERO(1);
+                TILE_ZERO(2);
+                TILE_ZERO(3);
+                for (int64_t kb = 0; kb < gblocks; kb++) {
+                    const int64_t k4 = g * gk4 + kb * Q4_BLOCK;
+                    const uint8_t *b = u + k4 * row_bytes;
+                    TILE_LOAD(4, xu + r0 * ldu + 4 * k4, ldu);
+                    TILE_LOAD(5, b, row_bytes);
+                    TILE_LOAD(6, b + 64, row_bytes);
+                    TILE_DPBUSD(0, 4, 5);
+                    TILE_LOAD(7, b + 128, row_bytes);
+                    TILE_DPBUSD(1, 4, 6);
+                    TILE_LOAD(5, b + 192, row_bytes);
+                    TILE_DPBUSD(2, 4, 7);
+                    TILE_DPBUSD(3, 4, 5);
+                }
+                const int64_t stride = I8_NR * (int64_t)sizeof(int32_t);
+                TILE_STORE(0, &c[0][0], stride);
+                TILE_STORE(1, &c[0][16], stride);
+                TILE_STORE(2, &c[0][32], stride);
+                TILE_STORE(3, &c[0][48], stride);
+                const int32_t *cs = colsum + g * I8_NR;
+                for (int64_t r = 0; r < h; r++) {
+                    int32_t sums[I8_NR];
+                    for (int j = 0; j < I8_NR; j++) sums[j] = (int32_t)((uint32_t)c[r][j] - 128u * (uint32_t)cs[j]);
+                    const int64_t m = r0 + r;
+                    group_out(sums, tot[r], xsum[m * G + g], sx[m * G + g], 0.0f, sc + g * I8_NR,
+                              ze == NULL ? NULL : ze + g * I8_NR, NULL, off, 0, ze != NULL, 0, I8_NR);
+                }
+            }
+            for (int64_t r = 0; r < h; r++) {
+                if (bias != NULL)
+                    for (int j = 0; j < I8_NR; j++) tot[r][j] += bias[n0 + j];
+                memcpy(y + (r0 + r) * ldy + n0, tot[r], sizeof(float) * (size_t)ncols);
+            }
+        }
+    }
+    TILE_RELEASE();
+}
+
 #endif /* HAVE_TILES */
 
 #ifndef HAVE_TILES
+void gemm_amx_w4a8_range(const uint8_t *xu, int64_t ldu, const float *sx, const int32_t *xsum, int64_t G,
+                         const uint8_t *packed, const uint8_t *zeros, const float *scales, int32_t off,
+                         const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t group,
+                         int64_t nr, int64_t p0, int64_t p1) {
+    (void)xu, (void)ldu, (void)sx, (void)xsum, (void)G, (void)packed, (void)zeros, (void)scales, (void)off;
+    (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)group, (void)nr, (void)p0, (void)p1;
+    fprintf(stderr, "gemm_amx_w4a8_range: built without AMX tiles (check gemm_amx_built)\n");
+    abort();
+}
+
 void gemm_amx_w8a8_range(const uint8_t *xq, int64_t ldq, const float *sx, const int8_t *packed,
                          const int32_t *corr, const float *sw, const float *bias, float *y, int64_t ldy,
                          int64_t M, int64_t N, int64_t K4, int64_t nr, int64_t p0, int64_t p1) {

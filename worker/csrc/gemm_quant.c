@@ -106,6 +106,7 @@
 
 #define SCRATCH_OWNER "gemm_quant"
 #include "thread_scratch.h"
+#include "group_out.h"
 #include "w8a8_out.h"
 
 /* The calling thread's share [*lo, *hi) of n items, inside a parallel region (all of them outside). */
@@ -526,17 +527,9 @@ void quant_groups_i8(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t 
 static inline __attribute__((always_inline)) void q4_group(
     int32_t sums[I8_MR][I8_NR], float *restrict tot, int64_t ld, const Q4X *X, int64_t g, const float *scale,
     const uint8_t *zeros, const float *mins, int32_t off, const int adj, const int mr, const int zp, const int mn) {
-    for (int r = 0; r < mr; r++, tot += ld) {
-        const int32_t xs = X->sum[r * X->G + g];
-        const float sx = X->s[r * X->G + g], cx = X->c[r * X->G + g];
-        for (int j = 0; j < I8_NR; j++) {
-            const int32_t z = (zp ? (int32_t)zeros[j] : off) - adj;
-            const int32_t i = (int32_t)((uint32_t)sums[r][j] - (uint32_t)z * (uint32_t)xs);
-            float t = fmaf((float)i * sx, scale[j], tot[j]);
-            if (mn) t = fmaf(cx, mins[j], t);
-            tot[j] = t;
-        }
-    }
+    for (int r = 0; r < mr; r++, tot += ld)
+        group_out(sums[r], tot, X->sum[r * X->G + g], X->s[r * X->G + g], X->c[r * X->G + g], scale, zeros, mins,
+                  off, adj, zp, mn, I8_NR);
 }
 
 
@@ -678,11 +671,33 @@ static void q4_range(const Q4Args *A, const Q4X *X, float *y, int64_t ldy, int64
 
 /* W4A8 and W8A8g: the activations quantized per row and group (threads over the rows), then the tiles
  * (threads over whole panels, or rows where the panels are fewer). */
+/* W4A8 on AMX-INT8 tiles: gemm_amx.c's gemm_amx_w4a8_range (its comment has the contract), given here
+ * by worker/gemm_quant_groups.py where the tiles are usable and agree with vpdpbusd, for 4-bit weights
+ * without minimums, groups of a multiple of 64 and calls of at least w4a8_tiles_rows rows; NULL:
+ * vpdpbusd. The same i_g and group_out, so the same bits either way. */
+typedef void (*w4a8_tiles_fn)(const uint8_t *xu, int64_t ldu, const float *sx, const int32_t *xsum, int64_t G,
+                              const uint8_t *packed, const uint8_t *zeros, const float *scales, int32_t off,
+                              const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                              int64_t group, int64_t nr, int64_t p0, int64_t p1);
+static w4a8_tiles_fn w4a8_tiles;
+static int64_t w4a8_tiles_rows;
+
+/* Returns 0, or -1 where this build's panels are not the tiles' layout (fn stays NULL). */
+int gemm_quant_set_w4a8_tiles(w4a8_tiles_fn fn, int64_t min_rows) {
+    if (fn != NULL && !(I8_PATH == 3 && I8_NR == 64)) return -1;
+    w4a8_tiles = fn, w4a8_tiles_rows = min_rows;
+    return 0;
+}
+
 static void group_gemm(const float *x, int64_t ldx, const uint8_t *packed, const uint8_t *zeros,
                        const float *scales, const float *mins, int offset, const float *bias, float *y, int64_t ldy,
                        int64_t M, int64_t N, int64_t K, int64_t group, int num_threads, int b8) {
+    const w4a8_tiles_fn tiles =
+        !b8 && mins == NULL && group % TILE_K == 0 && M >= w4a8_tiles_rows ? w4a8_tiles : NULL;
     const int64_t K4 = K / 4, ldq = K, G = K / group, panels = (N + I8_NR - 1) / I8_NR;
-    const size_t qbytes = (size_t)(M * ldq + 63) / 64 * 64, gbytes = (4 * (size_t)(M * G) + 63) / 64 * 64;
+    /* The tiles read whole 16-row A tiles: TILE_ROWS zero rows past the last (K is a multiple of 64). */
+    const int64_t qrows = tiles ? M + TILE_ROWS : M;
+    const size_t qbytes = (size_t)(qrows * ldq + 63) / 64 * 64, gbytes = (4 * (size_t)(M * G) + 63) / 64 * 64;
     uint8_t *xq = scratch_for(&quantized, qbytes + 3 * gbytes, "quantized activations");
     float *sx = (float *)(xq + qbytes), *cx = (float *)(xq + qbytes + gbytes);
     int32_t *xsum = (int32_t *)(xq + qbytes + 2 * gbytes);
@@ -694,8 +709,13 @@ static void group_gemm(const float *x, int64_t ldx, const uint8_t *packed, const
     {
         int64_t lo, hi;
         thread_share(M, &lo, &hi);
-        for (int64_t m = lo; m < hi; m++)
+        for (int64_t m = lo; m < hi; m++) {
             quant_groups(x + m * ldx, K, group, (int8_t *)xq + m * ldq, sx + m * G, cx + m * G, xsum + m * G);
+            /* The tiles take x as the unsigned operand: q + 128, which is q ^ 0x80 in two's complement. */
+            if (tiles)
+                for (int64_t k = 0; k < K; k++) xq[m * ldq + k] ^= 0x80;
+        }
+        if (tiles && lo == 0) memset(xq + M * ldq, 0, (size_t)(TILE_ROWS * ldq));
 #pragma omp barrier
         int nth = 1;
 #ifdef _OPENMP
@@ -703,11 +723,19 @@ static void group_gemm(const float *x, int64_t ldx, const uint8_t *packed, const
 #endif
         if (panels >= nth) {
             thread_share(panels, &lo, &hi);
-            q4_range(&A, &X, y, ldy, M, lo, hi);
+            if (tiles)
+                tiles(xq, ldq, sx, xsum, G, packed, zeros, scales, offset, bias, y, ldy, M, N, K, group, I8_NR, lo, hi);
+            else
+                q4_range(&A, &X, y, ldy, M, lo, hi);
         } else {
             thread_share(M, &lo, &hi);
-            const Q4X Xm = q4x_rows(X, lo);
-            q4_range(&A, &Xm, y + lo * ldy, ldy, hi - lo, 0, panels);
+            if (tiles && hi > lo)
+                tiles(xq + lo * ldq, ldq, sx + lo * G, xsum + lo * G, G, packed, zeros, scales, offset, bias,
+                      y + lo * ldy, ldy, hi - lo, N, K, group, I8_NR, 0, panels);
+            else if (!tiles) {
+                const Q4X Xm = q4x_rows(X, lo);
+                q4_range(&A, &Xm, y + lo * ldy, ldy, hi - lo, 0, panels);
+            }
         }
     }
 }
