@@ -44,14 +44,18 @@ def restore_tiles() -> Iterator[None]:
     assert gemm_quant_kernels.set_w8a8_tiles(*before)
 
 
-def _both(x: torch.Tensor, w: PackedInt8Weight, bias: torch.Tensor | None, emulate: bool) -> tuple[torch.Tensor, ...]:
-    """(vpdpbusd's y, the tiles' y) for the same call."""
-    address = gemm_amx_kernels.w8a8_tiles_address(emulate)
+def _both(x: torch.Tensor, w: PackedInt8Weight | PackedInt4Weight, bias: torch.Tensor | None,
+          emulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(vpdpbusd's y, the tiles' y) for the same call, W8A8 or W4A8 by the weight's kind."""
+    if isinstance(w, PackedInt4Weight):
+        address, set_tiles, gemm = gemm_amx_kernels.w4a8_tiles_address(emulate), gemm_quant_groups.set_w4a8_tiles, gemm_w4a8
+    else:
+        address, set_tiles, gemm = gemm_amx_kernels.w8a8_tiles_address(emulate), gemm_quant_kernels.set_w8a8_tiles, gemm_w8a8
     assert address is not None
-    assert gemm_quant_kernels.set_w8a8_tiles(None)
-    want = gemm_w8a8(x, w, bias)
-    assert gemm_quant_kernels.set_w8a8_tiles(address, 1)
-    return want, gemm_w8a8(x, w, bias)
+    assert set_tiles(None)
+    want = gemm(x, w, bias)  # type: ignore[arg-type]
+    assert set_tiles(address, 1)
+    return want, gemm(x, w, bias)  # type: ignore[arg-type]
 
 
 def _weight(n: int, k: int, seed: int) -> PackedInt8Weight:
@@ -137,17 +141,6 @@ def restore_w4a8_tiles() -> Iterator[None]:
     assert gemm_quant_groups.set_w4a8_tiles(*before)
 
 
-def _w4a8_both(x: torch.Tensor, w: PackedInt4Weight, bias: torch.Tensor | None,
-               emulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(vpdpbusd's y, the tiles' y) for the same call."""
-    address = gemm_amx_kernels.w4a8_tiles_address(emulate)
-    assert address is not None
-    assert gemm_quant_groups.set_w4a8_tiles(None)
-    want = gemm_w4a8(x, w, bias)
-    assert gemm_quant_groups.set_w4a8_tiles(address, 1)
-    return want, gemm_w4a8(x, w, bias)
-
-
 def _int4(n: int, k: int, group: int, zeros: bool, seed: int, minimums: bool = False) -> PackedInt4Weight:
     g = torch.Generator().manual_seed(seed)
     lo, hi = (0, 16) if minimums else (-8, 8)
@@ -169,7 +162,7 @@ def test_w4a8_tiles_equal_vpdpbusd_bit_for_bit(emulate: bool, rows: int, n: int,
     g = torch.Generator().manual_seed(n * k + rows)
     x = torch.randn(rows, k + 5, generator=g)[:, 2 : 2 + k] * 3
     bias = torch.randn(n, generator=g) if zeros else None
-    want, got = _w4a8_both(x, w, bias, emulate)
+    want, got = _both(x, w, bias, emulate)
     assert torch.isfinite(want).all()
     assert torch.equal(got, want)
 
@@ -182,7 +175,7 @@ def test_w4a8_a_non_finite_row_and_the_row_split(emulate: bool) -> None:
     w = _int4(40, 256, 128, True, 5)
     x = torch.randn(45, 256)
     x[7, 200] = float("nan")
-    want, got = _w4a8_both(x, w, torch.randn(40), emulate)
+    want, got = _both(x, w, torch.randn(40), emulate)
     assert torch.isnan(got[7]).all() and torch.isfinite(got[:7]).all()
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
@@ -195,7 +188,7 @@ def test_w4a8_groups_the_tiles_do_not_take_keep_vpdpbusd(group: int, minimums: b
     which they do not apply)."""
     w = _int4(64, 256, group, False, 9, minimums)
     x = torch.randn(20, 256)
-    want, got = _w4a8_both(x, w, None, True)
+    want, got = _both(x, w, None, True)
     assert torch.equal(got, want)
 
 

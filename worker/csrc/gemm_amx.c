@@ -518,6 +518,32 @@ static inline void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
 #define Q4_BLOCK 16 /* k-quads of a k-block: one A tile row (64 bytes), one B tile's rows */
 #define I8_NR 64    /* features of a W8A8 panel on the 512-bit VNNI build: four B tiles */
 
+/* C tiles 0-3 (16 rows x 64 features) += one k-block: A (16 rows x 64 unsigned bytes, row stride
+ * lda) against four B tiles of 16 features, side by side in quad rows of row_bytes. */
+static inline __attribute__((always_inline)) void dpbusd_block(const uint8_t *a, int64_t lda, const int8_t *b,
+                                                                int64_t row_bytes) {
+    TILE_LOAD(4, a, lda);
+    TILE_LOAD(5, b, row_bytes);
+    TILE_LOAD(6, b + 64, row_bytes);
+    TILE_DPBUSD(0, 4, 5);
+    TILE_LOAD(7, b + 128, row_bytes);
+    TILE_DPBUSD(1, 4, 6);
+    TILE_LOAD(5, b + 192, row_bytes);
+    TILE_DPBUSD(2, 4, 7);
+    TILE_DPBUSD(3, 4, 5);
+}
+
+#define TILES_ZERO4() do { TILE_ZERO(0); TILE_ZERO(1); TILE_ZERO(2); TILE_ZERO(3); } while (0)
+
+/* C tiles 0-3 into c, 64 int32 a row. */
+static inline __attribute__((always_inline)) void tiles_store4(int32_t c[TR][I8_NR]) {
+    const int64_t stride = I8_NR * (int64_t)sizeof(int32_t);
+    TILE_STORE(0, &c[0][0], stride);
+    TILE_STORE(1, &c[0][16], stride);
+    TILE_STORE(2, &c[0][32], stride);
+    TILE_STORE(3, &c[0][48], stride);
+}
+
 /* Rows [0, M) of gemm_w8a8's quantized activations against its panels [p0, p1), on the
  * calling thread (gemm_w8a8 splits the panels or the rows over its threads, then calls
  * this where it has set it: gemm_quant_set_w8a8_tiles).
@@ -557,27 +583,11 @@ void gemm_amx_w8a8_range(const uint8_t *xq, int64_t ldq, const float *sx, const 
         }
         const int64_t n0 = p * I8_NR, ncols = N - n0 < I8_NR ? N - n0 : I8_NR;
         for (int64_t r0 = 0; r0 < M; r0 += TR) {
-            TILE_ZERO(0);
-            TILE_ZERO(1);
-            TILE_ZERO(2);
-            TILE_ZERO(3);
-            for (int64_t kb = 0; kb < blocks; kb++) {
-                const int8_t *b = kb < full ? panel + kb * Q4_BLOCK * row_bytes : tail;
-                TILE_LOAD(4, xq + r0 * ldq + kb * 4 * Q4_BLOCK, ldq);
-                TILE_LOAD(5, b, row_bytes);
-                TILE_LOAD(6, b + 64, row_bytes);
-                TILE_DPBUSD(0, 4, 5);
-                TILE_LOAD(7, b + 128, row_bytes);
-                TILE_DPBUSD(1, 4, 6);
-                TILE_LOAD(5, b + 192, row_bytes);
-                TILE_DPBUSD(2, 4, 7);
-                TILE_DPBUSD(3, 4, 5);
-            }
-            const int64_t sc = I8_NR * (int64_t)sizeof(int32_t);
-            TILE_STORE(0, &c[0][0], sc);
-            TILE_STORE(1, &c[0][16], sc);
-            TILE_STORE(2, &c[0][32], sc);
-            TILE_STORE(3, &c[0][48], sc);
+            TILES_ZERO4();
+            for (int64_t kb = 0; kb < blocks; kb++)
+                dpbusd_block(xq + r0 * ldq + kb * 4 * Q4_BLOCK, ldq,
+                             kb < full ? panel + kb * Q4_BLOCK * row_bytes : tail, row_bytes);
+            tiles_store4(c);
             const int64_t h = M - r0 < TR ? M - r0 : TR;
             for (int64_t r = 0; r < h; r++) {
                 float out[I8_NR];
@@ -673,28 +683,12 @@ void gemm_amx_w4a8_range(const uint8_t *xu, int64_t ldu, const float *sx, const 
             const int64_t h = M - r0 < TR ? M - r0 : TR;
             memset(tot, 0, sizeof tot);
             for (int64_t g = 0; g < G; g++) {
-                TILE_ZERO(0);
-                TILE_ZERO(1);
-                TILE_ZERO(2);
-                TILE_ZERO(3);
+                TILES_ZERO4();
                 for (int64_t kb = 0; kb < gblocks; kb++) {
                     const int64_t k4 = g * gk4 + kb * Q4_BLOCK;
-                    const uint8_t *b = u + k4 * row_bytes;
-                    TILE_LOAD(4, xu + r0 * ldu + 4 * k4, ldu);
-                    TILE_LOAD(5, b, row_bytes);
-                    TILE_LOAD(6, b + 64, row_bytes);
-                    TILE_DPBUSD(0, 4, 5);
-                    TILE_LOAD(7, b + 128, row_bytes);
-                    TILE_DPBUSD(1, 4, 6);
-                    TILE_LOAD(5, b + 192, row_bytes);
-                    TILE_DPBUSD(2, 4, 7);
-                    TILE_DPBUSD(3, 4, 5);
+                    dpbusd_block(xu + r0 * ldu + 4 * k4, ldu, (const int8_t *)(u + k4 * row_bytes), row_bytes);
                 }
-                const int64_t stride = I8_NR * (int64_t)sizeof(int32_t);
-                TILE_STORE(0, &c[0][0], stride);
-                TILE_STORE(1, &c[0][16], stride);
-                TILE_STORE(2, &c[0][32], stride);
-                TILE_STORE(3, &c[0][48], stride);
+                tiles_store4(c);
                 const int32_t *cs = colsum + g * I8_NR;
                 for (int64_t r = 0; r < h; r++) {
                     int32_t sums[I8_NR];
