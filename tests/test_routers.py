@@ -6,6 +6,7 @@ the engines' own prefix-cache counters show; power-of-two reads each engine's /g
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import shutil
@@ -76,14 +77,31 @@ def router_with(args: list[str], which: str = "vllm-router") -> Iterator[str]:
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, f"{which} exited with {proc.returncode}"
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
-                if r.status == 200:
-                    break
+            if _answers(f"{url}/v1/models") and (which != "sglang-router" or _all_workers_healthy(url, args)):
+                break
             assert time.monotonic() < deadline, f"{which} did not come up"
             time.sleep(0.2)  # poll interval; the deadline bounds the wait
         yield url
     finally:
         stop_child(proc, signal.SIGINT, 30)
+
+
+def _answers(url: str) -> bool:
+    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as r:
+        return r.status == 200
+    return False
+
+
+def _all_workers_healthy(url: str, args: list[str]) -> bool:
+    """SGLang's gateway answers before it has registered every --worker-urls engine (it adds them
+    in the background, after a health check): until its /workers lists each one healthy, a
+    round-robin skips the missing ones and sends a prefix to one engine twice."""
+    start = args.index("--worker-urls") + 1 if "--worker-urls" in args else len(args)
+    want = set(itertools.takewhile(lambda a: not a.startswith("--"), args[start:]))
+    with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(f"{url}/workers", timeout=5) as r:
+        workers = msgspec.json.decode(r.read())["workers"]
+        return want <= {w["url"] for w in workers if w.get("is_healthy")}
+    return False
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 4, **extra: object) -> dict:
