@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from noria.worker import gemm_amx_kernels, gemm_quant_groups, gemm_quant_kernels
+from noria.worker import gemm_amx_kernels, gemm_quant_groups, gemm_quant_kernels, gemm_quant_tiles
 from noria.worker.gemm_quant_groups import PackedInt4Weight, gemm_w4a8
 from noria.worker.gemm_quant_kernels import PackedInt8Weight, gemm_w8a8
 
@@ -39,9 +39,9 @@ BUILDS = [pytest.param(True, id="emulated")] + ([pytest.param(False, id="real")]
 
 @pytest.fixture
 def restore_tiles() -> Iterator[None]:
-    before = gemm_quant_kernels.w8a8_tiles()
+    before = gemm_quant_tiles.w8a8_tiles()
     yield
-    assert gemm_quant_kernels.set_w8a8_tiles(*before)
+    assert gemm_quant_tiles.set_w8a8_tiles(*before)
 
 
 def _both(x: torch.Tensor, w: PackedInt8Weight | PackedInt4Weight, bias: torch.Tensor | None,
@@ -50,7 +50,7 @@ def _both(x: torch.Tensor, w: PackedInt8Weight | PackedInt4Weight, bias: torch.T
     if isinstance(w, PackedInt4Weight):
         address, set_tiles, gemm = gemm_amx_kernels.w4a8_tiles_address(emulate), gemm_quant_groups.set_w4a8_tiles, gemm_w4a8
     else:
-        address, set_tiles, gemm = gemm_amx_kernels.w8a8_tiles_address(emulate), gemm_quant_kernels.set_w8a8_tiles, gemm_w8a8
+        address, set_tiles, gemm = gemm_amx_kernels.w8a8_tiles_address(emulate), gemm_quant_tiles.set_w8a8_tiles, gemm_w8a8
     assert address is not None
     assert set_tiles(None)
     want = gemm(x, w, bias)  # type: ignore[arg-type]
@@ -111,18 +111,18 @@ def test_the_threads_split_rows_when_there_are_fewer_panels(emulate: bool) -> No
 def test_below_the_row_threshold_calls_keep_vpdpbusd(restore_tiles: None) -> None:
     """With a threshold past the call's rows, the tiles are not called: a fake address that would crash
     if called proves it (an address of a function of another signature is never jumped to)."""
-    assert gemm_quant_kernels.set_w8a8_tiles(gemm_amx_kernels.w8a8_tiles_address(True), 10**9)
+    assert gemm_quant_tiles.set_w8a8_tiles(gemm_amx_kernels.w8a8_tiles_address(True), 10**9)
     w = _weight(64, 64, 3)
     x = torch.randn(9, 64)
     got = gemm_w8a8(x, w, None)
-    assert gemm_quant_kernels.set_w8a8_tiles(None)
+    assert gemm_quant_tiles.set_w8a8_tiles(None)
     assert torch.equal(got, gemm_w8a8(x, w, None))
 
 
 def test_load_chooses_the_tiles_where_the_cpu_has_them_unless_switched_off() -> None:
     """A fresh process picks the tiles exactly where AMX-INT8 is usable (its self-check passing, which
     the tests above make sure of) and never with NORIA_CPU_NO_AMX=1."""
-    code = ("from noria.worker import gemm_quant_kernels as q, gemm_amx_kernels as a; q.load(); "
+    code = ("from noria.worker import gemm_quant_kernels as k, gemm_quant_tiles as q, gemm_amx_kernels as a; k.load(); "
             "print(q.w8a8_tiles()[0] is not None, a.int8_ready())")
     for no_amx in ("0", "1"):
         env = {**os.environ, "NORIA_CPU_NO_AMX": no_amx}

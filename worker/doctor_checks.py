@@ -115,11 +115,11 @@ def _w4a8_tiles() -> str:
 
 
 def _quant_gemms() -> str:
-    from noria.worker import gemm_quant_kernels
+    from noria.worker import gemm_quant_kernels, gemm_quant_tiles
 
     if not gemm_quant_kernels.usable():
         return "none (not built): quantized layers on torch's operators"
-    tiles, rows = gemm_quant_kernels.w8a8_tiles()
+    tiles, rows = gemm_quant_tiles.w8a8_tiles()
     amx = f" (AMX-INT8 tiles from {rows} rows)" if tiles is not None else ""
     line = (f"int8 W8A8 on the {gemm_quant_kernels.isa()} path{amx}, activations quantized per token; "
             + ("4/8-bit weight-only widened to float32 in registers (NORIA_CPU_W4A16=1)" if switches.cpu_w4a16()
